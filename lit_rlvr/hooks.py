@@ -1,0 +1,37 @@
+"""`RLVRCallback`: a Lightning `Callback` with the RL hook points of one step (DESIGN §3).
+
+The module calls these hooks on every callback of the trainer that is an `RLVRCallback`, in trainer order.
+Two callbacks that edit the plan must compose: edit what you need, keep what others set.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING
+
+from lightning.pytorch.callbacks import Callback
+
+from lit_rlvr.rollouts import RolloutPlan, Rollouts
+
+if TYPE_CHECKING:  # pragma: no cover
+    import lightning.pytorch as pl
+
+
+class RLVRCallback(Callback):
+    def on_rollout_plan(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", plan: RolloutPlan) -> None:
+        """Before any rollout: change counts, weight sources or the budget rule of `plan` in place."""
+
+    def on_before_advantages(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", rollouts: Rollouts) -> None:
+        """After rewards, before advantages: e.g. set `rollouts.baseline` ([B]) or `rollouts.loss_pass`."""
+
+    def loss_context(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", rollouts: Rollouts, pass_index: int
+    ) -> AbstractContextManager:
+        """Context around the forward/backward of one loss pass over `rollouts` (the pass's completions).
+
+        3PO uses it to hold the policy at a posterior sample while the gradient is taken. `pass_index` is the
+        value of `rollouts.loss_pass` for this pass (0 when there is a single pass)."""
+        return nullcontext()
+
+    def on_rl_step_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", rollouts: Rollouts) -> None:
+        """After the optimizer step and the engine sync of this RL step."""

@@ -1,0 +1,145 @@
+"""The rollout batch (`Rollouts`) and the plan that produces it (`RolloutPlan`).
+
+Shapes: B prompts in the step, N completions in all (N = B·G for a plain group of G; V0.5 may give prompts
+different counts), P prompt tokens (left-padded), T response tokens (right-padded).
+Mask convention: `response_mask` True = the token counts.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Rollouts:
+    """N completions of B prompts, flat, with `group` telling which prompt each came from."""
+
+    prompt_ids: Tensor  # [N, P] long, left-padded with the pad id
+    prompt_mask: Tensor  # [N, P] bool, True = real prompt token
+    response_ids: Tensor  # [N, T] long, right-padded
+    response_mask: Tensor  # [N, T] bool, True = generated token that counts in the loss
+    old_logp: Tensor  # [N, T] float, behaviour log-prob of each sampled token (logits / temperature)
+    group: Tensor  # [N] long in [0, B): the prompt each completion answers
+    chunk: Tensor  # [N] long: which weight source generated it (0 when there is one)
+    num_groups: int  # B
+    prompts: list[str]  # [B] prompt texts
+    answers: list[Any]  # [B] reference answers for the reward
+    completions: list[str] = field(default_factory=list)  # [N] decoded response texts
+    finish_reason: list[str] = field(default_factory=list)  # [N] "stop" | "length"
+    rewards: Optional[Tensor] = None  # [N] float
+    malformed: Optional[Tensor] = None  # [N] bool: no answer could be read, or the reward failed
+    baseline: Optional[Tensor] = None  # [B] float: per-group baseline set by a callback (V0.5); None = group mean
+    advantages: Optional[Tensor] = None  # [N] float
+    loss_pass: Optional[Tensor] = None  # [N] long: sample index of the loss pass (M3PO); None = one pass
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_samples(self) -> int:
+        return self.response_ids.shape[0]
+
+    def group_sizes(self) -> Tensor:
+        """[B] long: completions per prompt."""
+        return torch.bincount(self.group, minlength=self.num_groups)
+
+    def num_tokens(self) -> int:
+        return int(self.response_mask.sum())
+
+    def select(self, index: Tensor) -> "Rollouts":
+        """The completions at `index` ([M] long); group ids and per-prompt lists are kept as they are."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == self.num_samples and f.name != "baseline":
+                value = value[index]
+            elif f.name in ("completions", "finish_reason") and value:
+                value = [value[i] for i in index.tolist()]
+            out[f.name] = value
+        return Rollouts(**out)
+
+    @staticmethod
+    def concat(parts: list["Rollouts"], pad_id: int) -> "Rollouts":
+        """Join rollouts of the same B prompts (e.g. several weight samples or rounds) into one batch."""
+        if len(parts) == 1:
+            return parts[0]
+        first = parts[0]
+
+        def cat(name: str, left: bool = False, value: float | bool | int = 0) -> Tensor:
+            tensors = [getattr(p, name) for p in parts]
+            width = max(t.shape[1] for t in tensors)
+            padded = []
+            for t in tensors:
+                pad = width - t.shape[1]
+                filler = torch.full((t.shape[0], pad), value, dtype=t.dtype)
+                padded.append(torch.cat([filler, t] if left else [t, filler], dim=1))
+            return torch.cat(padded)
+
+        def cat_optional(name: str) -> Optional[Tensor]:
+            values = [getattr(p, name) for p in parts]
+            return None if any(v is None for v in values) else torch.cat(values)
+
+        return replace(
+            first,
+            prompt_ids=cat("prompt_ids", left=True, value=pad_id),
+            prompt_mask=cat("prompt_mask", left=True, value=False),
+            response_ids=cat("response_ids", value=pad_id),
+            response_mask=cat("response_mask", value=False),
+            old_logp=cat("old_logp", value=0.0),
+            group=torch.cat([p.group for p in parts]),
+            chunk=torch.cat([p.chunk for p in parts]),
+            completions=sum((p.completions for p in parts), []),
+            finish_reason=sum((p.finish_reason for p in parts), []),
+            rewards=cat_optional("rewards"),
+            malformed=cat_optional("malformed"),
+            advantages=None,
+            loss_pass=cat_optional("loss_pass"),
+        )
+
+
+WeightContext = Callable[[int], AbstractContextManager]
+"""`weight_context(c)`: a context manager inside which the policy holds the weights of source c."""
+
+BudgetRule = Callable[[Rollouts], Optional[list[int]]]
+"""Called after each round with everything generated so far; returns extra samples per prompt ([B] ints)
+for the next round, or None to stop."""
+
+
+def _no_weight_change(_: int) -> AbstractContextManager:
+    return nullcontext()
+
+
+@dataclass
+class RolloutPlan:
+    """What to generate this step. Callbacks edit it in `on_rollout_plan` (C3PO sets the weight sources,
+    V0.5 the first round's counts and the budget rule); edits by two callbacks compose."""
+
+    prompts: list[str]  # [B]
+    answers: list[Any]  # [B]
+    prompt_token_ids: list[list[int]]  # [B] token ids of each prompt
+    n_per_prompt: list[int]  # [B] samples of the first round
+    num_weight_sources: int = 1  # weight samples the counts are split over (C3PO: N)
+    weight_context: WeightContext = _no_weight_change
+    budget_rule: Optional[BudgetRule] = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts)
+
+    def split_over_sources(self, counts: list[int], offset: Optional[list[int]] = None) -> list[list[int]]:
+        """Split per-prompt counts over the weight sources as evenly as possible.
+
+        Returns [S][B] counts. `offset[b]` (samples prompt b already has) rotates who gets the remainder, so
+        counts stay balanced over rounds.
+        """
+        sources = self.num_weight_sources
+        offset = offset or [0] * len(counts)
+        out = [[0] * len(counts) for _ in range(sources)]
+        for b, (k, start) in enumerate(zip(counts, offset)):
+            for i in range(k):
+                out[(start + i) % sources][b] += 1
+        return out
