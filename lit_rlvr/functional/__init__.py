@@ -1,0 +1,29 @@
+"""Pure tensor math of the papers: advantages, policy losses, KL estimators, aggregation, V0.5 fusion and OSLA.
+Functions take tensors plus keyword hyperparameters and return `(value, metrics)` where metrics are detached."""
+
+from lit_rlvr.functional.advantages import group_mean, group_std, grpo_advantages
+from lit_rlvr.functional.kl import KL_ESTIMATORS, kl_penalty
+from lit_rlvr.functional.losses import (
+    AGGREGATIONS,
+    aggregate,
+    entropy_from_logits,
+    gspo_loss,
+    ppo_clip_loss,
+    sequence_importance_mask,
+    token_logprobs,
+)
+
+__all__ = [
+    "AGGREGATIONS",
+    "KL_ESTIMATORS",
+    "aggregate",
+    "entropy_from_logits",
+    "group_mean",
+    "group_std",
+    "grpo_advantages",
+    "gspo_loss",
+    "kl_penalty",
+    "ppo_clip_loss",
+    "sequence_importance_mask",
+    "token_logprobs",
+]

@@ -1,0 +1,59 @@
+"""Group-relative advantages (GRPO, Dr. GRPO) over a flat batch of completions.
+
+Completions are flat ([N]) with `group` ([N] long in [0, B)) naming their prompt, so groups may differ in size
+(V0.5 gives prompts different sample counts).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def group_mean(values: Tensor, group: Tensor, num_groups: int) -> Tensor:
+    """Mean of `values` ([N]) within each group -> [B] (0 for an empty group)."""
+    sums = torch.zeros(num_groups, dtype=values.dtype).index_add_(0, group, values)  # [B]
+    counts = torch.bincount(group, minlength=num_groups).to(values.dtype)  # [B]
+    return sums / counts.clamp_min(1)
+
+
+def group_std(values: Tensor, group: Tensor, num_groups: int) -> Tensor:
+    """Unbiased standard deviation within each group -> [B] (0 for groups of one), as torch.std."""
+    mean = group_mean(values, group, num_groups)  # [B]
+    sq = torch.zeros(num_groups, dtype=values.dtype).index_add_(0, group, (values - mean[group]) ** 2)  # [B]
+    counts = torch.bincount(group, minlength=num_groups).to(values.dtype)  # [B]
+    return (sq / (counts - 1).clamp_min(1)).sqrt()
+
+
+def grpo_advantages(
+    rewards: Tensor,
+    group: Tensor,
+    num_groups: int,
+    *,
+    scale_by_std: bool = True,
+    eps: float = 1e-6,
+    baseline: Optional[Tensor] = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Group-relative advantage of each completion.
+
+    GRPO (Shao et al. 2024, DeepSeekMath, Eq. 3 outcome supervision): A_i = (r_i − mean_g r) / (std_g r + eps).
+    Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): `scale_by_std=False`, A_i = r_i − mean_g r.
+    A given `baseline` ([B], e.g. the V0.5 fused baseline) replaces the group mean.
+
+    Args:
+        rewards: [N] float. group: [N] long. baseline: optional [B].
+    Returns:
+        advantages [N], metrics with `groups/zero_adv_frac` (groups whose rewards are all equal).
+    """
+    mean = group_mean(rewards, group, num_groups)  # [B]
+    std = group_std(rewards, group, num_groups)  # [B]
+    center = mean if baseline is None else baseline.to(rewards.dtype)  # [B]
+    adv = rewards - center[group]  # [N]
+    if scale_by_std:
+        adv = adv / (std[group] + eps)  # [N]
+    present = torch.bincount(group, minlength=num_groups) > 0  # [B]
+    constant = (std == 0) & present  # [B] all rewards equal (no signal from the group mean)
+    metrics = {"groups/zero_adv_frac": (constant.sum() / present.sum().clamp_min(1)).detach()}
+    return adv, metrics
