@@ -1,0 +1,89 @@
+"""V0 context: the current policy's most recent (prompt, success rate, n) records (DESIGN §6).
+
+The head is fit on this set at every step, so it describes the policy as it is now. Records are kept in
+arrival order; a prompt seen again is a new record (the policy has changed since), and the oldest records
+drop out once `capacity` is reached. Until `min_context` records are held the prior is "absent".
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+
+class ContextBuffer:
+    """Ring buffer of (prompt, success_rate in [0, 1], n rollouts) records.
+
+    `min_context` default 32 *(inferred)*: the paper's context is 256 records; below a few dozen the kernel
+    bandwidth and TabPFN's in-context fit are too noisy to trust.
+    """
+
+    def __init__(self, capacity: int = 256, min_context: int = 32) -> None:
+        if capacity < 1 or not 1 <= min_context <= capacity:
+            raise ValueError(
+                f"ContextBuffer needs capacity ≥ 1 and 1 ≤ min_context ≤ capacity; got capacity={capacity}, "
+                f"min_context={min_context}"
+            )
+        self.capacity = capacity
+        self.min_context = min_context
+        self._records: deque[tuple[str, float, int]] = deque(maxlen=capacity)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    @property
+    def is_ready(self) -> bool:
+        return len(self._records) >= self.min_context
+
+    def add(
+        self, prompts: Sequence[str], success_rate: Tensor | Sequence[float], counts: Tensor | Sequence[int]
+    ) -> None:
+        """Append B records. `success_rate` [B] in [0, 1] (on ±1 rewards: (mean + 1) / 2), `counts` [B] ≥ 1.
+
+        Records with n = 0 carry no information and are skipped. (One host sync per step: the records are
+        plain Python so the buffer pickles into a checkpoint as is.)
+        """
+        rates = torch.as_tensor(success_rate, dtype=torch.float64).cpu().tolist()
+        ns = torch.as_tensor(counts).cpu().long().tolist()
+        if not len(prompts) == len(rates) == len(ns):
+            raise ValueError(f"ContextBuffer.add: {len(prompts)} prompts, {len(rates)} rates, {len(ns)} counts")
+        for prompt, rate, n in zip(prompts, rates, ns):
+            if n > 0:
+                if not 0.0 <= rate <= 1.0:
+                    raise ValueError(f"ContextBuffer.add: success rate must be in [0, 1], got {rate} for {prompt!r}")
+                self._records.append((prompt, rate, n))
+
+    @property
+    def prompts(self) -> list[str]:
+        return [r[0] for r in self._records]
+
+    @property
+    def success_rate(self) -> Tensor:
+        """[M] float32."""
+        return torch.tensor([r[1] for r in self._records], dtype=torch.float32)
+
+    @property
+    def counts(self) -> Tensor:
+        """[M] long."""
+        return torch.tensor([r[2] for r in self._records], dtype=torch.long)
+
+    def clear(self) -> None:
+        self._records.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "capacity": self.capacity,
+            "min_context": self.min_context,
+            "prompts": self.prompts,
+            "success_rate": [r[1] for r in self._records],
+            "counts": [r[2] for r in self._records],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the records; the buffer keeps its own capacity (the newest records win if it shrank)."""
+        self._records.clear()
+        for record in zip(state["prompts"], state["success_rate"], state["counts"]):
+            self._records.append((str(record[0]), float(record[1]), int(record[2])))

@@ -1,0 +1,148 @@
+"""V0 heads: predict the policy's success probability p̂ of a prompt from its features, in context (DESIGN §6).
+
+A head is fit on the context set (M records: features, success rate, rollout count) and predicts B new
+prompts in one pass, without gradients. Both heads share the API:
+`fit(features [M, F], success_rate [M], counts [M]) -> self` and `predict(features [B, F]) -> p̂ [B]`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+DEFAULT_BANDWIDTH_SCALES = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0, 1.5, 2.0, 4.0)
+
+
+class KernelHead:
+    """Closed-form Beta–Binomial kernel smoother (our default head where TabPFN weights are not available):
+
+        p̂(x) = (α0·p̄ + Σ_j k(x, x_j)·n_j·y_j) / (α0 + Σ_j k(x, x_j)·n_j)
+
+    with y_j the success rate and n_j the rollout count of context record j, p̄ the pooled context success
+    rate (the Beta prior's mean, α0 its strength in pseudo-rollouts) and k an RBF kernel
+    exp(−‖x − x'‖² / (2h²)) on features standardized with the context's mean and std. The bandwidth h is
+    `scale × median pairwise context distance`, the scale picked from `bandwidth_scales` by the leave-one-out
+    Binomial log-likelihood of the context (ties go to the largest scale: the smoother fit).
+    """
+
+    def __init__(self, alpha0: float = 2.0, bandwidth_scales: Sequence[float] = DEFAULT_BANDWIDTH_SCALES) -> None:
+        if alpha0 <= 0 or not bandwidth_scales or min(bandwidth_scales) <= 0:
+            raise ValueError(
+                f"KernelHead needs alpha0 > 0 and positive bandwidth_scales, got {alpha0}, {bandwidth_scales}"
+            )
+        self.alpha0 = alpha0
+        self.bandwidth_scales = tuple(float(s) for s in bandwidth_scales)
+        self.fitted = False
+
+    def fit(self, features: Tensor, success_rate: Tensor, counts: Tensor) -> "KernelHead":
+        x = features.detach().double()  # [M, F] float64: exp(-d²) of near points must not underflow unevenly
+        self.mean_ = x.mean(0)  # [F]
+        self.std_ = x.std(0, unbiased=False).clamp_min(1e-6)  # [F]
+        self.x_ = (x - self.mean_) / self.std_  # [M, F]
+        self.y_ = success_rate.detach().double().clamp(0, 1)  # [M]
+        self.n_ = counts.detach().double().clamp_min(0)  # [M]
+        self.p_bar_ = ((self.n_ * self.y_).sum() + 0.5) / (self.n_.sum() + 1.0)  # [] pooled rate, Jeffreys-smoothed
+        d2 = torch.cdist(self.x_, self.x_).square()  # [M, M]
+        off = ~torch.eye(len(x), dtype=torch.bool)  # [M, M]
+        median = d2[off].sqrt().median() if len(x) > 1 else torch.ones((), dtype=x.dtype)
+        scales = torch.tensor(self.bandwidth_scales, dtype=x.dtype)  # [S]
+        self.bandwidth_grid_ = scales * median.clamp_min(1e-6)  # [S]
+        self.loo_loglik_ = torch.stack([self._loo_loglik(d2, off, h) for h in self.bandwidth_grid_])  # [S]
+        last_best = len(scales) - 1 - self.loo_loglik_.flip(0).argmax()  # [] ties → the largest bandwidth
+        self.bandwidth_ = self.bandwidth_grid_[last_best]  # []
+        self.fitted = True
+        return self
+
+    def _loo_loglik(self, d2: Tensor, off: Tensor, h: Tensor) -> Tensor:
+        k = torch.exp(-d2 / (2 * h * h)) * off  # [M, M] zero diagonal: record i never predicts itself
+        p = self._smooth(k)  # [M]
+        p = p.clamp(1e-6, 1 - 1e-6)
+        return (self.n_ * (self.y_ * p.log() + (1 - self.y_) * (1 - p).log())).sum()  # []
+
+    def _smooth(self, k: Tensor) -> Tensor:
+        """p̂ for rows of kernel weights k [B, M] over the context, [B]."""
+        succ = k @ (self.n_ * self.y_)  # [B] kernel-weighted successes
+        tries = k @ self.n_  # [B] kernel-weighted rollouts
+        return (self.alpha0 * self.p_bar_ + succ) / (self.alpha0 + tries)  # [B]
+
+    def predict(self, features: Tensor) -> Tensor:
+        if not self.fitted:
+            raise RuntimeError("KernelHead.predict called before fit")
+        x = (features.detach().double() - self.mean_) / self.std_  # [B, F]
+        k = torch.exp(-torch.cdist(x, self.x_).square() / (2 * self.bandwidth_**2))  # [B, M]
+        return self._smooth(k).to(features.dtype if features.is_floating_point() else torch.float32)  # [B]
+
+
+class TabPFNHead:
+    """TabPFN classifier head (paper: TabPFN v2.5, 4 estimators): context labels are success rate ≥
+    `threshold`, the output is P(class 1).
+
+    `model_path`: a local TabPFN checkpoint (.ckpt / .safetensors). None = tabpfn's default classifier,
+    which tabpfn downloads from the hub; that is only attempted when the hub is reachable
+    (HF_HUB_OFFLINE unset) and the file is not already in tabpfn's cache. When the context holds a single
+    class TabPFN cannot fit; the head then predicts the context's Jeffreys-smoothed success rate.
+    """
+
+    def __init__(
+        self,
+        model_path: Optional[str | Path] = None,
+        n_estimators: int = 4,
+        threshold: float = 0.5,
+        device: str = "cpu",
+        random_state: int = 0,
+        **tabpfn_kwargs: Any,
+    ) -> None:
+        self.model_path = _resolve_tabpfn_path(model_path)
+        self.n_estimators = n_estimators
+        self.threshold = threshold
+        self.device = device
+        self.random_state = random_state
+        self.tabpfn_kwargs = {"ignore_pretraining_limits": True, **tabpfn_kwargs}  # 1008 features > 500
+        self.fitted = False
+
+    def fit(self, features: Tensor, success_rate: Tensor, counts: Tensor) -> "TabPFNHead":
+        from tabpfn import TabPFNClassifier
+
+        labels = (success_rate.detach() >= self.threshold).long().cpu().numpy()  # [M]
+        n = counts.detach().double().clamp_min(0)  # [M]
+        self.constant_ = float(((n * success_rate.detach().double()).sum() + 0.5) / (n.sum() + 1.0))
+        self.single_class_ = len(set(labels.tolist())) < 2
+        if not self.single_class_:
+            self.clf_ = TabPFNClassifier(
+                model_path=self.model_path,
+                n_estimators=self.n_estimators,
+                device=self.device,
+                random_state=self.random_state,
+                **self.tabpfn_kwargs,
+            )
+            self.clf_.fit(features.detach().float().cpu().numpy(), labels)
+        self.fitted = True
+        return self
+
+    def predict(self, features: Tensor) -> Tensor:
+        if not self.fitted:
+            raise RuntimeError("TabPFNHead.predict called before fit")
+        if self.single_class_:
+            return torch.full((features.shape[0],), self.constant_, dtype=torch.float32)  # [B]
+        proba = self.clf_.predict_proba(features.detach().float().cpu().numpy())  # [B, classes]
+        column = list(self.clf_.classes_).index(1)
+        return torch.as_tensor(proba[:, column], dtype=torch.float32)  # [B]
+
+
+def _resolve_tabpfn_path(model_path: Optional[str | Path]) -> str:
+    """A local checkpoint path as given, or "auto" (tabpfn's default) when the hub may be used."""
+    if model_path is not None:
+        path = Path(model_path)
+        if not path.exists():
+            raise FileNotFoundError(f"TabPFN checkpoint not found: {path} (set the value head's model_path)")
+        return str(path)
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False"):
+        raise RuntimeError(
+            "TabPFNHead: no model_path given and HF_HUB_OFFLINE is set, so the TabPFN weights cannot be "
+            "downloaded; pass model_path=<local checkpoint> or use the kernel head"
+        )
+    return "auto"
