@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lit_rlvr.rollout.engine import Completion
 
 
 @dataclass
@@ -143,3 +146,34 @@ class RolloutPlan:
             for i in range(k):
                 out[(start + i) % sources][b] += 1
         return out
+
+
+def rollouts_from_completions(
+    plan: RolloutPlan, completions: list[list["Completion"]], *, chunk: int, pad_id: int
+) -> Rollouts:
+    """Pack the engine's per-prompt completions into a flat `Rollouts` (texts are decoded by the caller)."""
+    from lit_rlvr.rollout.hf import left_pad  # engines own padding rules; imported here to keep types light
+
+    owners = [b for b, per_prompt in enumerate(completions) for _ in per_prompt]
+    flat = [c for per_prompt in completions for c in per_prompt]
+    prompt_ids, prompt_mask = left_pad([plan.prompt_token_ids[b] for b in owners], pad_id)  # [N, P]
+    width = max([len(c.token_ids) for c in flat] + [1])
+    response_ids = torch.full((len(flat), width), pad_id, dtype=torch.long)  # [N, T]
+    old_logp = torch.zeros((len(flat), width))  # [N, T]
+    response_mask = torch.zeros((len(flat), width), dtype=torch.bool)  # [N, T]
+    for row, c in enumerate(flat):
+        n = len(c.token_ids)
+        response_ids[row, :n], old_logp[row, :n], response_mask[row, :n] = c.token_ids, c.logprobs, True
+    return Rollouts(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=response_ids,
+        response_mask=response_mask,
+        old_logp=old_logp,
+        group=torch.tensor(owners, dtype=torch.long),
+        chunk=torch.full((len(flat),), chunk, dtype=torch.long),
+        num_groups=plan.num_prompts,
+        prompts=plan.prompts,
+        answers=plan.answers,
+        finish_reason=[c.finish_reason for c in flat],
+    )

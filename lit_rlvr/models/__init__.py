@@ -1,0 +1,39 @@
+"""Loading policies: the built-in tiny model (warm-started, cached) or any HF causal LM path."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CACHE = os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr")
+
+
+def resolve_model_path(name_or_path: str, options: dict[str, Any] | None = None) -> str:
+    """`tiny` -> the warm-started tiny model (built on first use); anything else is an HF path or hub name."""
+    options = dict(options or {})
+    if name_or_path == "tiny":
+        from lit_rlvr.models.warmup import warm_start_tiny
+
+        cache_dir = options.pop("cache_dir", None) or DEFAULT_CACHE
+        return str(warm_start_tiny(cache_dir, **options))
+    local = Path(name_or_path).expanduser()
+    if name_or_path.startswith((".", "/", "~")) and not local.exists():
+        raise FileNotFoundError(f"model.name_or_path={name_or_path!r}: no such directory")
+    return str(local) if local.exists() else name_or_path
+
+
+def load_policy(path: str, dtype: str = "float32"):
+    """(model, tokenizer) from an HF directory or hub name."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise ValueError(f"model.dtype={dtype!r} is not valid; valid: {', '.join(DTYPES)}")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    return model, tokenizer

@@ -1,0 +1,64 @@
+"""Reward functions by name. A reward is a plain callable ``fn(prompt, completion, answer) -> RewardResult``."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Optional
+
+from lit_rlvr.rewards.base import RewardBatch, RewardFn, RewardResult, RewardRunner
+
+# name -> "module:attribute"; a class is instantiated with the reward options, a function used as is
+REWARDS = {
+    "arithmetic": "lit_rlvr.data.tasks.arithmetic:arithmetic_reward",
+    "math": "lit_rlvr.rewards.math:MathReward",
+    "code": "lit_rlvr.rewards.code:CodeReward",
+}
+
+
+def resolve_reward(name: str, options: Optional[dict[str, Any]] = None) -> RewardFn:
+    """A built-in name (see `REWARDS`) or any "package.module:attribute" path."""
+    target = REWARDS.get(name, name)
+    if ":" not in target:
+        raise ValueError(f"reward={name!r} is not valid; use one of {', '.join(REWARDS)} or 'package.module:function'")
+    module_name, attr = target.split(":", 1)
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"reward={name!r}: cannot import {target} ({err})") from err
+    return obj(**(options or {})) if isinstance(obj, type) else obj
+
+
+class _BatchRewardRunner(RewardRunner):
+    """For rewards that score a whole batch themselves (the code sandbox runs its own worker pool)."""
+
+    def __call__(self, prompts, completions, answers) -> RewardBatch:
+        import torch
+
+        results = self.fn.score_batch(list(prompts), list(completions), list(answers))
+        failures = sum(r.info.startswith("error") for r in results)
+        return RewardBatch(torch.tensor([float(r.score) for r in results]),
+                           torch.tensor([bool(r.malformed) for r in results], dtype=torch.bool), failures)
+
+    def close(self) -> None:
+        getattr(self.fn, "close", lambda: None)()
+
+
+def build_reward_runner(name: str, options: Optional[dict[str, Any]] = None) -> RewardRunner:
+    """`options`: `isolation` ("none" | "process"), `timeout_s`, `workers`; the rest go to a reward class."""
+    options = dict(options or {})
+    isolation = options.pop("isolation", "none")
+    timeout_s = options.pop("timeout_s", 5.0)
+    workers = options.pop("workers", 2)
+    fn = resolve_reward(name, options)
+    if hasattr(fn, "score_batch"):
+        return _BatchRewardRunner(fn)
+    if isolation == "process":
+        from lit_rlvr.rewards.base import ProcessRewardRunner
+
+        return ProcessRewardRunner(fn, timeout_s=timeout_s, workers=workers)
+    if isolation != "none":
+        raise ValueError(f"reward.isolation={isolation!r} is not valid; valid: none, process")
+    return RewardRunner(fn)
+
+
+__all__ = ["REWARDS", "RewardBatch", "RewardFn", "RewardResult", "RewardRunner", "build_reward_runner", "resolve_reward"]

@@ -1,0 +1,25 @@
+"""Rollout engines: `hf` (in-process transformers, CPU or one GPU) and `sglang` (GPU, installed as an extra)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lit_rlvr.rollout.engine import Completion, RolloutEngine, SamplingParams
+
+ENGINES = ("hf", "sglang")
+
+
+def build_engine(name: str, model, tokenizer, options: Optional[dict[str, Any]] = None) -> RolloutEngine:
+    options = dict(options or {})
+    if name == "hf":
+        from lit_rlvr.rollout.hf import HFEngine
+
+        return HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, **options)
+    if name == "sglang":
+        from lit_rlvr.rollout.sglang import SGLangEngine  # imported lazily: a GPU-only extra
+
+        return SGLangEngine(model, tokenizer, **options)
+    raise ValueError(f"engine={name!r} is not valid; valid: {', '.join(ENGINES)}")
+
+
+__all__ = ["ENGINES", "Completion", "RolloutEngine", "SamplingParams", "build_engine"]

@@ -1,0 +1,117 @@
+"""`RLVRDataModule`: prompt batches for training and held-out evaluation.
+
+A batch is a dict of lists, `{"prompt": [...], "answer": [...]}` (prompts are strings or chat messages);
+rendering and tokenization happen in the module, which owns the tokenizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lit_rlvr.data.tasks.arithmetic import ArithmeticTask
+
+
+class ArithmeticDataset(Dataset):
+    """`size` problems of one split of the arithmetic task, drawn lazily (a problem is a function of its index)."""
+
+    def __init__(self, task: ArithmeticTask, size: int, split: str):
+        self.task, self.size, self.split = task, size, split
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.task.problem(index, self.split)
+
+
+class RecordDataset(Dataset):
+    def __init__(self, records: list[dict[str, Any]]):
+        self.records = records
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.records[index]
+
+
+def collate(rows: list[dict[str, Any]]) -> dict[str, list]:
+    return {"prompt": [r["prompt"] for r in rows], "answer": [r["answer"] for r in rows]}
+
+
+class RLVRDataModule(pl.LightningDataModule):
+    """Built-in `arithmetic` task (`task="arithmetic"`) or records from files (`path=...`, see data.formats).
+
+    Args: `batch_size` prompts per RL step; `eval_batch_size` prompts per validation batch; `num_train`/`num_test`
+    arithmetic problems per split; `path`/`eval_path` training/evaluation files; `fields` a field mapping or
+    preset name; `max_prompt_chars` length filter; `on_bad_row` "error" | "skip".
+    """
+
+    def __init__(
+        self,
+        task: Optional[str] = "arithmetic",
+        batch_size: int = 8,
+        eval_batch_size: int = 64,
+        seed: int = 0,
+        levels: tuple[int, ...] = ArithmeticTask.levels,
+        num_train: int = 100_000,
+        num_test: int = 256,
+        path: Optional[str] = None,
+        eval_path: Optional[str] = None,
+        format: str = "auto",
+        split: str = "train",
+        eval_split: str = "test",
+        fields: Optional[Any] = None,
+        max_prompt_chars: Optional[int] = None,
+        on_bad_row: str = "error",
+        eval_limit: Optional[int] = None,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        if task is None and path is None:
+            raise ValueError("data: set data.task (built-in task) or data.path (a prompt file)")
+        if task not in (None, "arithmetic"):
+            raise ValueError(f"data.task={task!r} is not valid; valid: arithmetic (or data.path for files)")
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+        self.train_set: Optional[Dataset] = None
+        self.eval_set: Optional[Dataset] = None
+        self.load_stats: dict[str, Any] = {}
+
+    def _load(self, path: str, split: str) -> RecordDataset:
+        from lit_rlvr.data.formats import load_records
+
+        hp = self.hparams
+        records, stats = load_records(path, format=hp.format, split=split, fields=hp.fields,
+                                      on_bad_row=hp.on_bad_row, max_prompt_chars=hp.max_prompt_chars)
+        self.load_stats[path] = stats
+        return RecordDataset(records)
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        hp = self.hparams
+        if self.train_set is not None:
+            return
+        if hp.path is not None:
+            self.train_set = self._load(hp.path, hp.split)
+            self.eval_set = self._load(hp.eval_path, hp.eval_split) if hp.eval_path else self.train_set
+        else:
+            task = ArithmeticTask(levels=tuple(hp.levels), seed=hp.seed)
+            self.train_set = ArithmeticDataset(task, hp.num_train, "train")
+            self.eval_set = ArithmeticDataset(task, hp.num_test, "test")
+        if hp.eval_limit is not None:
+            self.eval_set = torch.utils.data.Subset(self.eval_set, range(min(hp.eval_limit, len(self.eval_set))))
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.hparams.seed)
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, generator=generator,
+                          collate_fn=collate, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.eval_set, batch_size=self.hparams.eval_batch_size, shuffle=False, collate_fn=collate)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()

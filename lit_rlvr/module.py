@@ -1,0 +1,386 @@
+"""`GRPOModule`: the LightningModule of one RL step (DESIGN §3).
+
+rollout → reward → advantages → PPO-clip loss over micro-batches → optimizer step → engine weight sync.
+Subclass points: `compute_advantages`, `policy_loss`, `configure_optimizers`. Methods that change the plan,
+the baseline or the weights the gradient is taken at are `RLVRCallback`s (lit_rlvr.hooks).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+import zlib
+from contextlib import ExitStack
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from lit_rlvr import functional as F
+from lit_rlvr.hooks import RLVRCallback
+from lit_rlvr.models import load_policy, resolve_model_path
+from lit_rlvr.rewards import build_reward_runner
+from lit_rlvr.rollout import build_engine
+from lit_rlvr.rollout.engine import SamplingParams
+from lit_rlvr.rollout.weights import push_weights
+from lit_rlvr.rollouts import RolloutPlan, Rollouts, rollouts_from_completions
+from lit_rlvr.validation import ValidationMetrics
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+class GRPOModule(pl.LightningModule):
+    """GRPO with PPO-clip (Shao et al. 2024) and the usual knobs; see DESIGN §4 for every option.
+
+    Args (the ones a user changes most): `group_size` G samples per prompt; `lr`; `eps_low`/`eps_high` clip
+    range; `loss_aggregation` (one of `functional.AGGREGATIONS`); `scale_adv_by_std`; `kl_coef` β (> 0 loads a
+    frozen reference copy) with `kl_estimator`; `entropy_coef` η; `ppo_epochs` passes over each rollout batch;
+    `mini_batches` optimizer steps per epoch; `micro_batch_size` completions per forward/backward.
+    """
+
+    def __init__(
+        self,
+        model: str = "tiny",
+        model_options: Optional[dict[str, Any]] = None,
+        dtype: str = "float32",
+        reward: str = "arithmetic",
+        reward_options: Optional[dict[str, Any]] = None,
+        engine: str = "hf",
+        engine_options: Optional[dict[str, Any]] = None,
+        group_size: int = 8,
+        lr: float = 1e-5,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        warmup_steps: int = 0,
+        grad_clip: float = 1.0,
+        eps_low: float = 0.2,
+        eps_high: float = 0.2,
+        loss_aggregation: str = "seq-mean-token-mean",
+        scale_adv_by_std: bool = True,
+        kl_coef: float = 0.0,
+        kl_estimator: str = "k3",
+        entropy_coef: float = 0.0,
+        ppo_epochs: int = 1,
+        mini_batches: int = 1,
+        micro_batch_size: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        max_new_tokens: int = 24,
+        chat_template: bool = False,
+        eval_samples: int = 1,
+        eval_temperature: float = 0.0,
+        max_bad_steps: int = 5,
+        seed: int = 0,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        self._check_options()
+        path = resolve_model_path(model, model_options)
+        self.policy, self.tokenizer = load_policy(path, dtype)
+        self.model_path = path
+        self.ref_policy = copy.deepcopy(self.policy).requires_grad_(False).eval() if kl_coef > 0 else None
+        self.reward_runner = build_reward_runner(reward, reward_options)
+        self.engine = None  # built in setup(): after the strategy has placed (and maybe sharded) the policy
+        self.val_metrics = ValidationMetrics(eval_samples)
+        self.counters = {"rollouts_total": 0, "tokens_generated": 0, "skipped_steps": 0, "bad_steps_in_row": 0, "reward_failures": 0}
+        self._engine_holds_mean = False
+
+    def _check_options(self) -> None:
+        hp = self.hparams
+        if hp.loss_aggregation not in F.AGGREGATIONS:
+            raise ValueError(f"algorithm.loss_aggregation={hp.loss_aggregation!r}; valid: {', '.join(F.AGGREGATIONS)}")
+        if hp.kl_estimator not in F.KL_ESTIMATORS:
+            raise ValueError(f"algorithm.kl_estimator={hp.kl_estimator!r}; valid: {', '.join(F.KL_ESTIMATORS)}")
+        for key in ("group_size", "ppo_epochs", "mini_batches", "micro_batch_size", "max_new_tokens", "eval_samples"):
+            if getattr(hp, key) < 1:
+                raise ValueError(f"algorithm.{key} must be >= 1, got {getattr(hp, key)}")
+        if not (0 <= hp.eps_low < 1 and hp.eps_high >= 0):
+            raise ValueError(f"algorithm.eps_low must be in [0, 1) and eps_high >= 0, got {hp.eps_low}, {hp.eps_high}")
+        self.sampling_params(0)  # SamplingParams validates temperature, top_p, max_new_tokens
+
+    # -- Lightning plumbing ----------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        if self.engine is None:
+            self.engine = build_engine(self.hparams.engine, self.policy, self.tokenizer, self.hparams.engine_options)
+
+    def teardown(self, stage: str) -> None:
+        if stage == "fit" and self.engine is not None:
+            self.engine.sleep()
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(self.policy.parameters(), lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay)
+        warmup = max(hp.warmup_steps, 0)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def rl_callbacks(self) -> list[RLVRCallback]:
+        trainer = self._trainer
+        return [cb for cb in (trainer.callbacks if trainer else []) if isinstance(cb, RLVRCallback)]
+
+    # -- one RL step -----------------------------------------------------------------------------------------
+    def training_step(self, batch: dict[str, list], batch_idx: int):
+        t_start = time.perf_counter()
+        self.step_metrics: dict[str, Tensor] = {}
+        self.step_times = {"gen_s": 0.0, "reward_s": 0.0, "train_s": 0.0, "sync_s": 0.0}
+        plan = self.make_plan(batch)
+        for cb in self.rl_callbacks():
+            cb.on_rollout_plan(self.trainer, self, plan)
+        rollouts = self.rollout(plan)
+        for cb in self.rl_callbacks():
+            cb.on_before_advantages(self.trainer, self, rollouts)
+        rollouts.advantages, adv_metrics = self.compute_advantages(rollouts)
+        self.log_metrics(adv_metrics)
+        t0 = time.perf_counter()
+        self.update(rollouts)
+        self.step_times["train_s"] += time.perf_counter() - t0
+        self.sync_engine()
+        for cb in self.rl_callbacks():
+            cb.on_rl_step_end(self.trainer, self, rollouts)
+        self._log_step(rollouts, time.perf_counter() - t_start)
+        return None
+
+    def make_plan(self, batch: dict[str, list]) -> RolloutPlan:
+        prompts = [self.render_prompt(p) for p in batch["prompt"]]
+        token_ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        return RolloutPlan(prompts, list(batch["answer"]), token_ids, [self.hparams.group_size] * len(prompts))
+
+    def render_prompt(self, prompt: Any) -> str:
+        if isinstance(prompt, str) and not self.hparams.chat_template:
+            return prompt
+        from lit_rlvr.data.formats import render_prompt
+
+        return render_prompt(prompt, self.tokenizer, chat_template=self.hparams.chat_template)
+
+    def sampling_params(self, seed: int, *, evaluation: bool = False) -> SamplingParams:
+        hp = self.hparams
+        temperature = hp.eval_temperature if evaluation else hp.temperature
+        return SamplingParams(temperature=temperature, top_p=hp.top_p, top_k=hp.top_k,
+                              max_new_tokens=hp.max_new_tokens, seed=seed)
+
+    def sample_seed(self, *parts: int) -> int:
+        """Seed of one engine call: a function of the run seed, the step, the call's place in it and the rank."""
+        key = ":".join(str(p) for p in (self.hparams.seed, self.global_step, self.global_rank, *parts))
+        return zlib.crc32(key.encode())
+
+    def rollout(self, plan: RolloutPlan) -> Rollouts:
+        """Generate and score the plan's samples, round after round while its budget rule asks for more."""
+        parts: list[Rollouts] = []
+        counts: Optional[list[int]] = plan.n_per_prompt
+        have = [0] * plan.num_prompts
+        round_index = 0
+        while counts is not None and sum(counts) > 0:
+            if any(c < 0 for c in counts):
+                raise ValueError(f"budget rule asked for negative sample counts: {counts}")
+            for source, per_source in enumerate(plan.split_over_sources(counts, have)):
+                if sum(per_source) > 0:
+                    parts.append(self._generate(plan, per_source, source, round_index))
+            have = [h + c for h, c in zip(have, counts)]
+            rollouts = Rollouts.concat(parts, self.tokenizer.pad_token_id)
+            round_index += 1
+            counts = plan.budget_rule(rollouts) if plan.budget_rule is not None else None
+        self.counters["rollouts_total"] += rollouts.num_samples
+        self.counters["tokens_generated"] += rollouts.num_tokens()
+        return rollouts
+
+    def _generate(self, plan: RolloutPlan, counts: list[int], source: int, round_index: int) -> Rollouts:
+        t0 = time.perf_counter()
+        with plan.weight_context(source):
+            if plan.num_weight_sources > 1 or not self._engine_holds_mean or self.engine.version != self.global_step:
+                self.push_to_engine(holds_mean=plan.num_weight_sources == 1)
+            completions = self.engine.generate(plan.prompt_token_ids, counts, self.sampling_params(self.sample_seed(round_index, source)))
+        self.step_times["gen_s"] += time.perf_counter() - t0
+        part = rollouts_from_completions(plan, completions, chunk=source, pad_id=self.tokenizer.pad_token_id)
+        part.completions = self.tokenizer.batch_decode(part.response_ids.masked_fill(~part.response_mask, self.tokenizer.pad_token_id), skip_special_tokens=True)
+        t0 = time.perf_counter()
+        scored = self.reward_runner([plan.prompts[g] for g in part.group.tolist()], part.completions,
+                                    [plan.answers[g] for g in part.group.tolist()])
+        part.rewards, part.malformed = scored.scores, scored.malformed
+        self.counters["reward_failures"] += scored.failures
+        self.step_times["reward_s"] += time.perf_counter() - t0
+        return part
+
+    def push_to_engine(self, *, holds_mean: bool = True) -> None:
+        """Send the policy's current weights to the engine (no copy in `shared` mode)."""
+        t0 = time.perf_counter()
+        if getattr(self.engine, "mode", None) != "shared":
+            push_weights(self.engine, self.policy, bucket_bytes=getattr(self.engine, "bucket_bytes", 256 << 20))
+        self.engine.version = self.global_step
+        self._engine_holds_mean = holds_mean
+        self.step_times["sync_s"] = self.step_times.get("sync_s", 0.0) + time.perf_counter() - t0
+
+    def sync_engine(self) -> None:
+        """After the optimizer step: the engine must hold the new mean weights (version = global step)."""
+        self.push_to_engine(holds_mean=True)
+
+    # -- advantages and loss (subclass points) ----------------------------------------------------------------
+    def compute_advantages(self, rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
+        """[N] advantages; uses `rollouts.baseline` when a callback has set one (V0.5)."""
+        return F.grpo_advantages(rollouts.rewards, rollouts.group, rollouts.num_groups,
+                                 scale_by_std=self.hparams.scale_adv_by_std, baseline=rollouts.baseline)
+
+    def policy_loss(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
+        """Surrogate loss of one micro-batch. logp, old_logp, mask: [n, T]; advantages: [n]."""
+        hp = self.hparams
+        return F.ppo_clip_loss(logp, old_logp, advantages, mask, eps_low=hp.eps_low, eps_high=hp.eps_high,
+                               aggregation=hp.loss_aggregation, norm_len=hp.max_new_tokens)
+
+    def forward_logprobs(self, model, rollouts: Rollouts) -> tuple[Tensor, Tensor]:
+        """Log-probs [n, T] of the response tokens at the sampling temperature, and the logits [n, T, V]."""
+        ids = torch.cat([rollouts.prompt_ids, rollouts.response_ids], dim=1).to(self.device)  # [n, P+T]
+        mask = torch.cat([rollouts.prompt_mask, rollouts.response_mask], dim=1).to(self.device)  # [n, P+T]
+        position_ids = (mask.long().cumsum(-1) - 1).clamp_min(0)
+        width = rollouts.response_ids.shape[1]
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, logits_to_keep=width + 1).logits[:, :-1]
+        temperature = self.hparams.temperature or 1.0
+        return F.token_logprobs(logits, rollouts.response_ids.to(self.device), temperature=temperature), logits
+
+    def micro_batch_loss(self, rollouts: Rollouts, weight: float) -> tuple[Tensor, dict[str, Tensor]]:
+        """Loss of one micro-batch, scaled by its share `weight` of the pass so micro-batches sum exactly."""
+        hp = self.hparams
+        logp, logits = self.forward_logprobs(self.policy, rollouts)  # [n, T], [n, T, V]
+        mask = rollouts.response_mask.to(self.device)
+        old = rollouts.old_logp.to(self.device)
+        loss, metrics = self.policy_loss(logp, old, rollouts.advantages.to(self.device), mask, rollouts)
+        with torch.set_grad_enabled(hp.entropy_coef > 0):
+            entropy = F.entropy_from_logits(logits / (hp.temperature or 1.0))  # [n, T]
+        entropy_mean = F.aggregate(entropy, mask, hp.loss_aggregation, norm_len=hp.max_new_tokens)
+        loss = loss - hp.entropy_coef * entropy_mean
+        metrics["loss/entropy"] = entropy_mean.detach()
+        if self.ref_policy is not None:
+            with torch.no_grad():
+                ref_logp, _ = self.forward_logprobs(self.ref_policy, rollouts)
+            kl = F.aggregate(F.kl_penalty(logp, ref_logp, estimator=hp.kl_estimator), mask, hp.loss_aggregation, norm_len=hp.max_new_tokens)
+            loss = loss + hp.kl_coef * kl
+            metrics["loss/kl_ref"] = kl.detach()
+        metrics["loss/policy"] = loss.detach()
+        return loss * weight, metrics
+
+    def update(self, rollouts: Rollouts) -> None:
+        """`ppo_epochs` × `mini_batches` optimizer steps; each step runs the loss passes (one per weight sample
+        for M3PO) inside the callbacks' loss contexts, micro-batch by micro-batch."""
+        hp = self.hparams
+        optimizer = self.optimizers()
+        order = torch.arange(rollouts.num_samples)
+        loss_sums: dict[str, Tensor] = {}  # per-pass metrics, summed over passes
+        grad_norms: list[Tensor] = []
+        passes = 0
+        for _epoch in range(hp.ppo_epochs):
+            for mini in order.chunk(hp.mini_batches):
+                optimizer.zero_grad()
+                for pass_index, index in self._loss_passes(rollouts, mini):
+                    self._backward_pass(rollouts.select(index), pass_index, loss_sums)
+                    passes += 1
+                grad_norms.append(self._optimizer_step(optimizer, loss_sums))
+        self.log_metrics({k: v / passes for k, v in loss_sums.items()})
+        self.log_metrics({"grad/norm": torch.stack(grad_norms).mean()})
+
+    @staticmethod
+    def _loss_passes(rollouts: Rollouts, mini: Tensor) -> list[tuple[int, Tensor]]:
+        if rollouts.loss_pass is None:
+            return [(0, mini)]
+        passes = rollouts.loss_pass[mini]
+        return [(int(p), mini[passes == p]) for p in torch.unique(passes)]
+
+    def _backward_pass(self, rollouts: Rollouts, pass_index: int, sums: dict[str, Tensor]) -> None:
+        hp = self.hparams
+        tokens = rollouts.response_mask.sum(-1).float()  # [n]
+        with ExitStack() as stack:
+            for cb in self.rl_callbacks():
+                stack.enter_context(cb.loss_context(self.trainer, self, rollouts, pass_index))
+            for micro in torch.arange(rollouts.num_samples).split(hp.micro_batch_size):
+                share = tokens[micro].sum() / tokens.sum().clamp_min(1) if hp.loss_aggregation == "token-mean" else len(micro) / rollouts.num_samples
+                loss, metrics = self.micro_batch_loss(rollouts.select(micro), float(share))
+                self.manual_backward(loss)
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v * float(share)
+
+    def _optimizer_step(self, optimizer, sums: dict[str, Tensor]) -> Tensor:
+        """Clip, check finiteness, step; returns the gradient norm before clipping."""
+        params = [p for p in self.policy.parameters() if p.grad is not None]
+        clip = self.hparams.grad_clip if self.hparams.grad_clip and self.hparams.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, clip) if params else torch.tensor(0.0)
+        loss_ok = bool(torch.isfinite(sums.get("loss/policy", torch.tensor(0.0))))
+        if not (loss_ok and bool(torch.isfinite(norm))):
+            self._skip_step(optimizer, "loss" if not loss_ok else "gradient")
+            return norm.detach()
+        self.counters["bad_steps_in_row"] = 0
+        optimizer.step()
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+        return norm.detach()
+
+    def _skip_step(self, optimizer, what: str) -> None:
+        self.counters["skipped_steps"] += 1
+        self.counters["bad_steps_in_row"] += 1
+        optimizer.zero_grad()
+        log.warning("non-finite %s at step %d: step skipped (%d in a row)", what, self.global_step, self.counters["bad_steps_in_row"])
+        if self.counters["bad_steps_in_row"] >= self.hparams.max_bad_steps:
+            raise NonFiniteError(
+                f"{self.counters['bad_steps_in_row']} non-finite steps in a row (algorithm.max_bad_steps="
+                f"{self.hparams.max_bad_steps}); lower algorithm.lr or check the reward; last checkpoint is intact")
+
+    # -- metrics ----------------------------------------------------------------------------------------------
+    def log_metrics(self, metrics: dict[str, Tensor]) -> None:
+        """Add metrics to this step's row (callbacks call this too)."""
+        self.step_metrics.update({k: v.detach().float() if isinstance(v, Tensor) else torch.tensor(float(v)) for k, v in metrics.items()})
+
+    def _log_step(self, rollouts: Rollouts, step_s: float) -> None:
+        lengths = rollouts.response_mask.sum(-1).float()  # [N]
+        metrics = {
+            "reward/mean": rollouts.rewards.mean(),
+            "reward/accuracy": (rollouts.rewards > 0).float().mean(),
+            "reward/malformed_frac": rollouts.malformed.float().mean(),
+            "response/len_mean": lengths.mean(),
+            "response/len_max": lengths.max(),
+            "response/clip_frac": torch.tensor([r == "length" for r in rollouts.finish_reason]).float().mean(),
+            "rollouts/per_step": torch.tensor(float(rollouts.num_samples)),
+            "rollouts/total": torch.tensor(float(self.counters["rollouts_total"])),
+            "train/skipped_steps": torch.tensor(float(self.counters["skipped_steps"])),
+            "perf/tokens_per_s": torch.tensor(rollouts.num_tokens() / max(step_s, 1e-9)),
+            "time/step_s": torch.tensor(step_s),
+            **{f"time/{k}": torch.tensor(v) for k, v in self.step_times.items()},
+        }
+        self.log_metrics(metrics)
+        bar = {"reward/mean", "reward/accuracy"}
+        self.log_dict({k: v for k, v in self.step_metrics.items() if k not in bar}, on_step=True, on_epoch=False, batch_size=rollouts.num_groups)
+        self.log_dict({k: self.step_metrics[k] for k in bar}, on_step=True, on_epoch=False, prog_bar=True, batch_size=rollouts.num_groups)
+
+    # -- evaluation --------------------------------------------------------------------------------------------
+    def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:
+        if self.engine is None:
+            self.setup("validate")
+        plan = self.make_plan(batch)
+        if not self._engine_holds_mean or self.engine.version != self.global_step:
+            self.step_times = {}
+            self.push_to_engine()
+        n = self.hparams.eval_samples
+        params = self.sampling_params(zlib.crc32(f"eval:{self.hparams.seed}:{batch_idx}:{self.global_rank}".encode()), evaluation=True)
+        completions = self.engine.generate(plan.prompt_token_ids, [n] * plan.num_prompts, params)
+        texts = [[self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in per] for per in completions]
+        flat = [t for per in texts for t in per]
+        owners = [b for b, per in enumerate(texts) for _ in per]
+        scored = self.reward_runner([plan.prompts[b] for b in owners], flat, [plan.answers[b] for b in owners])
+        correct = (scored.scores > 0).view(plan.num_prompts, n)  # [B, n]
+        self.val_metrics.update(correct)
+
+    def on_validation_epoch_end(self) -> None:
+        self.log_dict(self.val_metrics.compute(), on_epoch=True, prog_bar=True)
+        self.val_metrics.reset()
+
+    # -- state -------------------------------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["lit_rlvr"] = {"counters": dict(self.counters), "engine_version": self.global_step, "model_path": self.model_path}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.counters.update(checkpoint.get("lit_rlvr", {}).get("counters", {}))
+        self._engine_holds_mean = False  # the engine must receive the restored weights before the next rollout

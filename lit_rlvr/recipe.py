@@ -1,0 +1,142 @@
+"""The `python train.py` recipe as plain functions over a Hydra config: build, evaluate, train, summarise."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import resource
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from lit_rlvr.module import GRPOModule
+
+log = logging.getLogger(__name__)
+
+SUMMARY_FILE = "summary.json"
+
+
+def build_module(cfg: DictConfig) -> GRPOModule:
+    """The algorithm's module with the model, reward and engine choices and the run seed."""
+    algorithm = OmegaConf.to_container(cfg.algorithm, resolve=True)
+    for key in ("name", "callbacks"):
+        algorithm.pop(key, None)
+    return instantiate(
+        algorithm,
+        model=cfg.model.name_or_path,
+        model_options=OmegaConf.to_container(cfg.model.options, resolve=True),
+        dtype=cfg.model.dtype,
+        reward=cfg.reward.name,
+        reward_options=OmegaConf.to_container(cfg.reward.options, resolve=True),
+        engine=cfg.engine.name,
+        engine_options=OmegaConf.to_container(cfg.engine.options, resolve=True),
+        seed=cfg.seed,
+        _convert_="all",
+    )
+
+
+def _keyed(section: Optional[DictConfig]) -> list[Any]:
+    """Instantiate every non-null entry of a keyed dict (callbacks, loggers)."""
+    if not section:
+        return []
+    return [instantiate(node) for node in section.values() if node is not None]
+
+
+def build_trainer(cfg: DictConfig, run_dir: Path) -> pl.Trainer:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
+                                 every_n_train_steps=cfg.checkpoint_every, save_on_train_epoch_end=False)
+    callbacks = [checkpoint, *_keyed(cfg.get("callbacks")), *_keyed(cfg.algorithm.get("callbacks"))]
+    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    strategy = trainer_kwargs.pop("strategy", "auto")
+    if isinstance(strategy, dict):
+        strategy = instantiate(strategy)
+    return pl.Trainer(**trainer_kwargs, strategy=strategy, callbacks=callbacks, logger=_keyed(cfg.get("logger")),
+                      default_root_dir=str(run_dir))
+
+
+def validate(trainer: pl.Trainer, module: GRPOModule, datamodule) -> dict[str, float]:
+    results = trainer.validate(module, datamodule=datamodule, verbose=False)
+    return {k: float(v) for k, v in (results[0] if results else {}).items()}
+
+
+def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Evaluate, train, evaluate again; write summary.json; return the summary."""
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    started = time.perf_counter()
+    datamodule = instantiate(cfg.data)
+    module = build_module(cfg)
+    trainer = build_trainer(cfg, run_dir)
+    before = validate(trainer, module, datamodule) if cfg.eval_before and cfg.resume is None else {}
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume)
+    trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    after = validate(trainer, module, datamodule)
+    summary = summarise(cfg, run_dir, module, before, after, time.perf_counter() - started)
+    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def evaluate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """`mode=eval checkpoint=PATH`: held-out metrics of a checkpoint, written to eval.json."""
+    if not cfg.checkpoint or not Path(cfg.checkpoint).exists():
+        raise FileNotFoundError(f"checkpoint={cfg.checkpoint!r}: mode=eval needs an existing checkpoint file")
+    import torch
+
+    datamodule = instantiate(cfg.data)
+    module = build_module(cfg)
+    state = torch.load(cfg.checkpoint, map_location="cpu", weights_only=False)
+    module.load_state_dict(state["state_dict"], strict=False)
+    trainer = build_trainer(cfg, run_dir)
+    metrics = validate(trainer, module, datamodule)
+    result = {"checkpoint": str(cfg.checkpoint), "samples_per_prompt": module.hparams.eval_samples, **metrics}
+    (run_dir / "eval.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _reward_means(metrics_csv: Path) -> list[float]:
+    if not metrics_csv.exists():
+        return []
+    with metrics_csv.open() as handle:
+        return [float(row["reward/mean"]) for row in csv.DictReader(handle) if row.get("reward/mean")]
+
+
+def summarise(cfg, run_dir: Path, module: GRPOModule, before, after, wall_s: float) -> dict[str, Any]:
+    rewards = _reward_means(run_dir / "metrics.csv")
+    first = rewards[: max(1, len(rewards) // 10)]
+    last = rewards[-max(1, len(rewards) // 10) :]
+    return {
+        "algorithm": cfg.algorithm.name,
+        "steps": module.global_step,
+        "wall_s": round(wall_s, 2),
+        "accuracy_before": before.get("val/accuracy", math.nan),
+        "accuracy_after": after.get("val/accuracy", math.nan),
+        "pass_at_k_after": after.get("val/pass@k", math.nan),
+        "reward_mean_first": sum(first) / len(first) if rewards else math.nan,
+        "reward_mean_last": sum(last) / len(last) if rewards else math.nan,
+        "rollouts_total": module.counters["rollouts_total"],
+        "tokens_generated": module.counters["tokens_generated"],
+        "skipped_steps": module.counters["skipped_steps"],
+        "reward_failures": module.counters["reward_failures"],
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "seed": cfg.seed,
+        "run_dir": str(run_dir),
+    }
+
+
+def print_summary(summary: dict[str, Any], title: str = "lit-rlvr run") -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("key")
+    table.add_column("value", justify="right")
+    for key, value in summary.items():
+        table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    Console().print(table)

@@ -1,0 +1,163 @@
+"""`HFEngine`: in-process KV-cached sampling with a transformers causal LM (CPU or one GPU).
+
+Modes: `shared` samples with the training module's own model (3PO perturbs it in place, nothing is copied);
+`copy` keeps its own model, updated only through `load_weights` — the same path as SGLang.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from typing import Iterable, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from lit_rlvr.rollout.engine import Completion, SamplingParams
+
+ENGINE_MODES = ("shared", "copy")
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Left-pad token id lists -> ids [R, P] long, mask [R, P] bool."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
+    for row, seq in enumerate(sequences):
+        if len(seq):
+            ids[row, width - len(seq) :] = torch.as_tensor(list(seq), dtype=torch.long)
+            mask[row, width - len(seq) :] = True
+    return ids, mask
+
+
+def positions(mask: Tensor) -> Tensor:
+    """Position ids that skip left padding. mask [R, L] bool -> [R, L] long."""
+    return (mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def filter_logits(logits: Tensor, *, top_k: int, top_p: float) -> Tensor:
+    """Mask logits [R, V] outside the top-k / nucleus (Holtzman et al. 2020) sets with -inf."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [R, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)  # [R, V]
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)  # [R, V]
+        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p  # keep the token that crosses p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+class HFEngine:
+    """Batched sampling with a transformers model; see the module docstring for the two modes."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        pad_id: int,
+        eos_id: int,
+        mode: str = "shared",
+        use_cache: bool = True,
+        max_batch: int = 256,
+    ):
+        if mode not in ENGINE_MODES:
+            raise ValueError(f"engine.mode={mode!r} is not valid; valid: {', '.join(ENGINE_MODES)}")
+        self.mode = mode
+        self.model = model if mode == "shared" else copy.deepcopy(model)
+        if mode == "copy":
+            self.model.requires_grad_(False)
+        self.pad_id, self.eos_id = pad_id, eos_id
+        self.use_cache = use_cache
+        self.max_batch = max_batch
+        self.version = 0
+        self._params = dict(self.model.named_parameters())
+        # transformers >= 5.x names the KV cache argument `cache`; older releases `past_key_values`
+        self._cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+
+    # -- weights ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        if self.mode == "shared":
+            return  # the engine samples with the trainer's own tensors
+        for name, tensor in named_tensors:
+            target = self._params.get(name)
+            if target is None:
+                raise KeyError(f"HFEngine.load_weights: unknown parameter {name!r}")
+            target.copy_(tensor)
+
+    def sleep(self) -> None:  # nothing to release in-process
+        pass
+
+    def wake(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+    # -- sampling --------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int], params: SamplingParams
+    ) -> list[list[Completion]]:
+        rows = [list(p) for p, n in zip(prompt_token_ids, n_per_prompt) for _ in range(n)]
+        owner = [b for b, n in enumerate(n_per_prompt) for _ in range(n)]
+        generator = torch.Generator().manual_seed(params.seed)
+        done: list[Completion] = []
+        for start in range(0, len(rows), self.max_batch):
+            done.extend(self._sample(rows[start : start + self.max_batch], params, generator))
+        out: list[list[Completion]] = [[] for _ in prompt_token_ids]
+        for b, completion in zip(owner, done):
+            out[b].append(completion)
+        return out
+
+    def _forward(self, ids: Tensor, mask: Tensor, cache=None, last: int = 1):
+        device = next(self.model.parameters()).device
+        out = self.model(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            position_ids=positions(mask)[:, -ids.shape[1] :].to(device),
+            use_cache=self.use_cache,
+            logits_to_keep=last,
+            **({self._cache_arg: cache} if cache is not None else {}),
+        )
+        return out.logits[:, -1].float().cpu(), getattr(out, self._cache_arg, None)  # [R, V]
+
+    def _sample(self, rows: list[list[int]], params: SamplingParams, generator: torch.Generator) -> list[Completion]:
+        ids, mask = left_pad(rows, self.pad_id)  # [R, P]
+        num_rows = ids.shape[0]
+        stop = torch.tensor(sorted({self.eos_id, *params.stop_token_ids}))
+        tokens = torch.full((num_rows, params.max_new_tokens), self.pad_id, dtype=torch.long)  # [R, T]
+        logprobs = torch.zeros((num_rows, params.max_new_tokens))  # [R, T]
+        finished = torch.zeros(num_rows, dtype=torch.bool)  # [R]
+        lengths = torch.full((num_rows,), params.max_new_tokens, dtype=torch.long)  # [R]
+        logits, cache = self._forward(ids, mask)
+        for t in range(params.max_new_tokens):
+            token, logp = self._pick(logits, params, generator)  # [R], [R]
+            token = token.masked_fill(finished, self.pad_id)
+            tokens[:, t], logprobs[:, t] = token, logp.masked_fill(finished, 0.0)
+            hit = torch.isin(token, stop) & ~finished  # [R]
+            lengths[hit] = t + 1
+            finished |= hit
+            if bool(finished.all()) or t + 1 == params.max_new_tokens:
+                break
+            mask = torch.cat([mask, torch.ones((num_rows, 1), dtype=torch.bool)], dim=1)  # [R, P+t+1]
+            if self.use_cache:
+                logits, cache = self._forward(token[:, None], mask, cache)
+            else:
+                ids = torch.cat([ids, token[:, None]], dim=1)
+                logits, _ = self._forward(ids, mask)
+        reasons = ["stop" if f else "length" for f in finished.tolist()]
+        return [Completion(tokens[r, : lengths[r]], logprobs[r, : lengths[r]], reasons[r]) for r in range(num_rows)]
+
+    @staticmethod
+    def _pick(logits: Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        """Sample one token per row; its behaviour log-prob is under softmax(logits / T) (greedy: T = 1)."""
+        if params.temperature == 0:
+            token = logits.argmax(-1)  # [R]
+            return token, torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)
+        scaled = logits / params.temperature  # [R, V]
+        probs = torch.softmax(filter_logits(scaled, top_k=params.top_k, top_p=params.top_p), dim=-1)
+        token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [R]
+        return token, torch.log_softmax(scaled, -1).gather(-1, token[:, None]).squeeze(-1)

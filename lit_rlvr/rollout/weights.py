@@ -1,0 +1,40 @@
+"""Streaming trainer weights to a rollout engine: full tensors (gathered from FSDP2 shards), cast, bucketed."""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+
+
+def full_named_weights(model: nn.Module, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, Tensor]]:
+    """(HF name, full tensor) per parameter; a DTensor shard is gathered with `full_tensor()`."""
+    for name, param in model.named_parameters():
+        tensor = param.detach()
+        if hasattr(tensor, "full_tensor"):  # torch.distributed.tensor.DTensor (FSDP2)
+            tensor = tensor.full_tensor()
+        yield name, tensor if dtype is None else tensor.to(dtype)
+
+
+def buckets(named: Iterator[tuple[str, Tensor]], max_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
+    """Group tensors into lists of at most `max_bytes` (a tensor larger than the cap travels alone)."""
+    bucket, size = [], 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > max_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def push_weights(engine, model: nn.Module, *, bucket_bytes: int = 256 << 20, dtype: Optional[torch.dtype] = None) -> int:
+    """Send the model's weights to `engine.load_weights` bucket by bucket; returns the bytes pushed."""
+    pushed = 0
+    for bucket in buckets(full_named_weights(model, dtype), bucket_bytes):
+        engine.load_weights(bucket)
+        pushed += sum(t.numel() * t.element_size() for _, t in bucket)
+    return pushed

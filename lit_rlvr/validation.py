@@ -1,0 +1,37 @@
+"""Held-out evaluation metrics: accuracy, unbiased pass@k and mean@k over n samples per prompt."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torchmetrics import MeanMetric
+
+
+class ValidationMetrics(nn.Module):
+    """Accumulates a [B, n] correctness matrix per batch; reduces across ranks through torchmetrics.
+
+    `val/accuracy` is the mean correctness of all samples (the greedy accuracy when n = 1), `val/mean@k`
+    the same over the n samples (k = n), `val/pass@k` the unbiased pass@k of Chen et al. (2021) with k = n.
+    """
+
+    def __init__(self, num_samples: int):
+        super().__init__()
+        self.num_samples = num_samples
+        self.accuracy = MeanMetric()
+        self.pass_at_k = MeanMetric()
+
+    def update(self, correct: Tensor) -> None:
+        from lit_rlvr.functional.passk import pass_at_k
+
+        correct = correct.float()  # [B, n]
+        self.accuracy.update(correct.mean(-1))
+        value, _ = pass_at_k(correct.sum(-1).long(), self.num_samples, self.num_samples)
+        self.pass_at_k.update(value)
+
+    def compute(self) -> dict[str, Tensor]:
+        accuracy = self.accuracy.compute()
+        return {"val/accuracy": accuracy, "val/mean@k": accuracy, "val/pass@k": self.pass_at_k.compute()}
+
+    def reset(self) -> None:
+        self.accuracy.reset()
+        self.pass_at_k.reset()
