@@ -156,6 +156,9 @@ def test_tabpfn_head_offline_random_checkpoint(tiny_tabpfn_checkpoint, monkeypat
 def test_tabpfn_head_path_errors(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="model_path"):
         TabPFNHead(tmp_path / "missing.ckpt")
+    from tabpfn.settings import settings
+
+    monkeypatch.setattr(settings.tabpfn, "model_cache_dir", tmp_path)  # an empty cache: nothing downloaded
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(RuntimeError, match="HF_HUB_OFFLINE"):
         TabPFNHead()

@@ -81,9 +81,9 @@ class TabPFNHead:
     """TabPFN classifier head (paper: TabPFN v2.5, 4 estimators): context labels are success rate ≥
     `threshold`, the output is P(class 1).
 
-    `model_path`: a local TabPFN checkpoint (.ckpt / .safetensors). None = tabpfn's default classifier,
-    which tabpfn downloads from the hub; that is only attempted when the hub is reachable
-    (HF_HUB_OFFLINE unset) and the file is not already in tabpfn's cache. When the context holds a single
+    `model_path`: a local TabPFN checkpoint (.ckpt / .safetensors). None = TabPFN v2.5's default classifier
+    from tabpfn's cache dir; tabpfn downloads it when missing (a gated model: it may ask to accept its
+    license), which is only attempted when HF_HUB_OFFLINE is unset. When the context holds a single
     class TabPFN cannot fit; the head then predicts the context's Jeffreys-smoothed success rate.
     """
 
@@ -134,15 +134,20 @@ class TabPFNHead:
 
 
 def _resolve_tabpfn_path(model_path: Optional[str | Path]) -> str:
-    """A local checkpoint path as given, or "auto" (tabpfn's default) when the hub may be used."""
+    """A local checkpoint as given; None = the paper's TabPFN v2.5 classifier in tabpfn's cache dir, which
+    tabpfn downloads on first use, so that is refused up front when the hub is off (HF_HUB_OFFLINE)."""
     if model_path is not None:
         path = Path(model_path)
         if not path.exists():
             raise FileNotFoundError(f"TabPFN checkpoint not found: {path} (set the value head's model_path)")
         return str(path)
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False"):
+    from tabpfn.model_loading import ModelSource, prepend_cache_path
+
+    default = prepend_cache_path(ModelSource.get_classifier_v2_5().default_filename)
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("", "0", "false")
+    if offline and not Path(default).exists():
         raise RuntimeError(
-            "TabPFNHead: no model_path given and HF_HUB_OFFLINE is set, so the TabPFN weights cannot be "
-            "downloaded; pass model_path=<local checkpoint> or use the kernel head"
+            f"TabPFNHead: no model_path given, {default} is not downloaded and HF_HUB_OFFLINE is set; "
+            "pass model_path=<local TabPFN checkpoint> or use the kernel head"
         )
-    return "auto"
+    return default
