@@ -1,7 +1,8 @@
 """Reward functions are plain callables: ``fn(prompt, completion, answer) -> RewardResult``.
 
-`RewardRunner` scores a batch and never lets a reward failure kill the run: an exception (or, with process
-isolation, a timeout or a crashed worker) makes that rollout malformed and is counted.
+`RewardRunner` scores a batch in-process and never lets a reward failure kill the run: an exception makes
+that rollout malformed and is counted. `ProcessRewardRunner` does the same in a pool of worker processes and
+also bounds every call in time: a timeout or a crashed worker is one malformed, counted rollout.
 """
 
 from __future__ import annotations
@@ -141,14 +142,18 @@ class ProcessRewardRunner:
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], answers: Sequence[Any]) -> RewardBatch:
         jobs = list(zip(prompts, completions, answers))
         b = _Batch(jobs, [None] * len(jobs), deque(range(len(jobs))))
-        while b.todo or b.suspects or b.running:
-            self._fill(b)
-            done, _ = wait(b.running, timeout=_POLL_S, return_when=FIRST_COMPLETED)
-            self._drain_started(b.started)
-            if self._collect(b, done):
-                self._on_crash(b)
-            else:
-                self._check_deadlines(b)
+        try:
+            while b.todo or b.suspects or b.running:
+                self._fill(b)
+                done, _ = wait(b.running, timeout=_POLL_S, return_when=FIRST_COMPLETED)
+                self._drain_started(b.started)
+                if self._collect(b, done):
+                    self._on_crash(b)
+                else:
+                    self._check_deadlines(b)
+        except BaseException:  # e.g. KeyboardInterrupt: leave no call of this batch running in the pool
+            self._kill_pool()
+            raise
         return _to_batch(b.results, b.failures)
 
     def close(self) -> None:
@@ -238,7 +243,7 @@ class ProcessRewardRunner:
     def _ensure_pool(self) -> ProcessPoolExecutor:
         if self._pool is None:
             ctx = mp.get_context(self.start_method)
-            if self.start_method == "forkserver":  # no effect once the server runs; then workers import it
+            if self.start_method == "forkserver":  # (process-wide setting; no effect once the server runs)
                 ctx.set_forkserver_preload(["__main__", __name__, getattr(self.fn, "__module__", __name__)])
             self._started = ctx.SimpleQueue()
             self._pool = ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init_worker,
