@@ -131,10 +131,8 @@ class GRPOModule(pl.LightningModule):
         t_start = time.perf_counter()
         self.step_metrics: dict[str, Tensor] = {}
         self.step_times = {"gen_s": 0.0, "reward_s": 0.0, "train_s": 0.0, "sync_s": 0.0}
-        plan = self.make_plan(batch)
-        for cb in self.rl_callbacks():
-            cb.on_rollout_plan(self.trainer, self, plan)
-        rollouts = self.rollout(plan)
+        self.step_rollouts_start = self.counters["rollouts_total"]
+        rollouts = self.collect_rollouts(batch)
         for cb in self.rl_callbacks():
             cb.on_before_advantages(self.trainer, self, rollouts)
         rollouts.advantages, adv_metrics = self.compute_advantages(rollouts)
@@ -147,6 +145,14 @@ class GRPOModule(pl.LightningModule):
             cb.on_rl_step_end(self.trainer, self, rollouts)
         self._log_step(rollouts, time.perf_counter() - t_start)
         return None
+
+    def collect_rollouts(self, batch: dict[str, list]) -> Rollouts:
+        """Plan the batch, let the callbacks edit the plan, generate and score. Subclasses that need more
+        prompts than one batch (DAPO's dynamic sampling) override this and call it once per batch."""
+        plan = self.make_plan(batch)
+        for cb in self.rl_callbacks():
+            cb.on_rollout_plan(self.trainer, self, plan)
+        return self.rollout(plan)
 
     def make_plan(self, batch: dict[str, list]) -> RolloutPlan:
         prompts = [self.render_prompt(p) for p in batch["prompt"]]
@@ -343,7 +349,8 @@ class GRPOModule(pl.LightningModule):
             "response/len_mean": lengths.mean(),
             "response/len_max": lengths.max(),
             "response/clip_frac": torch.tensor([r == "length" for r in rollouts.finish_reason]).float().mean(),
-            "rollouts/per_step": torch.tensor(float(rollouts.num_samples)),
+            # generated this step (more than the trained batch when a subclass drops groups)
+            "rollouts/per_step": torch.tensor(float(self.counters["rollouts_total"] - self.step_rollouts_start)),
             "rollouts/total": torch.tensor(float(self.counters["rollouts_total"])),
             "train/skipped_steps": torch.tensor(float(self.counters["skipped_steps"])),
             "perf/tokens_per_s": torch.tensor(rollouts.num_tokens() / max(step_s, 1e-9)),
