@@ -64,6 +64,34 @@ class Rollouts:
             out[f.name] = value
         return Rollouts(**out)
 
+    def select_groups(self, keep: Tensor) -> "Rollouts":
+        """The completions of the prompts where `keep` ([B] bool) is True; groups are renumbered 0..B'−1 and
+        the per-prompt fields (prompts, answers, baseline) cut to match."""
+        keep = keep.bool()  # [B]
+        new_id = keep.long().cumsum(0) - 1  # [B] position of each kept prompt
+        out = self.select(torch.nonzero(keep[self.group]).squeeze(-1))
+        out.group = new_id[out.group]  # [M]
+        out.num_groups = int(keep.sum())
+        out.prompts = [p for p, k in zip(self.prompts, keep.tolist()) if k]
+        out.answers = [a for a, k in zip(self.answers, keep.tolist()) if k]
+        out.baseline = None if self.baseline is None else self.baseline[keep]
+        return out
+
+    @staticmethod
+    def stack_groups(parts: list["Rollouts"], pad_id: int) -> "Rollouts":
+        """Join rollouts of *different* prompts (e.g. batches drawn one after another) into one batch whose
+        groups are numbered part after part; `concat` is for parts of the same prompts."""
+        offsets = torch.tensor([0] + [p.num_groups for p in parts]).cumsum(0).tolist()
+        shifted = [replace(p, group=p.group + off) for p, off in zip(parts, offsets)]
+        baselines = [p.baseline for p in parts]
+        return replace(
+            Rollouts.concat(shifted, pad_id),
+            num_groups=offsets[-1],
+            prompts=sum((p.prompts for p in parts), []),
+            answers=sum((p.answers for p in parts), []),
+            baseline=None if any(b is None for b in baselines) else torch.cat(baselines),
+        )
+
     @staticmethod
     def concat(parts: list["Rollouts"], pad_id: int) -> "Rollouts":
         """Join rollouts of the same B prompts (e.g. several weight samples or rounds) into one batch."""

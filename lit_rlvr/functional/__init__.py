@@ -1,7 +1,7 @@
 """Pure tensor math of the papers: advantages, policy losses, KL estimators, aggregation, V0.5 fusion and OSLA.
 Functions take tensors plus keyword hyperparameters and return `(value, metrics)` where metrics are detached."""
 
-from lit_rlvr.functional.advantages import group_mean, group_std, grpo_advantages
+from lit_rlvr.functional.advantages import constant_groups, group_mean, group_std, grpo_advantages
 from lit_rlvr.functional.kl import KL_ESTIMATORS, kl_penalty
 from lit_rlvr.functional.losses import (
     AGGREGATIONS,
@@ -12,17 +12,20 @@ from lit_rlvr.functional.losses import (
     sequence_importance_mask,
     token_logprobs,
 )
+from lit_rlvr.functional.shaping import overlong_penalty
 
 __all__ = [
     "AGGREGATIONS",
     "KL_ESTIMATORS",
     "aggregate",
+    "constant_groups",
     "entropy_from_logits",
     "group_mean",
     "group_std",
     "grpo_advantages",
     "gspo_loss",
     "kl_penalty",
+    "overlong_penalty",
     "ppo_clip_loss",
     "sequence_importance_mask",
     "token_logprobs",

@@ -27,6 +27,18 @@ def group_std(values: Tensor, group: Tensor, num_groups: int) -> Tensor:
     return (sq / (counts - 1).clamp_min(1)).sqrt()
 
 
+def constant_groups(rewards: Tensor, group: Tensor, num_groups: int) -> Tensor:
+    """[B] bool: groups that have completions and whose rewards are all equal (zero advantage, no signal).
+
+    DAPO's dynamic sampling (Yu et al. 2025, Eq. 11: keep groups with 0 < #correct < G) drops these groups.
+    """
+    fill = torch.zeros(num_groups, dtype=rewards.dtype)
+    high = fill.scatter_reduce(0, group, rewards, reduce="amax", include_self=False)  # [B]
+    low = fill.scatter_reduce(0, group, rewards, reduce="amin", include_self=False)  # [B]
+    present = torch.bincount(group, minlength=num_groups) > 0  # [B]
+    return present & (high == low)
+
+
 def grpo_advantages(
     rewards: Tensor,
     group: Tensor,
