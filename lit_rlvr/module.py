@@ -229,9 +229,10 @@ class GRPOModule(pl.LightningModule):
 
     # -- advantages and loss (subclass points) ----------------------------------------------------------------
     def compute_advantages(self, rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
-        """[N] advantages; uses `rollouts.baseline` when a callback has set one (V0.5)."""
+        """[N] advantages; uses `rollouts.baseline` and `rollouts.scale_adv_by_std` when a callback set them (V0.5)."""
+        scale = self.hparams.scale_adv_by_std if rollouts.scale_adv_by_std is None else rollouts.scale_adv_by_std
         return F.grpo_advantages(rollouts.rewards, rollouts.group, rollouts.num_groups,
-                                 scale_by_std=self.hparams.scale_adv_by_std, baseline=rollouts.baseline)
+                                 scale_by_std=scale, baseline=rollouts.baseline)
 
     def policy_loss(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
         """Surrogate loss of one micro-batch. logp, old_logp, mask: [n, T]; advantages: [n]."""

@@ -37,6 +37,7 @@ class Rollouts:
     rewards: Optional[Tensor] = None  # [N] float
     malformed: Optional[Tensor] = None  # [N] bool: no answer could be read, or the reward failed
     baseline: Optional[Tensor] = None  # [B] float: per-group baseline set by a callback (V0.5); None = group mean
+    scale_adv_by_std: Optional[bool] = None  # set by a callback (V0.5: False) to override the module's option
     advantages: Optional[Tensor] = None  # [N] float
     loss_pass: Optional[Tensor] = None  # [N] long: sample index of the loss pass (M3PO); None = one pass
     extras: dict[str, Any] = field(default_factory=dict)
