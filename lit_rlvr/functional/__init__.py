@@ -2,6 +2,7 @@
 Functions take tensors plus keyword hyperparameters and return `(value, metrics)` where metrics are detached."""
 
 from lit_rlvr.functional.advantages import constant_groups, group_mean, group_std, grpo_advantages
+from lit_rlvr.functional.chunks import chunk_groups, partial_chunk_success
 from lit_rlvr.functional.kl import KL_ESTIMATORS, kl_penalty
 from lit_rlvr.functional.losses import (
     AGGREGATIONS,
@@ -18,6 +19,7 @@ __all__ = [
     "AGGREGATIONS",
     "KL_ESTIMATORS",
     "aggregate",
+    "chunk_groups",
     "constant_groups",
     "entropy_from_logits",
     "group_mean",
@@ -26,6 +28,7 @@ __all__ = [
     "gspo_loss",
     "kl_penalty",
     "overlong_penalty",
+    "partial_chunk_success",
     "ppo_clip_loss",
     "sequence_importance_mask",
     "token_logprobs",
