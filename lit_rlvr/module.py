@@ -8,6 +8,7 @@ the baseline or the weights the gradient is taken at are `RLVRCallback`s (lit_rl
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import time
 import zlib
@@ -30,6 +31,8 @@ from lit_rlvr.validation import ValidationMetrics
 
 log = logging.getLogger(__name__)
 
+OPTIMIZERS = ("adamw", "ivon")
+
 
 class NonFiniteError(RuntimeError):
     pass
@@ -42,6 +45,9 @@ class GRPOModule(pl.LightningModule):
     range; `loss_aggregation` (one of `functional.AGGREGATIONS`); `scale_adv_by_std`; `kl_coef` β (> 0 loads a
     frozen reference copy) with `kl_estimator`; `entropy_coef` η; `ppo_epochs` passes over each rollout batch;
     `mini_batches` optimizer steps per epoch; `micro_batch_size` completions per forward/backward.
+    `optimizer`: `adamw` (uses `betas`, `weight_decay`) or `ivon` (`lit_rlvr.optim.IVON`, for 3PO; `lr` plus
+    `optimizer_options`: ess λ (required), hess_init, beta1, beta2, weight_decay δ, clip_radius, …); extra
+    `optimizer_options` go to the optimizer's constructor either way.
     """
 
     def __init__(
@@ -59,6 +65,8 @@ class GRPOModule(pl.LightningModule):
         betas: tuple[float, float] = (0.9, 0.999),
         warmup_steps: int = 0,
         grad_clip: float = 1.0,
+        optimizer: str = "adamw",
+        optimizer_options: Optional[dict[str, Any]] = None,
         eps_low: float = 0.2,
         eps_high: float = 0.2,
         loss_aggregation: str = "seq-mean-token-mean",
@@ -105,6 +113,26 @@ class GRPOModule(pl.LightningModule):
         if not (0 <= hp.eps_low < 1 and hp.eps_high >= 0):
             raise ValueError(f"algorithm.eps_low must be in [0, 1) and eps_high >= 0, got {hp.eps_low}, {hp.eps_high}")
         self.sampling_params(0)  # SamplingParams validates temperature, top_p, max_new_tokens
+        self._check_optimizer_options()
+
+    def _check_optimizer_options(self) -> None:
+        hp = self.hparams
+        if hp.optimizer not in OPTIMIZERS:
+            raise ValueError(f"algorithm.optimizer={hp.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
+        if hp.optimizer != "ivon":
+            return
+        if hp.grad_clip or hp.weight_decay:
+            # IVON records each sample's gradient before the module could clip it, and its δ sets σ
+            raise ValueError("with algorithm.optimizer=ivon set algorithm.grad_clip=0 and algorithm.weight_decay=0; "
+                             "IVON bounds its step by optimizer_options.clip_radius and takes δ from "
+                             "optimizer_options.weight_decay")
+        from lit_rlvr.optim import IVON
+
+        valid = set(inspect.signature(IVON.__init__).parameters) - {"self", "params", "lr", "seed", "rank", "kwargs"}
+        unknown = set(hp.optimizer_options or {}) - valid - {"sync", "debias"}
+        if unknown or "ess" not in (hp.optimizer_options or {}):
+            raise ValueError(f"algorithm.optimizer_options for ivon: ess (λ) is required; unknown keys "
+                             f"{sorted(unknown)}; valid: {', '.join(sorted(valid | {'sync', 'debias'}))}")
 
     # -- Lightning plumbing ----------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -117,7 +145,14 @@ class GRPOModule(pl.LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        optimizer = torch.optim.AdamW(self.policy.parameters(), lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay)
+        options = dict(hp.optimizer_options or {})
+        if hp.optimizer == "ivon":
+            from lit_rlvr.optim import IVON
+
+            # run seed and rank seed the weight samples: reproducible, resumable, different per data-parallel rank
+            optimizer = IVON(self.policy.parameters(), lr=hp.lr, seed=hp.seed, rank=self.global_rank, **options)
+        else:
+            optimizer = torch.optim.AdamW(self.policy.parameters(), lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay, **options)
         warmup = max(hp.warmup_steps, 0)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
@@ -200,8 +235,9 @@ class GRPOModule(pl.LightningModule):
     def _generate(self, plan: RolloutPlan, counts: list[int], source: int, round_index: int) -> Rollouts:
         t0 = time.perf_counter()
         with plan.weight_context(source):
-            if plan.num_weight_sources > 1 or not self._engine_holds_mean or self.engine.version != self.global_step:
-                self.push_to_engine(holds_mean=plan.num_weight_sources == 1)
+            mean = plan.uses_mean_weights and plan.num_weight_sources == 1
+            if not mean or not self._engine_holds_mean or self.engine.version != self.global_step:
+                self.push_to_engine(holds_mean=mean)
             completions = self.engine.generate(plan.prompt_token_ids, counts, self.sampling_params(self.sample_seed(round_index, source)))
         self.step_times["gen_s"] += time.perf_counter() - t0
         part = rollouts_from_completions(plan, completions, chunk=source, pad_id=self.tokenizer.pad_token_id)
@@ -231,8 +267,8 @@ class GRPOModule(pl.LightningModule):
     def compute_advantages(self, rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
         """[N] advantages; uses `rollouts.baseline` and `rollouts.scale_adv_by_std` when a callback set them (V0.5)."""
         scale = self.hparams.scale_adv_by_std if rollouts.scale_adv_by_std is None else rollouts.scale_adv_by_std
-        return F.grpo_advantages(rollouts.rewards, rollouts.group, rollouts.num_groups,
-                                 scale_by_std=scale, baseline=rollouts.baseline)
+        group, num_groups = rollouts.advantage_groups()  # the prompts, or smaller groups set by a callback (M3PO)
+        return F.grpo_advantages(rollouts.rewards, group, num_groups, scale_by_std=scale, baseline=rollouts.baseline)
 
     def policy_loss(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
         """Surrogate loss of one micro-batch. logp, old_logp, mask: [n, T]; advantages: [n]."""
@@ -256,7 +292,12 @@ class GRPOModule(pl.LightningModule):
         logp, logits = self.forward_logprobs(self.policy, rollouts)  # [n, T], [n, T, V]
         mask = rollouts.response_mask.to(self.device)
         old = rollouts.old_logp.to(self.device)
+        keep_metrics = {}
+        if rollouts.seq_mask_tau is not None:  # 3PO: drop sequences whose ratio left [1/τ, τ]; their terms become 0
+            keep, keep_metrics = F.sequence_importance_mask(logp, old, mask, tau=rollouts.seq_mask_tau)  # [n]
+            mask = mask & keep[:, None]  # [n, T]
         loss, metrics = self.policy_loss(logp, old, rollouts.advantages.to(self.device), mask, rollouts)
+        metrics.update(keep_metrics)
         with torch.set_grad_enabled(hp.entropy_coef > 0):
             entropy = F.entropy_from_logits(logits / (hp.temperature or 1.0))  # [n, T]
         entropy_mean = F.aggregate(entropy, mask, hp.loss_aggregation, norm_len=hp.max_new_tokens)
@@ -330,6 +371,9 @@ class GRPOModule(pl.LightningModule):
         self.counters["skipped_steps"] += 1
         self.counters["bad_steps_in_row"] += 1
         optimizer.zero_grad()
+        discard = getattr(optimizer, "discard_samples", None)  # IVON: this step's gradient samples must not leak
+        if discard is not None:
+            discard()
         log.warning("non-finite %s at step %d: step skipped (%d in a row)", what, self.global_step, self.counters["bad_steps_in_row"])
         if self.counters["bad_steps_in_row"] >= self.hparams.max_bad_steps:
             raise NonFiniteError(

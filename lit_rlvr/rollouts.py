@@ -40,6 +40,8 @@ class Rollouts:
     scale_adv_by_std: Optional[bool] = None  # set by a callback (V0.5: False) to override the module's option
     advantages: Optional[Tensor] = None  # [N] float
     loss_pass: Optional[Tensor] = None  # [N] long: sample index of the loss pass (M3PO); None = one pass
+    adv_group: Optional[Tensor] = None  # [N] long: advantage group set by a callback (M3PO: prompt × chunk); None = group
+    seq_mask_tau: Optional[float] = None  # τ of the sequence-level importance mask (3PO, DESIGN §4); None = off
     extras: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -52,6 +54,16 @@ class Rollouts:
 
     def num_tokens(self) -> int:
         return int(self.response_mask.sum())
+
+    def advantage_groups(self) -> tuple[Tensor, int]:
+        """([N] long ids, count) of the groups advantages are relative to: `adv_group` when a callback set it,
+        else the prompt. A per-prompt `baseline` only fits the prompt groups."""
+        if self.adv_group is None:
+            return self.group, self.num_groups
+        if self.baseline is not None:
+            raise ValueError("Rollouts.baseline is per prompt ([B]) but adv_group splits prompts into smaller "
+                             "advantage groups: a callback set both (e.g. V0.5 with M3PO, which do not compose)")
+        return self.adv_group, int(self.adv_group.max()) + 1 if self.num_samples else 0
 
     def select(self, index: Tensor) -> "Rollouts":
         """The completions at `index` ([M] long); group ids and per-prompt lists are kept as they are."""
@@ -129,6 +141,7 @@ class Rollouts:
             malformed=cat_optional("malformed"),
             advantages=None,
             loss_pass=cat_optional("loss_pass"),
+            adv_group=cat_optional("adv_group"),
         )
 
 
@@ -161,6 +174,12 @@ class RolloutPlan:
     @property
     def num_prompts(self) -> int:
         return len(self.prompts)
+
+    @property
+    def uses_mean_weights(self) -> bool:
+        """False when a callback installed a weight context (3PO): the engine then needs a push per source,
+        even with one source, and no longer holds the mean afterwards."""
+        return self.weight_context is _no_weight_change
 
     def split_over_sources(self, counts: list[int], offset: Optional[list[int]] = None) -> list[list[int]]:
         """Split per-prompt counts over the weight sources as evenly as possible.

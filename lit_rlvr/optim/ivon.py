@@ -316,6 +316,11 @@ class IVON(ivon.IVON):
         self._reset_samples()
         return loss
 
+    def discard_samples(self) -> None:
+        """Forget the MC samples recorded since the last step (a skipped step: a non-finite gradient must not
+        enter the next step's average)."""
+        self._reset_samples()
+
     def _update(self) -> None:
         """ivon-opt's `_update` (momentum, Hessian, mean: Alg. 1) on fp32 views of the local shards, written
         back in place and rounded to each parameter's dtype."""
