@@ -1,0 +1,40 @@
+"""Dr. GRPO: GRPO "done right" (Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical
+Perspective", arXiv 2503.20783, §3.2)."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from lit_rlvr import functional as F
+from lit_rlvr.algorithms.common import pin_options
+from lit_rlvr.module import GRPOModule
+from lit_rlvr.rollouts import Rollouts
+
+
+class DrGRPOModule(GRPOModule):
+    """GRPO without its two normalisation biases:
+
+    * advantage A_i = r_i − mean_g r, no division by std_g r (which up-weights prompts that are too easy or too
+      hard: `functional.grpo_advantages(scale_by_std=False)`);
+    * loss per sequence = Σ_t s_i,t / L with the constant L = `max_new_tokens` (the generation budget), then the
+      mean over sequences, instead of Σ_t s_i,t / |o_i| (which shrinks the gradient of long wrong answers:
+      aggregation `seq-mean-token-sum-norm`). The entropy and KL terms use the same aggregation.
+
+    These two choices define the method, so `scale_adv_by_std` and `loss_aggregation` are fixed (an override
+    that contradicts them is an error); every other `GRPOModule` argument passes through.
+    """
+
+    def __init__(self, **kwargs):
+        pin_options("dr_grpo", kwargs, scale_adv_by_std=False, loss_aggregation="seq-mean-token-sum-norm")
+        super().__init__(**kwargs)
+
+    def compute_advantages(self, rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
+        """[N] A_i = r_i − b_g, with b_g the group mean (or a callback's `rollouts.baseline`)."""
+        return F.grpo_advantages(rollouts.rewards, rollouts.group, rollouts.num_groups, scale_by_std=False,
+                                 baseline=rollouts.baseline)
+
+    def policy_loss(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
+        """PPO-clip surrogate; token sum of each sequence / max_new_tokens, mean over sequences."""
+        hp = self.hparams
+        return F.ppo_clip_loss(logp, old_logp, advantages, mask, eps_low=hp.eps_low, eps_high=hp.eps_high,
+                               aggregation="seq-mean-token-sum-norm", norm_len=hp.max_new_tokens)
