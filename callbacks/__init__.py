@@ -1,0 +1,5 @@
+"""Lightning callbacks that implement the papers; installed as `lit_rlvr.callbacks` (DESIGN §1)."""
+
+from .value_prior import ValuePrior
+
+__all__ = ["ValuePrior"]

@@ -1,0 +1,302 @@
+"""`ValuePrior`: V0.5 — a generalist value prior fused with a few rollouts, and OSLA budget allocation.
+
+Paper: "V0.5: Generalist Value Model as a Prior for Sparse RL Rollouts" (DESIGN §6; summary in shared/seeds/).
+One RL step (DESIGN §3), with B prompts:
+
+    on_rollout_plan       V0 predicts p̂ [B] in context (this run's recent records); prior V = low + (high−low)·p̂
+                          (= 2p̂ − 1 for ±1 rewards); first round = k_init samples per prompt; OSLA rule installed
+    module.rollout        after every round the rule re-estimates Δ̂² and asks for one more sample where the
+                          expected MSE reduction beats the cost c (Eq. 12), under the batch rules, ≤ k_max
+    on_before_advantages  rollouts.baseline = fused baseline b (Eq. 8), so A = r − b (std scaling off by default)
+    on_rl_step_end        context += this step's (prompt, success rate, n); v05/* metrics and time/prior_s
+
+Until the context holds `min_context` records the prior is absent: the baseline is the plain sample mean and
+OSLA asks for samples as for the plain mean (every prompt up to k_max with c ≈ 1/256); `v05/prior_present` = 0.
+The module's `group_size` is not used: k_init and OSLA decide how many samples each prompt gets.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from lit_rlvr.functional import group_mean
+from lit_rlvr.functional.ranking import binary_auroc
+from lit_rlvr.functional.value_prior import (
+    allocate_round,
+    expected_mse_reduction,
+    osla_wants_more,
+    reward_noise_var,
+    shrinkage_fusion,
+)
+from lit_rlvr.hooks import RLVRCallback
+from lit_rlvr.rollouts import RolloutPlan, Rollouts
+from lit_rlvr.value import FEATURE_MODES, HEADS, ContextBuffer, ValueModel
+
+if TYPE_CHECKING:  # pragma: no cover
+    import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+KEY = "algorithm.callbacks.value_prior"  # config path of this callback, for error messages
+
+
+@dataclass
+class _Step:
+    """What one RL step carries from the plan to the end of the step. Keyed by prompt text, so a step with
+    several plans (dynamic sampling) or a repeated prompt still finds its prior (same text, same prediction)."""
+
+    prior: dict[str, float] = field(default_factory=dict)  # prompt → V on the reward scale (NaN: absent)
+    p_hat: dict[str, float] = field(default_factory=dict)  # prompt → p̂ in [0, 1] (NaN: absent)
+    present: bool = False
+    context_size: int = 0
+    rounds: int = 0
+    prior_s: float = 0.0  # prediction + allocation + fusion + context bookkeeping (the ≤ 5% budget, DESIGN §9)
+    fusion: dict[str, Tensor] = field(default_factory=dict)
+
+
+class ValuePrior(RLVRCallback):
+    """V0.5 for any `GRPOModule` (see the module docstring for the step).
+
+    Args:
+        k_init: samples per prompt in the first round (paper: 4).
+        k_max: never more samples than this per prompt (paper: 16).
+        cost: OSLA's price c of one more sample, in baseline MSE (paper: 0.0039 ≈ 1/256).
+        min_active_frac: keep generating rounds only while this fraction of the batch asks for more (paper: 0.25).
+        pad_to: pad each extra round to a multiple of this many sequences (paper: 32); the padding goes to the
+            prompts with the largest expected MSE reduction.
+        round_size: extra samples per asking prompt per round *(inferred: 1)*.
+        reward_range: (low, high) of the reward; the prior and success rates are mapped onto it.
+        noise_var: σ² of Eq. 8/12; None = worst case for the range, (high − low)²/4 (= 1 for ±1 rewards).
+        scale_by_std: divide A = r − b by the group's reward std (paper: off).
+        context_size, min_context: the context buffer of V0 (records kept; below min_context the prior is absent).
+        backbone, head, head_kwargs, features, adapter_path, max_length, device, seed: V0, see
+            `lit_rlvr.value.ValueModel.create`; `device` None = the policy's device. Built in `setup`.
+        value_model: a ready V0 (anything with `predict(prompts, context) -> (p̂ [B] | None, metrics)`);
+            when given, the V0 arguments above are not used.
+    """
+
+    def __init__(
+        self,
+        k_init: int = 4,
+        k_max: int = 16,
+        cost: float = 0.0039,
+        min_active_frac: float = 0.25,
+        pad_to: int = 32,
+        round_size: int = 1,
+        reward_range: Sequence[float] = (-1.0, 1.0),
+        noise_var: Optional[float] = None,
+        scale_by_std: bool = False,
+        context_size: int = 256,
+        min_context: int = 32,
+        backbone: str = "minilm",
+        head: str = "kernel",
+        head_kwargs: Optional[dict[str, Any]] = None,
+        features: str = "auto",
+        adapter_path: Optional[str] = None,
+        max_length: int = 128,
+        device: Optional[str] = None,
+        seed: int = 0,
+        value_model: Any = None,
+    ) -> None:
+        super().__init__()
+        _check_budget(k_init, k_max, cost, min_active_frac, pad_to, round_size)
+        self.low, self.high, self.noise_var = _check_rewards(reward_range, noise_var)
+        if not 1 <= min_context <= context_size:
+            raise ValueError(f"{KEY}.min_context must be in [1, {KEY}.context_size]; got min_context={min_context}, "
+                             f"context_size={context_size}")
+        if value_model is None and head not in HEADS:
+            raise ValueError(f"{KEY}.head={head!r} is not valid; valid: {', '.join(sorted(HEADS))}")
+        if value_model is None and features not in FEATURE_MODES:
+            raise ValueError(f"{KEY}.features={features!r} is not valid; valid: {', '.join(FEATURE_MODES)}")
+        self.k_init, self.k_max, self.cost = k_init, k_max, cost
+        self.min_active_frac, self.pad_to, self.round_size = min_active_frac, pad_to, round_size
+        self.scale_by_std = scale_by_std
+        self.context = ContextBuffer(capacity=context_size, min_context=min_context)
+        self.value_model_kwargs = dict(backbone=backbone, head=head, head_kwargs=head_kwargs, features=features,
+                                       adapter_path=adapter_path, max_length=max_length, device=device, seed=seed)
+        self.value_model = value_model
+        self._step: Optional[_Step] = None
+        self._restored_cache_keys: list[str] = []
+
+    # -- Lightning hooks -------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage == "fit" and self.value_model is None:
+            # built here, not in __init__: loading the backbone is not part of any step's time
+            kwargs = dict(self.value_model_kwargs)
+            kwargs["device"] = kwargs["device"] or str(pl_module.device)
+            self.value_model = ValueModel.create(**kwargs)
+            self._restore_backbone_cache()
+        _warn_unused_module_options(pl_module, self.k_init, self.scale_by_std)
+
+    @override
+    def on_rollout_plan(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", plan: RolloutPlan) -> None:
+        t0 = time.perf_counter()
+        if plan.budget_rule is not None:
+            raise RuntimeError("ValuePrior: another callback already set the plan's budget_rule; V0.5's OSLA rule "
+                               "cannot be combined with it (remove one of the two callbacks)")
+        step = self._step if self._step is not None else _Step(context_size=len(self.context))
+        self._step = step  # a second plan in the same step (dynamic sampling) adds to the same record
+        p_hat = self._predict(plan.prompts)  # [B] or None
+        step.present = p_hat is not None
+        prior = self.to_reward_scale(p_hat) if p_hat is not None else torch.full((plan.num_prompts,), math.nan)  # [B]
+        step.prior.update(zip(plan.prompts, prior.tolist()))
+        step.p_hat.update(zip(plan.prompts, p_hat.tolist() if p_hat is not None else [math.nan] * plan.num_prompts))
+        plan.n_per_prompt = [self.k_init] * plan.num_prompts  # the module's group_size is not used
+        plan.budget_rule = lambda rollouts: self._next_round(rollouts, prior.cpu())
+        step.prior_s += time.perf_counter() - t0
+
+    @override
+    def on_before_advantages(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", rollouts: Rollouts) -> None:
+        t0 = time.perf_counter()
+        step = self._require_step()
+        mean, counts = _group_stats(rollouts)  # [B], [B]
+        prior = self._lookup(step.prior, rollouts.prompts)  # [B]
+        baseline, step.fusion = shrinkage_fusion(mean, prior, counts, noise_var=self.noise_var)  # [B]
+        rollouts.baseline = baseline
+        rollouts.scale_adv_by_std = self.scale_by_std  # A = r − b: the fused baseline is the whole point
+        step.prior_s += time.perf_counter() - t0
+
+    @override
+    def on_rl_step_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", rollouts: Rollouts) -> None:
+        t0 = time.perf_counter()
+        step = self._require_step()
+        self._step = None
+        mean, counts = _group_stats(rollouts)  # [B], [B]
+        success = self.to_success_rate(mean)  # [B]
+        metrics = self._metrics(step, rollouts, success, counts)
+        self.context.add(rollouts.prompts, success, counts)  # after the metrics: they judge the prior as predicted
+        step.prior_s += time.perf_counter() - t0
+        pl_module.log_metrics({**metrics, "time/prior_s": torch.tensor(step.prior_s)})
+
+    # -- state -------------------------------------------------------------------------------------------------
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The context records and the prompts whose embeddings are cached (the states are recomputed on
+        demand after a resume; the keys let a persistent backbone cache refill, and a resume be checked)."""
+        return {"context": self.context.state_dict(), "embedding_cache_keys": self._cache_keys()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.context.load_state_dict(state_dict["context"])
+        self._restored_cache_keys = list(state_dict.get("embedding_cache_keys", []))
+        self._restore_backbone_cache()
+
+    def _cache_keys(self) -> list[str]:
+        backbone = getattr(self.value_model, "backbone", None)
+        keys = backbone.state_dict()["cached_prompts"] if hasattr(backbone, "state_dict") else []
+        return keys or list(self._restored_cache_keys)
+
+    def _restore_backbone_cache(self) -> None:
+        backbone = getattr(self.value_model, "backbone", None)
+        if self._restored_cache_keys and hasattr(backbone, "load_state_dict"):
+            backbone.load_state_dict({"cached_prompts": self._restored_cache_keys})
+
+    # -- the pieces ----------------------------------------------------------------------------------------------
+    def to_reward_scale(self, p_hat: Tensor) -> Tensor:
+        """Success probability [B] → expected reward [B] (V = 2p̂ − 1 for ±1 rewards)."""
+        return self.low + (self.high - self.low) * p_hat.detach().float().cpu()
+
+    def to_success_rate(self, mean_reward: Tensor) -> Tensor:
+        """Mean reward [B] → success rate [B] in [0, 1] (for ±1 rewards: (r̄ + 1) / 2)."""
+        return ((mean_reward - self.low) / (self.high - self.low)).clamp(0, 1)
+
+    def _predict(self, prompts: list[str]) -> Optional[Tensor]:
+        """p̂ [B] from V0 fit on the context, or None while the context is short (prior absent)."""
+        if not self.context.is_ready:
+            return None
+        if self.value_model is None:
+            raise RuntimeError("ValuePrior: no value model; the trainer's setup() builds it (or pass value_model=)")
+        p_hat, _ = self.value_model.predict(prompts, self.context)
+        return None if p_hat is None else p_hat.detach().float().cpu()
+
+    def _next_round(self, rollouts: Rollouts, prior: Tensor) -> Optional[list[int]]:
+        """The plan's budget rule: extra samples per prompt for the next round (OSLA, Eq. 12), None = stop."""
+        t0 = time.perf_counter()
+        step = self._require_step()
+        step.rounds += 1  # called once after every round
+        mean, counts = _group_stats(rollouts)  # [B], [B]
+        gain = expected_mse_reduction(mean, prior, counts, noise_var=self.noise_var)  # [B] Δ̂² re-estimated
+        wants = osla_wants_more(mean, prior, counts, noise_var=self.noise_var, cost=self.cost, k_max=self.k_max)
+        extra = allocate_round(wants, gain, counts, k_max=self.k_max, min_active_frac=self.min_active_frac,
+                               pad_to=self.pad_to, round_size=self.round_size).tolist()  # [B]
+        step.prior_s += time.perf_counter() - t0
+        return extra if sum(extra) > 0 else None
+
+    def _metrics(self, step: _Step, rollouts: Rollouts, success: Tensor, counts: Tensor) -> dict[str, Tensor]:
+        nan = torch.tensor(math.nan)
+        p_hat = self._lookup(step.p_hat, rollouts.prompts)  # [B] NaN where absent
+        has = torch.isfinite(p_hat)  # [B]
+        mid = (self.low + self.high) / 2
+        metrics = {
+            "v05/prior_present": torch.tensor(float(step.present)),
+            "v05/context_size": torch.tensor(float(step.context_size)),
+            "v05/rollouts_per_prompt": counts.float().mean(),
+            "v05/rounds": torch.tensor(float(step.rounds)),
+            "v05/w_mean": step.fusion["w"].float().mean() if step.fusion else nan,
+            # prior-vs-outcome metrics only exist where there was a prior (NaN in the absent phase)
+            "v05/prior_rejected_frac": step.fusion["prior_rejected"][has].float().mean() if has.any() else nan,
+            "v05/prior_abs_err": (p_hat - success)[has].abs().mean() if has.any() else nan,
+            "v05/prior_auc": binary_auroc(p_hat[rollouts.group], rollouts.rewards > mid) if has.all() else nan,
+            "v05/p_hat_mean": p_hat[has].mean() if has.any() else nan,
+        }
+        return metrics
+
+    def _lookup(self, table: dict[str, float], prompts: list[str]) -> Tensor:
+        """[B] values of `table` for the prompts (NaN for a prompt no plan of this step predicted)."""
+        return torch.tensor([table.get(p, math.nan) for p in prompts], dtype=torch.float32)
+
+    def _require_step(self) -> _Step:
+        if self._step is None:
+            raise RuntimeError("ValuePrior: on_rollout_plan was not called for this step (the module must call "
+                               "the RLVRCallback hooks in order: plan, advantages, step end)")
+        return self._step
+
+
+def _group_stats(rollouts: Rollouts) -> tuple[Tensor, Tensor]:
+    """Sample mean reward [B] and sample count [B] of each prompt."""
+    rewards = rollouts.rewards.detach().float().cpu()  # [N]
+    group = rollouts.group.cpu()  # [N]
+    mean = group_mean(rewards, group, rollouts.num_groups)  # [B]
+    return mean, torch.bincount(group, minlength=rollouts.num_groups)  # [B], [B]
+
+
+def _check_budget(k_init: int, k_max: int, cost: float, min_active_frac: float, pad_to: int, round_size: int) -> None:
+    if k_init < 1:
+        raise ValueError(f"{KEY}.k_init must be >= 1, got {k_init}")
+    if k_init > k_max:
+        raise ValueError(f"{KEY}.k_init={k_init} is larger than {KEY}.k_max={k_max}; set k_init <= k_max")
+    if cost < 0:
+        raise ValueError(f"{KEY}.cost must be >= 0, got {cost}")
+    if not 0.0 <= min_active_frac <= 1.0:
+        raise ValueError(f"{KEY}.min_active_frac must be in [0, 1], got {min_active_frac}")
+    if pad_to < 1 or round_size < 1:
+        raise ValueError(f"{KEY}.pad_to and {KEY}.round_size must be >= 1, got {pad_to}, {round_size}")
+
+
+def _check_rewards(reward_range: Sequence[float], noise_var: Optional[float]) -> tuple[float, float, float]:
+    if len(reward_range) != 2 or not reward_range[0] < reward_range[1]:
+        raise ValueError(f"{KEY}.reward_range must be [low, high] with low < high, got {list(reward_range)}")
+    low, high = float(reward_range[0]), float(reward_range[1])
+    if noise_var is not None and not noise_var > 0:
+        raise ValueError(f"{KEY}.noise_var must be > 0 (or null: from reward_range), got {noise_var}")
+    return low, high, float(noise_var) if noise_var is not None else reward_noise_var(low, high)
+
+
+def _warn_unused_module_options(pl_module: "pl.LightningModule", k_init: int, scale_by_std: bool) -> None:
+    """Say so when a module option the user may have set has no effect under V0.5."""
+    hp = getattr(pl_module, "hparams", {})
+    if hp.get("group_size", k_init) != k_init:
+        log.warning("V0.5: algorithm.group_size=%s is not used; %s.k_init=%d samples per prompt start each step "
+                    "and OSLA adds more", hp["group_size"], KEY, k_init)
+    if hp.get("scale_adv_by_std", scale_by_std) != scale_by_std:
+        log.warning("V0.5: algorithm.scale_adv_by_std=%s is overridden by %s.scale_by_std=%s",
+                    hp["scale_adv_by_std"], KEY, scale_by_std)
