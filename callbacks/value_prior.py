@@ -138,6 +138,10 @@ class ValuePrior(RLVRCallback):
         _warn_unused_module_options(pl_module, self.k_init, self.scale_by_std)
 
     @override
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+        self._step = None  # a step that raised half-way must not leak its prior into this one
+
+    @override
     def on_rollout_plan(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", plan: RolloutPlan) -> None:
         t0 = time.perf_counter()
         if plan.budget_rule is not None:
