@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from lit_rlvr import functional as F
-from lit_rlvr.algorithms.common import pin_options
+from lit_rlvr.algorithms.common import check_fixed
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.rollouts import Rollouts
 
@@ -24,9 +24,10 @@ class DrGRPOModule(GRPOModule):
     that contradicts them is an error); every other `GRPOModule` argument passes through.
     """
 
-    def __init__(self, **kwargs):
-        pin_options("dr_grpo", kwargs, scale_adv_by_std=False, loss_aggregation="seq-mean-token-sum-norm")
-        super().__init__(**kwargs)
+    def __init__(self, scale_adv_by_std: bool = False, loss_aggregation: str = "seq-mean-token-sum-norm", **kwargs):
+        check_fixed("dr_grpo", scale_adv_by_std=(scale_adv_by_std, False),
+                    loss_aggregation=(loss_aggregation, "seq-mean-token-sum-norm"))
+        super().__init__(scale_adv_by_std=scale_adv_by_std, loss_aggregation=loss_aggregation, **kwargs)
 
     def compute_advantages(self, rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
         """[N] A_i = r_i − b_g, with b_g the group mean (or a callback's `rollouts.baseline`)."""

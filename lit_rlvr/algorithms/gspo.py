@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from lit_rlvr import functional as F
-from lit_rlvr.algorithms.common import pin_options
+from lit_rlvr.algorithms.common import check_fixed
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.rollouts import Rollouts
 
@@ -22,9 +22,10 @@ class GSPOModule(GRPOModule):
     sequence count; entropy/KL terms use the same reduction).
     """
 
-    def __init__(self, eps_low: float = 3e-4, eps_high: float = 4e-4, **kwargs):
-        pin_options("gspo", kwargs, loss_aggregation="seq-mean-token-mean")
-        super().__init__(eps_low=eps_low, eps_high=eps_high, **kwargs)
+    def __init__(self, eps_low: float = 3e-4, eps_high: float = 4e-4, loss_aggregation: str = "seq-mean-token-mean",
+                 **kwargs):
+        check_fixed("gspo", loss_aggregation=(loss_aggregation, "seq-mean-token-mean"))
+        super().__init__(eps_low=eps_low, eps_high=eps_high, loss_aggregation=loss_aggregation, **kwargs)
 
     def policy_loss(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
         """logp, old_logp, mask: [n, T]; advantages: [n]. Metrics: `loss/pg_clipfrac` = sequences clipped."""
