@@ -1,5 +1,6 @@
 """Lightning callbacks that implement the papers; installed as `lit_rlvr.callbacks` (DESIGN §1)."""
 
+from .param_noise import ParamNoise
 from .value_prior import ValuePrior
 
-__all__ = ["ValuePrior"]
+__all__ = ["ParamNoise", "ValuePrior"]

@@ -72,8 +72,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     started = time.perf_counter()
     datamodule = instantiate(cfg.data)
+    trainer = build_trainer(cfg, run_dir)  # first: callbacks check their config before the model loads
     module = build_module(cfg)
-    trainer = build_trainer(cfg, run_dir)
     before = validate(trainer, module, datamodule) if cfg.eval_before and cfg.resume is None else {}
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume)
     trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")

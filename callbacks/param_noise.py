@@ -1,0 +1,171 @@
+"""`ParamNoise`: 3PO — exploration in parameter space with IVON weight samples (B3PO, M3PO, C3PO).
+
+Paper: "Parameter Exploration for RLVR via Variational Learning" (Venkatkrishna, Daheim, Gurevych; DESIGN §5;
+summary in shared/seeds/). IVON keeps a Gaussian posterior q(θ) = N(m, σ²), σ = 1/sqrt(λ(h + δ)), over the
+weights; a weight sample is θ̂_j = m + σ⊙z_j with z_j seeded by (run seed, IVON step, j, rank), so the same
+index j gives the same θ̂_j everywhere within one RL step. Per step, G completions per prompt, N = num_samples:
+
+              generation (plan.weight_context)      advantages           loss (loss_context)
+    b3po      θ̂_0 generates all G                   over the G           at θ̂_0
+    m3po      θ̂_j generates G/N, j < N              within each chunk    one pass per j at θ̂_j (IVON averages)
+    c3po      θ̂_c generates G/N, c < N              pooled over the G    one pass at a fresh θ̂_N, never pushed
+
+`IVON.sampled_params` writes θ̂ into the policy in place and restores m bit-exactly on exit; the module pushes
+the weights to the engine inside the generation context. Loss contexts use `train=True`: on exit IVON records
+that sample's gradient (and noise⊙gradient for the Hessian); the module's single optimizer step per RL step
+is IVON's update from the recorded samples. The loss uses each rollout's behaviour log-probs as `old`, so in
+C3PO the ratio compares θ̂_N with the θ̂_c that generated the sequence; `tau` drops sequences whose ratio
+exp(Σ_t(logp − old)) leaves [1/τ, τ] (DESIGN §4). In B3PO and M3PO the loss sample is the generating one,
+so the ratio is 1 and the mask keeps everything.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, Iterator, Optional
+
+import torch
+from typing_extensions import override
+
+from lit_rlvr import functional as F
+from lit_rlvr.hooks import RLVRCallback
+from lit_rlvr.optim import IVON, bf16_spacing_warning
+from lit_rlvr.rollouts import RolloutPlan, Rollouts
+
+if TYPE_CHECKING:  # pragma: no cover
+    import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+KEY = "algorithm.callbacks.param_noise"  # config path of this callback, for error messages
+VARIANTS = ("b3po", "m3po", "c3po")
+
+
+class ParamNoise(RLVRCallback):
+    """B3PO / M3PO / C3PO for a `GRPOModule` configured with `optimizer="ivon"` (see the module docstring).
+
+    Args:
+        variant: `b3po` (one sample per step), `m3po` (N samples, advantages and gradients per sample) or
+            `c3po` (N samples pooled into one group; the paper's best).
+        num_samples: N, the weight samples the G completions of a prompt are split over; None = 1 for b3po
+            (its only valid value), 4 otherwise (paper). `group_size` must be a multiple of it.
+        tau: bound τ of the sequence-level importance mask (paper: 2); None = no mask.
+        group_size: the module's G, when known at construction (the configs pass `${algorithm.group_size}`), so
+            that a G not divisible by N fails before the model loads; `setup` checks the module's G anyway.
+        bf16_check_every: steps between checks that σ is above the bf16 spacing of the weights (only with a
+            bf16 engine; warns once).
+    """
+
+    def __init__(self, variant: str = "c3po", num_samples: Optional[int] = None, tau: Optional[float] = 2.0,
+                 group_size: Optional[int] = None, bf16_check_every: int = 100):
+        super().__init__()
+        if variant not in VARIANTS:
+            raise ValueError(f"{KEY}.variant={variant!r}; valid: {', '.join(VARIANTS)}")
+        num_samples = (1 if variant == "b3po" else 4) if num_samples is None else int(num_samples)
+        if num_samples < 1 or (variant == "b3po" and num_samples != 1):
+            raise ValueError(f"{KEY}.num_samples={num_samples}: must be >= 1 (b3po uses exactly 1 sample)")
+        if tau is not None and not tau > 1.0:
+            raise ValueError(f"{KEY}.tau={tau}: the importance mask keeps ratios in [1/τ, τ], so τ must be > 1 "
+                             f"(null turns the mask off)")
+        if bf16_check_every < 1:
+            raise ValueError(f"{KEY}.bf16_check_every={bf16_check_every} must be >= 1")
+        self.variant, self.num_samples, self.tau = variant, num_samples, tau
+        self.bf16_check_every = bf16_check_every
+        self._bf16_warned = False
+        if group_size is not None:
+            self._check_group_size(int(group_size))
+
+    def _check_group_size(self, group_size: int) -> None:
+        if group_size % self.num_samples:
+            raise ValueError(
+                f"algorithm.group_size={group_size} is not divisible by {KEY}.num_samples={self.num_samples}: each "
+                f"of the N weight samples generates G/N completions per prompt; make algorithm.group_size a "
+                f"multiple of {KEY}.num_samples")
+
+    # -- checks before any work --------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        hp = pl_module.hparams
+        if hp.get("optimizer") != "ivon":
+            raise ValueError(f"{KEY} samples weights from IVON's posterior: set algorithm.optimizer=ivon (with "
+                             f"algorithm.optimizer_options.ess etc.; see conf/algorithm/c3po.yaml), got "
+                             f"algorithm.optimizer={hp.get('optimizer')!r}")
+        self._check_group_size(int(hp.group_size))
+        if hp.get("ppo_epochs", 1) * hp.get("mini_batches", 1) != 1:
+            # a second IVON step inside one RL step would move m and re-seed the samples the rollouts came from
+            raise ValueError(f"3PO takes one IVON step per RL step: set algorithm.ppo_epochs=1 and "
+                             f"algorithm.mini_batches=1 (got {hp.ppo_epochs} and {hp.mini_batches})")
+
+    @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._maybe_warn_bf16(pl_module, self._ivon(trainer))
+
+    @staticmethod
+    def _ivon(trainer: "pl.Trainer") -> IVON:
+        optimizers = trainer.optimizers
+        if len(optimizers) != 1 or not isinstance(optimizers[0], IVON):
+            raise TypeError(f"{KEY} needs exactly one optimizer, lit_rlvr.optim.IVON; configure_optimizers gave "
+                            f"{[type(o).__name__ for o in optimizers]}")
+        return optimizers[0]
+
+    # -- the RL step -------------------------------------------------------------------------------------------
+    @override
+    def on_rollout_plan(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", plan: RolloutPlan) -> None:
+        if plan.num_weight_sources != 1 or not plan.uses_mean_weights:
+            raise RuntimeError(f"{KEY}: another callback already set the plan's weight sources; 3PO owns them")
+        optimizer = self._ivon(trainer)
+        plan.num_weight_sources = self.num_samples
+        # train=False: generating records no gradient sample; m is back in place when the context exits
+        plan.weight_context = lambda source: optimizer.sampled_params(sample_index=source)
+
+    @override
+    def on_before_advantages(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", rollouts: Rollouts) -> None:
+        if self.variant == "m3po":
+            rollouts.adv_group = F.chunk_groups(rollouts.group, rollouts.chunk, self.num_samples)  # [N]
+            rollouts.loss_pass = rollouts.chunk.clone()  # [N]: one loss pass per weight sample
+        rollouts.seq_mask_tau = self.tau
+        _, metrics = F.partial_chunk_success(rollouts.rewards > 0, rollouts.group, rollouts.chunk,
+                                             rollouts.num_groups, self.num_samples)
+        pl_module.log_metrics(metrics)
+
+    @override
+    def loss_context(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", rollouts: Rollouts,
+                     pass_index: int) -> AbstractContextManager:
+        # C3PO: a fresh sample, index N, unlike every generating one; B3PO/M3PO: the pass's generating sample
+        index = self.num_samples if self.variant == "c3po" else pass_index
+        return _gradient_sample(self._ivon(trainer), index)
+
+    @override
+    def on_rl_step_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", rollouts: Rollouts) -> None:
+        optimizer = self._ivon(trainer)
+        pl_module.log_metrics(optimizer.noise_stats())  # σ after this step; θ − m of the loss sample
+        if pl_module.global_step % self.bf16_check_every == 0:
+            self._maybe_warn_bf16(pl_module, optimizer)
+
+    def _maybe_warn_bf16(self, pl_module: "pl.LightningModule", optimizer: IVON) -> None:
+        if self._bf16_warned or engine_dtype(pl_module) != torch.bfloat16:
+            return
+        message = bf16_spacing_warning(optimizer, pl_module.policy.parameters())
+        if message is not None:
+            log.warning(message)
+            self._bf16_warned = True
+
+
+@contextmanager
+def _gradient_sample(optimizer: IVON, sample_index: int) -> Iterator[None]:
+    """Hold θ̂_{sample_index} over one loss pass; IVON records the pass's gradient on exit."""
+    optimizer.zero_grad(set_to_none=True)  # IVON records the .grad held at exit: each sample's gradient once
+    with optimizer.sampled_params(sample_index=sample_index, train=True):
+        yield
+
+
+def engine_dtype(pl_module: "pl.LightningModule") -> Optional[torch.dtype]:
+    """The dtype the rollout engine generates in: its `dtype` attribute, else its model's, else the policy's."""
+    engine = getattr(pl_module, "engine", None)
+    dtype = getattr(engine, "dtype", None)
+    if dtype is None and isinstance(getattr(engine, "model", None), torch.nn.Module):
+        dtype = next(engine.model.parameters()).dtype
+    if dtype is None:
+        dtype = next(pl_module.policy.parameters()).dtype
+    return getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
