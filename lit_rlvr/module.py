@@ -302,7 +302,8 @@ class GRPOModule(pl.LightningModule):
             entropy = F.entropy_from_logits(logits / (hp.temperature or 1.0))  # [n, T]
         entropy_mean = F.aggregate(entropy, mask, hp.loss_aggregation, norm_len=hp.max_new_tokens)
         loss = loss - hp.entropy_coef * entropy_mean
-        metrics["loss/entropy"] = entropy_mean.detach()
+        # the metric is nats per token whatever the loss aggregation, so runs of different losses compare
+        metrics["loss/entropy"] = F.aggregate(entropy.detach(), mask, "token-mean")
         if self.ref_policy is not None:
             with torch.no_grad():
                 ref_logp, _ = self.forward_logprobs(self.ref_policy, rollouts)
