@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Iterator, Optional
 
 import torch
@@ -103,12 +104,10 @@ class DAPOModule(GRPOModule):
         """GRPO advantages of the reward plus the overlong penalty (Eq. 13); `rollouts.rewards` stays the task
         reward (so `reward/accuracy` keeps its meaning)."""
         hp = self.hparams
-        rewards, metrics = rollouts.rewards, {}
-        if hp.overlong_cache_len > 0:
-            lengths = rollouts.response_mask.sum(-1)  # [N]
-            penalty, metrics = F.overlong_penalty(lengths, max_len=hp.max_new_tokens, cache_len=hp.overlong_cache_len)
-            rewards = rewards + penalty  # [N]
-            metrics["reward/shaped_mean"] = rewards.mean()
-        adv, adv_metrics = F.grpo_advantages(rewards, rollouts.group, rollouts.num_groups,
-                                             scale_by_std=hp.scale_adv_by_std, baseline=rollouts.baseline)
-        return adv, {**metrics, **adv_metrics}
+        if hp.overlong_cache_len == 0:
+            return super().compute_advantages(rollouts)
+        lengths = rollouts.response_mask.sum(-1)  # [N]
+        penalty, metrics = F.overlong_penalty(lengths, max_len=hp.max_new_tokens, cache_len=hp.overlong_cache_len)
+        shaped = replace(rollouts, rewards=rollouts.rewards + penalty)  # [N]; a view of the batch, nothing copied
+        adv, adv_metrics = super().compute_advantages(shaped)
+        return adv, {**metrics, "reward/shaped_mean": shaped.rewards.mean(), **adv_metrics}

@@ -31,8 +31,8 @@ class DrGRPOModule(GRPOModule):
 
     def compute_advantages(self, rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
         """[N] A_i = r_i − b_g, with b_g the group mean (or a callback's `rollouts.baseline`)."""
-        return F.grpo_advantages(rollouts.rewards, rollouts.group, rollouts.num_groups, scale_by_std=False,
-                                 baseline=rollouts.baseline)
+        group, num_groups = rollouts.advantage_groups()  # the prompts, or smaller groups set by a callback (M3PO)
+        return F.grpo_advantages(rollouts.rewards, group, num_groups, scale_by_std=False, baseline=rollouts.baseline)
 
     def policy_loss(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
         """PPO-clip surrogate; token sum of each sequence / max_new_tokens, mean over sequences."""

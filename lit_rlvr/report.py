@@ -1,0 +1,186 @@
+"""Compare runs: one figure and a markdown table of final figures.
+
+    python -m lit_rlvr.report RUN_DIR [RUN_DIR ...] --out report.png     (also writes report.md)
+
+A run dir holds `metrics.csv` (train.py, or the CLI's CSVLogger dir) and, for train.py runs, `summary.json`.
+Each metric is drawn twice: against the RL step and against the rollouts consumed (`rollouts/total`), the
+fair axis when methods spend different numbers of rollouts per step (DAPO refills, V0.5, C3PO).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import pandas as pd
+
+# (column, panel title, y label); the first is the accuracy panel, which also shows validation points
+PANELS = [
+    ("reward/accuracy", "Accuracy (train rollouts; o = held-out val)", "accuracy"),
+    ("reward/mean", "Mean reward", "reward"),
+    ("loss/entropy", "Policy entropy", "nats / token"),
+    ("grad/norm", "Gradient norm (before clipping)", "L2 norm"),
+    ("groups/zero_adv_frac", "Zero-advantage groups", "fraction of groups"),
+    ("rollouts/per_step", "Rollouts generated per step", "rollouts"),
+]
+VAL = "val/accuracy"
+
+
+@dataclass
+class Run:
+    path: Path
+    label: str
+    train: pd.DataFrame  # one row per RL step: step, rollouts/total, metrics
+    val: pd.DataFrame  # validation rows: step, val/*, rollouts (consumed before that validation)
+    summary: dict = field(default_factory=dict)
+
+
+def find_metrics(run_dir: Path) -> Path:
+    direct = run_dir / "metrics.csv"
+    if direct.exists():
+        return direct
+    found = sorted(run_dir.rglob("metrics.csv"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise FileNotFoundError(f"{run_dir}: no metrics.csv (is it a train.py run dir or a CSVLogger dir?)")
+    return found[-1]
+
+
+def read_metrics(path: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(train rows, validation rows) of a Lightning metrics.csv, whose rows are sparse: each logging call
+    writes its own row, validation rows carry only val/* and step, columns differ from run to run."""
+    frame = pd.read_csv(path).apply(pd.to_numeric, errors="coerce")
+    if "step" not in frame:
+        raise ValueError(f"{path}: no 'step' column; not a Lightning CSVLogger file")
+    train_cols = [c for c in frame.columns if c not in ("epoch", "step") and not c.startswith("val/")]
+    train = frame[frame[train_cols].notna().any(axis=1)] if train_cols else frame.iloc[:0]
+    train = train.groupby("step", as_index=False).last().sort_values("step")  # rows split by logging calls
+    val_cols = [c for c in frame.columns if c.startswith("val/")]
+    val = frame[frame[val_cols].notna().any(axis=1)][["step", *val_cols]] if val_cols else frame.iloc[:0][["step"]]
+    val = val.copy()
+    if "rollouts/total" in train and len(val):
+        # a validation at global step S sees the policy after S updates, i.e. after train rows 0..S-1
+        totals = dict(zip(train["step"] + 1, train["rollouts/total"]))
+        val["rollouts"] = [0.0 if s == 0 else totals.get(s, math.nan) for s in val["step"]]
+    return train.reset_index(drop=True), val.reset_index(drop=True)
+
+
+def load_run(run_dir: str | Path) -> Run:
+    path = Path(run_dir)
+    train, val = read_metrics(find_metrics(path))
+    summary = json.loads((path / "summary.json").read_text()) if (path / "summary.json").exists() else {}
+    algorithm = summary.get("algorithm") or _cli_model_name(path)
+    label = f"{algorithm} · {path.resolve().name}" if algorithm else path.resolve().name
+    return Run(path, label, train, val, summary)
+
+
+def _cli_model_name(path: Path) -> Optional[str]:
+    """The model class of a `lit-rlvr` run (its config.yaml), as the algorithm name."""
+    config = path / "config.yaml"
+    if not config.exists():
+        return None
+    for line in config.read_text().splitlines():
+        if line.strip().startswith("class_path:") and "Module" in line:
+            return line.split(":", 1)[1].strip().rsplit(".", 1)[-1]
+    return None
+
+
+def smooth(values: pd.Series) -> pd.Series:
+    window = max(1, len(values) // 15)
+    return values.rolling(window, min_periods=1).mean()
+
+
+def tail_mean(frame: pd.DataFrame, column: str) -> float:
+    """Mean over the last 10% of the steps (at least one): the run's final level, less noisy than one step."""
+    if column not in frame or frame[column].notna().sum() == 0:
+        return math.nan
+    values = frame[column].dropna()
+    return float(values.iloc[-max(1, len(values) // 10):].mean())
+
+
+def plot(runs: list[Run], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = plt.subplots(3, 4, figsize=(22, 12.5), constrained_layout=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, (column, title, ylabel) in enumerate(PANELS):
+        for side, (xcol, xlabel) in enumerate([("step", "RL step"), ("rollouts/total", "rollouts consumed")]):
+            ax = axes[index // 2, (index % 2) * 2 + side]
+            for k, run in enumerate(runs):
+                _draw(ax, run, column, xcol, colors[k % len(colors)], is_accuracy=index == 0)
+            ax.set_title(f"{title} — vs {xlabel}", fontsize=11)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            if column in ("reward/accuracy", "groups/zero_adv_frac"):
+                ax.set_ylim(-0.03, 1.03)
+    handles = [plt.Line2D([], [], color=colors[k % len(colors)], lw=2.5, label=run.label) for k, run in enumerate(runs)]
+    fig.suptitle("lit-rlvr run comparison (thin line = per step, thick = moving average)", fontsize=14)
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(runs), 4), fontsize=12, frameon=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def _draw(ax, run: Run, column: str, xcol: str, color: str, *, is_accuracy: bool) -> None:
+    frame = run.train
+    if column in frame and xcol in frame and frame[column].notna().any():
+        data = frame[[xcol, column]].dropna()
+        ax.plot(data[xcol], data[column], color=color, alpha=0.3, lw=1)
+        ax.plot(data[xcol], smooth(data[column]), color=color, lw=2.2)
+    if is_accuracy and VAL in run.val and len(run.val):
+        vx = run.val["step"] if xcol == "step" else run.val.get("rollouts")
+        if vx is not None:
+            ax.plot(vx, run.val[VAL], color=color, ls="--", marker="o", ms=7, lw=1)
+
+
+def table(runs: list[Run]) -> str:
+    """Markdown table of each run's final figures."""
+    head = ["run", "steps", "rollouts", "train acc (last 10%)", "reward (last 10%)", "val acc before → after",
+            "entropy (last 10%)", "grad norm (last 10%)", "zero-adv groups (mean)", "rollouts/step (mean)", "wall s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for run in runs:
+        train, val, summary = run.train, run.val, run.summary
+        steps = int(train["step"].max()) + 1 if len(train) else 0
+        rollouts = train["rollouts/total"].max() if "rollouts/total" in train else math.nan
+        before = summary.get("accuracy_before", val[VAL].iloc[0] if VAL in val and len(val) > 1 else math.nan)
+        after = summary.get("accuracy_after", val[VAL].iloc[-1] if VAL in val and len(val) else math.nan)
+        mean = lambda c: float(train[c].mean()) if c in train else math.nan  # noqa: E731
+        cells = [run.label, str(steps), _fmt(rollouts, 0), _fmt(tail_mean(train, "reward/accuracy")),
+                 _fmt(tail_mean(train, "reward/mean")), f"{_fmt(before)} → {_fmt(after)}",
+                 _fmt(tail_mean(train, "loss/entropy")), _fmt(tail_mean(train, "grad/norm")),
+                 _fmt(mean("groups/zero_adv_frac")), _fmt(mean("rollouts/per_step"), 1), _fmt(summary.get("wall_s"), 1)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    return f"{float(value):.{digits}f}"
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lit_rlvr.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", help="run directories (each with metrics.csv)")
+    parser.add_argument("--out", default="report.png", help="figure path; the table goes next to it as .md")
+    args = parser.parse_args(argv)
+    runs = [load_run(r) for r in args.runs]
+    out = Path(args.out)
+    plot(runs, out)
+    text = table(runs)
+    out.with_suffix(".md").write_text(f"# lit-rlvr run comparison\n\n![runs]({out.name})\n\n{text}")
+    print(text, end="")
+    print(f"figure: {out}\ntable: {out.with_suffix('.md')}")
+
+
+if __name__ == "__main__":
+    main()
