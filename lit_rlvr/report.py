@@ -20,14 +20,17 @@ import pandas as pd
 
 # (column, panel title, y label); the first is the accuracy panel, which also shows validation points
 PANELS = [
-    ("reward/accuracy", "Accuracy (train rollouts; o = held-out val)", "accuracy"),
-    ("reward/mean", "Mean reward", "reward"),
+    ("reward/accuracy", "Accuracy (all generated rollouts; o = held-out val)", "accuracy"),
+    ("reward/mean", "Mean reward (all generated rollouts)", "reward"),
     ("loss/entropy", "Policy entropy", "nats / token"),
     ("grad/norm", "Gradient norm (before clipping)", "L2 norm"),
     ("groups/zero_adv_frac", "Zero-advantage groups", "fraction of groups"),
     ("rollouts/per_step", "Rollouts generated per step", "rollouts"),
 ]
 VAL = "val/accuracy"
+# a run that trains on a subset of what it generated (DAPO drops constant groups) also logs `<name>_generated`
+# over all its rollouts; panels and table prefer those, so filtering does not flatter a method
+GENERATED = ("reward/accuracy", "reward/mean")
 
 
 @dataclass
@@ -58,6 +61,9 @@ def read_metrics(path: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     train_cols = [c for c in frame.columns if c not in ("epoch", "step") and not c.startswith("val/")]
     train = frame[frame[train_cols].notna().any(axis=1)] if train_cols else frame.iloc[:0]
     train = train.groupby("step", as_index=False).last().sort_values("step")  # rows split by logging calls
+    for name in GENERATED:
+        if f"{name}_generated" in train:
+            train[name] = train[f"{name}_generated"].fillna(train.get(name))
     val_cols = [c for c in frame.columns if c.startswith("val/")]
     val = frame[frame[val_cols].notna().any(axis=1)][["step", *val_cols]] if val_cols else frame.iloc[:0][["step"]]
     val = val.copy()
@@ -144,7 +150,7 @@ def _draw(ax, run: Run, column: str, xcol: str, color: str, *, is_accuracy: bool
 
 def table(runs: list[Run]) -> str:
     """Markdown table of each run's final figures."""
-    head = ["run", "steps", "rollouts", "train acc (last 10%)", "reward (last 10%)", "val acc before → after",
+    head = ["run", "steps", "rollouts", "rollout acc (last 10%)", "rollout reward (last 10%)", "val acc before → after",
             "entropy (last 10%)", "grad norm (last 10%)", "zero-adv groups (mean)", "rollouts/step (mean)", "wall s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for run in runs:

@@ -200,6 +200,7 @@ def test_dapo_dynamic_sampling_stops_at_cap():
     (m,) = recorder.metrics
     assert (m["dapo/cap_hit"], m["dapo/refill_rounds"], m["dapo/kept_groups"]) == (1, 2, 0)
     assert m["rollouts/per_step"] == 3 * 16  # the first batch and two refills, no more
+    assert m["reward/accuracy_generated"] == 0.0
     assert recorder.trained[0].advantages is not None and recorder.trained[0].advantages.abs().max() == 0
 
 

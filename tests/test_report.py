@@ -33,6 +33,9 @@ def test_read_metrics_sparse_rows(tmp_path):
     row = report.table([run]).splitlines()[2]
     assert "0.25 → 0.50" in row.replace("0.250", "0.25").replace("0.500", "0.50")
     assert math.isnan(report.tail_mean(run.train, "loss/entropy"))  # an absent column is "—", not an error
+    # a run that trains on part of what it generated (DAPO) is judged on all its rollouts
+    (tmp_path / "metrics.csv").write_text("epoch,step,reward/accuracy,reward/accuracy_generated\n0,0,0.5,0.25\n")
+    assert report.load_run(tmp_path).train["reward/accuracy"].tolist() == [0.25]
     with pytest.raises(FileNotFoundError, match="no metrics.csv"):
         report.load_run(tmp_path / "missing")
 

@@ -31,8 +31,9 @@ class DAPOModule(GRPOModule):
       (0 switches it off).
 
     Metrics: `dapo/kept_groups` (groups trained on), `dapo/refill_rounds` (extra batches drawn),
-    `dapo/cap_hit`, `dapo/accuracy_generated` (accuracy over *all* generated rollouts: `reward/accuracy` is
-    measured on the kept groups, which all-right/all-wrong groups have left), `reward/overlong_frac`;
+    `dapo/cap_hit`, `reward/accuracy_generated` and `reward/mean_generated` (over *all* generated rollouts:
+    `reward/accuracy` and `reward/mean` are measured on the kept groups, which all-right/all-wrong groups have
+    left), `reward/overlong_frac`;
     `rollouts/per_step` counts every generated rollout, dropped ones included.
     """
 
@@ -64,12 +65,13 @@ class DAPOModule(GRPOModule):
             return super().collect_rollouts(batch)
         target = len(batch["prompt"])
         kept: list[Rollouts] = []
-        correct, generated = 0.0, 0
+        correct, total, generated = 0.0, 0.0, 0
         while True:
             rollouts = super().collect_rollouts(batch)
             keep = ~F.constant_groups(rollouts.rewards, rollouts.group, rollouts.num_groups)  # [B]
             kept.append(rollouts.select_groups(keep))
             correct += float((rollouts.rewards > 0).sum())
+            total += float(rollouts.rewards.sum())
             generated += rollouts.num_samples
             have = sum(part.num_groups for part in kept)
             if have >= target or self._refill >= self.hparams.max_refill_batches:
@@ -84,7 +86,8 @@ class DAPOModule(GRPOModule):
             out = Rollouts.stack_groups(kept, self.tokenizer.pad_token_id)
             out = out.select_groups(torch.arange(out.num_groups) < target)
         self.log_metrics({"dapo/kept_groups": float(min(have, target)), "dapo/refill_rounds": float(self._refill),
-                          "dapo/cap_hit": float(have < target), "dapo/accuracy_generated": correct / max(generated, 1)})
+                          "dapo/cap_hit": float(have < target), "reward/accuracy_generated": correct / max(generated, 1),
+                          "reward/mean_generated": total / max(generated, 1)})
         return out
 
     def _next_batch(self) -> Optional[dict[str, list]]:
