@@ -20,8 +20,8 @@ import pandas as pd
 
 # (column, panel title, y label); the first is the accuracy panel, which also shows validation points
 PANELS = [
-    ("reward/accuracy", "Accuracy (all generated rollouts; o = held-out val)", "accuracy"),
-    ("reward/mean", "Mean reward (all generated rollouts)", "reward"),
+    ("reward/accuracy", "Accuracy (all rollouts; dots = held-out val)", "accuracy"),
+    ("reward/mean", "Mean reward (all rollouts)", "reward"),
     ("loss/entropy", "Policy entropy", "nats / token"),
     ("grad/norm", "Gradient norm (before clipping)", "L2 norm"),
     ("groups/zero_adv_frac", "Zero-advantage groups", "fraction of groups"),
