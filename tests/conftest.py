@@ -1,0 +1,18 @@
+"""Shared fixtures: one warm-started tiny model per test session, cached under the repo's .cache/."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("LIT_RLVR_CACHE", str(REPO / ".cache" / "lit_rlvr"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+
+@pytest.fixture(scope="session")
+def tiny_path() -> str:
+    from lit_rlvr.models import resolve_model_path
+
+    return resolve_model_path("tiny", {"steps": 450, "batch_size": 64, "lr": 3e-3, "seed": 0})

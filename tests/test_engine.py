@@ -1,0 +1,118 @@
+"""HFEngine: behaviour log-probs match the training forward, cache on/off agree, copy mode, sampling options."""
+
+import pytest
+import torch
+
+from lit_rlvr import functional as F
+from lit_rlvr.models import load_policy
+from lit_rlvr.rollout.engine import SamplingParams
+from lit_rlvr.rollout.hf import HFEngine, filter_logits
+from lit_rlvr.rollout.weights import buckets, full_named_weights, push_weights
+from lit_rlvr.rollouts import RolloutPlan, rollouts_from_completions
+
+PROMPTS = ["12+34=", "5+5=", "71-18=", "3*4="]
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_path):
+    model, tokenizer = load_policy(tiny_path)
+    return model.eval(), tokenizer
+
+
+def _plan(tokenizer):
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    return RolloutPlan(PROMPTS, [46, 10, 53, 12], ids, [3] * len(PROMPTS))
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_behaviour_logprobs_equal_training_forward(policy, temperature):
+    model, tokenizer = policy
+    engine = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id)
+    plan = _plan(tokenizer)
+    params = SamplingParams(temperature=temperature, max_new_tokens=12, seed=7)
+    completions = engine.generate(plan.prompt_token_ids, plan.n_per_prompt, params)
+    rollouts = rollouts_from_completions(plan, completions, chunk=0, pad_id=tokenizer.pad_token_id)
+    ids = torch.cat([rollouts.prompt_ids, rollouts.response_ids], 1)
+    mask = torch.cat([rollouts.prompt_mask, rollouts.response_mask], 1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.long().cumsum(-1) - 1).clamp_min(0)).logits
+    width = rollouts.response_ids.shape[1]
+    logp = F.token_logprobs(logits[:, -width - 1 : -1], rollouts.response_ids, temperature=temperature)
+    diff = ((logp - rollouts.old_logp) * rollouts.response_mask).abs().max().item()
+    assert diff <= 1e-5
+    assert rollouts.response_mask.sum() > len(PROMPTS) * 3  # more than one token each on average
+
+
+def test_cached_and_uncached_generation_agree(policy):
+    model, tokenizer = policy
+    plan = _plan(tokenizer)
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, seed=3)
+    outs = [HFEngine(model, pad_id=0, eos_id=2, use_cache=c).generate(plan.prompt_token_ids, plan.n_per_prompt, params) for c in (True, False)]
+    for a_group, b_group in zip(*outs):
+        for a, b in zip(a_group, b_group):
+            assert torch.equal(a.token_ids, b.token_ids)
+            assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
+            assert a.finish_reason == b.finish_reason
+
+
+def test_seed_determinism_and_finish_reasons(policy):
+    model, tokenizer = policy
+    engine = HFEngine(model, pad_id=0, eos_id=2)
+    plan = _plan(tokenizer)
+    run = lambda seed, n: engine.generate(plan.prompt_token_ids, plan.n_per_prompt, SamplingParams(max_new_tokens=n, seed=seed))
+    first, again, other = run(1, 12), run(1, 12), run(2, 12)
+    flat = lambda out: [c.token_ids.tolist() for group in out for c in group]
+    assert flat(first) == flat(again)
+    assert flat(first) != flat(other)
+    for group in run(1, 1):  # one token: finished only if it was eos
+        for c in group:
+            assert c.finish_reason == ("stop" if c.token_ids[-1].item() == 2 else "length")
+            assert len(c.token_ids) == 1
+    for group in first:
+        for c in group:
+            if c.finish_reason == "stop":
+                assert c.token_ids[-1].item() == 2 and (c.token_ids[:-1] != 2).all()
+
+
+def test_greedy_is_argmax_and_stop_tokens(policy):
+    model, tokenizer = policy
+    engine = HFEngine(model, pad_id=0, eos_id=2)
+    ids = [tokenizer("5+5=", add_special_tokens=False)["input_ids"]]
+    out = engine.generate(ids, [2], SamplingParams(temperature=0, max_new_tokens=6))[0]
+    assert torch.equal(out[0].token_ids, out[1].token_ids)
+    with torch.no_grad():
+        first = model(input_ids=torch.tensor(ids)).logits[0, -1].argmax().item()
+    assert out[0].token_ids[0].item() == first
+    stop_id = out[0].token_ids[0].item()  # stop on the very first token the model emits
+    out = engine.generate(ids, [1], SamplingParams(temperature=0, max_new_tokens=6, stop_token_ids=(stop_id,)))[0][0]
+    assert out.token_ids.tolist() == [stop_id] and out.finish_reason == "stop"
+
+
+def test_filter_logits_top_k_and_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = torch.isfinite(filter_logits(logits, top_k=2, top_p=1.0))
+    assert kept.tolist() == [[True, True, False, False]]
+    kept = torch.isfinite(filter_logits(logits, top_k=0, top_p=0.7))  # 0.5 < 0.7, 0.5 + 0.3 crosses it
+    assert kept.tolist() == [[True, True, False, False]]
+    kept = torch.isfinite(filter_logits(logits, top_k=0, top_p=0.4))
+    assert kept.tolist() == [[True, False, False, False]]
+
+
+def test_copy_mode_follows_pushed_weights(policy):
+    model, tokenizer = policy
+    engine = HFEngine(model, pad_id=0, eos_id=2, mode="copy")
+    assert engine.model is not model
+    changed = {name: p.detach() + 0.01 for name, p in model.named_parameters()}
+    engine.load_weights(changed.items())
+    for name, p in engine.model.named_parameters():
+        assert torch.equal(p, changed[name])
+    # bucketed push: every tensor arrives once whatever the bucket size, and the result is identical
+    for cap in (1, 4096, 1 << 30):
+        engine.load_weights((n, torch.zeros_like(t)) for n, t in changed.items())
+        pushed = push_weights(engine, model, bucket_bytes=cap)
+        assert pushed == sum(p.numel() * 4 for p in model.parameters())
+        assert all(torch.equal(p, dict(model.named_parameters())[n]) for n, p in engine.model.named_parameters())
+    sizes = [len(b) for b in buckets(full_named_weights(model), 1)]
+    assert sum(sizes) == len(list(model.parameters())) and max(sizes) == 1
+    with pytest.raises(KeyError, match="unknown parameter"):
+        engine.load_weights([("nope", torch.zeros(1))])

@@ -1,0 +1,110 @@
+"""Advantages, losses, KL estimators and aggregation against numbers worked out by hand."""
+
+import math
+
+import pytest
+import torch
+
+from lit_rlvr import functional as F
+
+
+def test_grpo_advantages_by_hand():
+    # group 0: rewards 1, -1, -1, 1 -> mean 0, unbiased std sqrt(4/3) = 1.1547
+    # group 1: rewards 1, 1 -> mean 1, std 0 -> advantages 0 (a zero-advantage group)
+    rewards = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0, 1.0])
+    group = torch.tensor([0, 0, 0, 0, 1, 1])
+    adv, metrics = F.grpo_advantages(rewards, group, 2)
+    s = math.sqrt(4 / 3)
+    expected = torch.tensor([1 / s, -1 / s, -1 / s, 1 / s, 0.0, 0.0])
+    assert torch.allclose(adv, expected, atol=1e-5)
+    assert metrics["groups/zero_adv_frac"].item() == pytest.approx(0.5)
+
+
+def test_dr_grpo_and_given_baseline():
+    rewards = torch.tensor([1.0, -1.0, -1.0])
+    group = torch.tensor([0, 0, 0])
+    adv, _ = F.grpo_advantages(rewards, group, 1, scale_by_std=False)
+    assert torch.allclose(adv, torch.tensor([4 / 3, -2 / 3, -2 / 3]))  # mean -1/3
+    adv, _ = F.grpo_advantages(rewards, group, 1, scale_by_std=False, baseline=torch.tensor([0.5]))
+    assert torch.allclose(adv, torch.tensor([0.5, -1.5, -1.5]))
+
+
+def test_uneven_groups_mean_and_std():
+    values = torch.tensor([2.0, 4.0, 1.0, 1.0, 4.0])
+    group = torch.tensor([0, 0, 1, 1, 1])
+    assert torch.allclose(F.group_mean(values, group, 3), torch.tensor([3.0, 2.0, 0.0]))
+    # group 1: 1, 1, 4 -> mean 2, deviations -1, -1, 2 -> sum sq 6 / 2 = 3
+    assert torch.allclose(F.group_std(values, group, 3), torch.tensor([math.sqrt(2), math.sqrt(3), 0.0]))
+
+
+def test_aggregation_modes_by_hand():
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    assert F.aggregate(values, mask, "token-mean").item() == pytest.approx(10 / 4)  # (1+2+3+4)/4
+    assert F.aggregate(values, mask, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
+    assert F.aggregate(values, mask, "seq-mean-token-sum-norm", norm_len=5).item() == pytest.approx((6 / 5 + 4 / 5) / 2)
+    with pytest.raises(ValueError, match="token-mean"):
+        F.aggregate(values, mask, "bogus")
+
+
+def test_ppo_clip_loss_by_hand():
+    # one sequence of 2 tokens, A = +1: ratios e^0.5 = 1.6487 (clipped to 1.2) and e^-0.5 = 0.6065 (min keeps it)
+    logp = torch.tensor([[0.0, -1.0]], requires_grad=True)
+    old = torch.tensor([[-0.5, -0.5]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    loss, metrics = F.ppo_clip_loss(logp, old, torch.tensor([1.0]), mask, eps_low=0.2, eps_high=0.2)
+    assert loss.item() == pytest.approx(-(1.2 + math.exp(-0.5)) / 2, rel=1e-5)
+    assert metrics["loss/pg_clipfrac"].item() == pytest.approx(0.5)
+    loss.backward()
+    # the clipped token has no gradient; the other d(-ratio/2)/dlogp = -ratio/2
+    assert logp.grad[0, 0].item() == 0.0
+    assert logp.grad[0, 1].item() == pytest.approx(-math.exp(-0.5) / 2, rel=1e-5)
+    # A = -1: min(-r, -clip(r)) -> token 0: -1.6487 (unclipped, lower), token 1: -0.8 (clipped at 1 - 0.2)
+    loss, _ = F.ppo_clip_loss(logp.detach(), old, torch.tensor([-1.0]), mask)
+    assert loss.item() == pytest.approx((math.exp(0.5) + 0.8) / 2, rel=1e-5)
+
+
+def test_clip_higher_is_asymmetric():
+    logp, old = torch.tensor([[0.3]]), torch.tensor([[0.0]])  # ratio 1.3499
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    loss, _ = F.ppo_clip_loss(logp, old, torch.tensor([1.0]), mask, eps_low=0.2, eps_high=0.28)
+    assert loss.item() == pytest.approx(-1.28)
+
+
+def test_kl_estimators_by_hand():
+    logp, ref = torch.tensor([[-1.0]]), torch.tensor([[-2.0]])  # log r = ref - logp = -1
+    assert F.kl_penalty(logp, ref, estimator="k1").item() == pytest.approx(1.0)
+    assert F.kl_penalty(logp, ref, estimator="k2").item() == pytest.approx(0.5)
+    assert F.kl_penalty(logp, ref, estimator="k3").item() == pytest.approx(math.exp(-1) - 1 + 1)
+    with pytest.raises(ValueError, match="k1, k2, k3"):
+        F.kl_penalty(logp, ref, estimator="k4")
+
+
+def test_sequence_importance_mask():
+    mask = torch.ones(3, 2, dtype=torch.bool)
+    old = torch.zeros(3, 2)
+    logp = torch.tensor([[0.3, 0.3], [0.4, 0.4], [-0.3, -0.4]])  # Σ = 0.6 (keep), 0.8 (> ln 2: drop), -0.7 (drop)
+    keep, metrics = F.sequence_importance_mask(logp, old, mask, tau=2.0)
+    assert keep.tolist() == [True, False, False]
+    assert metrics["loss/seq_mask_frac"].item() == pytest.approx(2 / 3)
+
+
+def test_gspo_sequence_ratio():
+    logp = torch.tensor([[0.1, 0.3]])
+    old = torch.zeros(1, 2)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    # s = exp(mean(0.1, 0.3)) = exp(0.2) = 1.2214; with A = 1 and a wide clip, loss = -s
+    loss, _ = F.gspo_loss(logp, old, torch.tensor([1.0]), mask, eps_low=0.5, eps_high=0.5)
+    assert loss.item() == pytest.approx(-math.exp(0.2), rel=1e-5)
+    loss, _ = F.gspo_loss(logp, old, torch.tensor([1.0]), mask, eps_low=3e-4, eps_high=4e-4)
+    assert loss.item() == pytest.approx(-(1 + 4e-4), rel=1e-6)
+
+
+def test_token_logprobs_and_entropy():
+    logits = torch.tensor([[[0.0, math.log(3.0)]]])  # probabilities 1/4, 3/4
+    lp = F.token_logprobs(logits, torch.tensor([[1]]))
+    assert lp.item() == pytest.approx(math.log(0.75))
+    ent = F.entropy_from_logits(logits)
+    assert ent.item() == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)))
+    # temperature 0.5 doubles the logits: p = 1/10, 9/10
+    assert F.token_logprobs(logits, torch.tensor([[1]]), temperature=0.5).item() == pytest.approx(math.log(0.9))
