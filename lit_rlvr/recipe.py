@@ -23,10 +23,16 @@ SUMMARY_FILE = "summary.json"
 
 
 def build_module(cfg: DictConfig) -> GRPOModule:
-    """The algorithm's module with the model, reward and engine choices and the run seed."""
+    """The algorithm's module with the model, reward and engine choices and the run seed.
+
+    `model.chat_template` (true/false), when a model config sets it, decides whether prompts go through the
+    tokenizer's chat template (instruct models need it); null leaves `algorithm.chat_template` in charge.
+    """
     algorithm = OmegaConf.to_container(cfg.algorithm, resolve=True)
     for key in ("name", "callbacks"):
         algorithm.pop(key, None)
+    if cfg.model.get("chat_template") is not None:
+        algorithm["chat_template"] = bool(cfg.model.chat_template)
     return instantiate(
         algorithm,
         model=cfg.model.name_or_path,
@@ -67,18 +73,33 @@ def validate(trainer: pl.Trainer, module: GRPOModule, datamodule) -> dict[str, f
     return {k: float(v) for k, v in (results[0] if results else {}).items()}
 
 
+def _load_data(datamodule: pl.LightningDataModule, trainer: pl.Trainer, stage: str) -> None:
+    """Reads the data now, so a bad file or row fails before the model loads (fit/validate reuse it)."""
+    from lit_rlvr.data.formats import DataError
+
+    datamodule.trainer = trainer  # as Lightning would attach it (a setup may ask for the rank)
+    try:
+        datamodule.setup(stage)
+    except DataError as err:
+        raise DataError(f"{err}\nAs train.py overrides: data.fields.prompt=COLUMN data.fields.answer=COLUMN "
+                        "(or data.fields=PRESET), data.on_bad_row=skip") from None
+
+
 def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Evaluate, train, evaluate again; write summary.json; return the summary."""
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     started = time.perf_counter()
     datamodule = instantiate(cfg.data)
     trainer = build_trainer(cfg, run_dir)  # first: callbacks check their config before the model loads
+    _load_data(datamodule, trainer, "fit")
     module = build_module(cfg)
     before = validate(trainer, module, datamodule) if cfg.eval_before and cfg.resume is None else {}
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume)
     trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
     after = validate(trainer, module, datamodule)
     summary = summarise(cfg, run_dir, module, before, after, time.perf_counter() - started)
+    stats = getattr(datamodule, "load_stats", {}).values()  # file data: rows dropped by on_bad_row=skip
+    summary["data_rows_skipped"] = sum(s["skipped"] for s in stats)
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -90,12 +111,15 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     import torch
 
     datamodule = instantiate(cfg.data)
+    trainer = build_trainer(cfg, run_dir)
+    _load_data(datamodule, trainer, "validate")
     module = build_module(cfg)
     state = torch.load(cfg.checkpoint, map_location="cpu", weights_only=False)
     module.load_state_dict(state["state_dict"], strict=False)
-    trainer = build_trainer(cfg, run_dir)
     metrics = validate(trainer, module, datamodule)
-    result = {"checkpoint": str(cfg.checkpoint), "samples_per_prompt": module.hparams.eval_samples, **metrics}
+    result = {"checkpoint": str(cfg.checkpoint), "prompts": len(getattr(datamodule, "eval_set", None) or []),
+              "samples_per_prompt": module.hparams.eval_samples, "temperature": module.hparams.eval_temperature,
+              **metrics}
     (run_dir / "eval.json").write_text(json.dumps(result, indent=2))
     return result
 

@@ -39,6 +39,33 @@ class RecordDataset(Dataset):
         return self.records[index]
 
 
+class PromptedDataset(Dataset):
+    """`dataset` with `with_instruction` applied to each row's prompt (the rows are not copied up front)."""
+
+    def __init__(self, dataset: Dataset, instruction: Optional[str], system_prompt: Optional[str]):
+        self.dataset, self.instruction, self.system_prompt = dataset, instruction, system_prompt
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        row = self.dataset[index]
+        return {**row, "prompt": with_instruction(row["prompt"], self.instruction, self.system_prompt)}
+
+
+def with_instruction(prompt: Any, instruction: Optional[str] = None, system_prompt: Optional[str] = None) -> Any:
+    """`instruction` appended to the last user turn (as `formats.render_prompt` does); `system_prompt` added as
+    the first message unless there is a system message. A string prompt stays a string unless a system
+    prompt turns it into messages."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    if instruction:
+        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=len(messages) - 1)
+        messages[last_user]["content"] = f"{messages[last_user]['content'].rstrip()}\n{instruction}"
+    if system_prompt and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages[0]["content"] if isinstance(prompt, str) and len(messages) == 1 else messages
+
+
 def collate(rows: list[dict[str, Any]]) -> dict[str, list]:
     return {"prompt": [r["prompt"] for r in rows], "answer": [r["answer"] for r in rows]}
 
@@ -48,7 +75,10 @@ class RLVRDataModule(pl.LightningDataModule):
 
     Args: `batch_size` prompts per RL step; `eval_batch_size` prompts per validation batch; `num_train`/`num_test`
     arithmetic problems per split; `path`/`eval_path` training/evaluation files; `fields` a field mapping or
-    preset name; `max_prompt_chars` length filter; `on_bad_row` "error" | "skip".
+    preset name (`eval_fields` for the `eval_path` file when its columns differ); `max_prompt_chars` length
+    filter; `on_bad_row` "error" | "skip"; `eval_limit` first N evaluation prompts; `instruction` text appended
+    to every prompt's last user turn (e.g. `formats.MATH_INSTRUCTION`) and `system_prompt` a system message
+    added to prompts without one (both for training and evaluation).
     """
 
     def __init__(
@@ -66,9 +96,12 @@ class RLVRDataModule(pl.LightningDataModule):
         split: str = "train",
         eval_split: str = "test",
         fields: Optional[Any] = None,
+        eval_fields: Optional[Any] = None,
         max_prompt_chars: Optional[int] = None,
         on_bad_row: str = "error",
         eval_limit: Optional[int] = None,
+        instruction: Optional[str] = None,
+        system_prompt: Optional[str] = None,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -82,11 +115,11 @@ class RLVRDataModule(pl.LightningDataModule):
         self.eval_set: Optional[Dataset] = None
         self.load_stats: dict[str, Any] = {}
 
-    def _load(self, path: str, split: str) -> RecordDataset:
+    def _load(self, path: str, split: str, fields: Any) -> RecordDataset:
         from lit_rlvr.data.formats import load_records
 
         hp = self.hparams
-        records, stats = load_records(path, format=hp.format, split=split, fields=hp.fields,
+        records, stats = load_records(path, format=hp.format, split=split, fields=fields,
                                       on_bad_row=hp.on_bad_row, max_prompt_chars=hp.max_prompt_chars)
         self.load_stats[path] = stats
         return RecordDataset(records)
@@ -96,12 +129,16 @@ class RLVRDataModule(pl.LightningDataModule):
         if self.train_set is not None:
             return
         if hp.path is not None:
-            self.train_set = self._load(hp.path, hp.split)
-            self.eval_set = self._load(hp.eval_path, hp.eval_split) if hp.eval_path else self.train_set
+            self.train_set = self._load(hp.path, hp.split, hp.fields)
+            eval_fields = hp.fields if hp.eval_fields is None else hp.eval_fields
+            self.eval_set = self._load(hp.eval_path, hp.eval_split, eval_fields) if hp.eval_path else self.train_set
         else:
             task = ArithmeticTask(levels=tuple(hp.levels), seed=hp.seed)
             self.train_set = ArithmeticDataset(task, hp.num_train, "train")
             self.eval_set = ArithmeticDataset(task, hp.num_test, "test")
+        if hp.instruction or hp.system_prompt:
+            self.train_set = PromptedDataset(self.train_set, hp.instruction, hp.system_prompt)
+            self.eval_set = PromptedDataset(self.eval_set, hp.instruction, hp.system_prompt)
         if hp.eval_limit is not None:
             self.eval_set = torch.utils.data.Subset(self.eval_set, range(min(hp.eval_limit, len(self.eval_set))))
 
