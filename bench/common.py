@@ -1,0 +1,269 @@
+"""Shared pieces of the benchmarks (DESIGN §9): the reference workload composed from conf/, a Lightning trainer
+that only records per-step timings, and a baton that lets several trainers take turns in one process.
+
+Every figure the benchmarks report is a ratio of runs measured side by side in one process: trainers run in
+threads but never at once (the baton), so they see the same machine load, block by block.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import statistics
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+# OpenMP threads sleep at once instead of spinning after each parallel region. On a loaded machine libgomp's
+# default spin-then-sleep made the first thread team to run (main thread or not) ~100× slower on many small
+# parallel ops than later teams (measured here, load 10 on 2 cores), which skewed side-by-side runs; passive
+# waiting made all teams equal and fast. Set before torch loads; an explicit OMP_WAIT_POLICY wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from lightning.pytorch.callbacks import Callback  # noqa: E402  (after OMP_WAIT_POLICY)
+from typing_extensions import override  # noqa: E402
+
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+THREADS = 2  # DESIGN §9: 2 CPU cores
+
+# the reference workload: 8 prompts × 8 completions, ≤ 24 new tokens, temperature 1.0, one update per step, fp32
+REFERENCE = {"data.batch_size": 8, "algorithm.group_size": 8, "algorithm.max_new_tokens": 24,
+             "algorithm.temperature": 1.0, "algorithm.ppo_epochs": 1, "algorithm.mini_batches": 1,
+             "model.dtype": "float32"}
+METRICS = ("time/step_s", "time/gen_s", "time/reward_s", "time/train_s", "time/sync_s", "time/prior_s",
+           "perf/tokens_per_s", "rollouts/per_step", "response/len_mean", "v05/prior_present")
+
+
+def quiet(threads: int = THREADS) -> None:
+    """torch's thread count, and stdout kept for the results: Lightning's and transformers' info lines go away."""
+    import torch
+
+    if threads < 1:
+        raise SystemExit(f"--threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "transformers", "trl", "accelerate"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def median(values: Iterable[float]) -> float:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.median(values) if values else math.nan
+
+
+def peak_rss_mb() -> float:
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def emit(result: dict[str, Any], as_json: bool) -> None:
+    """Human-readable lines, or (with --json) the one JSON object on the last line (NaN becomes null)."""
+
+    def tidy(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: tidy(v) for k, v in value.items()}
+        if isinstance(value, float):
+            return float(f"{value:.6g}") if math.isfinite(value) else None
+        return value
+
+    rounded = tidy(result)
+    if as_json:
+        print(json.dumps(rounded), flush=True)
+    else:
+        for key, value in rounded.items():
+            print(f"{key:>28}: {value}")
+
+
+def context() -> dict[str, Any]:
+    """What a reader needs beside the numbers: the machine's load and the threading settings."""
+    import torch
+
+    try:
+        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:  # pragma: no cover
+        load = "n/a"
+    return {"loadavg": load, "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+
+
+# -- the reference workload ----------------------------------------------------------------------------------------
+def has_value_prior(algorithm: str) -> bool:
+    return "v05" in algorithm
+
+
+def compose(algorithm: str, overrides: Iterable[str] = ()) -> Any:
+    """The run config of `algorithm` from conf/, with the reference workload's overrides (DESIGN §9).
+
+    V0.5 keeps its shipped k_init (its module group_size follows k_init and is not used); `--override` can
+    change anything, e.g. `algorithm.callbacks.value_prior.k_init=8`."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    reference = dict(REFERENCE)
+    if has_value_prior(algorithm):
+        reference.pop("algorithm.group_size")
+    extra = [f"{k}={v}" for k, v in reference.items()]
+    # no CSV logger (it needs a Hydra run dir) and no progress bar: the benchmark records its own metrics
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return hydra_compose("config", overrides=[f"algorithm={algorithm}", "~logger", "callbacks.progress=null",
+                                                  *extra, *overrides])
+
+
+def model_path(cfg: Any) -> str:
+    """The directory of the (warm-started, cached) model of `cfg`."""
+    from omegaconf import OmegaConf
+
+    from lit_rlvr.models import resolve_model_path
+
+    return resolve_model_path(cfg.model.name_or_path, OmegaConf.to_container(cfg.model.options, resolve=True))
+
+
+class StepRecorder(Callback):
+    """Per training step: its wall time (batch start to batch end, so Lightning's own work is in it) and the
+    module's logged step metrics. With a baton, set-up and each step first wait for their turn."""
+
+    def __init__(self, name: str, baton: Optional["Baton"] = None):
+        self.name, self.baton = name, baton
+        self.rows: list[dict[str, float]] = []
+        self._t0 = 0.0
+
+    @override
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if self.baton is not None:  # model set-up (e.g. V0.5's backbone) runs in turn, too
+            self.baton.acquire(self.name, count=False)
+
+    @override
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.baton is not None:
+            self.baton.acquire(self.name)
+        self._t0 = time.perf_counter()
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        wall = time.perf_counter() - self._t0
+        source = trainer.callback_metrics or getattr(pl_module, "step_metrics", {})
+        self.rows.append({"wall_s": wall, **{k: float(v) for k, v in source.items() if k in METRICS}})
+
+    @override
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.baton is not None:
+            self.baton.finish(self.name)
+
+    @override
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        if self.baton is not None:
+            self.baton.finish(self.name)
+
+
+def build_run(cfg: Any, steps: int, recorder) -> tuple[Any, Any, Any]:
+    """(module, datamodule, trainer) for `steps` RL steps: no validation, no checkpoints, no logger."""
+    import lightning.pytorch as pl
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from lit_rlvr.recipe import build_module
+
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    callbacks = [instantiate(node) for node in (cfg.algorithm.get("callbacks") or {}).values() if node is not None]
+    kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    kwargs.update(max_steps=steps, max_epochs=-1, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                  num_sanity_val_steps=0, log_every_n_steps=1)
+    for key in ("check_val_every_n_epoch", "val_check_interval", "strategy"):
+        kwargs.pop(key, None)
+    trainer = pl.Trainer(**kwargs, callbacks=[recorder, *callbacks], default_root_dir=str(ROOT / ".cache" / "bench"))
+    return build_module(cfg), instantiate(cfg.data), trainer
+
+
+# -- taking turns ------------------------------------------------------------------------------------------------------
+class Baton:
+    """Runs several blocking training loops in threads, one at a time: `block` steps each, in turn.
+
+    A participant calls `acquire(name)` before each step (it returns when that step may run) and `finish(name)`
+    when it is done; a finished participant's turns are skipped. Only the holder computes, so the timed steps
+    never overlap, yet all of them see the machine's load of the same minutes."""
+
+    def __init__(self, names: list[str], block: int = 1):
+        if block < 1:
+            raise ValueError(f"--block must be >= 1, got {block}")
+        self.order, self.block = list(names), block
+        self.turn, self.count = 0, 0
+        self.done: set[str] = set()
+        self.cond = threading.Condition()
+
+    def acquire(self, name: str, count: bool = True) -> None:
+        with self.cond:
+            if self.order[self.turn] == name and count and self.count >= self.block:
+                self._advance()  # my block is over: pass on, then wait for my next turn
+            self.cond.wait_for(lambda: self.order[self.turn] == name)
+            self.count += int(count)
+
+    def finish(self, name: str) -> None:
+        with self.cond:
+            self.done.add(name)
+            if self.order[self.turn] == name:
+                self._advance()
+
+    def _advance(self) -> None:
+        n = len(self.order)
+        for i in range(1, n + 1):
+            nxt = (self.turn + i) % n
+            if self.order[nxt] not in self.done:
+                self.turn, self.count = nxt, 0
+                break
+        self.cond.notify_all()
+
+
+def run_in_turns(jobs: dict[str, Callable[[], None]], baton: Baton) -> dict[str, BaseException]:
+    """Run each job (a blocking training loop) in its own thread under `baton`; returns the errors by name."""
+    errors: dict[str, BaseException] = {}
+
+    def target(name: str, job: Callable[[], None]) -> None:
+        try:
+            job()
+        except BaseException as err:  # reported by the caller; the others must go on
+            errors[name] = err
+        finally:
+            baton.finish(name)
+
+    threads = [threading.Thread(target=target, args=(n, j), name=f"bench-{n}", daemon=True) for n, j in jobs.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return errors
+
+
+def summarise_rows(rows: list[dict[str, float]], warmup: int) -> dict[str, float]:
+    """Medians over the timed steps (warm-up steps dropped)."""
+    timed = rows[warmup:]
+    col = lambda key: [r[key] for r in timed if key in r]  # noqa: E731
+    out = {
+        "median_step_s": median(col("wall_s")),
+        "module_step_s": median(col("time/step_s")),
+        "tokens_per_s": median(col("perf/tokens_per_s")),
+        "gen_s": median(col("time/gen_s")),
+        "reward_s": median(col("time/reward_s")),
+        "train_s": median(col("time/train_s")),
+        "sync_s": median(col("time/sync_s")),
+        "rollouts_per_step": median(col("rollouts/per_step")),
+        "response_len_mean": median(col("response/len_mean")),
+    }
+    if col("time/prior_s"):
+        out["prior_s"] = median(col("time/prior_s"))
+        out["prior_frac"] = out["prior_s"] / out["module_step_s"]  # of the module's step, which contains it
+        out["prior_present_frac"] = statistics.fmean(col("v05/prior_present")) if col("v05/prior_present") else math.nan
+    return out

@@ -1,0 +1,215 @@
+"""Our GRPO step against TRL's `GRPOTrainer` on the reference workload, side by side in one process (DESIGN §9).
+
+    python bench/compare_trl.py [--json] [--steps 20] [--warmup 3] [--block 1]
+
+Both sides: the cached tiny model (same directory, same weights and tokenizer), the same arithmetic train
+prompts in the same order (8 per step, taken from our data module's loader), 8 completions per prompt, ≤ 24
+new tokens, temperature 1.0, top-p 1, no top-k, one AdamW update per step (constant lr, gradient clip 1.0),
+PPO clip 0.2, no KL (β = 0, no reference model), seq-mean-token-mean loss (TRL's `loss_type="grpo"`),
+std-scaled advantages, fp32, CPU, 2 threads, our arithmetic reward (TRL calls it as a plain reward function).
+TRL generates with `transformers.generate` (no vLLM) from prompts tokenized by the same tokenizer, which adds
+no special tokens (checked at start-up).
+
+The two trainers run in threads that take turns (`--block` steps each, never at once). TRL's step is timed
+from `on_step_begin` to `on_step_end` (generation, reward, loss, backward, clip, optimizer step), ours from
+Lightning's batch start to batch end. Budget: `ratio` = ours / TRL ≤ 0.5.
+
+The learning rate is 0 by default (`--lr`): with grpo.yaml's lr (2e-3, `--lr config`) the two policies drift
+apart within a few steps (TRL's completions grew from ~3 to ~11 tokens while ours shrank, measured), so the
+step times would compare different workloads. At lr 0 every step still runs the full AdamW update, and the
+weights, hence the length distributions, stay equal; `ours_response_len_mean` and `trl_response_len_mean`
+(tokens per completion, EOS included) show it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+BUDGET = 0.5  # DESIGN §9: our GRPO step ≤ half of TRL's
+
+
+class TRLUnavailable(RuntimeError):
+    """TRL cannot run this workload; the message says why."""
+
+
+class TRLReward:
+    """Our arithmetic reward as a TRL reward function (TRL passes dataset columns as keyword lists); it also
+    records each call's mean completion length in tokens (EOS included, as in ours), to compare workloads."""
+
+    __name__ = "arithmetic_reward"
+
+    def __init__(self):
+        self.mean_lengths: list[float] = []
+
+    def __call__(self, prompts, completions, answer, completion_ids=None, **_unused) -> list[float]:
+        from lit_rlvr.data.tasks.arithmetic import arithmetic_reward
+
+        if completion_ids is not None:
+            self.mean_lengths.append(sum(len(ids) for ids in completion_ids) / max(len(completion_ids), 1))
+        return [arithmetic_reward(p, c, a).score for p, c, a in zip(prompts, completions, answer)]
+
+
+def step_prompts(cfg, steps: int) -> list[dict]:
+    """The first `steps` batches of our training loader, flattened: TRL reads them in order (no shuffle)."""
+    from hydra.utils import instantiate
+
+    datamodule = instantiate(cfg.data)
+    datamodule.setup("fit")
+    rows = []
+    for batch, _ in zip(datamodule.train_dataloader(), range(steps)):
+        rows += [{"prompt": p, "answer": int(a)} for p, a in zip(batch["prompt"], batch["answer"])]
+    return rows
+
+
+def trl_config(hp, batch_size: int, seed: int, steps: int, output_dir: str):
+    """GRPOConfig of the reference workload from our module's hyperparameters `hp` (the values in effect);
+    fails naming any argument this TRL version lacks."""
+    try:
+        from trl import GRPOConfig
+    except ImportError as err:
+        raise TRLUnavailable(f"trl is not installed ({err}); pip install -e '.[bench]'") from err
+    algo = hp  # GRPOModule's hyperparameters
+    wanted = dict(
+        output_dir=output_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, seed=seed,
+        per_device_train_batch_size=batch_size * algo.group_size, gradient_accumulation_steps=1,
+        num_generations=algo.group_size, num_iterations=1, max_completion_length=algo.max_new_tokens,
+        temperature=algo.temperature, top_p=algo.top_p, top_k=algo.top_k, beta=0.0, epsilon=algo.eps_low,
+        epsilon_high=algo.eps_high, loss_type="grpo", scale_rewards="group" if algo.scale_adv_by_std else "none",
+        learning_rate=algo.lr, lr_scheduler_type="constant", optim="adamw_torch", weight_decay=algo.weight_decay,
+        adam_beta1=algo.betas[0], adam_beta2=algo.betas[1], max_grad_norm=algo.grad_clip, max_steps=steps,
+        shuffle_dataset=False, use_vllm=False, log_completions=False, report_to="none", logging_strategy="no",
+        save_strategy="no", eval_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        remove_unused_columns=False,
+    )
+    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    missing = sorted(set(wanted) - fields)
+    if missing:
+        raise TRLUnavailable(f"this TRL's GRPOConfig has no argument(s) {missing}; the workload cannot be set up")
+    try:
+        return GRPOConfig(**wanted)
+    except (ValueError, TypeError) as err:
+        raise TRLUnavailable(f"GRPOConfig rejects the workload: {err}") from err
+
+
+def build_trl(cfg, hp, steps: int, rows: list[dict], baton, output_dir: str):
+    """(GRPOTrainer, its step timer) on the tiny model directory of `cfg`."""
+    from datasets import Dataset
+    from transformers import PrinterCallback, TrainerCallback
+    from trl import GRPOTrainer
+
+    from lit_rlvr.models import load_policy
+
+    path = common.model_path(cfg)
+    model, tokenizer = load_policy(path, cfg.model.dtype)
+    probe = rows[0]["prompt"]
+    if tokenizer(text=[probe])["input_ids"][0] != tokenizer(probe, add_special_tokens=False)["input_ids"]:
+        raise TRLUnavailable("the tokenizer adds special tokens to plain prompts: TRL's prompts would differ from ours")
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.walls: list[float] = []
+            self._t0 = 0.0
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            baton.acquire("trl", count=False)
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            baton.acquire("trl")
+            self._t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.walls.append(time.perf_counter() - self._t0)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            baton.finish("trl")
+
+    timer = StepTimer()
+    reward = TRLReward()
+    config = trl_config(hp, cfg.data.batch_size, cfg.seed, steps, output_dir)
+    try:
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=Dataset.from_list(rows),
+                              processing_class=tokenizer, callbacks=[timer])
+    except Exception as err:  # any refusal of TRL's is the answer this script must give
+        raise TRLUnavailable(f"GRPOTrainer cannot be built: {type(err).__name__}: {err}") from err
+    trainer.remove_callback(PrinterCallback)  # its end-of-training dict would land on stdout
+    return trainer, timer, reward
+
+
+def run(args) -> dict:
+    lr = [] if args.lr == "config" else [f"algorithm.lr={float(args.lr)}"]
+    cfg = common.compose("grpo", [*lr, *args.override])
+    total = args.warmup + args.steps
+    baton = common.Baton(["ours", "trl"], args.block)
+    recorder = common.StepRecorder("ours", baton)
+    module, datamodule, ours = common.build_run(cfg, total, recorder)
+    with tempfile.TemporaryDirectory(prefix="bench-trl-") as output_dir:
+        trl, timer, reward = build_trl(cfg, module.hparams, total, step_prompts(cfg, total), baton, output_dir)
+        jobs = {"ours": lambda: ours.fit(module, datamodule=datamodule), "trl": lambda: trl.train()}
+        errors = common.run_in_turns(jobs, baton)
+    if "trl" in errors:
+        err = errors["trl"]
+        raise TRLUnavailable(f"TRL's GRPOTrainer failed on this workload: {type(err).__name__}: {err}") from err
+    if "ours" in errors:
+        raise RuntimeError(f"our GRPO run failed: {errors['ours']}") from errors["ours"]
+    if len(timer.walls) < total or len(recorder.rows) < total:
+        raise RuntimeError(f"steps recorded: ours {len(recorder.rows)}, TRL {len(timer.walls)}; expected {total} each")
+    ours_summary = common.summarise_rows(recorder.rows, args.warmup)
+    trl_walls = timer.walls[args.warmup :]
+    trl_lengths = reward.mean_lengths[args.warmup :]
+    paired = [o["wall_s"] / t for o, t in zip(recorder.rows[args.warmup :], trl_walls)]
+    ours_s, trl_s = ours_summary["median_step_s"], common.median(trl_walls)
+    return {
+        "ours_median_step_s": ours_s,
+        "trl_median_step_s": trl_s,
+        "ratio": ours_s / trl_s,
+        "ratio_paired": common.median(paired),  # median of step-by-step ratios: robust to load swings
+        "budget": BUDGET,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "lr": module.hparams.lr,
+        "block": args.block,
+        "ours_gen_s": ours_summary["gen_s"],
+        "ours_train_s": ours_summary["train_s"],
+        "ours_response_len_mean": ours_summary["response_len_mean"],
+        "trl_response_len_mean": common.median(trl_lengths),
+        "peak_rss_mb": common.peak_rss_mb(),
+        **common.context(),
+        "trl_version": __import__("trl").__version__,
+    }
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    parser.add_argument("--steps", type=int, default=20, help="timed RL steps per side")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed RL steps per side first")
+    parser.add_argument("--block", type=int, default=1, help="steps per turn")
+    parser.add_argument("--lr", default="0", help="learning rate of both sides, or 'config' for grpo.yaml's; "
+                        "0 (default) keeps both policies at the same weights, so both generate the same length "
+                        "distribution while every update still runs in full")
+    parser.add_argument("--threads", type=int, default=common.THREADS, help="torch threads (DESIGN §9: 2)")
+    parser.add_argument("--override", action="append", default=[], help="extra Hydra override for our side")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        raise SystemExit("--steps must be >= 1 and --warmup >= 0")
+    common.quiet(args.threads)
+    try:
+        result = run(args)
+    except TRLUnavailable as err:
+        print(f"compare_trl: TRL cannot run this workload: {err}", file=sys.stderr)
+        common.emit({"error": str(err)}, args.json)
+        raise SystemExit(2) from err
+    common.emit(result, args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Step time of the reference workload (DESIGN §9) through `lightning.Trainer`, or several algorithms side by side.
+
+    python bench/step_time.py [--json] [--algorithm grpo] [--steps 20] [--warmup 3]
+    python bench/step_time.py --compare grpo,c3po [--block 1] [--json]     # c3po_over_grpo, budget ≤ 1.10
+
+The workload is composed from conf/ with Hydra (`algorithm=NAME data.batch_size=8 algorithm.group_size=8
+algorithm.max_new_tokens=24`): the tiny model, 8 prompts × 8 completions, temperature 1.0, one optimizer update
+per step, fp32, 2 threads. W warm-up steps run first and are dropped. `median_step_s` is the wall time of a
+Lightning training batch (hooks and logging included); `gen_s`, `reward_s`, `train_s`, `sync_s` (and V0.5's
+`prior_s`) are the module's own per-step timings; all are medians. For V0.5, `prior_frac` = median(prior_s) /
+median(module step) is the ≤ 5% budget, `rollouts_per_step` what OSLA decided to spend; the default warm-up
+lasts until its context holds `min_context` records, so the timed steps run with the prior present.
+
+`--compare a,b,…` runs the algorithms in one process, in threads that take turns (`--block` steps each, never
+two at once), and reports each one's medians and `b_over_a` = median step(b) / median step(a).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+BUDGETS = {"c3po_over_grpo": 1.10, "prior_frac": 0.05}  # DESIGN §9
+
+
+def warmup_for(cfg, warmup: int) -> int:
+    """V0.5's prior is absent until the context holds min_context records: warm up at least that long."""
+    prior = (cfg.algorithm.get("callbacks") or {}).get("value_prior")
+    if prior is None:
+        return warmup
+    return max(warmup, math.ceil(prior.min_context / cfg.data.batch_size))
+
+
+def measure(algorithms: list[str], steps: int, warmup: int, block: int, overrides: list[str]) -> dict[str, dict]:
+    """Run each algorithm for its warm-up plus `steps` timed steps, taking turns; returns their summaries."""
+    cfgs = {name: common.compose(name, overrides) for name in algorithms}
+    warm = max(warmup_for(cfg, warmup) for cfg in cfgs.values())
+    baton = common.Baton(algorithms, block) if len(algorithms) > 1 else None
+    runs = {}
+    for name, cfg in cfgs.items():  # models load here, before any timing
+        recorder = common.StepRecorder(name, baton)
+        module, datamodule, trainer = common.build_run(cfg, warm + steps, recorder)
+        runs[name] = (recorder, module, datamodule, trainer)
+    jobs = {name: (lambda r=run: r[3].fit(r[1], datamodule=r[2])) for name, run in runs.items()}
+    if baton is None:
+        (job,) = jobs.values()
+        job()
+    else:
+        errors = common.run_in_turns(jobs, baton)
+        if errors:
+            name, err = next(iter(errors.items()))
+            raise RuntimeError(f"{name} failed: {type(err).__name__}: {err}") from err
+    out = {}
+    for name, (recorder, *_rest) in runs.items():
+        if len(recorder.rows) < warm + steps:
+            raise RuntimeError(f"{name}: {len(recorder.rows)} steps recorded, expected {warm + steps}")
+        out[name] = {"algorithm": name, "steps": steps, "warmup": warm, **common.summarise_rows(recorder.rows, warm)}
+        out[name]["_walls"] = [r["wall_s"] for r in recorder.rows[warm:]]
+    return out
+
+
+def single(args) -> dict:
+    (summary,) = measure([args.algorithm], args.steps, args.warmup, 1, args.override).values()
+    summary.pop("_walls")
+    result = {"algorithm": summary.pop("algorithm"), "steps": summary.pop("steps"), **summary,
+              "peak_rss_mb": common.peak_rss_mb(), **common.context()}
+    if "prior_frac" in result:
+        result["prior_frac_budget"] = BUDGETS["prior_frac"]
+    return result
+
+
+def compare(args) -> dict:
+    names = [n.strip() for n in args.compare.split(",") if n.strip()]
+    if len(names) < 2 or len(set(names)) != len(names):
+        raise SystemExit(f"--compare needs two or more different algorithms, got {args.compare!r}")
+    summaries = measure(names, args.steps, args.warmup, args.block, args.override)
+    base = names[0]
+    result = {"compare": names, "steps": args.steps, "block": args.block}
+    for name in names[1:]:
+        key = f"{name}_over_{base}"
+        result[key] = summaries[name]["median_step_s"] / summaries[base]["median_step_s"]
+        paired = [b / a for a, b in zip(summaries[base]["_walls"], summaries[name]["_walls"])]
+        result[f"{key}_paired"] = common.median(paired)  # median of step-by-step ratios: robust to load swings
+        if key in BUDGETS:
+            result[f"{key}_budget"] = BUDGETS[key]
+    for name in names:
+        summaries[name].pop("_walls")
+        result[name] = {k: v for k, v in summaries[name].items() if k not in ("algorithm", "steps")}
+    result.update(peak_rss_mb=common.peak_rss_mb(), **common.context())
+    return result
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    parser.add_argument("--algorithm", default="grpo", help="a config in conf/algorithm (grpo, c3po, v05, …)")
+    parser.add_argument("--steps", type=int, default=20, help="timed RL steps (per algorithm)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed RL steps first (V0.5: at least until "
+                        "its prior is present)")
+    parser.add_argument("--compare", default=None, help="comma-separated algorithms run side by side, e.g. grpo,c3po")
+    parser.add_argument("--block", type=int, default=1, help="with --compare: steps per turn")
+    parser.add_argument("--threads", type=int, default=common.THREADS, help="torch threads (DESIGN §9: 2)")
+    parser.add_argument("--override", action="append", default=[], help="extra Hydra override (repeatable)")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        raise SystemExit("--steps must be >= 1 and --warmup >= 0")
+    common.quiet(args.threads)
+    result = compare(args) if args.compare else single(args)
+    common.emit(result, args.json)
+
+
+if __name__ == "__main__":
+    main()
