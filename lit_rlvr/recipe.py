@@ -115,7 +115,11 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     _load_data(datamodule, trainer, "validate")
     module = build_module(cfg)
     state = torch.load(cfg.checkpoint, map_location="cpu", weights_only=False)
-    module.load_state_dict(state["state_dict"], strict=False)
+    missing, _ = module.load_state_dict(state["state_dict"], strict=False)  # a reference model may differ
+    missing = [k for k in missing if k.startswith("policy.")]
+    if missing:
+        raise ValueError(f"checkpoint={cfg.checkpoint!r} does not match model={cfg.model.name_or_path!r}: "
+                         f"missing {missing[:3]}{' …' if len(missing) > 3 else ''}")
     metrics = validate(trainer, module, datamodule)
     result = {"checkpoint": str(cfg.checkpoint), "prompts": len(getattr(datamodule, "eval_set", None) or []),
               "samples_per_prompt": module.hparams.eval_samples, "temperature": module.hparams.eval_temperature,

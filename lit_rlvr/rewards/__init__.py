@@ -47,18 +47,15 @@ def build_reward_runner(name: str, options: Optional[dict[str, Any]] = None) -> 
     """`options`: `isolation` ("none" | "process"), `timeout_s`, `workers`; the rest go to a reward class."""
     options = dict(options or {})
     isolation = options.pop("isolation", "none")
-    timeout_s = options.pop("timeout_s", 5.0)
-    workers = options.pop("workers", 2)
-    fn = resolve_reward(name, options)
-    if hasattr(fn, "score_batch"):
-        return _BatchRewardRunner(fn)
-    if isolation == "process":
+    if isolation not in ("none", "process"):
+        raise ValueError(f"reward.options.isolation={isolation!r} is not valid; valid: none, process")
+    if isolation == "process":  # the runner owns the time bound and the pool; the rest configure the reward
         from lit_rlvr.rewards.base import ProcessRewardRunner
 
-        return ProcessRewardRunner(fn, timeout_s=timeout_s, workers=workers)
-    if isolation != "none":
-        raise ValueError(f"reward.isolation={isolation!r} is not valid; valid: none, process")
-    return RewardRunner(fn)
+        timeout_s, workers = options.pop("timeout_s", 5.0), options.pop("workers", 2)
+        return ProcessRewardRunner(resolve_reward(name, options), timeout_s=timeout_s, workers=workers)
+    fn = resolve_reward(name, options)  # e.g. the code sandbox takes timeout_s and workers itself
+    return _BatchRewardRunner(fn) if hasattr(fn, "score_batch") else RewardRunner(fn)
 
 
 __all__ = ["REWARDS", "RewardBatch", "RewardFn", "RewardResult", "RewardRunner", "build_reward_runner", "resolve_reward"]
