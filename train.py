@@ -6,7 +6,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from lit_rlvr.recipe import evaluate, print_summary, train
+from lit_rlvr.recipe import evaluate, print_summary, train  # lit_rlvr first: it sets OMP_WAIT_POLICY before torch loads
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
