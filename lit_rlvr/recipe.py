@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -33,7 +34,7 @@ def build_module(cfg: DictConfig) -> GRPOModule:
         algorithm.pop(key, None)
     if cfg.model.get("chat_template") is not None:
         algorithm["chat_template"] = bool(cfg.model.chat_template)
-    return instantiate(
+    return _instantiate(
         algorithm,
         model=cfg.model.name_or_path,
         model_options=OmegaConf.to_container(cfg.model.options, resolve=True),
@@ -47,11 +48,21 @@ def build_module(cfg: DictConfig) -> GRPOModule:
     )
 
 
+def _instantiate(node: Any, **kwargs: Any) -> Any:
+    """hydra's instantiate, but a config error raised by our classes reaches the user as itself, not wrapped."""
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as err:
+        if isinstance(err.__cause__, (ValueError, FileNotFoundError, KeyError)):
+            raise err.__cause__ from None
+        raise
+
+
 def _keyed(section: Optional[DictConfig]) -> list[Any]:
     """Instantiate every non-null entry of a keyed dict (callbacks, loggers)."""
     if not section:
         return []
-    return [instantiate(node) for node in section.values() if node is not None]
+    return [_instantiate(node) for node in section.values() if node is not None]
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path) -> pl.Trainer:
@@ -89,7 +100,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Evaluate, train, evaluate again; write summary.json; return the summary."""
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     started = time.perf_counter()
-    datamodule = instantiate(cfg.data)
+    datamodule = _instantiate(cfg.data)
     trainer = build_trainer(cfg, run_dir)  # first: callbacks check their config before the model loads
     _load_data(datamodule, trainer, "fit")
     module = build_module(cfg)
@@ -110,7 +121,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         raise FileNotFoundError(f"checkpoint={cfg.checkpoint!r}: mode=eval needs an existing checkpoint file")
     import torch
 
-    datamodule = instantiate(cfg.data)
+    datamodule = _instantiate(cfg.data)
     trainer = build_trainer(cfg, run_dir)
     _load_data(datamodule, trainer, "validate")
     module = build_module(cfg)
