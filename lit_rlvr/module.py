@@ -38,6 +38,30 @@ class NonFiniteError(RuntimeError):
     pass
 
 
+def rng_states() -> dict[str, Any]:
+    """The global RNG states (python, numpy, torch CPU and CUDA) for a checkpoint; Lightning does not save them."""
+    import random
+
+    import numpy as np
+
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available() and len(states["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
 class GRPOModule(pl.LightningModule):
     """GRPO with PPO-clip (Shao et al. 2024) and the usual knobs; see DESIGN §4 for every option.
 
@@ -93,6 +117,7 @@ class GRPOModule(pl.LightningModule):
         self._check_options()
         path = resolve_model_path(model, model_options)
         self.policy, self.tokenizer = load_policy(path, dtype)
+        self.policy.train()  # from_pretrained returns eval mode; Lightning toggles modes itself from here
         self.model_path = path
         self.ref_policy = copy.deepcopy(self.policy).requires_grad_(False).eval() if kl_coef > 0 else None
         self.reward_runner = build_reward_runner(reward, reward_options)
@@ -432,8 +457,12 @@ class GRPOModule(pl.LightningModule):
 
     # -- state -------------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["lit_rlvr"] = {"counters": dict(self.counters), "engine_version": self.global_step, "model_path": self.model_path}
+        checkpoint["lit_rlvr"] = {"counters": dict(self.counters), "engine_version": self.global_step,
+                                  "model_path": self.model_path, "rng": rng_states()}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.counters.update(checkpoint.get("lit_rlvr", {}).get("counters", {}))
+        state = checkpoint.get("lit_rlvr", {})
+        self.counters.update(state.get("counters", {}))
+        if "rng" in state:  # a resumed run draws the random numbers the uninterrupted run would have drawn
+            set_rng_states(state["rng"])
         self._engine_holds_mean = False  # the engine must receive the restored weights before the next rollout

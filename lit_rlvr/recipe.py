@@ -8,6 +8,7 @@ import logging
 import math
 import resource
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -19,6 +20,9 @@ from omegaconf import DictConfig, OmegaConf
 from lit_rlvr.module import GRPOModule
 
 log = logging.getLogger(__name__)
+
+# Lightning's advice for manually optimized modules does not apply: an RL step saves after its update
+warnings.filterwarnings("ignore", message=".*Using ModelCheckpoint with manual optimization.*")
 
 SUMMARY_FILE = "summary.json"
 
@@ -105,14 +109,63 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     _load_data(datamodule, trainer, "fit")
     module = build_module(cfg)
     before = validate(trainer, module, datamodule) if cfg.eval_before and cfg.resume is None else {}
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume)
+    if cfg.resume is not None:
+        if not Path(cfg.resume).exists():
+            raise FileNotFoundError(f"resume={cfg.resume!r}: no such checkpoint (a run keeps its checkpoints/last.ckpt)")
+        _set_metrics_aside(run_dir)
+    # weights_only=False: our own checkpoints hold the config (omegaconf), RNG and data states
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume, weights_only=False)
     trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
     after = validate(trainer, module, datamodule)
+    _merge_metrics_aside(run_dir)
     summary = summarise(cfg, run_dir, module, before, after, time.perf_counter() - started)
     stats = getattr(datamodule, "load_stats", {}).values()  # file data: rows dropped by on_bad_row=skip
     summary["data_rows_skipped"] = sum(s["skipped"] for s in stats)
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
     return summary
+
+
+METRICS_FILE, METRICS_ASIDE = "metrics.csv", "metrics.before_resume.csv"
+
+
+def _read_rows(path: Path) -> list[dict[str, str]]:
+    if not path.exists():
+        return []
+    with path.open(newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def _write_rows(path: Path, rows: list[dict[str, str]]) -> None:
+    keys = sorted(set().union(*rows)) if rows else []
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(path)
+
+
+def _merged(old: list[dict[str, str]], new: list[dict[str, str]]) -> list[dict[str, str]]:
+    """`old` rows before the first step of `new` (later ones were recomputed after the resume), then `new`."""
+    steps = [int(r["step"]) for r in new if r.get("step")]
+    first = min(steps) if steps else float("inf")
+    return [r for r in old if r.get("step") and int(r["step"]) < first] + new
+
+
+def _set_metrics_aside(run_dir: Path) -> None:
+    """A CSVLogger deletes an existing metrics.csv; resuming into the same run dir keeps its rows aside
+    (merged with any left by an earlier resume that did not finish) and merges them back at the end."""
+    current, aside = run_dir / METRICS_FILE, run_dir / METRICS_ASIDE
+    if current.exists():
+        _write_rows(aside, _merged(_read_rows(aside), _read_rows(current)))
+        current.unlink()
+
+
+def _merge_metrics_aside(run_dir: Path) -> None:
+    current, aside = run_dir / METRICS_FILE, run_dir / METRICS_ASIDE
+    if aside.exists():
+        _write_rows(current, _merged(_read_rows(aside), _read_rows(current)))
+        aside.unlink()
 
 
 def evaluate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
