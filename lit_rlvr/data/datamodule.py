@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lit_rlvr.data.tasks.arithmetic import ArithmeticTask
 
@@ -66,6 +66,30 @@ def with_instruction(prompt: Any, instruction: Optional[str] = None, system_prom
     return messages[0]["content"] if isinstance(prompt, str) and len(messages) == 1 else messages
 
 
+class ResumableSampler(Sampler[int]):
+    """Shuffled indices whose order is a pure function of (seed, epoch), so a resumed run can skip the ones
+    already trained on (`skip_next`) and continue with exactly the batches an uninterrupted run would see.
+    Lightning calls `set_epoch` at every epoch start."""
+
+    def __init__(self, size: int, seed: int):
+        self.size, self.seed, self.epoch = size, seed, 0
+        self._skip: dict[int, int] = {}  # epoch -> indices to skip at its start (set on resume)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def skip_next(self, epoch: int, count: int) -> None:
+        self._skip = {epoch: count}
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(self.size, generator=generator).tolist()
+        yield from order[self._skip.pop(self.epoch, 0):]
+
+
 def collate(rows: list[dict[str, Any]]) -> dict[str, list]:
     return {"prompt": [r["prompt"] for r in rows], "answer": [r["answer"] for r in rows]}
 
@@ -114,6 +138,8 @@ class RLVRDataModule(pl.LightningDataModule):
         self.train_set: Optional[Dataset] = None
         self.eval_set: Optional[Dataset] = None
         self.load_stats: dict[str, Any] = {}
+        self._position = {"epoch": 0, "batches": 0}  # training batches consumed in the current epoch
+        self._sampler: Optional[ResumableSampler] = None
 
     def _load(self, path: str, split: str, fields: Any) -> RecordDataset:
         from lit_rlvr.data.formats import load_records
@@ -143,9 +169,33 @@ class RLVRDataModule(pl.LightningDataModule):
             self.eval_set = torch.utils.data.Subset(self.eval_set, range(min(hp.eval_limit, len(self.eval_set))))
 
     def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.hparams.seed)
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, generator=generator,
-                          collate_fn=collate, drop_last=True)
+        hp = self.hparams
+        self._sampler = ResumableSampler(len(self.train_set), hp.seed)
+        if self._position["batches"]:  # resumed mid-epoch: continue after the batches already trained on
+            self._sampler.skip_next(self._position["epoch"], self._position["batches"] * hp.batch_size)
+        # own generator: the loader's base-seed draw must not advance the global RNG (restored on resume)
+        return DataLoader(self.train_set, batch_size=hp.batch_size, sampler=self._sampler, collate_fn=collate,
+                          drop_last=True, generator=torch.Generator().manual_seed(hp.seed))
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Counts the training batches handed to the module (not the ones the loader prefetched)."""
+        if self.trainer is not None and self.trainer.training:
+            self.note_batches(1)
+        return batch
+
+    def note_batches(self, count: int) -> None:
+        """`count` more training batches consumed (a module that reads the data iterator itself calls this)."""
+        epoch = self.trainer.current_epoch if self.trainer is not None else 0
+        if epoch != self._position["epoch"]:
+            self._position = {"epoch": epoch, "batches": 0}
+        self._position["batches"] += count
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position, saved in checkpoints by Lightning: resume continues with the next batch."""
+        return dict(self._position)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._position = {"epoch": int(state_dict.get("epoch", 0)), "batches": int(state_dict.get("batches", 0))}
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.eval_set, batch_size=self.hparams.eval_batch_size, shuffle=False, collate_fn=collate)
