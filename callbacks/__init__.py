@@ -1,6 +1,7 @@
 """Lightning callbacks that implement the papers; installed as `lit_rlvr.callbacks` (DESIGN §1)."""
 
 from .param_noise import ParamNoise
+from .run_checkpoint import RunCheckpoint
 from .value_prior import ValuePrior
 
-__all__ = ["ParamNoise", "ValuePrior"]
+__all__ = ["ParamNoise", "RunCheckpoint", "ValuePrior"]

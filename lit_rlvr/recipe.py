@@ -17,6 +17,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from lit_rlvr.callbacks import RunCheckpoint
 from lit_rlvr.module import GRPOModule
 
 log = logging.getLogger(__name__)
@@ -70,12 +71,10 @@ def _keyed(section: Optional[DictConfig]) -> list[Any]:
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path) -> pl.Trainer:
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
-                                 every_n_train_steps=cfg.checkpoint_every, save_on_train_epoch_end=False)
+    checkpoint = RunCheckpoint(run_dir / "checkpoints", every_n_steps=cfg.checkpoint_every)
     callbacks = [checkpoint, *_keyed(cfg.get("callbacks")), *_keyed(cfg.algorithm.get("callbacks"))]
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    trainer_kwargs["enable_checkpointing"] = False  # RunCheckpoint writes last.ckpt (no default ModelCheckpoint)
     strategy = trainer_kwargs.pop("strategy", "auto")
     if isinstance(strategy, dict):
         strategy = instantiate(strategy)
@@ -115,10 +114,16 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         _set_metrics_aside(run_dir)
     # weights_only=False: our own checkpoints hold the config (omegaconf), RNG and data states
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume, weights_only=False)
-    trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
-    after = validate(trainer, module, datamodule)
+    checkpoint = next(cb for cb in trainer.callbacks if isinstance(cb, RunCheckpoint))
+    checkpoint.save(trainer)  # no-op when fit ended on a saved step (max_steps, SIGTERM)
+    if checkpoint.stopped_by_sigterm:  # leave quickly: the scheduler's grace period is short
+        log.warning("stopped by SIGTERM at step %d; continue with resume=%s", module.global_step, checkpoint.last_path)
+        after = {}
+    else:
+        after = validate(trainer, module, datamodule)
     _merge_metrics_aside(run_dir)
     summary = summarise(cfg, run_dir, module, before, after, time.perf_counter() - started)
+    summary["stopped_by_sigterm"] = checkpoint.stopped_by_sigterm
     stats = getattr(datamodule, "load_stats", {}).values()  # file data: rows dropped by on_bad_row=skip
     summary["data_rows_skipped"] = sum(s["skipped"] for s in stats)
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
