@@ -57,12 +57,9 @@ def with_instruction(prompt: Any, instruction: Optional[str] = None, system_prom
     """`instruction` appended to the last user turn (as `formats.render_prompt` does); `system_prompt` added as
     the first message unless there is a system message. A string prompt stays a string unless a system
     prompt turns it into messages."""
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
-    if instruction:
-        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=len(messages) - 1)
-        messages[last_user]["content"] = f"{messages[last_user]['content'].rstrip()}\n{instruction}"
-    if system_prompt and not any(m["role"] == "system" for m in messages):
-        messages.insert(0, {"role": "system", "content": system_prompt})
+    from lit_rlvr.data.formats import as_messages
+
+    messages = as_messages(prompt, instruction, system_prompt)
     return messages[0]["content"] if isinstance(prompt, str) and len(messages) == 1 else messages
 
 

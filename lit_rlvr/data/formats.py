@@ -284,6 +284,18 @@ def shard(records: Sequence[Any], rank: int, world_size: int) -> list[Any]:
     return list(records[rank * per_rank : (rank + 1) * per_rank])
 
 
+
+def as_messages(prompt: Any, instruction: Optional[str] = None, system_prompt: Optional[str] = None) -> list[dict]:
+    """Chat messages of a prompt: `instruction` appended to the last user turn; `system_prompt` added as the
+    first message unless there is a system message already."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    if instruction:
+        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=len(messages) - 1)
+        messages[last_user]["content"] = f"{messages[last_user]['content'].rstrip()}\n{instruction}"
+    if system_prompt and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
 def render_prompt(
     prompt: str | list[dict[str, str]],
     tokenizer: Any,
@@ -299,12 +311,7 @@ def render_prompt(
     "role: content" lines. `system_prompt` adds a system message (unless one is there); `instruction` is
     appended to the last user turn, e.g. `MATH_INSTRUCTION`.
     """
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
-    if instruction:
-        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=len(messages) - 1)
-        messages[last_user]["content"] = f"{messages[last_user]['content'].rstrip()}\n{instruction}"
-    if system_prompt and not any(m["role"] == "system" for m in messages):
-        messages.insert(0, {"role": "system", "content": system_prompt})
+    messages = as_messages(prompt, instruction, system_prompt)
     if chat_template and getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     if isinstance(prompt, str) and len(messages) == 1:
