@@ -1,0 +1,89 @@
+"""Exact resume (DESIGN §10): a 6-step run and a 3-step run resumed to 6 write the same metrics.csv rows for
+steps 4-6, bit for bit on CPU, timing columns aside. The runs are `python train.py` subprocesses; the full run
+and the first half of the resumed one run side by side."""
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["eval_before=false", "data.num_test=4", "callbacks.progress=null", "data.batch_size=4",
+         "algorithm.group_size=4", "checkpoint_every=1"]
+
+
+def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    """`python train.py` in the background; its output goes to a log file beside the run dir."""
+    log = run_dir.parent / f"{run_dir.name}.{len(list(run_dir.parent.glob(run_dir.name + '.*.log')))}.log"
+    proc = subprocess.Popen([sys.executable, "train.py", *SMALL, f"hydra.run.dir={run_dir}", *overrides], cwd=REPO,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=dict(os.environ))
+    proc.log = log
+    return proc
+
+
+def _wait(proc: subprocess.Popen, timeout: float = 240) -> None:
+    assert proc.wait(timeout=timeout) == 0, proc.log.read_text()[-3000:]
+
+
+def train_rows(path: Path) -> dict[int, dict[str, str]]:
+    """Training rows of a metrics.csv by step, timing columns dropped."""
+    rows = {}
+    for row in csv.DictReader(path.open()):
+        if row.get("reward/mean"):
+            rows[int(row["step"])] = {k: v for k, v in row.items() if not k.startswith(("time/", "perf/"))}
+    return rows
+
+
+def run_split(tmp_path: Path, algorithm: str, same_dir: bool) -> tuple[dict, dict, Path]:
+    full, part = tmp_path / "full", tmp_path / "part"
+    procs = [_start(full, f"algorithm={algorithm}", "trainer.max_steps=6"),
+             _start(part, f"algorithm={algorithm}", "trainer.max_steps=3")]
+    for proc in procs:
+        _wait(proc)
+    resumed = part if same_dir else tmp_path / "resumed"
+    _wait(_start(resumed, f"algorithm={algorithm}", "trainer.max_steps=6", f"resume={part}/checkpoints/last.ckpt"))
+    return train_rows(full / "metrics.csv"), train_rows(resumed / "metrics.csv"), resumed
+
+
+def _assert_same_steps(full: dict, resumed: dict, steps: range) -> None:
+    for step in steps:
+        diff = {k: (full[step].get(k), resumed[step].get(k)) for k in set(full[step]) | set(resumed[step])
+                if full[step].get(k) != resumed[step].get(k)}
+        assert not diff, f"step {step + 1} differs after resume: {diff}"
+
+
+def test_grpo_resume_into_same_dir_is_exact_and_keeps_earlier_rows(tmp_path):
+    full, resumed, run_dir = run_split(tmp_path, "grpo", same_dir=True)
+    assert sorted(full) == sorted(resumed) == list(range(6))  # steps 1-3 kept across the resume, 4-6 appended
+    _assert_same_steps(full, resumed, range(6))
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert state["global_step"] == 6 and state["RLVRDataModule"] == {"epoch": 0, "batches": 6}
+    assert {"python", "numpy", "torch"} <= set(state["lit_rlvr"]["rng"])
+    assert not (run_dir / "metrics.before_resume.csv").exists()
+
+
+def test_c3po_resume_into_fresh_dir_is_exact(tmp_path):
+    full, resumed, _ = run_split(tmp_path, "c3po", same_dir=False)
+    assert sorted(resumed) == [3, 4, 5]
+    _assert_same_steps(full, resumed, range(3, 6))
+
+
+def test_datamodule_position_survives_state_dict():
+    """The sampler's order is a function of (seed, epoch); a loaded position skips the batches already used."""
+    from lit_rlvr.data.datamodule import RLVRDataModule
+
+    def batches(dm, n):
+        it = iter(dm.train_dataloader())
+        return [next(it)["prompt"] for _ in range(n)]
+
+    first = RLVRDataModule(batch_size=2, num_train=20, num_test=2, seed=3)
+    first.setup("fit")
+    whole = batches(first, 5)
+    first._position = {"epoch": 0, "batches": 2}
+    second = RLVRDataModule(batch_size=2, num_train=20, num_test=2, seed=3)
+    second.setup("fit")
+    second.load_state_dict(first.state_dict())
+    assert batches(second, 3) == whole[2:5]
