@@ -38,6 +38,10 @@ class NonFiniteError(RuntimeError):
     pass
 
 
+class EngineError(RuntimeError):
+    """The rollout engine failed; the message names the step and the checkpoint to resume from."""
+
+
 def rng_states() -> dict[str, Any]:
     """The global RNG states (python, numpy, torch CPU and CUDA) for a checkpoint; Lightning does not save them."""
     import random
@@ -263,7 +267,7 @@ class GRPOModule(pl.LightningModule):
             mean = plan.uses_mean_weights and plan.num_weight_sources == 1
             if not mean or not self._engine_holds_mean or self.engine.version != self.global_step:
                 self.push_to_engine(holds_mean=mean)
-            completions = self.engine.generate(plan.prompt_token_ids, counts, self.sampling_params(self.sample_seed(round_index, source)))
+            completions = self._engine_generate(plan.prompt_token_ids, counts, self.sampling_params(self.sample_seed(round_index, source)))
         self.step_times["gen_s"] += time.perf_counter() - t0
         part = rollouts_from_completions(plan, completions, chunk=source, pad_id=self.tokenizer.pad_token_id)
         part.completions = self.tokenizer.batch_decode(part.response_ids.masked_fill(~part.response_mask, self.tokenizer.pad_token_id), skip_special_tokens=True)
@@ -274,6 +278,15 @@ class GRPOModule(pl.LightningModule):
         self.counters["reward_failures"] += scored.failures
         self.step_times["reward_s"] += time.perf_counter() - t0
         return part
+
+    def _engine_generate(self, prompt_token_ids: list[list[int]], counts: list[int], params: SamplingParams):
+        """`engine.generate`, with a failure turned into an `EngineError` that says what survives and what to do."""
+        try:
+            return self.engine.generate(prompt_token_ids, counts, params)
+        except Exception as err:
+            raise EngineError(f"engine {self.hparams.engine!r} failed at step {self.global_step + 1}: {err!r}; the "
+                              "last checkpoint (checkpoints/last.ckpt in the run dir) is intact: fix the cause and "
+                              "continue with resume=RUN_DIR/checkpoints/last.ckpt") from err
 
     def push_to_engine(self, *, holds_mean: bool = True) -> None:
         """Send the policy's current weights to the engine (no copy in `shared` mode)."""

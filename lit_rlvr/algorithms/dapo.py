@@ -52,6 +52,7 @@ class DAPOModule(GRPOModule):
         """Lightning passes the data iterator (it sees the `dataloader_iter` argument) so that dynamic
         sampling can draw further batches within this step."""
         batch, batch_idx, _ = next(dataloader_iter)
+        self._note_batch()
         self._data_iter = dataloader_iter
         try:
             return super().training_step(batch, batch_idx)
@@ -97,7 +98,15 @@ class DAPOModule(GRPOModule):
             batch, _, _ = next(self._data_iter)
         except StopIteration:
             return None
+        self._note_batch()
         return batch
+
+    def _note_batch(self) -> None:
+        """Tell the datamodule a batch was used: it keeps the data position that a resume continues from
+        (Lightning skips its batch hooks when the step reads the iterator itself)."""
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        if hasattr(datamodule, "note_batches"):
+            datamodule.note_batches(1)
 
     def sample_seed(self, *parts: int) -> int:
         """Refill batches draw from their own random stream (rounds restart at 0 for each batch)."""
