@@ -17,6 +17,8 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
 from lit_rlvr.callbacks import RunCheckpoint
 from lit_rlvr.module import GRPOModule
 
@@ -113,8 +115,13 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             raise FileNotFoundError(f"resume={cfg.resume!r}: no such checkpoint (a run keeps its checkpoints/last.ckpt)")
         _set_metrics_aside(run_dir)
     # weights_only=False: our own checkpoints hold the config (omegaconf), RNG and data states
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume, weights_only=False)
     checkpoint = next(cb for cb in trainer.callbacks if isinstance(cb, RunCheckpoint))
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume, weights_only=False)
+    except SIGTERMException:  # Lightning exits (code 0) once the step that saw SIGTERM has ended
+        if trainer.global_step == 0:
+            raise
+        checkpoint.stopped_by_sigterm = True
     checkpoint.save(trainer)  # no-op when fit ended on a saved step (max_steps, SIGTERM)
     if checkpoint.stopped_by_sigterm:  # leave quickly: the scheduler's grace period is short
         log.warning("stopped by SIGTERM at step %d; continue with resume=%s", module.global_step, checkpoint.last_path)
