@@ -1,0 +1,42 @@
+"""Fault report (DESIGN §10): runs tests/test_faults.py and tests/test_resume.py and prints what was injected,
+how many bad inputs each fault fed the run, which runs survived (or stopped cleanly with last.ckpt intact),
+and the data lost (0: every stopped run resumes from its last.ckpt, and the resume tests check it is exact).
+
+    python scripts/fault_report.py        (~2 minutes on 2 CPU cores)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main() -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        records_path = Path(tmp) / "faults.jsonl"
+        env = {**os.environ, "FAULT_REPORT": str(records_path)}
+        tests = ["tests/test_faults.py", "tests/test_resume.py"]
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=REPO,
+                                env=env, capture_output=True, text=True)
+        records = [json.loads(line) for line in records_path.read_text().splitlines()] if records_path.exists() else []
+    print(result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-2000:])
+    print(f"\n{'fault':32} {'bad inputs':>10} {'run':>22} {'data lost':>10}")
+    for r in records:
+        outcome = "survived" if r["survived"] else ("stopped, ckpt intact" if r.get("stopped_cleanly") else "FAILED")
+        print(f"{r['fault']:32} {r['bad_inputs']:>10} {outcome:>22} {r['data_lost']:>10}")
+    survived = sum(r["survived"] for r in records)
+    clean = sum(bool(r.get("stopped_cleanly")) for r in records)
+    print(f"\nfaults injected: {len(records)}; bad inputs tried: {sum(r['bad_inputs'] for r in records)}; "
+          f"runs that survived: {survived}; stopped cleanly with last.ckpt intact: {clean}; "
+          f"data lost: {sum(r['data_lost'] for r in records)}")
+    return result.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
