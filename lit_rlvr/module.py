@@ -48,7 +48,10 @@ def rng_states() -> dict[str, Any]:
 
     import numpy as np
 
-    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    # plain types and tensors only, so checkpoints load with torch.load(weights_only=True) (Lightning's default)
+    numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss))
+    states = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.get_rng_state_all()
     return states
@@ -60,7 +63,8 @@ def set_rng_states(states: dict[str, Any]) -> None:
     import numpy as np
 
     random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
+    kind, keys, pos, has_gauss, gauss = states["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(states["torch"])
     if "cuda" in states and torch.cuda.is_available() and len(states["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(states["cuda"])
