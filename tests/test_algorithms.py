@@ -177,7 +177,9 @@ def is_odd(prompt: str) -> bool:
 
 def test_dapo_dynamic_sampling_fills_batch_from_next_prompts():
     recorder, data = fit_dapo(is_odd, steps=2, max_refill_batches=8)
-    batches = iter(data.train_dataloader())  # the run's data order; a step takes whole batches until it has
+    fresh = RLVRDataModule(batch_size=4, seed=0)  # the run's data order from the start (the run's own
+    fresh.setup("fit")  # datamodule now holds the position it stopped at)
+    batches = iter(fresh.train_dataloader())  # a step takes whole batches until it has
     expected = []  # 4 usable prompts, and discards the surplus of its last batch (as verl's DAPO recipe)
     for _step in range(2):
         usable = []
