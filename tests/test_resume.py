@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,15 +39,23 @@ def train_rows(path: Path) -> dict[int, dict[str, str]]:
     return rows
 
 
-def run_split(tmp_path: Path, algorithm: str, same_dir: bool) -> tuple[dict, dict, Path]:
-    full, part = tmp_path / "full", tmp_path / "part"
-    procs = [_start(full, f"algorithm={algorithm}", "trainer.max_steps=6"),
-             _start(part, f"algorithm={algorithm}", "trainer.max_steps=3")]
-    for proc in procs:
+@pytest.fixture(scope="module")
+def split_runs(tmp_path_factory):
+    """Per algorithm: a 6-step run and a 3-step run resumed to 6 (grpo into the same dir, c3po into a fresh
+    one); the first halves all run side by side, then the resumes."""
+    root = tmp_path_factory.mktemp("resume")
+    plans = {"grpo": True, "c3po": False}
+    first = [_start(root / f"{algo}_{kind}", f"algorithm={algo}", f"trainer.max_steps={steps}")
+             for algo in plans for kind, steps in (("full", 6), ("part", 3))]
+    for proc in first:
         _wait(proc)
-    resumed = part if same_dir else tmp_path / "resumed"
-    _wait(_start(resumed, f"algorithm={algorithm}", "trainer.max_steps=6", f"resume={part}/checkpoints/last.ckpt"))
-    return train_rows(full / "metrics.csv"), train_rows(resumed / "metrics.csv"), resumed
+    resumes = {algo: root / (f"{algo}_part" if same_dir else f"{algo}_resumed") for algo, same_dir in plans.items()}
+    second = [_start(run_dir, f"algorithm={algo}", "trainer.max_steps=6", f"resume={root}/{algo}_part/checkpoints/last.ckpt")
+              for algo, run_dir in resumes.items()]
+    for proc in second:
+        _wait(proc)
+    return {algo: (train_rows(root / f"{algo}_full" / "metrics.csv"), train_rows(run_dir / "metrics.csv"), run_dir)
+            for algo, run_dir in resumes.items()}
 
 
 def _assert_same_steps(full: dict, resumed: dict, steps: range) -> None:
@@ -56,8 +65,8 @@ def _assert_same_steps(full: dict, resumed: dict, steps: range) -> None:
         assert not diff, f"step {step + 1} differs after resume: {diff}"
 
 
-def test_grpo_resume_into_same_dir_is_exact_and_keeps_earlier_rows(tmp_path):
-    full, resumed, run_dir = run_split(tmp_path, "grpo", same_dir=True)
+def test_grpo_resume_into_same_dir_is_exact_and_keeps_earlier_rows(split_runs):
+    full, resumed, run_dir = split_runs["grpo"]
     assert sorted(full) == sorted(resumed) == list(range(6))  # steps 1-3 kept across the resume, 4-6 appended
     _assert_same_steps(full, resumed, range(6))
     state = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
@@ -67,8 +76,8 @@ def test_grpo_resume_into_same_dir_is_exact_and_keeps_earlier_rows(tmp_path):
     _report("resume grpo into the same run dir")
 
 
-def test_c3po_resume_into_fresh_dir_is_exact(tmp_path):
-    full, resumed, _ = run_split(tmp_path, "c3po", same_dir=False)
+def test_c3po_resume_into_fresh_dir_is_exact(split_runs):
+    full, resumed, _ = split_runs["c3po"]
     assert sorted(resumed) == [3, 4, 5]
     _assert_same_steps(full, resumed, range(3, 6))
     _report("resume c3po into a fresh run dir")
