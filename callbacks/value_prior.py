@@ -125,6 +125,7 @@ class ValuePrior(RLVRCallback):
         self.value_model = value_model
         self._step: Optional[_Step] = None
         self._restored_cache_keys: list[str] = []
+        self._restored_features: dict[str, Tensor] = {}
 
     # -- Lightning hooks -------------------------------------------------------------------------------------
     @override
@@ -186,12 +187,15 @@ class ValuePrior(RLVRCallback):
     def state_dict(self) -> dict[str, Any]:
         """The context records and the prompts whose embeddings are cached (the states are recomputed on
         demand after a resume; the keys let a persistent backbone cache refill, and a resume be checked)."""
-        return {"context": self.context.state_dict(), "embedding_cache_keys": self._cache_keys()}
+        features = getattr(self.value_model, "feature_state", lambda prompts: {})(self.context.prompts)
+        return {"context": self.context.state_dict(), "embedding_cache_keys": self._cache_keys(),
+                "context_features": features}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.context.load_state_dict(state_dict["context"])
         self._restored_cache_keys = list(state_dict.get("embedding_cache_keys", []))
+        self._restored_features = dict(state_dict.get("context_features", {}))
         self._restore_backbone_cache()
 
     def _cache_keys(self) -> list[str]:
@@ -203,6 +207,8 @@ class ValuePrior(RLVRCallback):
         backbone = getattr(self.value_model, "backbone", None)
         if self._restored_cache_keys and hasattr(backbone, "load_state_dict"):
             backbone.load_state_dict({"cached_prompts": self._restored_cache_keys})
+        if self._restored_features and hasattr(self.value_model, "load_feature_state"):
+            self.value_model.load_feature_state(self._restored_features)
 
     # -- the pieces ----------------------------------------------------------------------------------------------
     def to_reward_scale(self, p_hat: Tensor) -> Tensor:

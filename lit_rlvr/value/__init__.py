@@ -69,6 +69,7 @@ class ValueModel:
         if features == "adapter" and adapter is None:
             adapter = ResidualQueryAdapter(backbone.dim, seed=seed)
         self.backbone, self.head, self.adapter, self.features_mode = backbone, head, adapter, features
+        self._feature_cache: dict[str, Tensor] = {}  # prompt → [F]: the context's and this step's prompts
         if adapter is not None:
             adapter.eval().requires_grad_(False)
 
@@ -103,6 +104,20 @@ class ValueModel:
         adapter = self.adapter.to(states.device)
         return adapter(states, mask).float()  # [B, K·W]
 
+    def prompt_features(self, prompts: list[str]) -> Tensor:
+        """[B, F] features, each prompt's computed once, when first seen, and then reused. A checkpoint keeps
+        the context's (`feature_state`), so a resumed run fits the head on the very same numbers."""
+        missing = [p for p in dict.fromkeys(prompts) if p not in self._feature_cache]
+        if missing:
+            self._feature_cache.update(zip(missing, self.features(missing)))
+        return torch.stack([self._feature_cache[p] for p in prompts])
+
+    def feature_state(self, prompts: list[str]) -> dict[str, Tensor]:
+        return {p: self._feature_cache[p] for p in prompts if p in self._feature_cache}
+
+    def load_feature_state(self, state: dict[str, Tensor]) -> None:
+        self._feature_cache.update(state)
+
     @torch.no_grad()
     def predict(self, prompts: list[str], context: ContextBuffer) -> tuple[Optional[Tensor], dict[str, Tensor]]:
         """p̂ [B] in [0, 1] for the prompts, fit on `context`; None while the context is not ready (then V0.5
@@ -112,7 +127,8 @@ class ValueModel:
         if not context.is_ready:
             return None, metrics
         ctx_prompts = context.prompts
-        x = self.features(ctx_prompts + list(prompts))  # [M + B, F] one backbone call, cached per prompt
+        x = self.prompt_features(ctx_prompts + list(prompts))  # [M + B, F]
+        self._feature_cache = {p: self._feature_cache[p] for p in ctx_prompts + list(prompts)}  # bounded
         m = len(ctx_prompts)
         self.head.fit(x[:m], context.success_rate, context.counts)
         p_hat = self.head.predict(x[m:]).float().clamp(0, 1)  # [B]
