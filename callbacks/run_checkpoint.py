@@ -1,5 +1,6 @@
 """`RunCheckpoint`: `checkpoints/last.ckpt`, written atomically every `every_n_steps` optimizer steps, at the
-run's last step, and at the step during which SIGTERM arrived (then training stops; DESIGN §10).
+run's last step, and at the step during which SIGTERM or a first SIGINT (Ctrl-C) arrived (then training stops;
+DESIGN §10). A second SIGINT aborts at once, as usual.
 
 Why not `ModelCheckpoint` plus a save after `fit`: a checkpoint written after `fit` returns records the epoch as
 finished, so a resumed run would start a new epoch (a new data order) instead of continuing the old one; and a
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from pathlib import Path
 from typing import Any, Union
 
@@ -30,6 +33,25 @@ class RunCheckpoint(pl.Callback):
         self.dirpath, self.every_n_steps = Path(dirpath), every_n_steps
         self.saved_step = -1  # global step of the last save
         self.stopped_by_sigterm = False
+        self.stopped_by_sigint = False
+        self._sigint = False
+        self._previous_sigint = None
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+            self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._previous_sigint is not None:
+            signal.signal(signal.SIGINT, self._previous_sigint)
+            self._previous_sigint = None
+
+    def _on_sigint(self, signum, frame) -> None:
+        self._sigint = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C aborts at once
+        log.warning("SIGINT: finishing this step, saving last.ckpt and stopping (Ctrl-C again to abort)")
 
     @property
     def last_path(self) -> Path:
@@ -38,11 +60,12 @@ class RunCheckpoint(pl.Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if trainer.received_sigterm and not trainer.should_stop:
+        if (trainer.received_sigterm or self._sigint) and not trainer.should_stop:
             # Lightning's own handler would raise at the next batch; stopping here ends `fit` normally
-            self.stopped_by_sigterm = True
+            self.stopped_by_sigterm, self.stopped_by_sigint = trainer.received_sigterm, not trainer.received_sigterm
             trainer.should_stop = True
-            log.warning("SIGTERM at step %d: saving %s and stopping", trainer.global_step, self.last_path)
+            name = "SIGTERM" if trainer.received_sigterm else "SIGINT"
+            log.warning("%s at step %d: saving %s and stopping", name, trainer.global_step, self.last_path)
         step = trainer.global_step
         last = 0 < trainer.max_steps <= step
         if step % self.every_n_steps == 0 or last or trainer.should_stop:

@@ -123,14 +123,15 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             raise
         checkpoint.stopped_by_sigterm = True
     checkpoint.save(trainer)  # no-op when fit ended on a saved step (max_steps, SIGTERM)
-    if checkpoint.stopped_by_sigterm:  # leave quickly: the scheduler's grace period is short
-        log.warning("stopped by SIGTERM at step %d; continue with resume=%s", module.global_step, checkpoint.last_path)
+    if checkpoint.stopped_by_sigterm or checkpoint.stopped_by_sigint:  # leave quickly: a grace period is short
+        log.warning("stopped by a signal at step %d; continue with resume=%s", module.global_step, checkpoint.last_path)
         after = {}
     else:
         after = validate(trainer, module, datamodule)
     _merge_metrics_aside(run_dir)
     summary = summarise(cfg, run_dir, module, before, after, time.perf_counter() - started)
     summary["stopped_by_sigterm"] = checkpoint.stopped_by_sigterm
+    summary["stopped_by_sigint"] = checkpoint.stopped_by_sigint
     stats = getattr(datamodule, "load_stats", {}).values()  # file data: rows dropped by on_bad_row=skip
     summary["data_rows_skipped"] = sum(s["skipped"] for s in stats)
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))

@@ -112,7 +112,8 @@ def test_engine_failure_says_checkpoint_is_intact_and_it_loads(runs):
     report(fault="engine.generate raises", bad_inputs=1, survived=False, stopped_cleanly=True, data_lost=0)
 
 
-def test_sigterm_saves_and_exits_then_resumes_to_the_end(runs, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_saves_and_exits_then_resumes_to_the_end(runs, tmp_path, signum):
     for run in runs.values():  # 2 cores: the other runs end first, so this one is signalled mid-run
         run.proc.wait(timeout=300)
     run = Run(tmp_path / "sigterm", "trainer.max_steps=10000", "checkpoint_every=1000",
@@ -122,21 +123,22 @@ def test_sigterm_saves_and_exits_then_resumes_to_the_end(runs, tmp_path):
         while time.monotonic() < deadline and len(_rows(run.dir)) < 2:
             time.sleep(0.5)
         assert len(_rows(run.dir)) >= 2, run.log.read_text()[-3000:]
-        run.proc.send_signal(signal.SIGTERM)
+        run.proc.send_signal(signum)
         rc, log = run.wait(timeout=60)
     finally:
         if run.proc.poll() is None:
             run.proc.kill()
-    assert rc == 0 and "SIGTERM" in log, log[-3000:]
+    name = signal.Signals(signum).name
+    assert rc == 0 and name in log, log[-3000:]
     stopped_at = run.checkpoint()["global_step"]
-    assert 2 <= stopped_at < 10000 and run.summary()["stopped_by_sigterm"]
+    assert 2 <= stopped_at < 10000 and run.summary()[f"stopped_by_{name.lower()}"]
     final = Run(run.dir, f"trainer.max_steps={stopped_at + 2}",
                 f"resume={run.dir}/checkpoints/last.ckpt")
     rc, log = final.wait()
     assert rc == 0, log[-3000:]
     steps = sorted(int(r["step"]) for r in final.rows())
     assert steps == list(range(stopped_at + 2))  # nothing lost, nothing repeated
-    report(fault="SIGTERM mid-run", bad_inputs=1, survived=True, data_lost=0)
+    report(fault=f"{name} mid-run", bad_inputs=1, survived=True, data_lost=0)
 
 
 def _rows(run_dir: Path) -> list:
