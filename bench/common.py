@@ -7,6 +7,7 @@ threads but never at once (the baton), so they see the same machine load, block 
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import math
@@ -60,6 +61,28 @@ def quiet(threads: int = THREADS) -> None:
     except ImportError:  # pragma: no cover
         pass
 
+
+
+def bench_parser(description: str, *, steps_help: str, warmup_help: str, block_help: str,
+                 override_help: str) -> argparse.ArgumentParser:
+    """The options every benchmark shares: --json, --steps, --warmup, --block, --threads, --override."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    parser.add_argument("--steps", type=int, default=20, help=steps_help)
+    parser.add_argument("--warmup", type=int, default=3, help=warmup_help)
+    parser.add_argument("--block", type=int, default=1, help=block_help)
+    parser.add_argument("--threads", type=int, default=THREADS, help="torch threads (DESIGN §9: 2)")
+    parser.add_argument("--override", action="append", default=[], help=override_help)
+    return parser
+
+
+def parse_bench_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """Parse, check the step counts, and quiet the libraries."""
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        raise SystemExit("--steps must be >= 1 and --warmup >= 0")
+    quiet(args.threads)
+    return args
 
 def median(values: Iterable[float]) -> float:
     values = [v for v in values if v is not None and not math.isnan(v)]

@@ -23,7 +23,6 @@ weights, hence the length distributions, stay equal; `ours_response_len_mean` an
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import tempfile
@@ -188,20 +187,13 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
-    parser.add_argument("--steps", type=int, default=20, help="timed RL steps per side")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed RL steps per side first")
-    parser.add_argument("--block", type=int, default=1, help="steps per turn")
+    parser = common.bench_parser(__doc__.split("\n\n")[0], steps_help="timed RL steps per side",
+                                 warmup_help="untimed RL steps per side first", block_help="steps per turn",
+                                 override_help="extra Hydra override for our side")
     parser.add_argument("--lr", default="0", help="learning rate of both sides, or 'config' for grpo.yaml's; "
                         "0 (default) keeps both policies at the same weights, so both generate the same length "
                         "distribution while every update still runs in full")
-    parser.add_argument("--threads", type=int, default=common.THREADS, help="torch threads (DESIGN §9: 2)")
-    parser.add_argument("--override", action="append", default=[], help="extra Hydra override for our side")
-    args = parser.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0:
-        raise SystemExit("--steps must be >= 1 and --warmup >= 0")
-    common.quiet(args.threads)
+    args = common.parse_bench_args(parser, argv)
     try:
         result = run(args)
     except TRLUnavailable as err:

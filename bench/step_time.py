@@ -17,7 +17,6 @@ two at once), and reports each one's medians and `b_over_a` = median step(b) / m
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -97,20 +96,13 @@ def compare(args) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    parser = common.bench_parser(__doc__.split("\n\n")[0], steps_help="timed RL steps (per algorithm)",
+                                 warmup_help="untimed RL steps first (V0.5: at least until its prior is present)",
+                                 block_help="with --compare: steps per turn",
+                                 override_help="extra Hydra override (repeatable)")
     parser.add_argument("--algorithm", default="grpo", help="a config in conf/algorithm (grpo, c3po, v05, …)")
-    parser.add_argument("--steps", type=int, default=20, help="timed RL steps (per algorithm)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed RL steps first (V0.5: at least until "
-                        "its prior is present)")
     parser.add_argument("--compare", default=None, help="comma-separated algorithms run side by side, e.g. grpo,c3po")
-    parser.add_argument("--block", type=int, default=1, help="with --compare: steps per turn")
-    parser.add_argument("--threads", type=int, default=common.THREADS, help="torch threads (DESIGN §9: 2)")
-    parser.add_argument("--override", action="append", default=[], help="extra Hydra override (repeatable)")
-    args = parser.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0:
-        raise SystemExit("--steps must be >= 1 and --warmup >= 0")
-    common.quiet(args.threads)
+    args = common.parse_bench_args(parser, argv)
     result = compare(args) if args.compare else single(args)
     common.emit(result, args.json)
 
