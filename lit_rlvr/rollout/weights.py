@@ -32,9 +32,14 @@ def buckets(named: Iterator[tuple[str, Tensor]], max_bytes: int) -> Iterator[lis
 
 
 def push_weights(engine, model: nn.Module, *, bucket_bytes: int = 256 << 20, dtype: Optional[torch.dtype] = None) -> int:
-    """Send the model's weights to `engine.load_weights` bucket by bucket; returns the bytes pushed."""
+    """Send the model's weights to `engine.load_weights` bucket by bucket; returns the bytes pushed.
+
+    An engine with `end_weight_update` (SGLang) is told after the last bucket, so it flushes its cache once.
+    """
     pushed = 0
     for bucket in buckets(full_named_weights(model, dtype), bucket_bytes):
         engine.load_weights(bucket)
         pushed += sum(t.numel() * t.element_size() for _, t in bucket)
+    if hasattr(engine, "end_weight_update"):
+        engine.end_weight_update()
     return pushed

@@ -1,0 +1,250 @@
+"""`SGLangEngine`: one colocated `sglang.Engine` per rank (DESIGN §7), token ids in and out. Pinned: sglang==0.5.23.
+
+The engine starts with dummy weights; `load_weights` streams the trainer's tensors in buckets inside one sglang
+weight-update session, and `end_weight_update` closes it and flushes the prefix cache once. `sleep`/`wake`
+release and restore the GPU memory (weights, KV cache, CUDA graphs) around training. Request building and result
+parsing are pure functions, tested on CPU against outputs written from sglang 0.5.23's source.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import copy
+import importlib
+import multiprocessing
+import os
+import tempfile
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from lit_rlvr.rollout.engine import Completion, SamplingParams
+
+FINISH_REASONS = {"stop": "stop", "length": "length"}  # sglang finish_reason["type"] -> ours; "abort" raises
+# Explicit so server-side `preferred_sampling_params` cannot add penalties that change the behaviour log-probs.
+NEUTRAL_SAMPLING = {"min_p": 0.0, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+SEED_STRIDE = 1_000_003  # row seeds of one call: seed * stride + row (distinct while a call has < 1M rows)
+
+
+def build_requests(
+    prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int], params: SamplingParams, eos_id: Optional[int]
+) -> tuple[list[list[int]], list[dict[str, Any]]]:
+    """One sglang request per sample (prompt b repeated n_b times, in order) -> (input_ids, sampling_params).
+
+    Each row has its own `sampling_seed`: sglang's seeded sampler hashes (seed, position), so rows sharing a
+    prompt and a seed would draw the same tokens. Temperature 0 is sent as is (sglang turns it into top_k=1 at
+    temperature 1, the same greedy convention as HFEngine); top_k 0 ("off") becomes sglang's -1.
+    """
+    if len(prompt_token_ids) != len(n_per_prompt):
+        raise ValueError(f"{len(prompt_token_ids)} prompts but {len(n_per_prompt)} sample counts")
+    stop = sorted({*params.stop_token_ids, *([] if eos_id is None else [eos_id])})
+    input_ids, sampling = [], []
+    for b, (prompt, n) in enumerate(zip(prompt_token_ids, n_per_prompt)):
+        if n > 0 and len(prompt) == 0:
+            raise ValueError(f"prompt {b} is empty; sglang needs at least one prompt token")
+        for _ in range(n):
+            input_ids.append([int(t) for t in prompt])
+            sampling.append({
+                "max_new_tokens": params.max_new_tokens,
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+                "top_k": params.top_k if params.top_k > 0 else -1,
+                "stop_token_ids": stop,
+                "sampling_seed": (params.seed * SEED_STRIDE + len(sampling)) % (1 << 63),
+                **NEUTRAL_SAMPLING,
+            })
+    return input_ids, sampling
+
+
+def parse_outputs(outputs: Sequence[dict], n_per_prompt: Sequence[int]) -> list[list[Completion]]:
+    """sglang's batch output (one dict per request, in request order) -> completions per prompt.
+
+    Each dict is `{"output_ids": [t], "meta_info": {"finish_reason": {"type": ...}, "output_token_logprobs":
+    [(logprob, token_id, None), ...], ...}}`; the ids include the matched stop token and the log-probs align.
+    """
+    if len(outputs) != sum(n_per_prompt):
+        raise RuntimeError(f"sglang returned {len(outputs)} outputs for {sum(n_per_prompt)} requests")
+    rows = iter(outputs)
+    return [[_completion(next(rows)) for _ in range(n)] for n in n_per_prompt]
+
+
+def _completion(out: dict) -> Completion:
+    meta = out["meta_info"]
+    reason = (meta.get("finish_reason") or {}).get("type")
+    if reason not in FINISH_REASONS:
+        raise RuntimeError(f"sglang request {meta.get('id')} ended with {meta.get('finish_reason')!r}")
+    ids = [int(t) for t in out["output_ids"]]
+    logprobs = [float(entry[0]) for entry in meta["output_token_logprobs"]]
+    if [int(entry[1]) for entry in meta["output_token_logprobs"]] != ids:
+        raise RuntimeError(f"sglang request {meta.get('id')}: output_token_logprobs do not match output_ids")
+    return Completion(torch.tensor(ids, dtype=torch.long), torch.tensor(logprobs, dtype=torch.float32),
+                      FINISH_REASONS[reason])
+
+
+def rank_info() -> tuple[int, int]:
+    """(global rank, local rank) of this process; (0, 0) outside torch.distributed."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 0, 0
+    rank = torch.distributed.get_rank()
+    return rank, int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
+
+
+def engine_args(model_path: str, dtype: torch.dtype, *, rank: int, local_rank: int, base_port: int, port_stride: int,
+                seed: int, mem_fraction_static: float, deterministic: bool, server_args: dict) -> dict[str, Any]:
+    """`sglang.Engine` keyword arguments (ServerArgs fields) for this rank: own GPU, ports and seed."""
+    port = base_port + port_stride * local_rank  # colocated engines share a node: space them by local rank
+    return {
+        "model_path": model_path,
+        "skip_tokenizer_init": True,  # token ids in and out
+        "load_format": "dummy",  # the first push brings the weights
+        "enable_memory_saver": True,  # release_/resume_memory_occupation around training
+        "dtype": str(dtype).removeprefix("torch."),
+        "base_gpu_id": local_rank,
+        "port": port,
+        "nccl_port": port + 1,  # else sglang picks a free port, which races between ranks starting together
+        "random_seed": seed + rank,
+        "mem_fraction_static": mem_fraction_static,
+        "enable_deterministic_inference": deterministic,  # honours per-request sampling_seed (slower kernels)
+        **server_args,
+    }
+
+
+@contextlib.contextmanager
+def only_own_children(engine_module, pids: Sequence[int]):
+    """Narrow `Engine.shutdown`'s `kill_process_tree(os.getpid(), include_parent=False)` (every child of this
+    process: DataLoader workers, reward sandboxes, other engines) to the trees of this engine's own `pids`."""
+    original = engine_module.kill_process_tree
+
+    def scoped(parent_pid, include_parent=True, skip_pid=None, wait_timeout=60):
+        if parent_pid in (None, os.getpid()) and not include_parent:
+            for pid in pids:
+                original(pid, include_parent=True, wait_timeout=wait_timeout)
+            return
+        original(parent_pid, include_parent=include_parent, skip_pid=skip_pid, wait_timeout=wait_timeout)
+
+    engine_module.kill_process_tree = scoped
+    try:
+        yield
+    finally:
+        engine_module.kill_process_tree = original
+
+
+def _import_engine_module():
+    try:
+        return importlib.import_module("sglang.srt.entrypoints.engine")
+    except ImportError as err:
+        raise ImportError('engine=sglang needs SGLang 0.5.23 (GPU): pip install -e ".[sglang]"') from err
+
+
+def _check(result, what: str) -> None:
+    """sglang's weight-update calls return (success, message), flush_cache a FlushCacheReqOutput; none raises."""
+    success, message = result if isinstance(result, tuple) else (result.success, result.message)
+    if not success:
+        raise RuntimeError(f"sglang {what} failed: {message}")
+
+
+class SGLangEngine:
+    """The RolloutEngine protocol on `sglang.Engine`; `version` is -1 while it holds no pushed weights."""
+
+    mode = "copy"  # weights arrive only through load_weights
+
+    def __init__(self, model: nn.Module, tokenizer, *, mem_fraction_static: float = 0.5, bucket_bytes: int = 256 << 20,
+                 base_port: int = 30000, port_stride: int = 10, seed: int = 0, deterministic: bool = False,
+                 dtype: Optional[str] = None, model_path: Optional[str] = None, server_args: Optional[dict] = None):
+        module = _import_engine_module()
+        # sglang's sampler returns log softmax(logits / T) unless this is set (then: before temperature scaling)
+        if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "false").lower() in ("1", "true"):
+            raise ValueError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: sglang would return log-probs before temperature "
+                             "scaling, but the engine must return them under softmax(logits / T); unset it")
+        self.eos_id = tokenizer.eos_token_id
+        self.bucket_bytes = bucket_bytes
+        self.version = -1
+        self._asleep = self._updating = self._has_weights = False
+        self._config_dir = None
+        if model_path is None:  # load_format=dummy reads only the config: write the policy's own
+            self._config_dir = tempfile.TemporaryDirectory(prefix="lit_rlvr_sglang_")
+            _save_config(model, self._config_dir.name)
+            model_path = self._config_dir.name
+        rank, local_rank = rank_info()
+        weight_dtype = getattr(torch, dtype, None) if dtype else next(model.parameters()).dtype
+        if not isinstance(weight_dtype, torch.dtype):
+            raise ValueError(f"engine.options.dtype={dtype!r} is not a torch dtype (e.g. bfloat16, float16, float32)")
+        kwargs = engine_args(model_path, weight_dtype, rank=rank, local_rank=local_rank, base_port=base_port,
+                             port_stride=port_stride, seed=seed, mem_fraction_static=mem_fraction_static,
+                             deterministic=deterministic, server_args=dict(server_args or {}))
+        start_method = multiprocessing.get_start_method(allow_none=True)
+        self._module, self._engine = module, module.Engine(**kwargs)
+        multiprocessing.set_start_method(start_method, force=True)  # sglang forces "spawn" process-wide
+        atexit.unregister(self._engine.shutdown)  # its blanket kill would end every child of this process
+        atexit.register(self.shutdown)
+
+    # -- weights ---------------------------------------------------------------------------------------------
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """One bucket (HF names); the first bucket opens sglang's weight-update session, no cache flush yet."""
+        self.wake()
+        if not self._updating:
+            _check(self._engine.begin_weight_update(), "begin_weight_update")
+            self._updating = True
+        _check(self._engine.update_weights_from_tensor(list(named_tensors), flush_cache=False),
+               "update_weights_from_tensor")
+
+    def end_weight_update(self) -> None:
+        """After the last bucket: close the session (sglang finalizes the weights) and flush the KV cache once."""
+        if not self._updating:
+            return
+        _check(self._engine.end_weight_update(), "end_weight_update")
+        self._updating = False
+        _check(self._engine.flush_cache(), "flush_cache")
+        self._has_weights = True
+
+    # -- memory ----------------------------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Release weights, KV cache and CUDA graphs; the weights are not backed up, so the next push must
+        bring them (version -1 makes the trainer push again)."""
+        if self._asleep or self._engine is None:
+            return
+        self.end_weight_update()
+        self._engine.release_memory_occupation()
+        self._asleep, self._has_weights, self.version = True, False, -1
+
+    def wake(self) -> None:
+        if not self._asleep or self._engine is None:
+            return
+        self._engine.resume_memory_occupation()
+        self._asleep = False
+
+    # -- sampling --------------------------------------------------------------------------------------------
+    def generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int], params: SamplingParams
+    ) -> list[list[Completion]]:
+        self.wake()
+        self.end_weight_update()  # a caller that pushed without closing the update
+        if not self._has_weights:
+            raise RuntimeError("SGLangEngine holds no weights (dummy at start, released by sleep): push weights "
+                               "with lit_rlvr.rollout.weights.push_weights before generate")
+        input_ids, sampling = build_requests(prompt_token_ids, n_per_prompt, params, self.eos_id)
+        if not input_ids:  # sglang rejects an empty batch
+            return [[] for _ in prompt_token_ids]
+        outputs = self._engine.generate(input_ids=input_ids, sampling_params=sampling, return_logprob=True)
+        return parse_outputs(outputs, n_per_prompt)
+
+    def shutdown(self) -> None:
+        """End this engine's scheduler and detokenizer processes (and their children) only."""
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        atexit.unregister(self.shutdown)
+        with only_own_children(self._module, engine.get_all_child_pids()):
+            engine.shutdown()
+        if self._config_dir is not None:
+            self._config_dir.cleanup()
+
+
+def _save_config(model: nn.Module, path: str) -> None:
+    """The policy's HF config, with `architectures` set (sglang picks its model class from it)."""
+    config = copy.deepcopy(model.config)
+    if not getattr(config, "architectures", None):
+        config.architectures = [type(model).__name__.removeprefix("FSDP")]  # fully_shard renames the class
+    config.save_pretrained(path)
