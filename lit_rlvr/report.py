@@ -107,7 +107,9 @@ def tail_mean(frame: pd.DataFrame, column: str) -> float:
     return float(values.iloc[-max(1, len(values) // 10):].mean())
 
 
-def plot(runs: list[Run], out: Path) -> None:
+def plot(runs: list[Run], out: Path, *, panels: Optional[list[tuple[str, str, str]]] = None,
+         title: str = "lit-rlvr run comparison", dpi: int = 110) -> None:
+    """Six panels (default `PANELS`; the first is the accuracy panel), each against steps and rollouts."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -116,23 +118,23 @@ def plot(runs: list[Run], out: Path) -> None:
 
     fig, axes = plt.subplots(3, 4, figsize=(22, 12.5), constrained_layout=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for index, (column, title, ylabel) in enumerate(PANELS):
+    for index, (column, name, ylabel) in enumerate(panels or PANELS):
         for side, (xcol, xlabel) in enumerate([("step", "RL step"), ("rollouts/total", "rollouts consumed")]):
             ax = axes[index // 2, (index % 2) * 2 + side]
             for k, run in enumerate(runs):
                 _draw(ax, run, column, xcol, colors[k % len(colors)], is_accuracy=index == 0)
-            ax.set_title(f"{title} — vs {xlabel}", fontsize=11)
+            ax.set_title(f"{name} — vs {xlabel}", fontsize=11)
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            if column in ("reward/accuracy", "groups/zero_adv_frac"):
+            if column in ("reward/accuracy", "groups/zero_adv_frac", "repro/all_zero_adv_frac"):
                 ax.set_ylim(-0.03, 1.03)
     handles = [plt.Line2D([], [], color=colors[k % len(colors)], lw=2.5, label=run.label) for k, run in enumerate(runs)]
-    fig.suptitle("lit-rlvr run comparison (thin line = per step, thick = moving average)", fontsize=14)
+    fig.suptitle(f"{title} (thin line = per step, thick = moving average)", fontsize=14)
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(runs), 4), fontsize=12, frameon=True)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=dpi)
     plt.close(fig)
 
 

@@ -1,0 +1,180 @@
+"""scripts/reproduce.py (issue 9) in a tiny mode, and the oracle baseline-MSE callback on hand-worked cases."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lit_rlvr.callbacks.oracle_baseline import OracleBaseline, debiased_mse, group_moments
+from lit_rlvr.rewards.base import RewardBatch
+from lit_rlvr.rollout.engine import Completion
+from lit_rlvr.rollouts import RolloutPlan, Rollouts
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- the MSE arithmetic --------------------------------------------------------------------------------------------
+def test_debiased_mse_by_hand():
+    # prompt 0: oracle rewards (+1, +1, −1, −1): mean 0, unbiased variance 4/3; baseline 0.5 → (0.5 − 0)² = 0.25
+    # prompt 1: oracle rewards (+1, +1, +1, −1): mean 0.5, variance 1;        baseline −0.5 → (−1)² = 1
+    rewards = torch.tensor([1.0, 1, -1, -1, 1, 1, 1, -1])
+    group = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    mean, var, count = group_moments(rewards, group, 2)
+    assert mean.tolist() == [0.0, 0.5] and count.tolist() == [4, 4]
+    assert var.tolist() == pytest.approx([4 / 3, 1.0])
+    mse, parts = debiased_mse(torch.tensor([0.5, -0.5]), mean, var, count)
+    assert float(parts["raw"]) == pytest.approx((0.25 + 1.0) / 2)
+    assert float(parts["noise"]) == pytest.approx((4 / 3 / 4 + 1 / 4) / 2)  # s²/M per prompt, averaged
+    assert float(mse) == pytest.approx(0.625 - 7 / 24)
+
+
+def test_debiased_mse_is_unbiased():
+    # a baseline at the true mean scores ≈ 0 on average, although each noisy oracle makes the raw MSE positive
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.2, 0.5, 0.9])  # success probabilities; μ = 2p − 1
+    estimates = []
+    for _ in range(2000):
+        rewards = (torch.rand(3, 8, generator=gen) < p[:, None]).float() * 2 - 1  # [B, M]
+        mean, var, count = group_moments(rewards.flatten(), torch.arange(3).repeat_interleave(8), 3)
+        estimates.append(float(debiased_mse(2 * p - 1, mean, var, count)[0]))
+    assert abs(sum(estimates) / len(estimates)) < 0.01
+
+
+# -- the callback with a stub engine and module ----------------------------------------------------------------------
+class StubEngine:
+    """Prompt b = [b]; completion j of prompt b is "1" (correct) for the first round(p_b · n) draws, else "0"."""
+
+    def __init__(self, p):
+        self.p, self.calls = p, []
+        self.version = 0
+
+    def generate(self, prompt_token_ids, n_per_prompt, params):
+        self.calls.append((list(n_per_prompt), params.seed))
+        out = []
+        for prompt, n in zip(prompt_token_ids, n_per_prompt):
+            hits = round(self.p[prompt[0]] * n)
+            out.append([Completion(torch.tensor([1 if j < hits else 0]), torch.zeros(1), "stop") for j in range(n)])
+        return out
+
+
+class StubModule:
+    def __init__(self, p, seed=0):
+        self.hparams = SimpleNamespace(seed=seed, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4)
+        self.engine = StubEngine(p)
+        self.tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: str(int(ids[0])))
+        self.reward_runner = lambda prompts, texts, answers: RewardBatch(
+            torch.tensor([1.0 if t == "1" else -1.0 for t in texts]), torch.zeros(len(texts), dtype=torch.bool), 0)
+        self.global_step, self.metrics, self.pushes = 0, {}, []
+        self.counters = {"rollouts_total": 0}
+
+    def push_to_engine(self, *, holds_mean=True):
+        self.pushes.append(holds_mean)
+
+    def log_metrics(self, metrics):
+        self.metrics.update({k: float(v) for k, v in metrics.items()})
+
+
+def rollouts_of(rewards_per_prompt, baseline=None, advantages=None):
+    rewards = torch.tensor([r for rs in rewards_per_prompt for r in rs])
+    group = torch.tensor([b for b, rs in enumerate(rewards_per_prompt) for _ in rs])
+    n, b = len(rewards), len(rewards_per_prompt)
+    return Rollouts(prompt_ids=torch.zeros(n, 1, dtype=torch.long), prompt_mask=torch.ones(n, 1, dtype=torch.bool),
+                    response_ids=torch.zeros(n, 1, dtype=torch.long), response_mask=torch.ones(n, 1, dtype=torch.bool),
+                    old_logp=torch.zeros(n, 1), group=group, chunk=torch.zeros(n, dtype=torch.long), num_groups=b,
+                    prompts=[f"q{i}" for i in range(b)], answers=[0] * b, rewards=rewards, baseline=baseline,
+                    advantages=advantages)
+
+
+def one_step(callback, module, plan, rollouts):
+    callback.on_train_batch_start(None, module, {}, 0)
+    callback.on_rollout_plan(None, module, plan)
+    callback.on_before_advantages(None, module, rollouts)
+    callback.on_rl_step_end(None, module, rollouts)
+
+
+def test_oracle_callback_group_mean_by_hand():
+    # true success rates 0.25 and 0.75 → oracle means exactly −0.5 and +0.5 with M = 8 (2 and 6 hits)
+    module = StubModule({0: 0.25, 1: 0.75})
+    plan = RolloutPlan(["q0", "q1"], [0, 0], [[0], [1]], [4, 4])
+    rollouts = rollouts_of([[1.0, 1, -1, -1], [1.0, 1, 1, 1]], advantages=torch.tensor([1.0, 1, -1, -1, 0, 0, 0, 0]))
+    callback = OracleBaseline(every_n_steps=2, num_samples=8, seed=7)
+    before = torch.get_rng_state()
+    one_step(callback, module, plan, rollouts)
+    assert torch.equal(torch.get_rng_state(), before)  # the method's random stream is untouched
+    assert module.engine.calls[0][0] == [8, 8] and module.counters["rollouts_total"] == 0
+    # group means 0 and 1 vs oracle −0.5, 0.5: raw = (0.25 + 0.25)/2; oracle variances (M = 8, 2 hits / 6 hits):
+    # s² = 8·(1 − 0.25)·0.25·4 / 7 = 6/7 for both → noise = (6/7)/8
+    assert module.metrics["repro/baseline_mse_raw"] == pytest.approx(0.25)
+    assert module.metrics["repro/oracle_noise"] == pytest.approx(6 / 7 / 8)
+    assert module.metrics["repro/baseline_mse"] == pytest.approx(0.25 - 6 / 56)
+    assert module.metrics["repro/group_mean_mse"] == pytest.approx(module.metrics["repro/baseline_mse"])
+    assert module.metrics["repro/all_zero_adv_frac"] == pytest.approx(0.5)  # prompt 1: all advantages zero
+    assert module.pushes == [True]  # one weight source, the mean
+    # step 1 is not sampled: only the zero-advantage fraction is logged
+    module.metrics.clear()
+    module.global_step = 1
+    one_step(callback, module, plan, rollouts)
+    assert set(module.metrics) == {"repro/all_zero_adv_frac"} and len(module.engine.calls) == 1
+
+
+def test_oracle_callback_uses_the_method_baseline_and_weight_sources():
+    # a callback baseline (V0.5) is what is judged; the oracle follows the plan's weight sources (C3PO)
+    module = StubModule({0: 0.5, 1: 0.5}, seed=3)
+    active = []
+
+    @contextmanager
+    def weights(source):
+        active.append(source)
+        yield
+
+    plan = RolloutPlan(["q0", "q1"], [0, 0], [[0], [1]], [4, 4], num_weight_sources=2, weight_context=weights)
+    rollouts = rollouts_of([[1.0, 1, 1, 1], [-1.0, -1, -1, -1]], baseline=torch.tensor([0.5, 0.0]))
+    callback = OracleBaseline(every_n_steps=1, num_samples=4)
+    one_step(callback, module, plan, rollouts)
+    assert active == [0, 1] and [c[0] for c in module.engine.calls] == [[2, 2], [2, 2]]
+    assert module.engine.calls[0][1] != module.engine.calls[1][1]  # a seed per source
+    assert module.pushes == [False, False]  # sampled weights: the engine no longer holds the mean
+    # oracle: per source 1 hit of 2 → 2 hits of 4 per prompt, mean 0, s² = 4/3; baseline (0.5, 0)
+    assert module.metrics["repro/baseline_mse_raw"] == pytest.approx(0.125)
+    assert module.metrics["repro/baseline_mse"] == pytest.approx(0.125 - 1 / 3)
+    assert module.metrics["repro/group_mean_mse"] == pytest.approx(1.0 - 1 / 3)  # group means ±1
+
+
+def test_oracle_callback_checks_arguments():
+    with pytest.raises(ValueError, match="num_samples"):
+        OracleBaseline(num_samples=1)
+
+
+# -- the script, tiny -------------------------------------------------------------------------------------------------
+def test_reproduce_tiny(tmp_path):
+    doc = tmp_path / "reproduction.md"
+    cmd = [sys.executable, "scripts/reproduce.py", "--steps", "2", "--seeds", "1", "--methods", "grpo_g4,v05",
+           "--batch-size", "4", "--num-test", "16", "--eval-samples", "2", "--oracle-every", "1",
+           "--oracle-samples", "4", "--out-dir", str(tmp_path / "runs"), "--doc", str(doc)]
+    env = {**os.environ, "LIT_RLVR_CACHE": os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr")}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = doc.read_text()
+    table = text.split("## Results (mean ± sd over seeds)", 1)[1].strip().split("\n\n", 1)[0].splitlines()
+    head = [c.strip() for c in table[0].strip("|").split("|")]
+    for column in ("held-out acc after", "rollouts consumed", "grad-norm mean", "grad-norm sd (over steps)",
+                   "entropy (last 10%)", "zero-advantage groups", "malformed", "baseline MSE vs oracle"):
+        assert column in head
+    rows = [line for line in table[2:] if line.startswith("|")]
+    assert [r.split("|")[1].strip() for r in rows] == ["GRPO (G = 4)", "V0.5 (k_init = 4, OSLA ≤ 16)"]
+    mse = head.index("baseline MSE vs oracle")
+    assert all(r.strip("|").split("|")[mse].strip() != "—" for r in rows)  # the oracle ran
+    assert "python scripts/reproduce.py --steps 2" in text and "<!-- analysis:start -->" in text
+    assert (tmp_path / "reproduction.png").stat().st_size > 10_000
+    raw = json.loads((tmp_path / "reproduction.json").read_text())
+    assert raw["runs"]["grpo_g4"][0]["rollouts"] == 2 * 4 * 4  # steps × prompts × G: oracle rollouts not counted
+    assert all(r[0]["steps"] == 2 for r in raw["runs"].values())
