@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import threading
 from pathlib import Path
@@ -78,7 +79,7 @@ class RunCheckpoint(pl.Callback):
         tmp = self.last_path.with_name(self.FILE + ".tmp")
         trainer.save_checkpoint(tmp)
         if trainer.is_global_zero:
-            os.replace(tmp, self.last_path)
+            _replace(tmp, self.last_path)
         trainer.strategy.barrier("RunCheckpoint.save")
         self.saved_step = trainer.global_step
 
@@ -89,3 +90,16 @@ class RunCheckpoint(pl.Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.saved_step = int(state_dict.get("saved_step", -1))
+
+
+def _replace(new: Path, old: Path) -> None:
+    """Put `new` where `old` is. A file is renamed over atomically; a sharded checkpoint is a folder, which
+    cannot be renamed over a non-empty one: the old folder is moved aside first and removed last."""
+    if not new.is_dir() or not old.exists():
+        os.replace(new, old)
+        return
+    aside = old.with_name(old.name + ".old")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(old, aside)
+    os.replace(new, old)
+    shutil.rmtree(aside, ignore_errors=True)

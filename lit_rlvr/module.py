@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from lit_rlvr import distributed as D
 from lit_rlvr import functional as F
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.models import load_policy, resolve_model_path
@@ -32,6 +33,8 @@ from lit_rlvr.validation import ValidationMetrics
 log = logging.getLogger(__name__)
 
 OPTIMIZERS = ("adamw", "ivon")
+TOKEN_METRICS = frozenset({"loss/entropy", "loss/pg_clipfrac", "loss/approx_kl"})  # means over response tokens
+SEQUENCE_METRICS = frozenset({"loss/seq_mask_frac"})  # means over sequences
 
 
 class NonFiniteError(RuntimeError):
@@ -172,6 +175,23 @@ class GRPOModule(pl.LightningModule):
         if self.engine is None:
             self.engine = build_engine(self.hparams.engine, self.policy, self.tokenizer, self.hparams.engine_options)
 
+    def configure_model(self) -> None:
+        """Lightning's parallelism hook: a sharding strategy (`FSDPRolloutStrategy.parallelize`) shards here."""
+        parallelize = getattr(self.trainer.strategy, "parallelize", None)
+        if parallelize is not None:
+            parallelize(self)
+
+    def on_fit_start(self) -> None:
+        self._engine_to_device()
+
+    def on_validation_start(self) -> None:
+        self._engine_to_device()
+
+    def _engine_to_device(self) -> None:
+        """A `copy` engine was built before the strategy placed the policy: put it on the trainer's device."""
+        if self.engine is not None and hasattr(self.engine, "to"):
+            self.engine.to(self.device)
+
     def teardown(self, stage: str) -> None:
         if stage == "fit" and self.engine is not None:
             self.engine.sleep()
@@ -201,6 +221,7 @@ class GRPOModule(pl.LightningModule):
         self.step_times = {"gen_s": 0.0, "reward_s": 0.0, "train_s": 0.0, "sync_s": 0.0}
         self.step_rollouts_start = self.counters["rollouts_total"]
         rollouts = self.collect_rollouts(batch)
+        self.engine.sleep()  # SGLang frees its KV cache and weights while the trainer needs the memory
         for cb in self.rl_callbacks():
             cb.on_before_advantages(self.trainer, self, rollouts)
         rollouts.advantages, adv_metrics = self.compute_advantages(rollouts)
@@ -241,8 +262,9 @@ class GRPOModule(pl.LightningModule):
                               max_new_tokens=hp.max_new_tokens, seed=seed)
 
     def sample_seed(self, *parts: int) -> int:
-        """Seed of one engine call: a function of the run seed, the step, the call's place in it and the rank."""
-        key = ":".join(str(p) for p in (self.hparams.seed, self.global_step, self.global_rank, *parts))
+        """Seed of one engine call: a function of the run seed, the step and the call's place in it. Not of the
+        rank: the engine keys each completion by its prompt, so any world size samples the same completions."""
+        key = ":".join(str(p) for p in (self.hparams.seed, self.global_step, *parts))
         return zlib.crc32(key.encode())
 
     def rollout(self, plan: RolloutPlan) -> Rollouts:
@@ -251,12 +273,14 @@ class GRPOModule(pl.LightningModule):
         counts: Optional[list[int]] = plan.n_per_prompt
         have = [0] * plan.num_prompts
         round_index = 0
-        while counts is not None and sum(counts) > 0:
+        while self._another_round(counts):
+            counts = counts or [0] * plan.num_prompts  # this rank is done but takes part in the others' pushes
             if any(c < 0 for c in counts):
                 raise ValueError(f"budget rule asked for negative sample counts: {counts}")
             for source, per_source in enumerate(plan.split_over_sources(counts, have)):
-                if sum(per_source) > 0:
-                    parts.append(self._generate(plan, per_source, source, round_index))
+                part = self._generate(plan, per_source, source, round_index)
+                if part is not None:
+                    parts.append(part)
             have = [h + c for h, c in zip(have, counts)]
             rollouts = Rollouts.concat(parts, self.tokenizer.pad_token_id)
             round_index += 1
@@ -265,12 +289,20 @@ class GRPOModule(pl.LightningModule):
         self.counters["tokens_generated"] += rollouts.num_tokens()
         return rollouts
 
-    def _generate(self, plan: RolloutPlan, counts: list[int], source: int, round_index: int) -> Rollouts:
+    @staticmethod
+    def _another_round(counts: Optional[list[int]]) -> bool:
+        """Whether any rank asks for more samples: weight pushes are collectives, so all ranks run every round."""
+        return D.global_max(int(counts is not None and sum(counts) > 0)) > 0
+
+    def _generate(self, plan: RolloutPlan, counts: list[int], source: int, round_index: int) -> Optional[Rollouts]:
+        """Samples of one weight source in one round (None when `counts` are all 0; the push still happens)."""
         t0 = time.perf_counter()
         with plan.weight_context(source):
             mean = plan.uses_mean_weights and plan.num_weight_sources == 1
             if not mean or not self._engine_holds_mean or self.engine.version != self.global_step:
                 self.push_to_engine(holds_mean=mean)
+            if sum(counts) == 0:
+                return None
             completions = self._engine_generate(plan.prompt_token_ids, counts, self.sampling_params(self.sample_seed(round_index, source)))
         self.step_times["gen_s"] += time.perf_counter() - t0
         part = rollouts_from_completions(plan, completions, chunk=source, pad_id=self.tokenizer.pad_token_id)
@@ -293,8 +325,9 @@ class GRPOModule(pl.LightningModule):
                               "continue with resume=RUN_DIR/checkpoints/last.ckpt") from err
 
     def push_to_engine(self, *, holds_mean: bool = True) -> None:
-        """Send the policy's current weights to the engine (no copy in `shared` mode)."""
+        """Send the policy's current weights to the engine (no copy in `shared` mode); wakes a sleeping engine."""
         t0 = time.perf_counter()
+        self.engine.wake()
         if getattr(self.engine, "mode", None) != "shared":
             push_weights(self.engine, self.policy, bucket_bytes=getattr(self.engine, "bucket_bytes", 256 << 20))
         self.engine.version = self.global_step
@@ -382,23 +415,43 @@ class GRPOModule(pl.LightningModule):
         return [(int(p), mini[passes == p]) for p in torch.unique(passes)]
 
     def _backward_pass(self, rollouts: Rollouts, pass_index: int, sums: dict[str, Tensor]) -> None:
+        """Backward of one loss pass, micro-batch by micro-batch. Each micro-batch's loss is weighted by its share
+        of the global pass (tokens for token-mean, else sequences) times the world size, since data-parallel
+        gradients are averaged over ranks: the sum equals the loss of the whole global batch. Metrics are
+        weighted the same way by what they average over (`TOKEN_METRICS`, `SEQUENCE_METRICS`, else the loss's
+        unit), so they do not depend on the micro-batching or the number of ranks."""
         hp = self.hparams
-        tokens = rollouts.response_mask.sum(-1).float()  # [n]
+        tokens = rollouts.response_mask.sum(-1).double()  # [n]
+        seqs = torch.ones(rollouts.num_samples, dtype=torch.float64)  # [n]
+        world = D.world_size()
+        total_tokens, total_seqs = D.all_reduce(torch.stack([tokens.sum(), seqs.sum()])).clamp_min(1).tolist()
+        loss_units, loss_total = (tokens, total_tokens) if hp.loss_aggregation == "token-mean" else (seqs, total_seqs)
+        micros = list(torch.arange(rollouts.num_samples).split(hp.micro_batch_size))
+        # FSDP gathers weights in every forward: ranks with fewer micro-batches run zero-weight ones on sample 0
+        padding = D.global_max(len(micros)) - len(micros)
         with ExitStack() as stack:
             for cb in self.rl_callbacks():
                 stack.enter_context(cb.loss_context(self.trainer, self, rollouts, pass_index))
-            for micro in torch.arange(rollouts.num_samples).split(hp.micro_batch_size):
-                share = tokens[micro].sum() / tokens.sum().clamp_min(1) if hp.loss_aggregation == "token-mean" else len(micro) / rollouts.num_samples
-                loss, metrics = self.micro_batch_loss(rollouts.select(micro), float(share))
+            for i, micro in enumerate(micros + [torch.zeros(1, dtype=torch.long)] * padding):
+                real = i < len(micros)
+                share = float(loss_units[micro].sum() / loss_total * world) if real else 0.0
+                loss, metrics = self.micro_batch_loss(rollouts.select(micro), share)
                 self.manual_backward(loss)
+                if not real:
+                    continue
+                weights = {"token": float(tokens[micro].sum() / total_tokens * world),
+                           "sequence": float(seqs[micro].sum() / total_seqs * world)}
                 for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + v * float(share)
+                    w = weights["token"] if k in TOKEN_METRICS else weights["sequence"] if k in SEQUENCE_METRICS else share
+                    sums[k] = sums.get(k, 0.0) + v * w
 
     def _optimizer_step(self, optimizer, sums: dict[str, Tensor]) -> Tensor:
         """Clip, check finiteness, step; returns the gradient norm before clipping."""
         params = [p for p in self.policy.parameters() if p.grad is not None]
         clip = self.hparams.grad_clip if self.hparams.grad_clip and self.hparams.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, clip) if params else torch.tensor(0.0)
+        if hasattr(norm, "full_tensor"):  # FSDP2: the norm over all shards, as a DTensor
+            norm = norm.full_tensor()
         loss_ok = bool(torch.isfinite(sums.get("loss/policy", torch.tensor(0.0))))
         if not (loss_ok and bool(torch.isfinite(norm))):
             self._skip_step(optimizer, "loss" if not loss_ok else "gradient")
@@ -446,6 +499,7 @@ class GRPOModule(pl.LightningModule):
             **{f"time/{k}": torch.tensor(v) for k, v in self.step_times.items()},
         }
         self.log_metrics(metrics)
+        self.step_metrics = D.reduce_metrics(self.step_metrics)  # the global batch's figures, on every rank
         bar = {"reward/mean", "reward/accuracy"}
         self.log_dict({k: v for k, v in self.step_metrics.items() if k not in bar}, on_step=True, on_epoch=False, batch_size=rollouts.num_groups)
         self.log_dict({k: self.step_metrics[k] for k in bar}, on_step=True, on_epoch=False, prog_bar=True, batch_size=rollouts.num_groups)
@@ -459,7 +513,7 @@ class GRPOModule(pl.LightningModule):
             self.step_times = {}
             self.push_to_engine()
         n = self.hparams.eval_samples
-        params = self.sampling_params(zlib.crc32(f"eval:{self.hparams.seed}:{batch_idx}:{self.global_rank}".encode()), evaluation=True)
+        params = self.sampling_params(zlib.crc32(f"eval:{self.hparams.seed}".encode()), evaluation=True)  # keyed per prompt by the engine
         completions = self.engine.generate(plan.prompt_token_ids, [n] * plan.num_prompts, params)
         texts = [[self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in per] for per in completions]
         flat = [t for per in texts for t in per]
@@ -471,6 +525,12 @@ class GRPOModule(pl.LightningModule):
     def on_validation_epoch_end(self) -> None:
         self.log_dict(self.val_metrics.compute(), on_epoch=True, prog_bar=True)
         self.val_metrics.reset()
+
+    def global_counters(self) -> dict[str, int]:
+        """The run's counters summed over data-parallel ranks (a collective: call it on every rank)."""
+        summed = ("rollouts_total", "tokens_generated", "reward_failures")
+        values = D.all_reduce(torch.tensor([self.counters[k] for k in summed], dtype=torch.long))
+        return {**self.counters, **dict(zip(summed, values.tolist()))}
 
     # -- state -------------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 
 # Lightning's advice for manually optimized modules does not apply: an RL step saves after its update
 warnings.filterwarnings("ignore", message=".*Using ModelCheckpoint with manual optimization.*")
+# validation metrics are torchmetrics objects, already reduced over ranks when they are logged
+warnings.filterwarnings("ignore", message=".*when logging on epoch level in distributed setting.*")
 
 SUMMARY_FILE = "summary.json"
 
@@ -134,7 +136,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     summary["stopped_by_sigint"] = checkpoint.stopped_by_sigint
     stats = getattr(datamodule, "load_stats", {}).values()  # file data: rows dropped by on_bad_row=skip
     summary["data_rows_skipped"] = sum(s["skipped"] for s in stats)
-    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+    if trainer.is_global_zero:
+        (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
     return summary
 
 
@@ -213,6 +216,8 @@ def _reward_means(metrics_csv: Path) -> list[float]:
 
 
 def summarise(cfg, run_dir: Path, module: GRPOModule, before, after, wall_s: float) -> dict[str, Any]:
+    """The run's summary.json (a collective under several ranks: the counters are summed over them)."""
+    counters = module.global_counters()
     rewards = _reward_means(run_dir / "metrics.csv")
     first = rewards[: max(1, len(rewards) // 10)]
     last = rewards[-max(1, len(rewards) // 10) :]
@@ -225,10 +230,10 @@ def summarise(cfg, run_dir: Path, module: GRPOModule, before, after, wall_s: flo
         "pass_at_k_after": after.get("val/pass@k", math.nan),
         "reward_mean_first": sum(first) / len(first) if rewards else math.nan,
         "reward_mean_last": sum(last) / len(last) if rewards else math.nan,
-        "rollouts_total": module.counters["rollouts_total"],
-        "tokens_generated": module.counters["tokens_generated"],
-        "skipped_steps": module.counters["skipped_steps"],
-        "reward_failures": module.counters["reward_failures"],
+        "rollouts_total": counters["rollouts_total"],
+        "tokens_generated": counters["tokens_generated"],
+        "skipped_steps": counters["skipped_steps"],
+        "reward_failures": counters["reward_failures"],
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "seed": cfg.seed,
         "run_dir": str(run_dir),
@@ -236,8 +241,12 @@ def summarise(cfg, run_dir: Path, module: GRPOModule, before, after, wall_s: flo
 
 
 def print_summary(summary: dict[str, Any], title: str = "lit-rlvr run") -> None:
+    from lightning.pytorch.utilities import rank_zero_only
     from rich.console import Console
     from rich.table import Table
+
+    if rank_zero_only.rank != 0:  # one table per run, not one per rank
+        return
 
     table = Table(title=title)
     table.add_column("key")

@@ -66,14 +66,16 @@ def with_instruction(prompt: Any, instruction: Optional[str] = None, system_prom
 class ResumableSampler(Sampler[int]):
     """Shuffled indices whose order is a pure function of (seed, epoch), so a resumed run can skip the ones
     already trained on (`skip_next`) and continue with exactly the batches an uninterrupted run would see.
-    Lightning calls `set_epoch` at every epoch start."""
+    Lightning calls `set_epoch` at every epoch start. With `world` data-parallel ranks, rank r takes every
+    world-th index of the one global order, so the ranks' batches together are the 1-rank run's batch."""
 
-    def __init__(self, size: int, seed: int):
+    def __init__(self, size: int, seed: int, rank: int = 0, world: int = 1):
         self.size, self.seed, self.epoch = size, seed, 0
-        self._skip: dict[int, int] = {}  # epoch -> indices to skip at its start (set on resume)
+        self.rank, self.world = rank, world
+        self._skip: dict[int, int] = {}  # epoch -> global indices to skip at its start (set on resume)
 
     def __len__(self) -> int:
-        return self.size
+        return self.size // self.world
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -84,7 +86,8 @@ class ResumableSampler(Sampler[int]):
     def __iter__(self):
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         order = torch.randperm(self.size, generator=generator).tolist()
-        yield from order[self._skip.pop(self.epoch, 0):]
+        order = order[self._skip.pop(self.epoch, 0):]
+        yield from order[self.rank : len(order) - len(order) % self.world : self.world]
 
 
 def collate(rows: list[dict[str, Any]]) -> dict[str, list]:
@@ -94,7 +97,7 @@ def collate(rows: list[dict[str, Any]]) -> dict[str, list]:
 class RLVRDataModule(pl.LightningDataModule):
     """Built-in `arithmetic` task (`task="arithmetic"`) or records from files (`path=...`, see data.formats).
 
-    Args: `batch_size` prompts per RL step; `eval_batch_size` prompts per validation batch; `num_train`/`num_test`
+    Args: `batch_size` prompts per RL step over all ranks (each of W data-parallel ranks loads batch_size / W); `eval_batch_size` prompts per validation batch; `num_train`/`num_test`
     arithmetic problems per split; `path`/`eval_path` training/evaluation files; `fields` a field mapping or
     preset name (`eval_fields` for the `eval_path` file when its columns differ); `max_prompt_chars` length
     filter; `on_bad_row` "error" | "skip"; `eval_limit` first N evaluation prompts; `instruction` text appended
@@ -165,14 +168,27 @@ class RLVRDataModule(pl.LightningDataModule):
         if hp.eval_limit is not None:
             self.eval_set = torch.utils.data.Subset(self.eval_set, range(min(hp.eval_limit, len(self.eval_set))))
 
+    def _ranks(self) -> tuple[int, int]:
+        """(rank, world size); the data is split over ranks here, not by Lightning's distributed sampler."""
+        trainer = self.trainer
+        world = trainer.world_size if trainer is not None else 1
+        if world > 1 and getattr(trainer._accelerator_connector, "use_distributed_sampler", False):
+            raise ValueError("the lit-rlvr datamodule splits the global batch over ranks itself: set "
+                             "trainer.use_distributed_sampler=false (conf/trainer/fsdp.yaml does)")
+        return (trainer.global_rank if trainer is not None else 0), world
+
     def train_dataloader(self) -> DataLoader:
         hp = self.hparams
-        self._sampler = ResumableSampler(len(self.train_set), hp.seed)
+        rank, world = self._ranks()
+        if hp.batch_size % world:
+            raise ValueError(f"data.batch_size={hp.batch_size} (prompts per step, all ranks together) must be "
+                             f"divisible by the {world} data-parallel ranks")
+        self._sampler = ResumableSampler(len(self.train_set), hp.seed, rank, world)
         if self._position["batches"]:  # resumed mid-epoch: continue after the batches already trained on
             self._sampler.skip_next(self._position["epoch"], self._position["batches"] * hp.batch_size)
         # own generator: the loader's base-seed draw must not advance the global RNG (restored on resume)
-        return DataLoader(self.train_set, batch_size=hp.batch_size, sampler=self._sampler, collate_fn=collate,
-                          drop_last=True, generator=torch.Generator().manual_seed(hp.seed))
+        return DataLoader(self.train_set, batch_size=hp.batch_size // world, sampler=self._sampler,
+                          collate_fn=collate, drop_last=True, generator=torch.Generator().manual_seed(hp.seed))
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Counts the training batches handed to the module (not the ones the loader prefetched)."""
@@ -195,7 +211,9 @@ class RLVRDataModule(pl.LightningDataModule):
         self._position = {"epoch": int(state_dict.get("epoch", 0)), "batches": int(state_dict.get("batches", 0))}
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.eval_set, batch_size=self.hparams.eval_batch_size, shuffle=False, collate_fn=collate)
+        rank, world = self._ranks()  # each rank scores its share; the metrics are reduced by torchmetrics
+        shard = self.eval_set if world == 1 else torch.utils.data.Subset(self.eval_set, range(rank, len(self.eval_set), world))
+        return DataLoader(shard, batch_size=self.hparams.eval_batch_size, shuffle=False, collate_fn=collate)
 
     def test_dataloader(self) -> DataLoader:
         return self.val_dataloader()

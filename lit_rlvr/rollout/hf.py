@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import zlib
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -49,8 +50,45 @@ def filter_logits(logits: Tensor, *, top_k: int, top_p: float) -> Tensor:
     return logits
 
 
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN, _MIX1, _MIX2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def counter_uniforms(row_seeds: Tensor, step: int) -> Tensor:
+    """A uniform in [0, 1) per row for token `step`: a splitmix64-style hash of (row seed, step).
+
+    Counter-based, so a row's draws depend on its own seed only, never on which other rows share the batch:
+    the same prompt samples the same tokens on 1 rank or 8, in any batch order (`HFEngine` docstring).
+    row_seeds [R] int64 -> [R] float64. int64 products wrap around, which is what the hash wants.
+    """
+    z = row_seeds + torch.full_like(row_seeds, step + 1) * _GOLDEN  # [R]
+    z = (z ^ (z >> 30)) * _MIX1
+    z = (z ^ (z >> 27)) * _MIX2
+    z = z ^ (z >> 31)
+    return ((z >> 11) & ((1 << 53) - 1)).double() / float(1 << 53)
+
+
+def row_seeds(prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int], seed: int) -> Tensor:
+    """One seed per completion from (call seed, prompt tokens, occurrence of that prompt, sample index). [R] int64."""
+    seen: dict[int, int] = {}
+    seeds = []
+    for prompt, n in zip(prompt_token_ids, n_per_prompt):
+        key = zlib.crc32(bytes(str(list(prompt)), "ascii"))
+        occurrence = seen[key] = seen.get(key, -1) + 1
+        seeds += [zlib.crc32(f"{seed}:{key}:{occurrence}:{j}".encode()) for j in range(n)]
+    return torch.tensor(seeds, dtype=torch.long) * 2654435761  # spread the 32-bit crc over 64 bits
+
+
 class HFEngine:
-    """Batched sampling with a transformers model; see the module docstring for the two modes."""
+    """Batched sampling with a transformers model; see the module docstring for the two modes.
+
+    Sampling is batch-invariant: completion j of a prompt draws its tokens by inverse-CDF sampling from
+    counter-based uniforms keyed by (seed, prompt, j), so it does not depend on the batch it shares or the
+    rank it runs on (a 2-rank run samples what a 1-rank run with the same global batch samples).
+    """
 
     def __init__(
         self,
@@ -61,6 +99,7 @@ class HFEngine:
         mode: str = "shared",
         use_cache: bool = True,
         max_batch: int = 256,
+        bucket_bytes: int = 256 << 20,
     ):
         if mode not in ENGINE_MODES:
             raise ValueError(f"engine.mode={mode!r} is not valid; valid: {', '.join(ENGINE_MODES)}")
@@ -71,6 +110,7 @@ class HFEngine:
         self.pad_id, self.eos_id = pad_id, eos_id
         self.use_cache = use_cache
         self.max_batch = max_batch
+        self.bucket_bytes = bucket_bytes  # size cap of one weight push (`copy` mode)
         self.version = 0
         self._params = dict(self.model.named_parameters())
         # transformers >= 5.x names the KV cache argument `cache`; older releases `past_key_values`
@@ -86,6 +126,12 @@ class HFEngine:
             if target is None:
                 raise KeyError(f"HFEngine.load_weights: unknown parameter {name!r}")
             target.copy_(tensor)
+
+    def to(self, device: torch.device) -> "HFEngine":
+        """Move a `copy` engine's model (a `shared` one moves with the trainer's model)."""
+        if self.mode == "copy":
+            self.model.to(device)
+        return self
 
     def sleep(self) -> None:  # nothing to release in-process
         pass
@@ -103,10 +149,10 @@ class HFEngine:
     ) -> list[list[Completion]]:
         rows = [list(p) for p, n in zip(prompt_token_ids, n_per_prompt) for _ in range(n)]
         owner = [b for b, n in enumerate(n_per_prompt) for _ in range(n)]
-        generator = torch.Generator().manual_seed(params.seed)
+        seeds = row_seeds(prompt_token_ids, n_per_prompt, params.seed)  # [R]
         done: list[Completion] = []
         for start in range(0, len(rows), self.max_batch):
-            done.extend(self._sample(rows[start : start + self.max_batch], params, generator))
+            done.extend(self._sample(rows[start : start + self.max_batch], params, seeds[start : start + self.max_batch]))
         out: list[list[Completion]] = [[] for _ in prompt_token_ids]
         for b, completion in zip(owner, done):
             out[b].append(completion)
@@ -124,7 +170,7 @@ class HFEngine:
         )
         return out.logits[:, -1].float().cpu(), getattr(out, self._cache_arg, None)  # [R, V]
 
-    def _sample(self, rows: list[list[int]], params: SamplingParams, generator: torch.Generator) -> list[Completion]:
+    def _sample(self, rows: list[list[int]], params: SamplingParams, seeds: Tensor) -> list[Completion]:
         ids, mask = left_pad(rows, self.pad_id)  # [R, P]
         num_rows = ids.shape[0]
         stop = torch.tensor(sorted({self.eos_id, *params.stop_token_ids}))
@@ -134,7 +180,7 @@ class HFEngine:
         lengths = torch.full((num_rows,), params.max_new_tokens, dtype=torch.long)  # [R]
         logits, cache = self._forward(ids, mask)
         for t in range(params.max_new_tokens):
-            token, logp = self._pick(logits, params, generator)  # [R], [R]
+            token, logp = self._pick(logits, params, counter_uniforms(seeds, t))  # [R], [R]
             token = token.masked_fill(finished, self.pad_id)
             tokens[:, t], logprobs[:, t] = token, logp.masked_fill(finished, 0.0)
             hit = torch.isin(token, stop) & ~finished  # [R]
@@ -152,12 +198,15 @@ class HFEngine:
         return [Completion(tokens[r, : lengths[r]], logprobs[r, : lengths[r]], reasons[r]) for r in range(num_rows)]
 
     @staticmethod
-    def _pick(logits: Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-        """Sample one token per row; its behaviour log-prob is under softmax(logits / T) (greedy: T = 1)."""
+    def _pick(logits: Tensor, params: SamplingParams, uniforms: Tensor) -> tuple[Tensor, Tensor]:
+        """Sample one token per row (inverse CDF at `uniforms` [R]); its behaviour log-prob is under
+        softmax(logits / T) (greedy: T = 1)."""
         if params.temperature == 0:
             token = logits.argmax(-1)  # [R]
             return token, torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)
         scaled = logits / params.temperature  # [R, V]
         probs = torch.softmax(filter_logits(scaled, top_k=params.top_k, top_p=params.top_p), dim=-1)
-        token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [R]
+        cdf = probs.double().cumsum(-1)  # [R, V]
+        token = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(-1)  # [R]; p = 0 never drawn
+        token = token.clamp_max(probs.shape[-1] - 1)
         return token, torch.log_softmax(scaled, -1).gather(-1, token[:, None]).squeeze(-1)

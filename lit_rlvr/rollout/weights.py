@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Iterator, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 
@@ -12,7 +13,9 @@ def full_named_weights(model: nn.Module, dtype: Optional[torch.dtype] = None) ->
     """(HF name, full tensor) per parameter; a DTensor shard is gathered with `full_tensor()`."""
     for name, param in model.named_parameters():
         tensor = param.detach()
-        if hasattr(tensor, "full_tensor"):  # torch.distributed.tensor.DTensor (FSDP2)
+        if hasattr(tensor, "full_tensor"):  # torch.distributed.tensor.DTensor (FSDP2): a collective
+            if tensor.device.type == "cpu" and torch.cuda.is_available() and dist.get_backend() == "nccl":
+                tensor = tensor.to(torch.device("cuda", torch.cuda.current_device()))  # CPU-offloaded shard
             tensor = tensor.full_tensor()
         yield name, tensor if dtype is None else tensor.to(dtype)
 

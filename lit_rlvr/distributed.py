@@ -1,0 +1,64 @@
+"""The few collectives an RL step needs across data-parallel ranks (no-ops in a single process).
+
+Every rank generates for its own prompts, so per-rank quantities (metrics, token counts, the number of
+micro-batches or rollout rounds) differ; these helpers make the ranks agree where FSDP needs them to run the
+same collectives, and make logged metrics describe the global batch.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+SUMMED_METRICS = frozenset({"rollouts/per_step", "rollouts/total"})  # counts: the global batch is the sum
+MAX_METRICS = frozenset({"response/len_max"})
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _device() -> torch.device:
+    """Where collectives run: NCCL needs CUDA tensors, gloo takes CPU ones."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce(value: Tensor, op: str = "sum") -> Tensor:
+    """Sum (or max) of `value` over ranks, returned on `value`'s device; `value` itself is not changed."""
+    if world_size() == 1:
+        return value
+    out = value.detach().to(_device(), copy=True)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return out.to(value.device)
+
+
+def global_max(value: int) -> int:
+    return int(all_reduce(torch.tensor(value, dtype=torch.long), "max"))
+
+
+def reduce_metrics(metrics: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Metrics of the global batch from each rank's metrics, in two collectives: the mean over ranks (the ranks
+    hold equal numbers of prompts), the sum for `SUMMED_METRICS` and the max for `MAX_METRICS`.
+
+    All ranks must log the same metric names in a step; a mismatch raises instead of mixing up values.
+    """
+    world = world_size()
+    if world == 1:
+        return metrics
+    keys = sorted(metrics)
+    key_hash = float(zlib.crc32("\n".join(keys).encode()))
+    values = torch.stack([metrics[k].detach().double().cpu().reshape(()) for k in keys] + [torch.tensor(key_hash, dtype=torch.float64)])
+    summed = all_reduce(values)  # [K + 1]
+    if summed[-1].item() != key_hash * world:
+        raise RuntimeError(f"ranks logged different metric names this step (this rank: {keys})")
+    maxed = all_reduce(values[:-1], "max")  # [K]
+    out = {}
+    for i, key in enumerate(keys):
+        value = maxed[i] if key in MAX_METRICS else summed[i] if key in SUMMED_METRICS else summed[i] / world
+        out[key] = value.float()
+    return out
