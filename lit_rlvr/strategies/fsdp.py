@@ -132,6 +132,9 @@ class FSDPRolloutStrategy(ModelParallelStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        # Lightning's resume path for this strategy does not pass `fit(weights_only=...)` on; our checkpoints
+        # hold the run config (omegaconf) and RNG states, which train.py loads with weights_only=False too
+        weights_only = False if weights_only is None else weights_only
         if not any(has_flat_state(o) for o in self.optimizers):
             return super().load_checkpoint(checkpoint_path, weights_only)
         from lightning.fabric.strategies.model_parallel import _load_checkpoint
