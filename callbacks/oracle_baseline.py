@@ -22,7 +22,7 @@ The extra completions never enter the method: they are not in `rollouts`, not co
 seeded from ("oracle", run seed, step, source)), so the method's random stream is unchanged. They do take
 time: `time/step_s` of a sampled step includes `repro/oracle_s`.
 
-Logged on sampled steps: `repro/baseline_mse`, `repro/baseline_mse_raw`, `repro/oracle_noise` (the subtracted
+Logged on sampled steps (NaN on the others): `repro/baseline_mse`, `repro/baseline_mse_raw`, `repro/oracle_noise` (the subtracted
 term), `repro/group_mean_mse` (debiased MSE of the plain mean of the method's own rollouts, for comparison with
 a callback's baseline), `repro/oracle_reward_mean`, `repro/oracle_s`. On every step: `repro/all_zero_adv_frac`,
 the fraction of prompts whose advantages are all zero (V0.5's fused baseline gives a group of equal rewards a
@@ -68,6 +68,10 @@ def group_moments(values: Tensor, group: Tensor, num_groups: int) -> tuple[Tenso
     count = torch.bincount(group, minlength=num_groups).to(values.dtype)  # [B]
     sq = torch.zeros(num_groups, dtype=values.dtype).index_add_(0, group, (values - mean[group]) ** 2)  # [B]
     return mean, sq / (count - 1).clamp_min(1), count
+
+
+ORACLE_KEYS = ("repro/baseline_mse", "repro/baseline_mse_raw", "repro/oracle_noise", "repro/group_mean_mse",
+               "repro/oracle_reward_mean", "repro/oracle_s")
 
 
 class OracleBaseline(RLVRCallback):
@@ -147,6 +151,9 @@ class OracleBaseline(RLVRCallback):
         if rollouts.advantages is not None:
             nonzero = torch.zeros(rollouts.num_groups).index_add_(0, group, (rollouts.advantages.detach().cpu().abs() > 1e-6).float())
             metrics["repro/all_zero_adv_frac"] = (nonzero == 0).float().mean()
+        # every key on every step (NaN when not sampled): Lightning re-logs a key's last value on steps that do
+        # not log it, which would repeat one sampled step's figures over the next n − 1 rows of metrics.csv
+        metrics.update({key: torch.tensor(float("nan")) for key in ORACLE_KEYS})
         if self._oracle is not None:
             own_mean = group_mean(rewards, group, rollouts.num_groups)  # [B]
             baseline = rollouts.baseline.detach().float().cpu() if rollouts.baseline is not None else own_mean  # [B]

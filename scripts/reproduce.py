@@ -177,11 +177,25 @@ def run_one(method: str, seed: int, args: argparse.Namespace) -> tuple[Path, boo
 
 
 # -- reading the runs ---------------------------------------------------------------------------------------------
-def run_figures(run_dir: Path) -> dict[str, float]:
+def load_run(run_dir: Path, oracle_every: int):
+    """`report.load_run`, with the oracle's figures kept on the sampled steps only (a run written before the callback
+    logged NaN on the other steps has Lightning's repeats of the last sampled value there)."""
+    from lit_rlvr import report
+    from lit_rlvr.callbacks.oracle_baseline import ORACLE_KEYS
+
+    run = report.load_run(run_dir)
+    off = run.train["step"] % oracle_every != 0
+    for key in ORACLE_KEYS:
+        if key in run.train:
+            run.train.loc[off, key] = math.nan
+    return run
+
+
+def run_figures(run_dir: Path, oracle_every: int) -> dict[str, float]:
     """The table's figures of one run, from its metrics.csv and summary.json."""
     from lit_rlvr import report
 
-    run = report.load_run(run_dir)
+    run = load_run(run_dir, oracle_every)
     train, summary = run.train, run.summary
 
     def col(name: str):
@@ -273,23 +287,23 @@ def claims_table(per_run: dict[str, list[dict[str, float]]]) -> str:
 
 
 # -- figure ----------------------------------------------------------------------------------------------------------
-def mean_run(method: str, run_dirs: list[Path]):
+def mean_run(method: str, run_dirs: list[Path], oracle_every: int):
     """A `report.Run` whose rows are the step-wise means over the seeds' runs."""
     import pandas as pd
 
     from lit_rlvr import report
 
-    runs = [report.load_run(d) for d in run_dirs]
+    runs = [load_run(d, oracle_every) for d in run_dirs]
     train = pd.concat([r.train for r in runs]).groupby("step", as_index=False).mean(numeric_only=True)
     val = pd.concat([r.val for r in runs]).groupby("step", as_index=False).mean(numeric_only=True)
     label = f"{METHODS[method][0]} — mean of {len(runs)} seed{'s' if len(runs) > 1 else ''}"
     return report.Run(run_dirs[0].parent, label, train, val, {})
 
 
-def draw_figure(dirs: dict[str, list[Path]], out: Path) -> None:
+def draw_figure(dirs: dict[str, list[Path]], out: Path, oracle_every: int) -> None:
     from lit_rlvr import report
 
-    runs = [mean_run(method, paths) for method, paths in dirs.items()]
+    runs = [mean_run(method, paths, oracle_every) for method, paths in dirs.items()]
     report.plot(runs, out, panels=PANELS, title="lit-rlvr reproduction on the built-in task", dpi=60)
 
 
@@ -313,6 +327,32 @@ def git_commit() -> str:
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def record_invocation(out_dir: Path, info: dict[str, Any]) -> list[dict[str, Any]]:
+    """Append this invocation to `out_dir/invocations.json` and return them all: a reproduction continued after an
+    interruption (or a doc rewritten from finished runs) still reports the time that trained the runs."""
+    path = out_dir / "invocations.json"
+    records = json.loads(path.read_text()) if path.exists() else []
+    records.append({"when": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": info["argv"], "commit": info["commit"],
+                    "wall_s": round(info["wall_s"], 1), "runs_trained": info["runs_done"],
+                    "runs_reused": info["runs_reused"], "load_start": info["load_start"], "load_end": info["load_end"]})
+    path.write_text(json.dumps(records, indent=1))
+    return records
+
+
+def timing_lines(info: dict[str, Any]) -> str:
+    records = info["invocations"]
+    training = [r for r in records if r["runs_trained"] > 0]
+    total = sum(r["wall_s"] for r in training)
+    lines = [f"* wall time of the command, over the invocation(s) that trained runs: **{total / 60:.1f} min**; the sum "
+             f"of the runs' own wall times (model load, held-out evaluations and training, without process start) is "
+             f"{info['sum_run_s'] / 60:.1f} min"]
+    for r in records:
+        lines.append(f"  * {r['when']}: {r['wall_s'] / 60:.1f} min, {r['runs_trained']} runs trained, {r['runs_reused']} "
+                     f"reused (commit {r['commit']}; load average {r['load_start']} → {r['load_end']})"
+                     + (f"; {r['note']}" if r.get("note") else ""))
+    return "\n".join(lines)
 
 
 def kept_analysis(doc: Path) -> str:
@@ -340,8 +380,8 @@ hand and kept when the script writes this file again).
 ```
 
 * commit `{info['commit']}`; {info['machine']['cpu']}, {info['machine']['cores']} cores, Python {info['machine']['python']}, torch {info['machine']['torch']}
-* {args.jobs} runs at once, {max(1, args.threads // args.jobs)} torch thread(s) each; load average at start / end: {info['load_start']} / {info['load_end']}
-* wall time of the whole command: **{info['wall_s'] / 60:.1f} min** ({info['runs_done']} runs trained, {info['runs_reused']} reused from an earlier invocation; the sum of the runs' own wall times is {info['sum_run_s'] / 60:.1f} min)
+* {args.jobs} runs at once, {max(1, args.threads // args.jobs)} torch thread(s) each
+{timing_lines(info)}
 
 ## Setup
 
@@ -396,19 +436,20 @@ def main(argv: Optional[list[str]] = None) -> None:
         done = list(pool.map(lambda job: run_one(*job, args), jobs))
     dirs_flat = [d for d, _ in done]
     dirs: dict[str, list[Path]] = {m: [d for (mm, _), d in zip(jobs, dirs_flat) if mm == m] for m in args.methods}
-    per_run = {m: [run_figures(d) for d in paths] for m, paths in dirs.items()}
+    per_run = {m: [run_figures(d, args.oracle_every) for d in paths] for m, paths in dirs.items()}
     for m, runs in per_run.items():
         bad = [r["steps"] for r in runs if r["steps"] != args.steps]
         if bad:
             raise RuntimeError(f"{m}: runs made {bad} steps, not {args.steps} (equal optimizer steps is the point)")
     doc = Path(args.doc)
     figure = Path(args.figure) if args.figure else doc.with_suffix(".png")
-    draw_figure(dirs, figure)
+    draw_figure(dirs, figure, args.oracle_every)
     reused = sum(r for _, r in done)
     info = {"argv": argv, "nice": os.nice(0), "commit": git_commit(), "machine": machine(), "load_start": load_start,
             "load_end": " ".join(f"{x:.1f}" for x in os.getloadavg()), "wall_s": time.perf_counter() - started,
             "runs_done": len(jobs) - reused, "runs_reused": reused,
             "sum_run_s": sum(r["wall_s"] for runs in per_run.values() for r in runs)}
+    info["invocations"] = record_invocation(Path(args.out_dir), info)
     write_doc(args, per_run, figure, doc, info)
     raw = {"settings": vars(args), "info": info,
            "runs": {m: [{"seed": s, **r} for s, r in enumerate(runs)] for m, runs in per_run.items()}}
