@@ -39,7 +39,8 @@ REFERENCE = {"data.batch_size": 8, "algorithm.group_size": 8, "algorithm.max_new
              "algorithm.temperature": 1.0, "algorithm.ppo_epochs": 1, "algorithm.mini_batches": 1,
              "model.dtype": "float32"}
 METRICS = ("time/step_s", "time/gen_s", "time/reward_s", "time/train_s", "time/sync_s", "time/prior_s",
-           "perf/tokens_per_s", "rollouts/per_step", "response/len_mean", "v05/prior_present")
+           "perf/tokens_per_s", "rollouts/per_step", "response/len_mean", "v05/prior_present",
+           "time/prior_setup_s", "time/prior_prefetch_s")
 
 
 def quiet(threads: int = THREADS) -> None:
@@ -289,4 +290,10 @@ def summarise_rows(rows: list[dict[str, float]], warmup: int) -> dict[str, float
         out["prior_s"] = median(col("time/prior_s"))
         out["prior_frac"] = out["prior_s"] / out["module_step_s"]  # of the module's step, which contains it
         out["prior_present_frac"] = statistics.fmean(col("v05/prior_present")) if col("v05/prior_present") else math.nan
+        # the mean too: steps that search the kernel bandwidth again cost more than the median step
+        out["prior_frac_mean"] = statistics.fmean(col("time/prior_s")) / out["module_step_s"]
+        # features computed ahead of the steps (V0.5 `precompute`), warm-up included: outside prior_s
+        ahead = [r.get("time/prior_setup_s", 0.0) + r.get("time/prior_prefetch_s", 0.0) for r in rows]
+        out["prior_ahead_s"] = sum(ahead)
+        out["prior_ahead_per_step_s"] = sum(ahead) / len(rows)
     return out

@@ -10,6 +10,12 @@ One RL step (DESIGN §3), with B prompts:
     on_before_advantages  rollouts.baseline = fused baseline b (Eq. 8), so A = r − b (std scaling off by default)
     on_rl_step_end        context += this step's (prompt, success rate, n); v05/* metrics and time/prior_s
 
+Prompt features are a pure function of the prompt text and the frozen backbone, so they are computed ahead, in
+large batches, outside the steps (`precompute`): the whole training set at train start ("all"), or the prompts
+of the coming steps in the sampler's order, `precompute_max` at a time ("next"); their seconds are logged as
+time/prior_setup_s (once) and time/prior_prefetch_s, apart from time/prior_s. A prompt that was not computed
+ahead (another sampler, a module that draws extra batches) is embedded in the step, as with "off".
+
 Until the context holds `min_context` records the prior is absent: the baseline is the plain sample mean and
 OSLA asks for samples as for the plain mean (every prompt up to k_max with c ≈ 1/256); `v05/prior_present` = 0.
 The module's `group_size` is not used: k_init and OSLA decide how many samples each prompt gets.
@@ -21,18 +27,16 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lit_rlvr.functional import group_mean
 from lit_rlvr.functional.ranking import binary_auroc
 from lit_rlvr.functional.value_prior import (
     allocate_round,
     expected_mse_reduction,
-    osla_wants_more,
     reward_noise_var,
     shrinkage_fusion,
 )
@@ -46,6 +50,7 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 KEY = "algorithm.callbacks.value_prior"  # config path of this callback, for error messages
+PRECOMPUTE_MODES = ("auto", "all", "next", "off")
 
 
 @dataclass
@@ -77,8 +82,17 @@ class ValuePrior(RLVRCallback):
         noise_var: σ² of Eq. 8/12; None = worst case for the range, (high − low)²/4 (= 1 for ±1 rewards).
         scale_by_std: divide A = r − b by the group's reward std (paper: off).
         context_size, min_context: the context buffer of V0 (records kept; below min_context the prior is absent).
-        backbone, head, head_kwargs, features, adapter_path, max_length, device, seed: V0, see
-            `lit_rlvr.value.ValueModel.create`; `device` None = the policy's device. Built in `setup`.
+        backbone, head, head_kwargs, features, adapter_path, max_length, device, seed, bandwidth_refit: V0,
+            see `lit_rlvr.value.ValueModel.create`; `device` None = the policy's device. Built in `setup`.
+            bandwidth_refit (default 0.25): the kernel head searches its bandwidth again once this fraction
+            of the context is new since its last search (0 = at every step).
+        precompute: when prompt features are computed (see the module docstring): "all" the training set at
+            train start; "next" the coming `precompute_max` prompts in the sampler's order (needs the data
+            module's ResumableSampler or a sequential one; a chunk never covers more than the run's max_steps);
+            "off" in the step, when first seen; "auto" (default) "all" when the training set is no larger than
+            both `precompute_max` and what the run draws, else "next" where the order is known, else "off".
+        precompute_max: most prompts computed ahead at once (and held: F floats each).
+        precompute_batch: prompts per backbone call when computing ahead.
         value_model: a ready V0 (anything with `predict(prompts, context) -> (p̂ [B] | None, metrics)`);
             when given, the V0 arguments above are not used.
     """
@@ -104,6 +118,10 @@ class ValuePrior(RLVRCallback):
         max_length: int = 128,
         device: Optional[str] = None,
         seed: int = 0,
+        bandwidth_refit: float = 0.25,
+        precompute: str = "auto",
+        precompute_max: int = 8192,
+        precompute_batch: int = 256,
         value_model: Any = None,
     ) -> None:
         super().__init__()
@@ -116,16 +134,28 @@ class ValuePrior(RLVRCallback):
             raise ValueError(f"{KEY}.head={head!r} is not valid; valid: {', '.join(sorted(HEADS))}")
         if value_model is None and features not in FEATURE_MODES:
             raise ValueError(f"{KEY}.features={features!r} is not valid; valid: {', '.join(FEATURE_MODES)}")
+        if precompute not in PRECOMPUTE_MODES:
+            raise ValueError(f"{KEY}.precompute={precompute!r} is not valid; valid: {', '.join(PRECOMPUTE_MODES)}")
+        if precompute_max < 1 or precompute_batch < 1:
+            raise ValueError(f"{KEY}.precompute_max and {KEY}.precompute_batch must be >= 1, got {precompute_max}, "
+                             f"{precompute_batch}")
+        if not 0.0 <= bandwidth_refit <= 1.0:
+            raise ValueError(f"{KEY}.bandwidth_refit must be in [0, 1], got {bandwidth_refit}")
+        self.precompute, self.precompute_max, self.precompute_batch = precompute, precompute_max, precompute_batch
         self.k_init, self.k_max, self.cost = k_init, k_max, cost
         self.min_active_frac, self.pad_to, self.round_size = min_active_frac, pad_to, round_size
         self.scale_by_std = scale_by_std
         self.context = ContextBuffer(capacity=context_size, min_context=min_context)
         self.value_model_kwargs = dict(backbone=backbone, head=head, head_kwargs=head_kwargs, features=features,
-                                       adapter_path=adapter_path, max_length=max_length, device=device, seed=seed)
+                                       adapter_path=adapter_path, max_length=max_length, device=device, seed=seed,
+                                       bandwidth_refit=bandwidth_refit)
         self.value_model = value_model
         self._step: Optional[_Step] = None
         self._restored_cache_keys: list[str] = []
         self._restored_features: dict[str, Tensor] = {}
+        self._restored_head: dict[str, Any] = {}
+        self._ahead: Optional[_Ahead] = None  # "next": where the coming prompts come from
+        self._ahead_s = {"setup": 0.0, "prefetch": 0.0}  # seconds computing features ahead, not yet logged
 
     # -- Lightning hooks -------------------------------------------------------------------------------------
     @override
@@ -139,8 +169,48 @@ class ValuePrior(RLVRCallback):
         _warn_unused_module_options(pl_module, self.k_init, self.scale_by_std)
 
     @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if not hasattr(self.value_model, "precompute") or self.precompute == "off":
+            return
+        source = _TrainPrompts.of(trainer, pl_module)
+        mode = self._resolve_precompute(source, trainer.max_steps)
+        if mode == "all":
+            seconds = self.value_model.precompute(source.prompts(range(len(source))), self.precompute_batch)
+            self._ahead_s["setup"] += seconds
+            log.info("V0.5: features of all %d training prompts computed ahead in %.1f s", len(source), seconds)
+        elif mode == "next":
+            steps = self.precompute_max // source.batch_size
+            steps = max(1, min(steps, trainer.max_steps) if trainer.max_steps and trainer.max_steps > 0 else steps)
+            self._ahead = _Ahead(source, steps)
+            log.info("V0.5: features computed ahead %d steps (%d prompts) at a time", steps, steps * source.batch_size)
+
+    @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
         self._step = None  # a step that raised half-way must not leak its prior into this one
+        if self._ahead is not None:
+            prompts = self._ahead.chunk_for(trainer.current_epoch, batch_idx)  # None: this chunk is held already
+            if prompts is not None:
+                self._ahead_s["prefetch"] += self.value_model.precompute(prompts, self.precompute_batch)
+
+    def _resolve_precompute(self, source: Optional["_TrainPrompts"], max_steps: int) -> str:
+        """"auto" → "all" | "next" | "off" for this training set (see the class docstring)."""
+        if source is None:
+            if self.precompute != "auto":
+                log.warning("V0.5: %s.precompute=%s needs a train dataloader with a dataset of {'prompt': ...} "
+                            "rows; features are computed in the steps", KEY, self.precompute)
+            return "off"
+        if self.precompute == "next" and source.order is None:
+            log.warning("V0.5: %s.precompute=next needs the data module's ResumableSampler (or a sequential "
+                        "one) to know the coming prompts; features are computed in the steps", KEY)
+            return "off"
+        if self.precompute != "auto":
+            return self.precompute
+        drawn = max_steps * source.batch_size if max_steps and max_steps > 0 else math.inf
+        if len(source) <= min(self.precompute_max, drawn):
+            return "all"
+        if source.order is not None:
+            return "next"
+        return "all" if len(source) <= self.precompute_max else "off"
 
     @override
     def on_rollout_plan(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", plan: RolloutPlan) -> None:
@@ -180,7 +250,9 @@ class ValuePrior(RLVRCallback):
         metrics = self._metrics(step, rollouts, success, counts)
         self.context.add(rollouts.prompts, success, counts)  # after the metrics: they judge the prior as predicted
         step.prior_s += time.perf_counter() - t0
-        pl_module.log_metrics({**metrics, "time/prior_s": torch.tensor(step.prior_s)})
+        ahead = {f"time/prior_{k}_s": torch.tensor(v) for k, v in self._ahead_s.items() if v or k == "prefetch"}
+        self._ahead_s = {"setup": 0.0, "prefetch": 0.0}
+        pl_module.log_metrics({**metrics, "time/prior_s": torch.tensor(step.prior_s), **ahead})
 
     # -- state -------------------------------------------------------------------------------------------------
     @override
@@ -188,14 +260,17 @@ class ValuePrior(RLVRCallback):
         """The context records and the prompts whose embeddings are cached (the states are recomputed on
         demand after a resume; the keys let a persistent backbone cache refill, and a resume be checked)."""
         features = getattr(self.value_model, "feature_state", lambda prompts: {})(self.context.prompts)
-        return {"context": self.context.state_dict(), "embedding_cache_keys": self._cache_keys(),
-                "context_features": features}
+        head = getattr(self.value_model, "head_state", dict)()
+        keys = list(dict.fromkeys(self._cache_keys() + list(features)))  # token states or features held
+        return {"context": self.context.state_dict(), "embedding_cache_keys": keys,
+                "context_features": features, "head_state": head}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.context.load_state_dict(state_dict["context"])
         self._restored_cache_keys = list(state_dict.get("embedding_cache_keys", []))
         self._restored_features = dict(state_dict.get("context_features", {}))
+        self._restored_head = dict(state_dict.get("head_state", {}))
         self._restore_backbone_cache()
 
     def _cache_keys(self) -> list[str]:
@@ -209,6 +284,8 @@ class ValuePrior(RLVRCallback):
             backbone.load_state_dict({"cached_prompts": self._restored_cache_keys})
         if self._restored_features and hasattr(self.value_model, "load_feature_state"):
             self.value_model.load_feature_state(self._restored_features)
+        if self._restored_head and hasattr(self.value_model, "load_head_state"):
+            self.value_model.load_head_state(self._restored_head)
 
     # -- the pieces ----------------------------------------------------------------------------------------------
     def to_reward_scale(self, p_hat: Tensor) -> Tensor:
@@ -235,7 +312,7 @@ class ValuePrior(RLVRCallback):
         step.rounds += 1  # called once after every round
         mean, counts = _group_stats(rollouts)  # [B], [B]
         gain = expected_mse_reduction(mean, prior, counts, noise_var=self.noise_var)  # [B] Δ̂² re-estimated
-        wants = osla_wants_more(mean, prior, counts, noise_var=self.noise_var, cost=self.cost, k_max=self.k_max)
+        wants = (gain > self.cost) & (counts < self.k_max)  # [B] = osla_wants_more, without computing gain twice
         extra = allocate_round(wants, gain, counts, k_max=self.k_max, min_active_frac=self.min_active_frac,
                                pad_to=self.pad_to, round_size=self.round_size).tolist()  # [B]
         step.prior_s += time.perf_counter() - t0
@@ -271,12 +348,75 @@ class ValuePrior(RLVRCallback):
         return self._step
 
 
+class _TrainPrompts:
+    """The training prompts as the module renders them: `prompts(indices)`, and each epoch's sample order
+    (`order(epoch)`, None when the sampler's order cannot be known ahead)."""
+
+    def __init__(self, dataset: Any, batch_size: int, render: Callable[[Any], str], sampler: Any) -> None:
+        self.dataset, self.batch_size, self.render, self.sampler = dataset, batch_size, render, sampler
+        from torch.utils.data import SequentialSampler
+
+        from lit_rlvr.data.datamodule import ResumableSampler
+
+        if isinstance(sampler, ResumableSampler):  # a pure function of (seed, epoch): a fresh one from the start
+            self.order: Optional[Callable[[int], list[int]]] = self._resumable_order
+        elif isinstance(sampler, SequentialSampler):
+            self.order = lambda epoch: list(range(len(dataset)))
+        else:
+            self.order = None
+
+    @classmethod
+    def of(cls, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Optional["_TrainPrompts"]:
+        loader = getattr(trainer, "train_dataloader", None)
+        dataset, batch_size = getattr(loader, "dataset", None), getattr(loader, "batch_size", None)
+        if dataset is None or not batch_size or not hasattr(dataset, "__len__"):
+            return None
+        render = getattr(pl_module, "render_prompt", None) or str
+        return cls(dataset, batch_size, render, getattr(loader, "sampler", None))
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def prompts(self, indices: Sequence[int]) -> list[str]:
+        rows = (self.dataset[i] for i in indices)
+        return [self.render(row["prompt"] if isinstance(row, dict) else row) for row in rows]
+
+    def _resumable_order(self, epoch: int) -> list[int]:
+        from lit_rlvr.data.datamodule import ResumableSampler
+
+        fresh = ResumableSampler(self.sampler.size, self.sampler.seed)  # the original may be skipping (resume)
+        fresh.set_epoch(epoch)
+        return list(fresh)
+
+
+class _Ahead:
+    """"next": the prompts of `steps` batches at a time, chunks aligned to multiples of `steps` batches in the
+    epoch, so a resumed run computes the very chunks (and numbers) of the uninterrupted one."""
+
+    def __init__(self, source: _TrainPrompts, steps: int) -> None:
+        self.source, self.steps = source, steps
+        self.held: Optional[tuple[int, int]] = None  # (epoch, chunk) now held
+        self._order: tuple[int, list[int]] = (-1, [])
+
+    def chunk_for(self, epoch: int, batch_idx: int) -> Optional[list[str]]:
+        """The prompts of the chunk holding batch `batch_idx` of `epoch`, or None when it is held already."""
+        key = (epoch, batch_idx // self.steps)
+        if key == self.held:
+            return None
+        if self._order[0] != epoch:
+            self._order = (epoch, self.source.order(epoch))
+        size = self.steps * self.source.batch_size
+        self.held = key
+        return self.source.prompts(self._order[1][key[1] * size : (key[1] + 1) * size])
+
+
 def _group_stats(rollouts: Rollouts) -> tuple[Tensor, Tensor]:
     """Sample mean reward [B] and sample count [B] of each prompt."""
     rewards = rollouts.rewards.detach().float().cpu()  # [N]
     group = rollouts.group.cpu()  # [N]
-    mean = group_mean(rewards, group, rollouts.num_groups)  # [B]
-    return mean, torch.bincount(group, minlength=rollouts.num_groups)  # [B], [B]
+    counts = torch.bincount(group, minlength=rollouts.num_groups)  # [B]
+    sums = torch.zeros(rollouts.num_groups, dtype=rewards.dtype).index_add_(0, group, rewards)  # [B]
+    return sums / counts.to(rewards.dtype).clamp_min(1), counts  # [B] = group_mean (one bincount, not two), [B]
 
 
 def _check_budget(k_init: int, k_max: int, cost: float, min_active_frac: float, pad_to: int, round_size: int) -> None:

@@ -166,18 +166,16 @@ def allocate_round(
 
 
 def _place_padding(padding: Tensor, gain: Tensor, room: Tensor, k_max: int) -> Tensor:
-    """Give `padding` samples to the prompts of largest gain, one per prompt per pass, within `room`. [B]"""
+    """Give `padding` samples to the prompts of largest gain, one per prompt per pass, within `room`. [B]
+
+    Pass p (1-based) offers one slot to every prompt with room ≥ p, best gain first; the first `padding`
+    slots in (pass, rank) order are taken. Written as one [k_max, B] table instead of a loop over passes
+    (a prompt can take at most k_max samples, so k_max passes suffice): a few ops, not ~6 per pass."""
     score = torch.nan_to_num(gain.float(), nan=float("-inf"))  # [B]
     order = torch.sort(score, descending=True, stable=True).indices  # [B] best first, ties by index
-    room_sorted = room[order]  # [B]
-    placed = torch.zeros_like(room)  # [B] in sorted order
-    left = padding.clone()  # []
-    for _ in range(max(k_max, 0)):  # a prompt can take at most k_max samples, so k_max passes suffice
-        can = room_sorted - placed > 0  # [B]
-        rank = torch.cumsum(can.long(), 0)  # [B] 1-based rank among prompts that can still take one
-        take = can & (rank <= left)  # [B]
-        placed = placed + take.long()  # [B]
-        left = left - take.long().sum()  # []
+    passes = torch.arange(1, max(k_max, 0) + 1, device=room.device)  # [P]
+    slots = room[order].unsqueeze(0) >= passes.unsqueeze(1)  # [P, B] pass p offers prompt b a slot
+    taken = slots & (torch.cumsum(slots.flatten().long(), 0).view_as(slots) <= padding)  # [P, B] first slots
     out = torch.zeros_like(room)  # [B]
-    out[order] = placed  # back to prompt order
+    out[order] = taken.long().sum(0)  # back to prompt order
     return out

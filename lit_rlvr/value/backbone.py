@@ -82,6 +82,13 @@ class CachedBackbone:
                 self._cache.move_to_end(p)  # recently used
         return pad_states(rows)
 
+    @torch.no_grad()
+    def embed_uncached(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
+        """Like calling the backbone, but the states are neither looked up in nor added to the cache (bulk
+        precompute of features: thousands of [L_i, D] states would only evict the useful entries)."""
+        self.num_embedded += len(prompts)
+        return self._embed(list(prompts))
+
     def _remember(self, prompt: str, row: Tensor) -> None:
         self._cache[prompt] = row
         while self.cache_size is not None and len(self._cache) > self.cache_size:

@@ -30,6 +30,8 @@ class ContextBuffer:
         self.capacity = capacity
         self.min_context = min_context
         self._records: deque[tuple[str, float, int]] = deque(maxlen=capacity)
+        self.total_added = 0  # records ever added: how much of the context is new since some earlier moment
+        self._columns: dict[str, Any] = {}  # prompts / success_rate / counts, built once per change
 
     def __len__(self) -> int:
         return len(self._records)
@@ -55,23 +57,35 @@ class ContextBuffer:
                 if not 0.0 <= rate <= 1.0:
                     raise ValueError(f"ContextBuffer.add: success rate must be in [0, 1], got {rate} for {prompt!r}")
                 self._records.append((prompt, rate, n))
+                self.total_added += 1
+        self._columns = {}
 
     @property
     def prompts(self) -> list[str]:
-        return [r[0] for r in self._records]
+        """[M] prompt texts (a fresh list)."""
+        return list(self._column("prompts"))
 
     @property
     def success_rate(self) -> Tensor:
-        """[M] float32."""
-        return torch.tensor([r[1] for r in self._records], dtype=torch.float32)
+        """[M] float32 (built once per change of the buffer: do not modify it in place)."""
+        return self._column("success_rate")
 
     @property
     def counts(self) -> Tensor:
-        """[M] long."""
-        return torch.tensor([r[2] for r in self._records], dtype=torch.long)
+        """[M] long (built once per change of the buffer: do not modify it in place)."""
+        return self._column("counts")
+
+    def _column(self, name: str) -> Any:
+        if not self._columns:
+            prompts, rates, counts = zip(*self._records) if self._records else ((), (), ())
+            self._columns = {"prompts": list(prompts), "success_rate": torch.tensor(rates, dtype=torch.float32),
+                             "counts": torch.tensor(counts, dtype=torch.long)}
+        return self._columns[name]
 
     def clear(self) -> None:
         self._records.clear()
+        self.total_added = 0
+        self._columns = {}
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -80,6 +94,7 @@ class ContextBuffer:
             "prompts": self.prompts,
             "success_rate": [r[1] for r in self._records],
             "counts": [r[2] for r in self._records],
+            "total_added": self.total_added,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -87,3 +102,5 @@ class ContextBuffer:
         self._records.clear()
         for record in zip(state["prompts"], state["success_rate"], state["counts"]):
             self._records.append((str(record[0]), float(record[1]), int(record[2])))
+        self.total_added = int(state.get("total_added", len(self._records)))
+        self._columns = {}

@@ -27,6 +27,10 @@ class KernelHead:
     exp(−‖x − x'‖² / (2h²)) on features standardized with the context's mean and std. The bandwidth h is
     `scale × median pairwise context distance`, the scale picked from `bandwidth_scales` by the leave-one-out
     Binomial log-likelihood of the context (ties go to the largest scale: the smoother fit).
+
+    `fit(..., search=False)` keeps the bandwidth h of the last search and skips the search's M×M work; the
+    records and the standardization are always the given context's. With the same context, both give the same
+    p̂ (see ValueModel's `bandwidth_refit`).
     """
 
     def __init__(self, alpha0: float = 2.0, bandwidth_scales: Sequence[float] = DEFAULT_BANDWIDTH_SCALES) -> None:
@@ -38,14 +42,21 @@ class KernelHead:
         self.bandwidth_scales = tuple(float(s) for s in bandwidth_scales)
         self.fitted = False
 
-    def fit(self, features: Tensor, success_rate: Tensor, counts: Tensor) -> "KernelHead":
+    def fit(self, features: Tensor, success_rate: Tensor, counts: Tensor, search: bool = True) -> "KernelHead":
         x = features.detach().double()  # [M, F] float64: exp(-d²) of near points must not underflow unevenly
         self.mean_ = x.mean(0)  # [F]
-        self.std_ = x.std(0, unbiased=False).clamp_min(1e-6)  # [F]
-        self.x_ = (x - self.mean_) / self.std_  # [M, F]
+        centered = x - self.mean_  # [M, F]
+        # two-pass std in float64, as a norm (torch's Welford std over dim 0 is ~10× slower here)
+        std = torch.linalg.vector_norm(centered, dim=0) / len(x) ** 0.5  # [F]
+        self.std_ = std.clamp_min(1e-6)  # [F]
+        self.x_ = centered / self.std_  # [M, F]
+        self.sq_norm_ = _sq_norms(self.x_)  # [M] for predict's distances
         self.y_ = success_rate.detach().double().clamp(0, 1)  # [M]
         self.n_ = counts.detach().double().clamp_min(0)  # [M]
         self.p_bar_ = ((self.n_ * self.y_).sum() + 0.5) / (self.n_.sum() + 1.0)  # [] pooled rate, Jeffreys-smoothed
+        self.fitted = True
+        if not search and getattr(self, "bandwidth_", None) is not None:
+            return self  # the last search's bandwidth
         d2 = torch.cdist(self.x_, self.x_).square()  # [M, M]
         off = ~torch.eye(len(x), dtype=torch.bool)  # [M, M]
         median = d2[off].sqrt().median() if len(x) > 1 else torch.ones((), dtype=x.dtype)
@@ -54,8 +65,14 @@ class KernelHead:
         self.loo_loglik_ = torch.stack([self._loo_loglik(d2, off, h) for h in self.bandwidth_grid_])  # [S]
         last_best = len(scales) - 1 - self.loo_loglik_.flip(0).argmax()  # [] ties → the largest bandwidth
         self.bandwidth_ = self.bandwidth_grid_[last_best]  # []
-        self.fitted = True
         return self
+
+    def geometry(self) -> dict[str, Tensor]:
+        """What `fit(search=False)` keeps from the last search (a checkpoint carries it: exact resume)."""
+        return {"bandwidth": self.bandwidth_}
+
+    def load_geometry(self, state: dict[str, Tensor]) -> None:
+        self.bandwidth_ = state["bandwidth"]
 
     def _loo_loglik(self, d2: Tensor, off: Tensor, h: Tensor) -> Tensor:
         k = torch.exp(-d2 / (2 * h * h)) * off  # [M, M] zero diagonal: record i never predicts itself
@@ -73,8 +90,15 @@ class KernelHead:
         if not self.fitted:
             raise RuntimeError("KernelHead.predict called before fit")
         x = (features.detach().double() - self.mean_) / self.std_  # [B, F]
-        k = torch.exp(-torch.cdist(x, self.x_).square() / (2 * self.bandwidth_**2))  # [B, M]
+        # ‖x − x_j‖² by one matmul (B is small: torch.cdist's set-up costs more than the product here)
+        d2 = (_sq_norms(x).unsqueeze(1) + self.sq_norm_ - 2 * x @ self.x_.T).clamp_min(0)  # [B, M]
+        k = torch.exp(-d2 / (2 * self.bandwidth_**2))  # [B, M]
         return self._smooth(k).to(features.dtype if features.is_floating_point() else torch.float32)  # [B]
+
+
+def _sq_norms(x: Tensor) -> Tensor:
+    """‖x_i‖² of each row, [N] (no [N, F] temporary)."""
+    return torch.einsum("nf,nf->n", x, x)  # [N]
 
 
 class TabPFNHead:
