@@ -91,6 +91,7 @@ FIGURES = [
 # (claim, method, reference, figure, sign): the claim holds when sign·(method − reference) > 0
 CLAIMS = [
     ("V0.5 beats GRPO G=16: held-out accuracy", "v05", "grpo_g16", "acc_after", +1),
+    ("V0.5 vs GRPO G=16: train rollout accuracy", "v05", "grpo_g16", "train_acc_tail", +1),
     ("V0.5 vs GRPO G=16: fewer rollouts", "v05", "grpo_g16", "rollouts", -1),
     ("V0.5 vs GRPO G=16: lower gradient norm", "v05", "grpo_g16", "grad_mean", -1),
     ("V0.5 vs GRPO G=16: steadier gradient norm (sd)", "v05", "grpo_g16", "grad_std", -1),
@@ -98,7 +99,9 @@ CLAIMS = [
     ("V0.5 vs GRPO G=16: lower baseline MSE", "v05", "grpo_g16", "baseline_mse", -1),
     ("V0.5 vs GRPO G=4: lower baseline MSE", "v05", "grpo_g4", "baseline_mse", -1),
     ("V0.5 beats GRPO G=4: held-out accuracy", "v05", "grpo_g4", "acc_after", +1),
+    ("V0.5 beats GRPO G=4: train rollout accuracy", "v05", "grpo_g4", "train_acc_tail", +1),
     ("C3PO beats GRPO G=16: held-out accuracy", "c3po", "grpo_g16", "acc_after", +1),
+    ("C3PO beats GRPO G=16: train rollout accuracy", "c3po", "grpo_g16", "train_acc_tail", +1),
     ("C3PO vs GRPO G=16: fewer zero-advantage groups", "c3po", "grpo_g16", "zero_adv_frac", -1),
     ("C3PO vs GRPO G=16: fewer malformed rollouts", "c3po", "grpo_g16", "malformed_frac", -1),
     ("C3PO + V0.5 beats C3PO: held-out accuracy", "c3po_v05", "c3po", "acc_after", +1),
