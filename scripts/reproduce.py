@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 # -- the comparison's settings, pinned: a later change of a config default must not change this comparison ------
 MODEL = ["model=tiny", "model.dtype=float32", "model.options.steps=450", "model.options.batch_size=64",
-         "model.options.lr=0.003", "model.options.seed=0"]
+         "model.options.lr=0.003", "model.options.seed=0", "++model.options.levels=[1,2,3,4,5]"]  # warm-up task levels
 DATA = ["data=arithmetic", "reward=arithmetic", "data.levels=[1,2,3,4,5]", "data.num_train=100000",
         "data.eval_batch_size=128"]
 LOOP = ["engine=hf", "engine.options.mode=shared", "trainer=cpu", "logger=csv", "callbacks.progress=null",
