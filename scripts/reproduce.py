@@ -308,6 +308,9 @@ def draw_figure(dirs: dict[str, list[Path]], out: Path, oracle_every: int) -> No
 
     runs = [mean_run(method, paths, oracle_every) for method, paths in dirs.items()]
     report.plot(runs, out, panels=PANELS, title="lit-rlvr reproduction on the built-in task", dpi=60)
+    from PIL import Image  # matplotlib's own dependency
+
+    Image.open(out).convert("RGB").quantize(colors=128).save(out, optimize=True)  # a committed figure: keep it small
 
 
 # -- the doc ---------------------------------------------------------------------------------------------------------
