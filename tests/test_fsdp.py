@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-COMMON = ["trainer.max_steps=3", "engine.options.mode=copy", "data.batch_size=8", "data.num_test=16",
+COMMON = ["engine.options.mode=copy", "data.batch_size=8", "data.num_test=16",
           "eval_before=false", "callbacks.progress=null", "+callbacks.push_check._target_=fsdp_checks.PushCheck"]
 FSDP_CPU = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy.param_dtype=float32"]
 TIMING = ("time/", "perf/")
@@ -34,10 +34,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run(run_dir: Path, overrides: list[str], ranks: int) -> Path:
+def _run(run_dir: Path, overrides: list[str], ranks: int, steps: int = 3) -> Path:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={_free_port()}"] if ranks > 1 else [sys.executable]
-    cmd = [*launcher, "train.py", *COMMON, *overrides, f"+callbacks.push_check.out_dir={run_dir}", f"hydra.run.dir={run_dir}"]
+    cmd = [*launcher, "train.py", *COMMON, *overrides, f"trainer.max_steps={steps}", f"+callbacks.push_check.out_dir={run_dir}", f"hydra.run.dir={run_dir}"]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return run_dir
@@ -63,6 +63,15 @@ def runs(tiny_path, tmp_path_factory):
         "one_rank": _run(base / "one_rank", grpo, ranks=1),
         "c3po_two_ranks": _run(base / "c3po", FSDP_CPU + ["algorithm=c3po"], ranks=2),
     }
+
+
+@pytest.fixture(scope="module")
+def c3po_resumed(runs, tmp_path_factory):
+    """The C3PO run stopped after 2 steps, then resumed from its last.ckpt for the third."""
+    run_dir = tmp_path_factory.mktemp("fsdp") / "c3po_resumed"
+    first = FSDP_CPU + ["algorithm=c3po"]
+    _run(run_dir, first, ranks=2, steps=2)
+    return _run(run_dir, first + [f"resume={run_dir}/checkpoints/last.ckpt"], ranks=2)
 
 
 def test_every_push_gives_each_rank_the_gathered_weights(runs):
@@ -97,3 +106,11 @@ def test_c3po_ranks_receive_the_same_weight_samples_m_plus_sigma_eps(runs):
     assert [p["sample_index"] for p in samples] == [0, 1, 2, 3] * 3  # N = 4 weight samples per step, 3 steps
     assert max(p["noise_max_err"] for p in samples) < 1e-6  # fp32 rounding of m + σ⊙ε
     assert len({p["digest"] for p in samples}) == len(samples)  # every sample differs
+
+
+def test_c3po_resume_on_two_ranks_continues_exactly(runs, c3po_resumed):
+    """IVON's shard-local state (saved per rank), the data position, RNG and the engine weights survive."""
+    resumed, straight = _rows(c3po_resumed), _rows(runs["c3po_two_ranks"])
+    assert [r["step"] for r in resumed] == [0, 1, 2]
+    assert resumed == straight
+    assert _pushes(c3po_resumed, 0)[-1]["digest"] == _pushes(runs["c3po_two_ranks"], 0)[-1]["digest"]

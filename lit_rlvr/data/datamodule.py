@@ -97,7 +97,9 @@ def collate(rows: list[dict[str, Any]]) -> dict[str, list]:
 class RLVRDataModule(pl.LightningDataModule):
     """Built-in `arithmetic` task (`task="arithmetic"`) or records from files (`path=...`, see data.formats).
 
-    Args: `batch_size` prompts per RL step over all ranks (each of W data-parallel ranks loads batch_size / W); `eval_batch_size` prompts per validation batch; `num_train`/`num_test`
+    Args: `batch_size` prompts per RL step over all ranks (each of W data-parallel ranks loads batch_size / W);
+    `seed` the order of training prompts; `split_seed` the arithmetic train/test split (keep it equal to the tiny
+    model's warm-up split, 0, so held-out problems are unseen); `eval_batch_size` prompts per validation batch; `num_train`/`num_test`
     arithmetic problems per split; `path`/`eval_path` training/evaluation files; `fields` a field mapping or
     preset name (`eval_fields` for the `eval_path` file when its columns differ); `max_prompt_chars` length
     filter; `on_bad_row` "error" | "skip"; `eval_limit` first N evaluation prompts; `instruction` text appended
@@ -111,6 +113,7 @@ class RLVRDataModule(pl.LightningDataModule):
         batch_size: int = 8,
         eval_batch_size: int = 64,
         seed: int = 0,
+        split_seed: int = 0,
         levels: tuple[int, ...] = ArithmeticTask.levels,
         num_train: int = 100_000,
         num_test: int = 256,
@@ -159,7 +162,7 @@ class RLVRDataModule(pl.LightningDataModule):
             eval_fields = hp.fields if hp.eval_fields is None else hp.eval_fields
             self.eval_set = self._load(hp.eval_path, hp.eval_split, eval_fields) if hp.eval_path else self.train_set
         else:
-            task = ArithmeticTask(levels=tuple(hp.levels), seed=hp.seed)
+            task = ArithmeticTask(levels=tuple(hp.levels), seed=hp.split_seed)
             self.train_set = ArithmeticDataset(task, hp.num_train, "train")
             self.eval_set = ArithmeticDataset(task, hp.num_test, "test")
         if hp.instruction or hp.system_prompt:

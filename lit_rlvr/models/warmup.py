@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -46,17 +48,23 @@ def warm_start_tiny(
     levels: tuple[int, ...] = ArithmeticTask.levels,
     hidden_size: int = 64,
     layers: int = 2,
+    split_seed: int = 0,
 ) -> Path:
-    """Path of the warmed-up tiny model; trains and saves it unless the same settings are cached."""
+    """Path of the warmed-up tiny model; trains and saves it unless the same settings are cached.
+
+    It trains on the train split of `ArithmeticTask(seed=split_seed)`, the split the datamodule evaluates on
+    (`data.split_seed`), so held-out problems are unseen whatever the model and run seeds. Several processes
+    (torchrun ranks) may warm up at once: each writes its own temporary folder and the first rename wins.
+    """
     settings = dict(steps=steps, batch_size=batch_size, lr=lr, seed=seed, levels=list(levels),
-                    hidden_size=hidden_size, layers=layers, version=1)
+                    hidden_size=hidden_size, layers=layers, split_seed=split_seed, version=2)
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     path = Path(cache_dir).expanduser() / f"tiny-{key}"
     if (path / "config.json").exists():
         return path
     log.info("warm-starting the tiny model (%d supervised steps) into %s", steps, path)
     model, tokenizer = tiny.build_tiny(seed, hidden_size=hidden_size, layers=layers)
-    task = ArithmeticTask(levels=tuple(levels), seed=seed)
+    task = ArithmeticTask(levels=tuple(levels), seed=split_seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=max(steps, 1), pct_start=0.1)
     model.train()
@@ -69,7 +77,12 @@ def warm_start_tiny(
         optimizer.step()
         schedule.step()
     model.eval()
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     tiny.save(model, tokenizer, tmp)
-    tmp.rename(path)  # atomic: a half-written cache is never reused
+    try:
+        tmp.rename(path)  # atomic: a half-written cache is never reused
+    except OSError:  # another process finished the same warm-up first (same settings, same model)
+        if not (path / "config.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return path
