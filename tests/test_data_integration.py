@@ -362,3 +362,17 @@ def test_code_reward_path_runs_end_to_end(runs):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["reward_failures"] == 0 and summary["accuracy_after"] == 0.0
     assert (run_dir / "checkpoints" / "last.ckpt").exists()
+
+
+def test_ranks_split_each_global_batch_and_resume_skips_globally():
+    """Rank r takes every world-th index of one global order: the ranks' batches together are the 1-rank batch."""
+    from lit_rlvr.data.datamodule import ResumableSampler
+
+    one = list(ResumableSampler(40, seed=3))
+    ranks = [list(ResumableSampler(40, seed=3, rank=r, world=2)) for r in range(2)]
+    for step in range(4):  # global batch 8 = 4 per rank
+        together = sorted(ranks[0][4 * step : 4 * step + 4] + ranks[1][4 * step : 4 * step + 4])
+        assert together == sorted(one[8 * step : 8 * step + 8])
+    resumed = ResumableSampler(40, seed=3, rank=1, world=2)
+    resumed.skip_next(0, 16)  # 2 global batches of 8 already trained on
+    assert list(resumed) == ranks[1][8:]

@@ -116,3 +116,61 @@ def test_copy_mode_follows_pushed_weights(policy):
     assert sum(sizes) == len(list(model.parameters())) and max(sizes) == 1
     with pytest.raises(KeyError, match="unknown parameter"):
         engine.load_weights([("nope", torch.zeros(1))])
+
+
+def test_counter_uniforms_are_uniform_and_keyed_by_row_and_step():
+    from lit_rlvr.rollout.hf import counter_uniforms
+
+    seeds = torch.arange(20_000, dtype=torch.long) * 2654435761
+    u = counter_uniforms(seeds, 0)  # [R]
+    assert u.min() >= 0 and u.max() < 1
+    counts = torch.histc(u.float(), bins=10, min=0, max=1)  # 2000 expected per bin, sd ≈ 42
+    assert (counts - 2000).abs().max() < 200, counts
+    assert abs(float(torch.corrcoef(torch.stack([u, counter_uniforms(seeds, 1)]))[0, 1])) < 0.03
+    assert torch.equal(counter_uniforms(seeds[5:6], 3), counter_uniforms(seeds, 3)[5:6])  # row-local
+
+
+def test_counter_uniforms_are_splitmix64():
+    """Against a plain-Python splitmix64 (unsigned 64-bit arithmetic), top 53 bits / 2^53."""
+    from lit_rlvr.rollout.hf import counter_uniforms
+
+    def splitmix64(x: int) -> float:
+        m = (1 << 64) - 1
+        z = (x + 0x9E3779B97F4A7C15) & m
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+        return ((z ^ (z >> 31)) >> 11) / 2**53
+
+    seeds = [0, 1, 12345, -5, 2**62 + 3]
+    assert counter_uniforms(torch.tensor(seeds), 0).tolist() == [splitmix64(s & ((1 << 64) - 1)) for s in seeds]
+
+
+def test_sampling_does_not_depend_on_the_batch_a_prompt_shares(policy):
+    """A prompt's completions are the same alone, in a batch, or behind other prompts (what makes a 2-rank run
+    sample what the 1-rank run samples)."""
+    model, tokenizer = policy
+    engine = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, max_batch=5)
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=11)
+    together = engine.generate(ids, [3] * len(ids), params)
+    for b in range(len(ids)):
+        alone = engine.generate([ids[b]], [3], params)[0]
+        assert [c.token_ids.tolist() for c in alone] == [c.token_ids.tolist() for c in together[b]]
+    reversed_order = engine.generate(ids[::-1], [3] * len(ids), params)[::-1]
+    assert [[c.token_ids.tolist() for c in per] for per in reversed_order] == [[c.token_ids.tolist() for c in per] for per in together]
+    other_seed = engine.generate(ids, [3] * len(ids), SamplingParams(temperature=1.0, max_new_tokens=8, seed=12))
+    assert [[c.token_ids.tolist() for c in per] for per in other_seed] != [[c.token_ids.tolist() for c in per] for per in together]
+
+
+def test_inverse_cdf_sampling_matches_the_distribution():
+    """The first token's empirical frequencies over many rows follow softmax(logits / T)."""
+    from lit_rlvr.rollout.hf import counter_uniforms
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf")]]).expand(40_000, 5)
+    params = SamplingParams(temperature=0.8)
+    token, logp = HFEngine._pick(logits, params, counter_uniforms(torch.arange(40_000) * 7919, 0))
+    expected = torch.softmax(logits[0] / 0.8, -1)
+    freq = torch.bincount(token, minlength=5).double() / 40_000
+    assert torch.allclose(freq, expected.double(), atol=0.01), (freq, expected)
+    assert int((token == 4).sum()) == 0  # probability 0 is never drawn
+    torch.testing.assert_close(logp, torch.log(expected)[token])

@@ -57,18 +57,23 @@ def _signed(x: int) -> int:
 _GOLDEN, _MIX1, _MIX2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
 
 
+def _shift_right(z: Tensor, k: int) -> Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic: it copies the sign bit)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
 def counter_uniforms(row_seeds: Tensor, step: int) -> Tensor:
-    """A uniform in [0, 1) per row for token `step`: a splitmix64-style hash of (row seed, step).
+    """A uniform in [0, 1) per row for token `step`: splitmix64 (Steele et al. 2014) of (row seed, step).
 
     Counter-based, so a row's draws depend on its own seed only, never on which other rows share the batch:
     the same prompt samples the same tokens on 1 rank or 8, in any batch order (`HFEngine` docstring).
-    row_seeds [R] int64 -> [R] float64. int64 products wrap around, which is what the hash wants.
+    row_seeds [R] int64 -> [R] float64. int64 products wrap around, as the hash wants.
     """
     z = row_seeds + torch.full_like(row_seeds, step + 1) * _GOLDEN  # [R]
-    z = (z ^ (z >> 30)) * _MIX1
-    z = (z ^ (z >> 27)) * _MIX2
-    z = z ^ (z >> 31)
-    return ((z >> 11) & ((1 << 53) - 1)).double() / float(1 << 53)
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    z = z ^ _shift_right(z, 31)
+    return _shift_right(z, 11).double() / float(1 << 53)
 
 
 def row_seeds(prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int], seed: int) -> Tensor:
