@@ -38,9 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # -- the comparison's settings, pinned: a later change of a config default must not change this comparison ------
-MODEL = ["model=tiny", "model.dtype=float32", "model.options.steps=450", "model.options.batch_size=64",
-         "model.options.lr=0.003", "model.options.seed=0", "++model.options.levels=[1,2,3,4,5]"]  # warm-up task levels
-DATA = ["data=arithmetic", "reward=arithmetic", "data.levels=[1,2,3,4,5]", "data.num_train=100000",
+MODEL = ["model=tiny", "model.dtype=float32", "model.options.steps=800", "model.options.batch_size=64",
+         "model.options.lr=0.003", "model.options.seed=0", "++model.options.levels=[2,3,4]"]  # warm-up task levels
+DATA = ["data=arithmetic", "reward=arithmetic", "data.levels=[2,3,4]", "data.split_seed=0", "data.num_train=100000",
         "data.eval_batch_size=128"]
 LOOP = ["engine=hf", "engine.options.mode=shared", "trainer=cpu", "logger=csv", "callbacks.progress=null",
         "eval_before=true", "checkpoint_every=1000000", "algorithm.max_new_tokens=8", "algorithm.temperature=1.0",
@@ -397,8 +397,8 @@ test prompts × {args.eval_samples} samples at temperature 1.0 (mean@{args.eval_
 GRPO-family runs: AdamW, lr 3e-4, grad clip 1.0. C3PO runs: the tiny IVON preset of `conf/algorithm/c3po.yaml`
 (λ = 1e8, lr 0.03, clip radius 1, N = 4, τ = 2). V0.5: `conf/algorithm/callbacks/value_prior.yaml` (k_init 4,
 k_max 16, c = 0.0039, pad to 32, 25% rule, MiniLM backbone + kernel head, context 256, prior from 32 records on).
-Seeds 0..{args.seeds - 1}: a seed fixes the data order, the held-out split and the sampling, the same for every
-method. Every override is in each run's `repro_overrides.json`; `scripts/reproduce.py` lists them.
+Seeds 0..{args.seeds - 1}: a seed fixes the data order and the sampling, the same for every method; the held-out
+split is fixed (`data.split_seed=0`, the tiny model's warm-up split), so every seed scores the same held-out prompts. Every override is in each run's `repro_overrides.json`; `scripts/reproduce.py` lists them.
 
 Figures per run: held-out accuracy = `val/accuracy` after training (gain = after − before); train rollout acc =
 accuracy of the training rollouts over the last 10% of steps; rollouts consumed = `rollouts_total` (the oracle's
