@@ -501,8 +501,20 @@ class GRPOModule(pl.LightningModule):
         self.log_metrics(metrics)
         self.step_metrics = D.reduce_metrics(self.step_metrics)  # the global batch's figures, on every rank
         bar = {"reward/mean", "reward/accuracy"}
-        self.log_dict({k: v for k, v in self.step_metrics.items() if k not in bar}, on_step=True, on_epoch=False, batch_size=rollouts.num_groups)
-        self.log_dict({k: self.step_metrics[k] for k in bar}, on_step=True, on_epoch=False, prog_bar=True, batch_size=rollouts.num_groups)
+        self.log_dict({k: self.step_metrics[k] for k in bar}, on_step=True, on_epoch=False, prog_bar=True, logger=False,
+                      batch_size=rollouts.num_groups)
+        self._write_step_metrics(self.step_metrics)
+
+    def _write_step_metrics(self, metrics: dict[str, Tensor]) -> None:
+        """One row per step to every logger, and the values to `trainer.callback_metrics` (for monitors).
+
+        Not through `self.log`: Lightning's per-key bookkeeping costs ~1 ms per metric and call, about a third of
+        a tiny-model step with ~25 metrics (measured with cProfile on the reference workload). This is what its
+        logger connector does with on-step metrics, in one call."""
+        connector = self.trainer._logger_connector
+        connector._callback_metrics.update(metrics)
+        if connector.should_update_logs or self.trainer.should_stop:
+            connector.log_metrics(dict(metrics))
 
     # -- evaluation --------------------------------------------------------------------------------------------
     def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:
