@@ -329,7 +329,8 @@ class GRPOModule(pl.LightningModule):
         t0 = time.perf_counter()
         self.engine.wake()
         if getattr(self.engine, "mode", None) != "shared":
-            push_weights(self.engine, self.policy, bucket_bytes=getattr(self.engine, "bucket_bytes", 256 << 20))
+            push_weights(self.engine, self.policy, bucket_bytes=getattr(self.engine, "bucket_bytes", 256 << 20),
+                         dtype=getattr(self.engine, "weight_dtype", None))
         self.engine.version = self.global_step
         self._engine_holds_mean = holds_mean
         self.step_times["sync_s"] = self.step_times.get("sync_s", 0.0) + time.perf_counter() - t0

@@ -171,6 +171,7 @@ class SGLangEngine:
         weight_dtype = getattr(torch, dtype, None) if dtype else next(model.parameters()).dtype
         if not isinstance(weight_dtype, torch.dtype):
             raise ValueError(f"engine.options.dtype={dtype!r} is not a torch dtype (e.g. bfloat16, float16, float32)")
+        self.weight_dtype = weight_dtype  # pushes are cast to it before bucketing (bf16 halves the bytes sent)
         kwargs = engine_args(model_path, weight_dtype, rank=rank, local_rank=local_rank, base_port=base_port,
                              port_stride=port_stride, seed=seed, mem_fraction_static=mem_fraction_static,
                              deterministic=deterministic, server_args=dict(server_args or {}))
