@@ -29,14 +29,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lit_rlvr.functional.ranking import binary_auroc
 from lit_rlvr.functional.value_prior import (
-    allocate_round,
-    expected_mse_reduction,
     reward_noise_var,
     shrinkage_fusion,
 )
@@ -306,36 +304,48 @@ class ValuePrior(RLVRCallback):
         return None if p_hat is None else p_hat.detach().float().cpu()
 
     def _next_round(self, rollouts: Rollouts, prior: Tensor) -> Optional[list[int]]:
-        """The plan's budget rule: extra samples per prompt for the next round (OSLA, Eq. 12), None = stop."""
+        """The plan's budget rule: extra samples per prompt for the next round (OSLA, Eq. 12), None = stop.
+
+        The arithmetic of `expected_mse_reduction` and `allocate_round`, on numpy: B is a few dozen numbers,
+        where each torch op's ~10 µs overhead is the whole cost (same float32 values, same allocations)."""
         t0 = time.perf_counter()
         step = self._require_step()
         step.rounds += 1  # called once after every round
-        mean, counts = _group_stats(rollouts)  # [B], [B]
-        gain = expected_mse_reduction(mean, prior, counts, noise_var=self.noise_var)  # [B] Δ̂² re-estimated
-        wants = (gain > self.cost) & (counts < self.k_max)  # [B] = osla_wants_more, without computing gain twice
-        extra = allocate_round(wants, gain, counts, k_max=self.k_max, min_active_frac=self.min_active_frac,
-                               pad_to=self.pad_to, round_size=self.round_size).tolist()  # [B]
+        mean, counts = _group_stats_np(rollouts)  # [B] float32, [B] int64
+        gain = _expected_mse_reduction_np(mean, prior.numpy(), counts, self.noise_var)  # [B] Δ̂² re-estimated
+        wants = (gain > np.float32(self.cost)) & (counts < self.k_max)  # [B] = osla_wants_more
+        extra = _allocate_round_np(wants, gain, counts, k_max=self.k_max, min_active_frac=self.min_active_frac,
+                                   pad_to=self.pad_to, round_size=self.round_size).tolist()  # [B]
         step.prior_s += time.perf_counter() - t0
         return extra if sum(extra) > 0 else None
 
     def _metrics(self, step: _Step, rollouts: Rollouts, success: Tensor, counts: Tensor) -> dict[str, Tensor]:
-        nan = torch.tensor(math.nan)
-        p_hat = self._lookup(step.p_hat, rollouts.prompts)  # [B] NaN where absent
-        has = torch.isfinite(p_hat)  # [B]
+        """v05/* metrics, on numpy (a handful of [B] arrays: torch's per-op overhead would dominate)."""
+        nan = math.nan
+        p_hat = self._lookup_np(step.p_hat, rollouts.prompts)  # [B] float32, NaN where absent
+        has = np.isfinite(p_hat)  # [B]
+        any_prior = bool(has.any())
         mid = (self.low + self.high) / 2
+        fusion = {k: v.numpy() for k, v in step.fusion.items()}
+        success, counts = success.numpy(), counts.numpy()
         metrics = {
-            "v05/prior_present": torch.tensor(float(step.present)),
-            "v05/context_size": torch.tensor(float(step.context_size)),
-            "v05/rollouts_per_prompt": counts.float().mean(),
-            "v05/rounds": torch.tensor(float(step.rounds)),
-            "v05/w_mean": step.fusion["w"].float().mean() if step.fusion else nan,
+            "v05/prior_present": float(step.present),
+            "v05/context_size": float(step.context_size),
+            "v05/rollouts_per_prompt": counts.astype(np.float32).mean(dtype=np.float32),
+            "v05/rounds": float(step.rounds),
+            "v05/w_mean": fusion["w"].astype(np.float32).mean(dtype=np.float32) if fusion else nan,
             # prior-vs-outcome metrics only exist where there was a prior (NaN in the absent phase)
-            "v05/prior_rejected_frac": step.fusion["prior_rejected"][has].float().mean() if has.any() else nan,
-            "v05/prior_abs_err": (p_hat - success)[has].abs().mean() if has.any() else nan,
-            "v05/prior_auc": binary_auroc(p_hat[rollouts.group], rollouts.rewards > mid) if has.all() else nan,
-            "v05/p_hat_mean": p_hat[has].mean() if has.any() else nan,
+            "v05/prior_rejected_frac": fusion["prior_rejected"][has].astype(np.float32).mean(dtype=np.float32)
+            if any_prior else nan,
+            "v05/prior_abs_err": np.abs(p_hat - success)[has].mean(dtype=np.float32) if any_prior else nan,
+            "v05/prior_auc": _binary_auroc_np(p_hat[rollouts.group.cpu().numpy()],
+                                              rollouts.rewards.detach().cpu().numpy() > mid) if has.all() else nan,
+            "v05/p_hat_mean": p_hat[has].mean(dtype=np.float32) if any_prior else nan,
         }
-        return metrics
+        return {k: torch.tensor(v, dtype=torch.float32) for k, v in metrics.items()}
+
+    def _lookup_np(self, table: dict[str, float], prompts: list[str]) -> np.ndarray:
+        return np.array([table.get(p, math.nan) for p in prompts], dtype=np.float32)
 
     def _lookup(self, table: dict[str, float], prompts: list[str]) -> Tensor:
         """[B] values of `table` for the prompts (NaN for a prompt no plan of this step predicted)."""
@@ -411,12 +421,66 @@ class _Ahead:
 
 
 def _group_stats(rollouts: Rollouts) -> tuple[Tensor, Tensor]:
-    """Sample mean reward [B] and sample count [B] of each prompt."""
-    rewards = rollouts.rewards.detach().float().cpu()  # [N]
-    group = rollouts.group.cpu()  # [N]
-    counts = torch.bincount(group, minlength=rollouts.num_groups)  # [B]
-    sums = torch.zeros(rollouts.num_groups, dtype=rewards.dtype).index_add_(0, group, rewards)  # [B]
-    return sums / counts.to(rewards.dtype).clamp_min(1), counts  # [B] = group_mean (one bincount, not two), [B]
+    """Sample mean reward [B] (float32) and sample count [B] (long) of each prompt."""
+    mean, counts = _group_stats_np(rollouts)
+    return torch.from_numpy(mean), torch.from_numpy(counts)
+
+
+def _group_stats_np(rollouts: Rollouts) -> tuple[np.ndarray, np.ndarray]:
+    """`_group_stats` on numpy: [B] float32 means (float64 sums, exact for ±1 rewards, then rounded), [B] int64."""
+    rewards = rollouts.rewards.detach().float().cpu().numpy()  # [N]
+    group = rollouts.group.cpu().numpy()  # [N]
+    counts = np.bincount(group, minlength=rollouts.num_groups)  # [B]
+    sums = np.bincount(group, weights=rewards, minlength=rollouts.num_groups)  # [B] float64
+    return (sums / np.maximum(counts, 1)).astype(np.float32), counts.astype(np.int64)  # [B], [B]
+
+
+def _expected_mse_reduction_np(mean: np.ndarray, prior: np.ndarray, counts: np.ndarray, noise_var: float) -> np.ndarray:
+    """`functional.value_prior.expected_mse_reduction` on float32 numpy arrays (same operations), [B]."""
+    nv, one = np.float32(noise_var), np.float32(1)
+    k = counts.astype(np.float32)  # [B]
+    # torch evaluates `scalar / tensor` as scalar · (1 / tensor) in float32: written so, for the same bits
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        excess = np.square(mean - prior) - nv * (one / np.maximum(k, one))  # [B]
+        bias_sq = np.where(np.isfinite(prior), np.maximum(excess, np.float32(0)), np.float32(np.inf))  # [B]
+        ratio = nv * (one / bias_sq)  # [B]
+        gain = nv * (one / (k + ratio)) - nv * (one / (k + one + ratio))  # [B]
+    return np.where(counts > 0, gain, np.float32(np.inf)).astype(np.float32)  # [B]
+
+
+def _allocate_round_np(wants_more: np.ndarray, gain: np.ndarray, counts: np.ndarray, *, k_max: int,
+                       min_active_frac: float, pad_to: int, round_size: int) -> np.ndarray:
+    """`functional.value_prior.allocate_round` on numpy (same rules, same allocation), [B] int64."""
+    room = np.maximum(k_max - counts, 0)  # [B]
+    active = wants_more & (room > 0)  # [B]
+    if not (active.any() and active.sum() >= min_active_frac * counts.size):
+        return np.zeros_like(room)
+    extra = np.where(active, np.minimum(room, round_size), 0)  # [B]
+    padding = int(-extra.sum()) % pad_to  # sequences to add so the round is a multiple of pad_to
+    # _place_padding: pass p offers one slot to every prompt with room ≥ p, best gain first (ties by index)
+    score = np.nan_to_num(gain.astype(np.float32), nan=-np.inf)  # [B]
+    order = np.argsort(-score, kind="stable")  # [B] best first
+    passes = np.arange(1, max(k_max, 0) + 1)  # [P]
+    slots = (room - extra)[order][None, :] >= passes[:, None]  # [P, B]
+    taken = slots & (np.cumsum(slots.ravel()).reshape(slots.shape) <= padding)  # [P, B] first slots
+    placed = np.zeros_like(room)
+    placed[order] = taken.sum(0)
+    return extra + placed  # [B]
+
+
+def _binary_auroc_np(scores: np.ndarray, labels: np.ndarray) -> float:
+    """`functional.ranking.binary_auroc` on numpy (Mann–Whitney with average ranks for ties); NaN when a
+    class is empty."""
+    scores = scores.astype(np.float64).ravel()
+    labels = labels.astype(bool).ravel()
+    _, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)  # [U]
+    end = np.cumsum(counts).astype(np.float64)  # [U]
+    ranks = (end - (counts - 1) / 2)[inverse.ravel()]  # [N] average rank
+    pos = float(labels.sum())
+    neg = labels.size - pos
+    u = ranks[labels].sum() - pos * (pos + 1) / 2
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return float(np.float64(u) / np.float64(pos * neg))
 
 
 def _check_budget(k_init: int, k_max: int, cost: float, min_active_frac: float, pad_to: int, round_size: int) -> None:
