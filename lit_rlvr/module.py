@@ -277,10 +277,14 @@ class GRPOModule(pl.LightningModule):
             counts = counts or [0] * plan.num_prompts  # this rank is done but takes part in the others' pushes
             if any(c < 0 for c in counts):
                 raise ValueError(f"budget rule asked for negative sample counts: {counts}")
-            for source, per_source in enumerate(plan.split_over_sources(counts, have)):
-                part = self._generate(plan, per_source, source, round_index)
-                if part is not None:
-                    parts.append(part)
+            per_source = plan.split_over_sources(counts, have)
+            if self._can_stack(plan, per_source):
+                parts += self._generate_stacked(plan, per_source, round_index)
+            else:
+                for source, source_counts in enumerate(per_source):
+                    part = self._generate(plan, source_counts, source, round_index)
+                    if part is not None:
+                        parts.append(part)
             have = [h + c for h, c in zip(have, counts)]
             rollouts = Rollouts.concat(parts, self.tokenizer.pad_token_id)
             round_index += 1
@@ -305,6 +309,37 @@ class GRPOModule(pl.LightningModule):
                 return None
             completions = self._engine_generate(plan.prompt_token_ids, counts, self.sampling_params(self.sample_seed(round_index, source)))
         self.step_times["gen_s"] += time.perf_counter() - t0
+        return self._score(plan, completions, source)
+
+    def _can_stack(self, plan: RolloutPlan, per_source: list[list[int]]) -> bool:
+        """One stacked engine call for all weight sources: an engine that has one, sharing the model, and
+        equal totals per source (C3PO: G/N per prompt each)."""
+        totals = {sum(c) for c in per_source}
+        return (plan.num_weight_sources > 1 and hasattr(self.engine, "generate_stacked")
+                and getattr(self.engine, "mode", None) == "shared" and len(totals) == 1 and totals != {0})
+
+    def _generate_stacked(self, plan: RolloutPlan, per_source: list[list[int]], round_index: int) -> list[Rollouts]:
+        """What `_generate` gives for every source, from one engine call: per-token overhead, not FLOPs, sets
+        the cost of a small model's generation, so S calls cost ~S times one (lit_rlvr.rollout.multi_weight)."""
+        t0 = time.perf_counter()
+        params = list(self.engine.model.parameters())
+        stacks = {p: p.new_empty((plan.num_weight_sources, *p.shape)) for p in params}  # [S, *shape] each
+        with torch.no_grad():
+            for source in range(plan.num_weight_sources):
+                with plan.weight_context(source):  # 3PO writes θ̂_source into the params; m is back on exit
+                    for p in params:
+                        stacks[p][source].copy_(p)
+        self.push_to_engine(holds_mean=False)  # shared mode: no copy; the version bookkeeping of `_generate`
+        sampling = [self.sampling_params(self.sample_seed(round_index, s)) for s in range(plan.num_weight_sources)]
+        try:
+            completions = self.engine.generate_stacked(plan.prompt_token_ids, per_source, sampling, stacks)
+        except Exception as err:
+            raise self._engine_error(err) from err
+        self.step_times["gen_s"] += time.perf_counter() - t0
+        return [self._score(plan, c, source) for source, c in enumerate(completions)]
+
+    def _score(self, plan: RolloutPlan, completions, source: int) -> Rollouts:
+        """Pack one source's completions into `Rollouts` (chunk = source), decode them and score the rewards."""
         part = rollouts_from_completions(plan, completions, chunk=source, pad_id=self.tokenizer.pad_token_id)
         part.completions = self.tokenizer.batch_decode(part.response_ids.masked_fill(~part.response_mask, self.tokenizer.pad_token_id), skip_special_tokens=True)
         t0 = time.perf_counter()
@@ -320,9 +355,12 @@ class GRPOModule(pl.LightningModule):
         try:
             return self.engine.generate(prompt_token_ids, counts, params)
         except Exception as err:
-            raise EngineError(f"engine {self.hparams.engine!r} failed at step {self.global_step + 1}: {err!r}; the "
-                              "last checkpoint (checkpoints/last.ckpt in the run dir) is intact: fix the cause and "
-                              "continue with resume=RUN_DIR/checkpoints/last.ckpt") from err
+            raise self._engine_error(err) from err
+
+    def _engine_error(self, err: Exception) -> EngineError:
+        return EngineError(f"engine {self.hparams.engine!r} failed at step {self.global_step + 1}: {err!r}; the "
+                           "last checkpoint (checkpoints/last.ckpt in the run dir) is intact: fix the cause and "
+                           "continue with resume=RUN_DIR/checkpoints/last.ckpt")
 
     def push_to_engine(self, *, holds_mean: bool = True) -> None:
         """Send the policy's current weights to the engine (no copy in `shared` mode); wakes a sleeping engine."""

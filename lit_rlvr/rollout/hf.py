@@ -9,12 +9,14 @@ from __future__ import annotations
 import copy
 import inspect
 import zlib
+from dataclasses import replace
 from typing import Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from lit_rlvr.rollout.engine import Completion, SamplingParams
+from lit_rlvr.rollout.multi_weight import stacked_weights
 
 ENGINE_MODES = ("shared", "copy")
 
@@ -87,6 +89,16 @@ def row_seeds(prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[
     return torch.tensor(seeds, dtype=torch.long) * 2654435761  # spread the 32-bit crc over 64 bits
 
 
+def _per_prompt(done: list[Completion], n_per_prompt: Sequence[int]) -> list[list[Completion]]:
+    """Flat completions, prompt after prompt -> [B] lists."""
+    out: list[list[Completion]] = []
+    start = 0
+    for n in n_per_prompt:
+        out.append(done[start : start + n])
+        start += n
+    return out
+
+
 class HFEngine:
     """Batched sampling with a transformers model; see the module docstring for the two modes.
 
@@ -153,15 +165,48 @@ class HFEngine:
         self, prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int], params: SamplingParams
     ) -> list[list[Completion]]:
         rows = [list(p) for p, n in zip(prompt_token_ids, n_per_prompt) for _ in range(n)]
-        owner = [b for b, n in enumerate(n_per_prompt) for _ in range(n)]
         seeds = row_seeds(prompt_token_ids, n_per_prompt, params.seed)  # [R]
         done: list[Completion] = []
         for start in range(0, len(rows), self.max_batch):
             done.extend(self._sample(rows[start : start + self.max_batch], params, seeds[start : start + self.max_batch]))
-        out: list[list[Completion]] = [[] for _ in prompt_token_ids]
-        for b, completion in zip(owner, done):
-            out[b].append(completion)
-        return out
+        return _per_prompt(done, n_per_prompt)
+
+    @torch.no_grad()
+    def generate_stacked(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        counts_per_source: list[list[int]],
+        params_per_source: list[SamplingParams],
+        stacks: dict[nn.Parameter, Tensor],
+    ) -> list[list[list[Completion]]]:
+        """What S calls `generate(prompt_token_ids, counts_per_source[s], params_per_source[s])` would give with
+        weights stacks[·][s] in the model, in one batched call (`multi_weight.stacked_weights`; `shared` mode).
+        Returns [S][B] lists of completions.
+
+        Rows are laid out source by source and keep their own source's seeds, so each completion equals its
+        separate-call twin up to the float rounding of a batched matmul. Every source needs the same total
+        count (equal row blocks) and the same sampling params but the seed.
+        """
+        if self.mode != "shared":
+            raise RuntimeError("HFEngine.generate_stacked samples with the trainer's model: engine.mode must be shared")
+        num = len(counts_per_source)
+        per_source = sum(counts_per_source[0])
+        if any(sum(c) != per_source for c in counts_per_source):
+            raise ValueError(f"generate_stacked: sources need equal totals, got {[sum(c) for c in counts_per_source]}")
+        if len({replace(p, seed=0) for p in params_per_source}) != 1:
+            raise ValueError("generate_stacked: sampling params may differ only in the seed")
+        rows = [[list(p) for p, n in zip(prompt_token_ids, counts) for _ in range(n)] for counts in counts_per_source]
+        seeds = [row_seeds(prompt_token_ids, c, p.seed) for c, p in zip(counts_per_source, params_per_source)]
+        done: list[list[Completion]] = [[] for _ in range(num)]
+        window = max(1, self.max_batch // num)  # rows per source per batch: blocks stay equal
+        with stacked_weights(self.model, stacks):
+            for start in range(0, per_source, window):
+                batch = [r for block in rows for r in block[start : start + window]]
+                out = self._sample(batch, params_per_source[0], torch.cat([s[start : start + window] for s in seeds]))
+                size = len(out) // num
+                for s in range(num):
+                    done[s].extend(out[s * size : (s + 1) * size])
+        return [_per_prompt(d, counts) for d, counts in zip(done, counts_per_source)]
 
     def _forward(self, ids: Tensor, mask: Tensor, cache=None, last: int = 1):
         device = next(self.model.parameters()).device

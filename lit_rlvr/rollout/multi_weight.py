@@ -1,0 +1,156 @@
+"""`stacked_weights`: one forward of a model in which each of N row blocks runs with its own weights.
+
+Why: C3PO generates with N weight samples. On small models each engine call costs per-token Python overhead,
+not FLOPs, so N calls cost ~N times one; a single call over all N·R rows, each block of R rows with its own
+weights, costs about one. Rows are N equal contiguous blocks: block n = rows [n·R, (n+1)·R).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as Fn
+from torch import Tensor, nn
+
+
+@contextmanager
+def stacked_weights(model: nn.Module, stacks: dict[nn.Parameter, Tensor]) -> Iterator[None]:
+    """Inside, every leaf module owning a parameter in `stacks` (keyed by identity, so tied weights share one
+    entry; value [N, *param.shape]) computes block n of its input with weights stacks[p][n].
+
+    nn.Linear is one batched matmul, nn.Embedding one lookup into the flattened [N·V, d] stack, any other
+    module (norms) its own forward per block (`_looped_forward`). The parameters themselves are never
+    written; the original forwards come back on exit, also on an exception.
+    """
+    sizes = {s.shape[0] for s in stacks.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"stacked_weights: all stacks need the same number of weight sources, got {sorted(sizes)}")
+    (num,) = sizes
+    by_id = {id(p): s for p, s in stacks.items()}  # identity, not tensor equality
+    owners: list[tuple[nn.Module, dict[str, Tensor]]] = []
+    found: set[int] = set()
+    for module in model.modules():
+        params = dict(module.named_parameters(recurse=False))
+        own = {name: by_id[id(p)] for name, p in params.items() if id(p) in by_id}
+        if not own:
+            continue
+        if next(module.children(), None) is not None:
+            raise ValueError(f"stacked_weights: {type(module).__name__} owns stacked parameters and has children; "
+                             "only leaf modules can run per block")
+        owners.append((module, own))
+        found |= {id(params[name]) for name in own}
+    if len(found) != len(by_id):
+        raise ValueError(f"stacked_weights: {len(by_id) - len(found)} stacked parameters are not in the model")
+    patched = []
+    try:
+        for module, own in owners:
+            forward = _block_forward(module, own, num)
+            patched.append((module, module.__dict__.get("forward")))
+            module.forward = forward
+        yield
+    finally:
+        for module, instance_forward in patched:
+            if instance_forward is None:
+                del module.forward
+            else:
+                module.forward = instance_forward
+
+
+def _block_forward(module: nn.Module, own: dict[str, Tensor], num: int):
+    if isinstance(module, nn.Linear):
+        weight, bias = own.get("weight", module.weight), own.get("bias", module.bias)
+        if weight.dim() == 2:  # only the bias is stacked
+            weight = weight.expand(num, *weight.shape)
+        weight_t = weight.transpose(1, 2).contiguous()  # [N, in, out]: bmm runs faster on it than on a view
+        if bias is not None and bias.dim() == 1:
+            bias = bias.expand(num, *bias.shape)
+        return lambda x: _linear(x, weight_t, bias, num)
+    if isinstance(module, nn.Embedding) and set(own) == {"weight"} and module.max_norm is None:
+        table = own["weight"].reshape(-1, module.embedding_dim)  # [N·V, d]
+        return lambda ids: Fn.embedding(_offset(ids, num, module.num_embeddings), table)
+    return _looped_forward(module, own, num)
+
+
+def _linear(x: Tensor, weight_t: Tensor, bias: Tensor | None, num: int) -> Tensor:
+    """x [N·R, ..., in], weight_t [N, in, out], bias [N, out] -> [N·R, ..., out]."""
+    blocks = x.reshape(num, -1, x.shape[-1])  # [N, R·…, in]
+    out = torch.bmm(blocks, weight_t)  # [N, R·…, out]
+    if bias is not None:
+        out = out + bias[:, None, :]
+    return out.reshape(*x.shape[:-1], weight_t.shape[2])
+
+
+def _offset(ids: Tensor, num: int, vocab: int) -> Tensor:
+    """ids [N·R, ...] -> ids of block n shifted by n·V, to index the flattened stack."""
+    shift = torch.arange(num, device=ids.device).repeat_interleave(ids.shape[0] // num) * vocab  # [N·R]
+    return ids + shift.view(-1, *([1] * (ids.dim() - 1)))
+
+
+_BROADCAST_OK: dict[type, bool] = {}  # per class: does the row-broadcast forward match the per-block loop?
+
+
+def _looped_forward(module: nn.Module, own: dict[str, Tensor], num: int):
+    """Any other module, e.g. RMSNorm: its own forward once per block with that block's weights (tensors whose
+    first dim is the row count are split, everything else goes to every block). The weights are swapped in
+    directly (`_swapped`): `torch.func.functional_call` costs as much per call as the norm itself.
+
+    Why a fast path: at decode time a loop of N calls per norm costs as much as the whole rest of the forward.
+    When every stacked parameter is 1-D (a norm's scale), one call with each row's weight broadcast from
+    [N·R, 1, …, d] usually computes the same; the first call of each class checks it against the loop."""
+    original = module.forward  # taken before the patch: the class's (or a hook's) forward
+    vector = all(s.dim() == 2 for s in own.values())
+
+    def loop(rows: int, args: tuple, kwargs: dict) -> Any:
+        def block(value: Any, n: int) -> Any:
+            is_rows = isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == rows
+            return value.chunk(num)[n] if is_rows else value
+
+        outs = []
+        for n in range(num):
+            with _swapped(module, {name: s[n] for name, s in own.items()}):
+                outs.append(original(*(block(a, n) for a in args), **{k: block(v, n) for k, v in kwargs.items()}))
+        if isinstance(outs[0], Tensor):
+            return torch.cat(outs)
+        return type(outs[0])(torch.cat(parts) for parts in zip(*outs))
+
+    expanded: dict[tuple[int, int], dict[str, Tensor]] = {}  # (rows, x.dim()) -> per-row weights
+
+    def broadcast(x: Tensor, args: tuple, kwargs: dict) -> Any:
+        key = (x.shape[0], x.dim())
+        if key not in expanded:
+            expanded[key] = {name: s.repeat_interleave(x.shape[0] // num, 0).view(x.shape[0], *[1] * (x.dim() - 2), -1)
+                             for name, s in own.items()}  # [N·R, 1, …, d]
+        with _swapped(module, expanded[key]):
+            return original(*args, **kwargs)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        x = next(a for a in (*args, *kwargs.values()) if isinstance(a, Tensor))
+        ok = _BROADCAST_OK.get(type(module))
+        if not vector or ok is False:
+            return loop(x.shape[0], args, kwargs)
+        if ok:
+            return broadcast(x, args, kwargs)
+        expected = loop(x.shape[0], args, kwargs)
+        try:
+            got = broadcast(x, args, kwargs)
+            ok = isinstance(got, Tensor) and got.shape == expected.shape and torch.allclose(got, expected)
+        except Exception:  # e.g. F.layer_norm checks the weight's shape: this class needs the loop
+            ok = False
+        if any(not torch.equal(s[0], s[n]) for s in own.values() for n in range(1, num)):
+            _BROADCAST_OK[type(module)] = ok  # equal blocks would pass any forward: no verdict from them
+        return expected
+
+    return forward
+
+
+@contextmanager
+def _swapped(module: nn.Module, tensors: dict[str, Tensor]) -> Iterator[None]:
+    """Let the module read `tensors` in place of its parameters of those names (the parameters stay as they are)."""
+    saved = {name: module._parameters[name] for name in tensors}
+    module._parameters.update(tensors)
+    try:
+        yield
+    finally:
+        module._parameters.update(saved)
