@@ -62,7 +62,7 @@ class _Step:
     context_size: int = 0
     rounds: int = 0
     prior_s: float = 0.0  # prediction + allocation + fusion + context bookkeeping (the ≤ 5% budget, DESIGN §9)
-    fusion: dict[str, Tensor] = field(default_factory=dict)
+    fusion: dict[str, np.ndarray] = field(default_factory=dict)  # shrinkage_fusion's metrics, on numpy
 
 
 class ValuePrior(RLVRCallback):
@@ -149,6 +149,7 @@ class ValuePrior(RLVRCallback):
                                        bandwidth_refit=bandwidth_refit)
         self.value_model = value_model
         self._step: Optional[_Step] = None
+        self._stats: Optional[tuple[tuple, tuple[np.ndarray, np.ndarray]]] = None  # see _group_stats_np
         self._restored_cache_keys: list[str] = []
         self._restored_features: dict[str, Tensor] = {}
         self._restored_head: dict[str, Any] = {}
@@ -184,7 +185,7 @@ class ValuePrior(RLVRCallback):
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
-        self._step = None  # a step that raised half-way must not leak its prior into this one
+        self._step, self._stats = None, None  # a step that raised half-way must not leak its prior into this one
         if self._ahead is not None:
             prompts = self._ahead.chunk_for(trainer.current_epoch, batch_idx)  # None: this chunk is held already
             if prompts is not None:
@@ -224,17 +225,18 @@ class ValuePrior(RLVRCallback):
         step.prior.update(zip(plan.prompts, prior.tolist()))
         step.p_hat.update(zip(plan.prompts, p_hat.tolist() if p_hat is not None else [math.nan] * plan.num_prompts))
         plan.n_per_prompt = [self.k_init] * plan.num_prompts  # the module's group_size is not used
-        plan.budget_rule = lambda rollouts: self._next_round(rollouts, prior.cpu())
+        prior_np = prior.cpu().numpy()  # [B] float32, once for all rounds
+        plan.budget_rule = lambda rollouts: self._next_round(rollouts, prior_np)
         step.prior_s += time.perf_counter() - t0
 
     @override
     def on_before_advantages(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", rollouts: Rollouts) -> None:
         t0 = time.perf_counter()
         step = self._require_step()
-        mean, counts = _group_stats(rollouts)  # [B], [B]
-        prior = self._lookup(step.prior, rollouts.prompts)  # [B]
-        baseline, step.fusion = shrinkage_fusion(mean, prior, counts, noise_var=self.noise_var)  # [B]
-        rollouts.baseline = baseline
+        mean, counts = self._group_stats_np(rollouts)  # [B] float32, [B] int64
+        prior = self._lookup_np(step.prior, rollouts.prompts)  # [B] float32
+        baseline, step.fusion = _shrinkage_fusion_np(mean, prior, counts, self.noise_var)  # [B] = shrinkage_fusion
+        rollouts.baseline = torch.from_numpy(baseline)
         rollouts.scale_adv_by_std = self.scale_by_std  # A = r − b: the fused baseline is the whole point
         step.prior_s += time.perf_counter() - t0
 
@@ -243,10 +245,11 @@ class ValuePrior(RLVRCallback):
         t0 = time.perf_counter()
         step = self._require_step()
         self._step = None
-        mean, counts = _group_stats(rollouts)  # [B], [B]
-        success = self.to_success_rate(mean)  # [B]
+        mean, counts = self._group_stats_np(rollouts)  # [B] float32, [B] int64
+        success = self._to_success_rate_np(mean)  # [B] float32 (= to_success_rate)
         metrics = self._metrics(step, rollouts, success, counts)
         self.context.add(rollouts.prompts, success, counts)  # after the metrics: they judge the prior as predicted
+        self._stats = None  # let go of this step's rollouts
         step.prior_s += time.perf_counter() - t0
         ahead = {f"time/prior_{k}_s": torch.tensor(v) for k, v in self._ahead_s.items() if v or k == "prefetch"}
         self._ahead_s = {"setup": 0.0, "prefetch": 0.0}
@@ -294,16 +297,24 @@ class ValuePrior(RLVRCallback):
         """Mean reward [B] → success rate [B] in [0, 1] (for ±1 rewards: (r̄ + 1) / 2)."""
         return ((mean_reward - self.low) / (self.high - self.low)).clamp(0, 1)
 
+    def _to_success_rate_np(self, mean_reward: np.ndarray) -> np.ndarray:
+        """`to_success_rate` on float32 numpy (same operations, same bits), [B]."""
+        low, span = np.float32(self.low), np.float32(self.high - self.low)
+        return np.clip((mean_reward - low) / span, np.float32(0), np.float32(1))
+
     def _predict(self, prompts: list[str]) -> Optional[Tensor]:
         """p̂ [B] from V0 fit on the context, or None while the context is short (prior absent)."""
         if not self.context.is_ready:
             return None
         if self.value_model is None:
             raise RuntimeError("ValuePrior: no value model; the trainer's setup() builds it (or pass value_model=)")
-        p_hat, _ = self.value_model.predict(prompts, self.context)
+        if isinstance(self.value_model, ValueModel):  # its metrics are not logged here: skip them
+            p_hat, _ = self.value_model.predict(prompts, self.context, with_metrics=False)
+        else:  # any model with predict(prompts, context)
+            p_hat, _ = self.value_model.predict(prompts, self.context)
         return None if p_hat is None else p_hat.detach().float().cpu()
 
-    def _next_round(self, rollouts: Rollouts, prior: Tensor) -> Optional[list[int]]:
+    def _next_round(self, rollouts: Rollouts, prior: np.ndarray) -> Optional[list[int]]:
         """The plan's budget rule: extra samples per prompt for the next round (OSLA, Eq. 12), None = stop.
 
         The arithmetic of `expected_mse_reduction` and `allocate_round`, on numpy: B is a few dozen numbers,
@@ -311,23 +322,35 @@ class ValuePrior(RLVRCallback):
         t0 = time.perf_counter()
         step = self._require_step()
         step.rounds += 1  # called once after every round
-        mean, counts = _group_stats_np(rollouts)  # [B] float32, [B] int64
-        gain = _expected_mse_reduction_np(mean, prior.numpy(), counts, self.noise_var)  # [B] Δ̂² re-estimated
+        mean, counts = self._group_stats_np(rollouts)  # [B] float32, [B] int64
+        gain = _expected_mse_reduction_np(mean, prior, counts, self.noise_var)  # [B] Δ̂² re-estimated
         wants = (gain > np.float32(self.cost)) & (counts < self.k_max)  # [B] = osla_wants_more
         extra = _allocate_round_np(wants, gain, counts, k_max=self.k_max, min_active_frac=self.min_active_frac,
                                    pad_to=self.pad_to, round_size=self.round_size).tolist()  # [B]
         step.prior_s += time.perf_counter() - t0
         return extra if sum(extra) > 0 else None
 
-    def _metrics(self, step: _Step, rollouts: Rollouts, success: Tensor, counts: Tensor) -> dict[str, Tensor]:
+    def _group_stats_np(self, rollouts: Rollouts) -> tuple[np.ndarray, np.ndarray]:
+        """`_group_stats_np`, computed once per rollouts state: the last round's rule, the fusion and the step end
+        all see the same final rollouts. Keyed on the rewards and group tensors themselves, their in-place
+        version counters and B, so any change recomputes. The arrays are shared: read them, never write."""
+        rewards, group = rollouts.rewards, rollouts.group
+        key = (rewards, group, getattr(rewards, "_version", None), getattr(group, "_version", None), rollouts.num_groups)
+        held = self._stats
+        if held is not None and held[0][0] is key[0] and held[0][1] is key[1] and held[0][2:] == key[2:]:
+            return held[1]
+        stats = _group_stats_np(rollouts)
+        self._stats = (key, stats)
+        return stats
+
+    def _metrics(self, step: _Step, rollouts: Rollouts, success: np.ndarray, counts: np.ndarray) -> dict[str, Tensor]:
         """v05/* metrics, on numpy (a handful of [B] arrays: torch's per-op overhead would dominate)."""
         nan = math.nan
         p_hat = self._lookup_np(step.p_hat, rollouts.prompts)  # [B] float32, NaN where absent
         has = np.isfinite(p_hat)  # [B]
         any_prior = bool(has.any())
         mid = (self.low + self.high) / 2
-        fusion = {k: v.numpy() for k, v in step.fusion.items()}
-        success, counts = success.numpy(), counts.numpy()
+        fusion = step.fusion
         metrics = {
             "v05/prior_present": float(step.present),
             "v05/context_size": float(step.context_size),
@@ -342,7 +365,8 @@ class ValuePrior(RLVRCallback):
                                               rollouts.rewards.detach().cpu().numpy() > mid) if has.all() else nan,
             "v05/p_hat_mean": p_hat[has].mean(dtype=np.float32) if any_prior else nan,
         }
-        return {k: torch.tensor(v, dtype=torch.float32) for k, v in metrics.items()}
+        values = torch.tensor([float(v) for v in metrics.values()], dtype=torch.float32)  # one tensor, not nine
+        return dict(zip(metrics, values.unbind()))  # [] each, the same float32 values
 
     def _lookup_np(self, table: dict[str, float], prompts: list[str]) -> np.ndarray:
         return np.array([table.get(p, math.nan) for p in prompts], dtype=np.float32)
@@ -435,6 +459,26 @@ def _group_stats_np(rollouts: Rollouts) -> tuple[np.ndarray, np.ndarray]:
     return (sums / np.maximum(counts, 1)).astype(np.float32), counts.astype(np.int64)  # [B], [B]
 
 
+def _shrinkage_fusion_np(mean: np.ndarray, prior: np.ndarray, counts: np.ndarray,
+                         noise_var: float) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """`functional.value_prior.shrinkage_fusion` on float32 numpy arrays (same operations, same bits): the
+    baseline [B] and its metrics {"w", "bias_sq", "prior_rejected", "prior_missing"} [B]."""
+    nv, one, zero = np.float32(noise_var), np.float32(1), np.float32(0)
+    has_prior = np.isfinite(prior)  # [B]
+    has_data = counts > 0  # [B]
+    k = np.maximum(counts.astype(np.float32), one)  # [B]
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        noise = nv * (one / k)  # [B] torch's `scalar / tensor`
+        bias_sq = np.where(has_prior, np.maximum(np.square(mean - prior) - noise, zero), np.float32(np.inf))  # [B]
+        w = np.where(np.isinf(bias_sq), one, bias_sq / (bias_sq + noise))  # [B]
+        w = np.where(has_data, w, zero).astype(np.float32)  # [B]
+        fused = np.where(has_data, prior + w * (mean - prior), prior)  # [B]
+    baseline = np.where(has_prior, fused, mean).astype(np.float32)  # [B]
+    metrics = {"w": w, "bias_sq": np.where(has_data, bias_sq, zero).astype(np.float32),
+               "prior_rejected": has_data & has_prior & (bias_sq > 0), "prior_missing": ~has_prior}
+    return baseline, metrics
+
+
 def _expected_mse_reduction_np(mean: np.ndarray, prior: np.ndarray, counts: np.ndarray, noise_var: float) -> np.ndarray:
     """`functional.value_prior.expected_mse_reduction` on float32 numpy arrays (same operations), [B]."""
     nv, one = np.float32(noise_var), np.float32(1)
@@ -458,7 +502,7 @@ def _allocate_round_np(wants_more: np.ndarray, gain: np.ndarray, counts: np.ndar
     extra = np.where(active, np.minimum(room, round_size), 0)  # [B]
     padding = int(-extra.sum()) % pad_to  # sequences to add so the round is a multiple of pad_to
     # _place_padding: pass p offers one slot to every prompt with room ≥ p, best gain first (ties by index)
-    score = np.nan_to_num(gain.astype(np.float32), nan=-np.inf)  # [B]
+    score = np.where(np.isnan(gain), np.float32(-np.inf), gain.astype(np.float32))  # [B] = nan_to_num(nan=-inf)
     order = np.argsort(-score, kind="stable")  # [B] best first
     passes = np.arange(1, max(k_max, 0) + 1)  # [P]
     slots = (room - extra)[order][None, :] >= passes[:, None]  # [P, B]

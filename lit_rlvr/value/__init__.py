@@ -217,11 +217,12 @@ class ValueModel:
         return context.total_added - self._searched_at >= self.bandwidth_refit * len(context)
 
     @torch.no_grad()
-    def predict(self, prompts: list[str], context: ContextBuffer) -> tuple[Optional[Tensor], dict[str, Tensor]]:
+    def predict(self, prompts: list[str], context: ContextBuffer, *,
+                with_metrics: bool = True) -> tuple[Optional[Tensor], dict[str, Tensor]]:
         """p̂ [B] in [0, 1] for the prompts, fit on `context`; None while the context is not ready (then V0.5
         falls back to the plain sample mean). Metrics: `context_size`, and when predicted `p_hat_mean`
-        (+ `bandwidth` for the kernel head)."""
-        metrics = {"context_size": torch.tensor(float(len(context)))}
+        (+ `bandwidth` for the kernel head); `with_metrics=False` returns {} (skips their tiny tensor ops)."""
+        metrics = {"context_size": torch.tensor(float(len(context)))} if with_metrics else {}
         if not context.is_ready:
             return None, metrics
         ctx_prompts = context.prompts
@@ -235,11 +236,13 @@ class ValueModel:
                 search = self._search_now(context)
                 self.head.fit(x_ctx, context.success_rate, context.counts, search=search)
                 self._searched_at = context.total_added if search else self._searched_at
-                metrics["bandwidth_searched"] = torch.tensor(float(search))
+                if with_metrics:
+                    metrics["bandwidth_searched"] = torch.tensor(float(search))
             else:
                 self.head.fit(x_ctx, context.success_rate, context.counts)
             p_hat = self.head.predict(x_new).float().clamp(0, 1)  # [B]
-        metrics["p_hat_mean"] = p_hat.mean()
-        if isinstance(self.head, KernelHead):
-            metrics["bandwidth"] = self.head.bandwidth_.float()
+        if with_metrics:
+            metrics["p_hat_mean"] = p_hat.mean()
+            if isinstance(self.head, KernelHead):
+                metrics["bandwidth"] = self.head.bandwidth_.float()
         return p_hat, metrics

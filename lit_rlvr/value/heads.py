@@ -58,8 +58,9 @@ class KernelHead:
         self.sq_norm_ = square @ self.weight_  # [M] ‖x_j‖² of the standardized records, for predict's distances
         self.y_ = success_rate.detach().double().clamp(0, 1)  # [M]
         self.n_ = counts.detach().double().clamp_min(0)  # [M]
-        self.tallies_ = torch.stack([self.n_ * self.y_, self.n_], 1)  # [M, 2] successes, rollouts
-        self.p_bar_ = ((self.n_ * self.y_).sum() + 0.5) / (self.n_.sum() + 1.0)  # [] pooled rate, Jeffreys-smoothed
+        successes = self.n_ * self.y_  # [M]
+        self.tallies_ = torch.stack([successes, self.n_], 1)  # [M, 2] successes, rollouts
+        self.p_bar_ = (successes.sum() + 0.5) / (self.n_.sum() + 1.0)  # [] pooled rate, Jeffreys-smoothed
         self.fitted = True
         if not search and getattr(self, "bandwidth_", None) is not None:
             return self  # the last search's bandwidth
