@@ -34,9 +34,12 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from lit_rlvr.functional.ranking import binary_auroc_np
 from lit_rlvr.functional.value_prior import (
+    allocate_round_np,
+    expected_mse_reduction_np,
     reward_noise_var,
-    shrinkage_fusion,
+    shrinkage_fusion_np,
 )
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.rollouts import RolloutPlan, Rollouts
@@ -235,7 +238,7 @@ class ValuePrior(RLVRCallback):
         step = self._require_step()
         mean, counts = self._group_stats_np(rollouts)  # [B] float32, [B] int64
         prior = self._lookup_np(step.prior, rollouts.prompts)  # [B] float32
-        baseline, step.fusion = _shrinkage_fusion_np(mean, prior, counts, self.noise_var)  # [B] = shrinkage_fusion
+        baseline, step.fusion = shrinkage_fusion_np(mean, prior, counts, self.noise_var)  # [B] = shrinkage_fusion
         rollouts.baseline = torch.from_numpy(baseline)
         rollouts.scale_adv_by_std = self.scale_by_std  # A = r − b: the fused baseline is the whole point
         step.prior_s += time.perf_counter() - t0
@@ -323,9 +326,9 @@ class ValuePrior(RLVRCallback):
         step = self._require_step()
         step.rounds += 1  # called once after every round
         mean, counts = self._group_stats_np(rollouts)  # [B] float32, [B] int64
-        gain = _expected_mse_reduction_np(mean, prior, counts, self.noise_var)  # [B] Δ̂² re-estimated
+        gain = expected_mse_reduction_np(mean, prior, counts, self.noise_var)  # [B] Δ̂² re-estimated
         wants = (gain > np.float32(self.cost)) & (counts < self.k_max)  # [B] = osla_wants_more
-        extra = _allocate_round_np(wants, gain, counts, k_max=self.k_max, min_active_frac=self.min_active_frac,
+        extra = allocate_round_np(wants, gain, counts, k_max=self.k_max, min_active_frac=self.min_active_frac,
                                    pad_to=self.pad_to, round_size=self.round_size).tolist()  # [B]
         step.prior_s += time.perf_counter() - t0
         return extra if sum(extra) > 0 else None
@@ -361,7 +364,7 @@ class ValuePrior(RLVRCallback):
             "v05/prior_rejected_frac": fusion["prior_rejected"][has].astype(np.float32).mean(dtype=np.float32)
             if any_prior else nan,
             "v05/prior_abs_err": np.abs(p_hat - success)[has].mean(dtype=np.float32) if any_prior else nan,
-            "v05/prior_auc": _binary_auroc_np(p_hat[rollouts.group.cpu().numpy()],
+            "v05/prior_auc": binary_auroc_np(p_hat[rollouts.group.cpu().numpy()],
                                               rollouts.rewards.detach().cpu().numpy() > mid) if has.all() else nan,
             "v05/p_hat_mean": p_hat[has].mean(dtype=np.float32) if any_prior else nan,
         }
@@ -457,74 +460,6 @@ def _group_stats_np(rollouts: Rollouts) -> tuple[np.ndarray, np.ndarray]:
     counts = np.bincount(group, minlength=rollouts.num_groups)  # [B]
     sums = np.bincount(group, weights=rewards, minlength=rollouts.num_groups)  # [B] float64
     return (sums / np.maximum(counts, 1)).astype(np.float32), counts.astype(np.int64)  # [B], [B]
-
-
-def _shrinkage_fusion_np(mean: np.ndarray, prior: np.ndarray, counts: np.ndarray,
-                         noise_var: float) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """`functional.value_prior.shrinkage_fusion` on float32 numpy arrays (same operations, same bits): the
-    baseline [B] and its metrics {"w", "bias_sq", "prior_rejected", "prior_missing"} [B]."""
-    nv, one, zero = np.float32(noise_var), np.float32(1), np.float32(0)
-    has_prior = np.isfinite(prior)  # [B]
-    has_data = counts > 0  # [B]
-    k = np.maximum(counts.astype(np.float32), one)  # [B]
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        noise = nv * (one / k)  # [B] torch's `scalar / tensor`
-        bias_sq = np.where(has_prior, np.maximum(np.square(mean - prior) - noise, zero), np.float32(np.inf))  # [B]
-        w = np.where(np.isinf(bias_sq), one, bias_sq / (bias_sq + noise))  # [B]
-        w = np.where(has_data, w, zero).astype(np.float32)  # [B]
-        fused = np.where(has_data, prior + w * (mean - prior), prior)  # [B]
-    baseline = np.where(has_prior, fused, mean).astype(np.float32)  # [B]
-    metrics = {"w": w, "bias_sq": np.where(has_data, bias_sq, zero).astype(np.float32),
-               "prior_rejected": has_data & has_prior & (bias_sq > 0), "prior_missing": ~has_prior}
-    return baseline, metrics
-
-
-def _expected_mse_reduction_np(mean: np.ndarray, prior: np.ndarray, counts: np.ndarray, noise_var: float) -> np.ndarray:
-    """`functional.value_prior.expected_mse_reduction` on float32 numpy arrays (same operations), [B]."""
-    nv, one = np.float32(noise_var), np.float32(1)
-    k = counts.astype(np.float32)  # [B]
-    # torch evaluates `scalar / tensor` as scalar · (1 / tensor) in float32: written so, for the same bits
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        excess = np.square(mean - prior) - nv * (one / np.maximum(k, one))  # [B]
-        bias_sq = np.where(np.isfinite(prior), np.maximum(excess, np.float32(0)), np.float32(np.inf))  # [B]
-        ratio = nv * (one / bias_sq)  # [B]
-        gain = nv * (one / (k + ratio)) - nv * (one / (k + one + ratio))  # [B]
-    return np.where(counts > 0, gain, np.float32(np.inf)).astype(np.float32)  # [B]
-
-
-def _allocate_round_np(wants_more: np.ndarray, gain: np.ndarray, counts: np.ndarray, *, k_max: int,
-                       min_active_frac: float, pad_to: int, round_size: int) -> np.ndarray:
-    """`functional.value_prior.allocate_round` on numpy (same rules, same allocation), [B] int64."""
-    room = np.maximum(k_max - counts, 0)  # [B]
-    active = wants_more & (room > 0)  # [B]
-    if not (active.any() and active.sum() >= min_active_frac * counts.size):
-        return np.zeros_like(room)
-    extra = np.where(active, np.minimum(room, round_size), 0)  # [B]
-    padding = int(-extra.sum()) % pad_to  # sequences to add so the round is a multiple of pad_to
-    # _place_padding: pass p offers one slot to every prompt with room ≥ p, best gain first (ties by index)
-    score = np.where(np.isnan(gain), np.float32(-np.inf), gain.astype(np.float32))  # [B] = nan_to_num(nan=-inf)
-    order = np.argsort(-score, kind="stable")  # [B] best first
-    passes = np.arange(1, max(k_max, 0) + 1)  # [P]
-    slots = (room - extra)[order][None, :] >= passes[:, None]  # [P, B]
-    taken = slots & (np.cumsum(slots.ravel()).reshape(slots.shape) <= padding)  # [P, B] first slots
-    placed = np.zeros_like(room)
-    placed[order] = taken.sum(0)
-    return extra + placed  # [B]
-
-
-def _binary_auroc_np(scores: np.ndarray, labels: np.ndarray) -> float:
-    """`functional.ranking.binary_auroc` on numpy (Mann–Whitney with average ranks for ties); NaN when a
-    class is empty."""
-    scores = scores.astype(np.float64).ravel()
-    labels = labels.astype(bool).ravel()
-    _, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)  # [U]
-    end = np.cumsum(counts).astype(np.float64)  # [U]
-    ranks = (end - (counts - 1) / 2)[inverse.ravel()]  # [N] average rank
-    pos = float(labels.sum())
-    neg = labels.size - pos
-    u = ranks[labels].sum() - pos * (pos + 1) / 2
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return float(np.float64(u) / np.float64(pos * neg))
 
 
 def _check_budget(k_init: int, k_max: int, cost: float, min_active_frac: float, pad_to: int, round_size: int) -> None:

@@ -213,3 +213,44 @@ def test_rounds_spend_samples_where_the_prior_is_wrong(seed):
     # prompts whose flipped prior is near the truth (p ≈ 0.5) cannot be told apart; the far ones must be
     far = wrong & ((2 * p - 1).abs() > 0.6)
     assert counts[far].float().mean() > counts[~wrong].float().mean() + 2
+
+
+def test_numpy_variants_give_the_torch_functions_bits():
+    """The callback's numpy path (`*_np`) computes what the tested torch functions compute, bit for bit (the AUC
+    metric to float32 rounding): random means, priors with NaNs, counts with zeros, several noise variances,
+    costs and batch rules."""
+    import numpy as np
+
+    from lit_rlvr.functional.ranking import binary_auroc, binary_auroc_np
+    from lit_rlvr.functional.value_prior import (
+        allocate_round_np,
+        expected_mse_reduction_np,
+        shrinkage_fusion_np,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    for case in range(300):
+        n = int(torch.randint(1, 40, (1,), generator=g))
+        counts = torch.randint(0, 17, (n,), generator=g)  # [n]
+        mean = (torch.rand(n, generator=g) * 2 - 1).float()  # [n]
+        prior = (torch.rand(n, generator=g) * 2 - 1).float()  # [n]
+        prior[torch.rand(n, generator=g) < 0.2] = float("nan")
+        noise_var = [1.0, 0.25, 2.0][case % 3]
+        b, m = shrinkage_fusion(mean, prior, counts, noise_var=noise_var)
+        b_np, m_np = shrinkage_fusion_np(mean.numpy(), prior.numpy(), counts.numpy(), noise_var)
+        assert np.array_equal(b.numpy(), b_np, equal_nan=True)
+        for key in m:
+            assert np.array_equal(m[key].numpy(), m_np[key], equal_nan=True), key
+        gain = expected_mse_reduction(mean, prior, counts, noise_var=noise_var)
+        gain_np = expected_mse_reduction_np(mean.numpy(), prior.numpy(), counts.numpy(), noise_var)
+        assert np.array_equal(gain.numpy(), gain_np, equal_nan=True)
+        k_max, cost = [16, 8, 32][case % 3], [0.0039, 0.01, 0.0][case % 3]
+        wants = osla_wants_more(mean, prior, counts, noise_var=noise_var, cost=cost, k_max=k_max)
+        rules = dict(k_max=k_max, min_active_frac=[0.25, 0.0, 0.5][case % 3], pad_to=[32, 1, 8][case % 3],
+                     round_size=[1, 2][case % 2])
+        extra = allocate_round(wants, gain, counts, **rules)
+        assert np.array_equal(extra.numpy(), allocate_round_np(wants.numpy(), gain_np, counts.numpy(), **rules))
+        labels = torch.rand(n, generator=g) < 0.5
+        auc, auc_np = float(binary_auroc(mean, labels)), binary_auroc_np(mean.numpy(), labels.numpy())
+        # the torch function rounds to the scores' float32; the numpy one keeps float64
+        assert auc == pytest.approx(auc_np, rel=1e-6, nan_ok=True), (auc, auc_np)

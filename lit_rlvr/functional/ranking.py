@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -25,3 +26,18 @@ def binary_auroc(scores: Tensor, labels: Tensor) -> Tensor:
     neg = labels.numel() - pos  # []
     u = ranks[labels].sum() - pos * (pos + 1) / 2  # [] Mann–Whitney U of the positives
     return (u / (pos * neg)).float()  # [] 0/0 = NaN when a class is empty
+
+
+def binary_auroc_np(scores: np.ndarray, labels: np.ndarray) -> float:
+    """`binary_auroc` on numpy (Mann–Whitney with average ranks for ties); NaN when a
+    class is empty."""
+    scores = scores.astype(np.float64).ravel()
+    labels = labels.astype(bool).ravel()
+    _, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)  # [U]
+    end = np.cumsum(counts).astype(np.float64)  # [U]
+    ranks = (end - (counts - 1) / 2)[inverse.ravel()]  # [N] average rank
+    pos = float(labels.sum())
+    neg = labels.size - pos
+    u = ranks[labels].sum() - pos * (pos + 1) / 2
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return float(np.float64(u) / np.float64(pos * neg))

@@ -15,6 +15,7 @@ Edge cases (ours, not the paper's):
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -179,3 +180,62 @@ def _place_padding(padding: Tensor, gain: Tensor, room: Tensor, k_max: int) -> T
     out = torch.zeros_like(room)  # [B]
     out[order] = taken.long().sum(0)  # back to prompt order
     return out
+
+
+# -- the same math on float32 numpy arrays -------------------------------------------------------------------
+# The callback's per-step path: B is a few dozen numbers, where each torch op's ~10 µs overhead is the whole
+# cost. Same operations in the same order as the torch functions above, so the same bits
+# (tests/test_value_prior_functional.py checks it on random inputs).
+
+
+def shrinkage_fusion_np(mean: np.ndarray, prior: np.ndarray, counts: np.ndarray,
+                         noise_var: float) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """`shrinkage_fusion` on float32 numpy arrays (same operations, same bits): the
+    baseline [B] and its metrics {"w", "bias_sq", "prior_rejected", "prior_missing"} [B]."""
+    nv, one, zero = np.float32(noise_var), np.float32(1), np.float32(0)
+    has_prior = np.isfinite(prior)  # [B]
+    has_data = counts > 0  # [B]
+    k = np.maximum(counts.astype(np.float32), one)  # [B]
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        noise = nv * (one / k)  # [B] torch's `scalar / tensor`
+        bias_sq = np.where(has_prior, np.maximum(np.square(mean - prior) - noise, zero), np.float32(np.inf))  # [B]
+        w = np.where(np.isinf(bias_sq), one, bias_sq / (bias_sq + noise))  # [B]
+        w = np.where(has_data, w, zero).astype(np.float32)  # [B]
+        fused = np.where(has_data, prior + w * (mean - prior), prior)  # [B]
+    baseline = np.where(has_prior, fused, mean).astype(np.float32)  # [B]
+    metrics = {"w": w, "bias_sq": np.where(has_data, bias_sq, zero).astype(np.float32),
+               "prior_rejected": has_data & has_prior & (bias_sq > 0), "prior_missing": ~has_prior}
+    return baseline, metrics
+
+
+def expected_mse_reduction_np(mean: np.ndarray, prior: np.ndarray, counts: np.ndarray, noise_var: float) -> np.ndarray:
+    """`expected_mse_reduction` on float32 numpy arrays (same operations), [B]."""
+    nv, one = np.float32(noise_var), np.float32(1)
+    k = counts.astype(np.float32)  # [B]
+    # torch evaluates `scalar / tensor` as scalar · (1 / tensor) in float32: written so, for the same bits
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        excess = np.square(mean - prior) - nv * (one / np.maximum(k, one))  # [B]
+        bias_sq = np.where(np.isfinite(prior), np.maximum(excess, np.float32(0)), np.float32(np.inf))  # [B]
+        ratio = nv * (one / bias_sq)  # [B]
+        gain = nv * (one / (k + ratio)) - nv * (one / (k + one + ratio))  # [B]
+    return np.where(counts > 0, gain, np.float32(np.inf)).astype(np.float32)  # [B]
+
+
+def allocate_round_np(wants_more: np.ndarray, gain: np.ndarray, counts: np.ndarray, *, k_max: int,
+                       min_active_frac: float, pad_to: int, round_size: int) -> np.ndarray:
+    """`allocate_round` on numpy (same rules, same allocation), [B] int64."""
+    room = np.maximum(k_max - counts, 0)  # [B]
+    active = wants_more & (room > 0)  # [B]
+    if not (active.any() and active.sum() >= min_active_frac * counts.size):
+        return np.zeros_like(room)
+    extra = np.where(active, np.minimum(room, round_size), 0)  # [B]
+    padding = int(-extra.sum()) % pad_to  # sequences to add so the round is a multiple of pad_to
+    # _place_padding: pass p offers one slot to every prompt with room ≥ p, best gain first (ties by index)
+    score = np.where(np.isnan(gain), np.float32(-np.inf), gain.astype(np.float32))  # [B] = nan_to_num(nan=-inf)
+    order = np.argsort(-score, kind="stable")  # [B] best first
+    passes = np.arange(1, max(k_max, 0) + 1)  # [P]
+    slots = (room - extra)[order][None, :] >= passes[:, None]  # [P, B]
+    taken = slots & (np.cumsum(slots.ravel()).reshape(slots.shape) <= padding)  # [P, B] first slots
+    placed = np.zeros_like(room)
+    placed[order] = taken.sum(0)
+    return extra + placed  # [B]
