@@ -12,8 +12,8 @@ import inspect
 import logging
 import time
 import zlib
-from contextlib import ExitStack
-from typing import Any, Optional
+from contextlib import ExitStack, contextmanager
+from typing import Any, Iterator, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -331,10 +331,8 @@ class GRPOModule(pl.LightningModule):
                         stacks[p][source].copy_(p)
         self.push_to_engine(holds_mean=False)  # shared mode: no copy; the version bookkeeping of `_generate`
         sampling = [self.sampling_params(self.sample_seed(round_index, s)) for s in range(plan.num_weight_sources)]
-        try:
+        with self._engine_errors():
             completions = self.engine.generate_stacked(plan.prompt_token_ids, per_source, sampling, stacks)
-        except Exception as err:
-            raise self._engine_error(err) from err
         self.step_times["gen_s"] += time.perf_counter() - t0
         return [self._score(plan, c, source) for source, c in enumerate(completions)]
 
@@ -351,16 +349,18 @@ class GRPOModule(pl.LightningModule):
         return part
 
     def _engine_generate(self, prompt_token_ids: list[list[int]], counts: list[int], params: SamplingParams):
-        """`engine.generate`, with a failure turned into an `EngineError` that says what survives and what to do."""
-        try:
+        with self._engine_errors():
             return self.engine.generate(prompt_token_ids, counts, params)
-        except Exception as err:
-            raise self._engine_error(err) from err
 
-    def _engine_error(self, err: Exception) -> EngineError:
-        return EngineError(f"engine {self.hparams.engine!r} failed at step {self.global_step + 1}: {err!r}; the "
-                           "last checkpoint (checkpoints/last.ckpt in the run dir) is intact: fix the cause and "
-                           "continue with resume=RUN_DIR/checkpoints/last.ckpt")
+    @contextmanager
+    def _engine_errors(self) -> Iterator[None]:
+        """An engine failure becomes an `EngineError` that says what survives and what to do."""
+        try:
+            yield
+        except Exception as err:
+            raise EngineError(f"engine {self.hparams.engine!r} failed at step {self.global_step + 1}: {err!r}; the "
+                              "last checkpoint (checkpoints/last.ckpt in the run dir) is intact: fix the cause and "
+                              "continue with resume=RUN_DIR/checkpoints/last.ckpt") from err
 
     def push_to_engine(self, *, holds_mean: bool = True) -> None:
         """Send the policy's current weights to the engine (no copy in `shared` mode); wakes a sleeping engine."""
@@ -461,10 +461,9 @@ class GRPOModule(pl.LightningModule):
         unit), so they do not depend on the micro-batching or the number of ranks."""
         hp = self.hparams
         tokens = rollouts.response_mask.sum(-1).double()  # [n]
-        seqs = torch.ones(rollouts.num_samples, dtype=torch.float64)  # [n]
         world = D.world_size()
-        total_tokens, total_seqs = D.all_reduce(torch.stack([tokens.sum(), seqs.sum()])).clamp_min(1).tolist()
-        loss_units, loss_total = (tokens, total_tokens) if hp.loss_aggregation == "token-mean" else (seqs, total_seqs)
+        totals = torch.tensor([float(tokens.sum()), float(rollouts.num_samples)], dtype=torch.float64)
+        total_tokens, total_seqs = D.all_reduce(totals).clamp_min(1).tolist()
         micros = list(torch.arange(rollouts.num_samples).split(hp.micro_batch_size))
         # FSDP gathers weights in every forward: ranks with fewer micro-batches run zero-weight ones on sample 0
         padding = D.global_max(len(micros)) - len(micros)
@@ -473,15 +472,13 @@ class GRPOModule(pl.LightningModule):
                 stack.enter_context(cb.loss_context(self.trainer, self, rollouts, pass_index))
             for i, micro in enumerate(micros + [torch.zeros(1, dtype=torch.long)] * padding):
                 real = i < len(micros)
-                share = float(loss_units[micro].sum() / loss_total * world) if real else 0.0
+                token_w = float(tokens[micro].sum()) / total_tokens * world if real else 0.0
+                seq_w = len(micro) / total_seqs * world if real else 0.0
+                share = token_w if hp.loss_aggregation == "token-mean" else seq_w
                 loss, metrics = self.micro_batch_loss(rollouts.select(micro), share)
                 self.manual_backward(loss)
-                if not real:
-                    continue
-                weights = {"token": float(tokens[micro].sum() / total_tokens * world),
-                           "sequence": float(seqs[micro].sum() / total_seqs * world)}
-                for k, v in metrics.items():
-                    w = weights["token"] if k in TOKEN_METRICS else weights["sequence"] if k in SEQUENCE_METRICS else share
+                for k, v in (metrics.items() if real else ()):
+                    w = token_w if k in TOKEN_METRICS else seq_w if k in SEQUENCE_METRICS else share
                     sums[k] = sums.get(k, 0.0) + v * w
 
     def _optimizer_step(self, optimizer, sums: dict[str, Tensor]) -> Tensor:
