@@ -14,7 +14,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,15 +27,10 @@ FSDP_CPU = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "tra
 TIMING = ("time/", "perf/")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _run(run_dir: Path, overrides: list[str], ranks: int, steps: int = 3) -> Path:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={_free_port()}"] if ranks > 1 else [sys.executable]
+    # --standalone: torchrun picks a free rendezvous port itself (no race between choosing a port and binding it)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else [sys.executable]
     cmd = [*launcher, "train.py", *COMMON, *overrides, f"trainer.max_steps={steps}", f"+callbacks.push_check.out_dir={run_dir}", f"hydra.run.dir={run_dir}"]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
