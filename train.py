@@ -6,6 +6,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from lit_rlvr.distributed import shutdown
 from lit_rlvr.recipe import evaluate, print_summary, train  # lit_rlvr first: it sets OMP_WAIT_POLICY before torch loads
 
 
@@ -18,6 +19,7 @@ def main(cfg: DictConfig) -> None:
         print_summary(evaluate(cfg, run_dir), f"lit-rlvr eval ({run_dir})")
     else:
         raise ValueError(f"mode={cfg.mode!r} is not valid; valid: train, eval")
+    shutdown()  # torchrun: close the process group before exit
 
 
 if __name__ == "__main__":

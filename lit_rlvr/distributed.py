@@ -62,3 +62,11 @@ def reduce_metrics(metrics: dict[str, Tensor]) -> dict[str, Tensor]:
         value = maxed[i] if key in MAX_METRICS else summed[i] if key in SUMMED_METRICS else summed[i] / world
         out[key] = value.float()
     return out
+
+
+def shutdown() -> None:
+    """End the process group before the interpreter exits: a process that exits with gloo's worker threads
+    still alive can abort ("terminate called without an active exception"; seen in tests/test_fsdp.py)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
