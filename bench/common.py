@@ -20,13 +20,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-# OpenMP threads sleep at once instead of spinning after each parallel region. On a loaded machine libgomp's
-# default spin-then-sleep made the first thread team to run (main thread or not) ~100× slower on many small
-# parallel ops than later teams (measured here, load 10 on 2 cores), which skewed side-by-side runs; passive
-# waiting made all teams equal and fast. Set before torch loads; an explicit OMP_WAIT_POLICY wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import lit_rlvr  # noqa: E402,F401  (first: it sets the OpenMP wait settings before torch loads; see bench/README.md)
 
-from lightning.pytorch.callbacks import Callback  # noqa: E402  (after OMP_WAIT_POLICY)
+from lightning.pytorch.callbacks import Callback  # noqa: E402
 from typing_extensions import override  # noqa: E402
 
 
@@ -120,7 +116,8 @@ def context() -> dict[str, Any]:
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:  # pragma: no cover
         load = "n/a"
-    return {"loadavg": load, "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+    return {"loadavg": load, "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT")}
 
 
 # -- the reference workload ----------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ its copies are too small to matter, so its figures (`tiny_*`) say little about b
 `push_weights` costs from what copying the model's separate tensors costs. The push and the flat memcpy are
 also measured at 1 thread (`*_1_thread*`), alternating with the rest. With libgomp's default wait policy on
 a loaded machine every 2-thread copy waited for its second thread to be scheduled (the push of 46 tensors
-fell to ~0.1 of memcpy, measured); bench/common.py sets OMP_WAIT_POLICY=PASSIVE, see bench/README.md.
+fell to ~0.1 of memcpy, measured); lit_rlvr bounds the OpenMP spin, see bench/README.md.
 """
 
 from __future__ import annotations

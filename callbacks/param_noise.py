@@ -118,6 +118,8 @@ class ParamNoise(RLVRCallback):
         plan.num_weight_sources = self.num_samples
         # train=False: generating records no gradient sample; m is back in place when the context exits
         plan.weight_context = lambda source: optimizer.sampled_params(sample_index=source)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p is not None]
+        plan.weight_stacks = lambda num: dict(zip(params, optimizer.sampled_stack(range(num))))  # same bits
 
     @override
     def on_before_advantages(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", rollouts: Rollouts) -> None:

@@ -148,6 +148,10 @@ class Rollouts:
 WeightContext = Callable[[int], AbstractContextManager]
 """`weight_context(c)`: a context manager inside which the policy holds the weights of source c."""
 
+WeightStacks = Callable[[int], dict[Any, Tensor]]
+"""`weight_stacks(S)`: {policy parameter: [S, *shape] tensor}, row c = the weights `weight_context(c)` holds,
+computed without writing the parameters (optional: a faster way to the stacks of a stacked engine call)."""
+
 BudgetRule = Callable[[Rollouts], Optional[list[int]]]
 """Called after each round with everything generated so far; returns extra samples per prompt ([B] ints)
 for the next round, or None to stop."""
@@ -168,6 +172,7 @@ class RolloutPlan:
     n_per_prompt: list[int]  # [B] samples of the first round
     num_weight_sources: int = 1  # weight samples the counts are split over (C3PO: N)
     weight_context: WeightContext = _no_weight_change
+    weight_stacks: Optional[WeightStacks] = None
     budget_rule: Optional[BudgetRule] = None
     extras: dict[str, Any] = field(default_factory=dict)
 
@@ -204,21 +209,24 @@ def rollouts_from_completions(
 
     owners = [b for b, per_prompt in enumerate(completions) for _ in per_prompt]
     flat = [c for per_prompt in completions for c in per_prompt]
-    prompt_ids, prompt_mask = left_pad([plan.prompt_token_ids[b] for b in owners], pad_id)  # [N, P]
-    width = max([len(c.token_ids) for c in flat] + [1])
+    group = torch.tensor(owners, dtype=torch.long)  # [N]
+    prompt_ids, prompt_mask = left_pad(plan.prompt_token_ids, pad_id)  # [B, P]
+    prompt_ids, prompt_mask = prompt_ids[group], prompt_mask[group]  # [N, P]
+    lengths = torch.tensor([len(c.token_ids) for c in flat], dtype=torch.long)  # [N]
+    width = max(int(lengths.max()) if flat else 0, 1)
+    response_mask = torch.arange(width) < lengths[:, None]  # [N, T]
     response_ids = torch.full((len(flat), width), pad_id, dtype=torch.long)  # [N, T]
     old_logp = torch.zeros((len(flat), width))  # [N, T]
-    response_mask = torch.zeros((len(flat), width), dtype=torch.bool)  # [N, T]
-    for row, c in enumerate(flat):
-        n = len(c.token_ids)
-        response_ids[row, :n], old_logp[row, :n], response_mask[row, :n] = c.token_ids, c.logprobs, True
+    if flat:  # one scatter of all rows' tokens into the right-padded grid
+        response_ids[response_mask] = torch.cat([c.token_ids for c in flat])
+        old_logp[response_mask] = torch.cat([c.logprobs for c in flat]).float()
     return Rollouts(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
         response_ids=response_ids,
         response_mask=response_mask,
         old_logp=old_logp,
-        group=torch.tensor(owners, dtype=torch.long),
+        group=group,
         chunk=torch.full((len(flat),), chunk, dtype=torch.long),
         num_groups=plan.num_prompts,
         prompts=plan.prompts,

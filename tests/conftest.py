@@ -9,7 +9,7 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("LIT_RLVR_CACHE", str(REPO / ".cache" / "lit_rlvr"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see train.py
+import lit_rlvr  # noqa: E402,F401  (before torch loads: it sets the OpenMP wait settings)
 
 
 @pytest.fixture(scope="session")

@@ -55,6 +55,22 @@ def test_cached_and_uncached_generation_agree(policy):
             assert a.finish_reason == b.finish_reason
 
 
+def test_shared_prefill_equals_one_prefill_per_row(policy):
+    """A group's samples share one prompt prefill (cache rows repeated); each completion must be what a
+    separate prefill per row gives: same tokens, log-probs within fp32 rounding, same finish reasons."""
+    model, tokenizer = policy
+    rows = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in ("12+7=", "3*4=", "12+7=", "100-1=")] * 3
+    seeds = torch.arange(len(rows), dtype=torch.long) * 7919 + 11
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, seed=0)
+    shared, separate = (HFEngine(model, pad_id=0, eos_id=2, share_prefill=s)._sample(rows, params, seeds)
+                        for s in (True, False))
+    for a, b in zip(shared, separate, strict=True):
+        assert torch.equal(a.token_ids, b.token_ids)
+        assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
+        assert a.finish_reason == b.finish_reason
+    assert len({tuple(c.token_ids.tolist()) for c in shared}) > 1  # the rows did not all sample the same
+
+
 def test_seed_determinism_and_finish_reasons(policy):
     model, tokenizer = policy
     engine = HFEngine(model, pad_id=0, eos_id=2)

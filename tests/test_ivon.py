@@ -157,6 +157,23 @@ def test_mean_restored_bit_exactly_also_after_exception():
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sampled_stack_equals_each_sampled_params_bit_for_bit(dtype):
+    model = _model(dtype=dtype)
+    opt = IVON(model.parameters(), **KW)
+    _train_sample(opt, model, 0, 0)
+    opt.step()  # h is no longer uniform: σ differs per element
+    mean = [p.detach().clone() for p in model.parameters()]
+    stacks = opt.sampled_stack([2, 0, 5])
+    assert all(torch.equal(p, m) for p, m in zip(model.parameters(), mean))  # the parameters were not touched
+    for row, index in enumerate([2, 0, 5]):
+        with opt.sampled_params(sample_index=index):
+            for p, stack in zip(model.parameters(), stacks):
+                assert stack.shape == (3, *p.shape) and stack.dtype == dtype
+                assert torch.equal(stack[row], p)
+    assert not torch.equal(stacks[0][0], stacks[0][1])
+
+
 def test_state_dict_round_trip_continues_identically():
     model_a = _model()
     opt_a = IVON(model_a.parameters(), seed=5, **KW)

@@ -79,6 +79,18 @@ def _cat(tensors: list[Tensor], device: torch.device) -> Tensor:
     return torch.cat(tensors, 0) if tensors else torch.zeros(0, device=device, dtype=torch.float32)
 
 
+def _flat(shards: list[Tensor], device: torch.device) -> Tensor:
+    """One flat copy of the shards (mixed dtypes promote to the widest, so writing it back is exact)."""
+    return _cat([t.detach().reshape(-1) for t in shards], device)
+
+
+def _write_flat(shards: list[Tensor], flat: Tensor) -> None:
+    """Copy consecutive slices of `flat` into the shards in place, one foreach call (rounds to each dtype)."""
+    if shards:
+        parts = flat.split([t.numel() for t in shards])
+        torch._foreach_copy_(shards, [part.view(t.shape) for part, t in zip(parts, shards)])
+
+
 class IVON(ivon.IVON):
     """ivon-opt's IVON with seeded, shard-local sampling and fp32 state (see the module docstring).
 
@@ -220,40 +232,60 @@ class IVON(ivon.IVON):
                 key = key * p.device_mesh.size(dim) + coord[dim]
         return key
 
+    def _noise_scales(self) -> list[Tensor]:
+        """sqrt(λ(h+δ)) = 1/σ per param group, flat fp32 [group numel]."""
+        return [(group["ess"] * (group["hess"] + group["weight_decay"])).sqrt() for group in self.param_groups]
+
+    def _noises(self, sample_index: int, scales: Optional[list[Tensor]] = None) -> list[Tensor]:
+        """σ⊙ε per param group, flat fp32 [group numel], computed exactly as ivon-opt does (ε / sqrt(λ(h+δ))), so
+        the bits match."""
+        scales = self._noise_scales() if scales is None else scales
+        return [eps / scale for eps, scale in zip(self._standard_normal(sample_index), scales)]
+
     @torch.no_grad()
     def _sample_params(self, sample_index: int = 0, keep_noise: bool = True) -> tuple[list[Tensor], list[Tensor]]:
-        """Write θ = m + σ⊙ε into the parameters in place; return the saved means and (if kept) σ⊙ε per
-        group."""
+        """Write θ = m + σ⊙ε into the parameters in place; return the saved means (one flat copy per group)
+        and, if kept, σ⊙ε per group. Flat per-group ops: a few calls per group, not a few per parameter."""
         param_avg: list[Tensor] = []
-        noises: list[Tensor] = []
         delta_sq = torch.zeros((), device=self._device, dtype=torch.float32)
+        noises = self._noises(sample_index)
         try:
-            for group, eps in zip(self.param_groups, self._standard_normal(sample_index)):
-                # σ⊙ε computed exactly as ivon-opt does (ε / sqrt(λ(h+δ))), so the bits match
-                noise = eps / (group["ess"] * (group["hess"] + group["weight_decay"])).sqrt()  # [group numel]
-                offset = 0
-                for p in _params(group):
-                    local = _local(p)
-                    n = local.numel()
-                    mean = local.detach().clone()  # the copy that restores m bit-exactly
-                    param_avg.append(mean)
-                    theta = mean.flatten().float() + noise[offset:offset + n]  # [n] fp32
-                    local.copy_(theta.view(local.shape))  # rounds to the param dtype
-                    delta_sq += (local.float() - mean.float()).square().sum()  # realized, after rounding
-                    offset += n
-                if keep_noise:
-                    noises.append(noise)
+            for group, noise in zip(self.param_groups, noises):
+                shards = [_local(p) for p in _params(group)]
+                mean = _flat(shards, self._device)  # [group numel]: the copy that restores m bit-exactly
+                param_avg.append(mean)
+                _write_flat(shards, mean.float() + noise)  # rounds to each param's dtype
+                delta_sq += (_flat(shards, self._device).float() - mean.float()).square().sum()  # as written
         except BaseException:
             self._write_means(param_avg)
             raise
         self._runtime["delta_sq"], self._runtime["delta_n"] = delta_sq, max(self._numel, 1)
-        return param_avg, noises
+        return param_avg, noises if keep_noise else []
+
+    @torch.no_grad()
+    def sampled_stack(self, sample_indices: Iterable[int]) -> list[Tensor]:
+        """The samples θ_j = m + σ⊙ε_j, j in `sample_indices`, without touching the parameters: one [S, *shape]
+        tensor per (local) parameter, in param-group order and the parameter's dtype, bit-equal to what
+        `sampled_params(j)` writes. For running S weight samples in one batched forward (C3PO generation)."""
+        indices = list(sample_indices)
+        scales = self._noise_scales()  # σ is the same for every sample of this step
+        samples = [self._noises(j, scales) for j in indices]  # [S][groups] flat σ⊙ε
+        out = []
+        for g, group in enumerate(self.param_groups):
+            mean = _flat([_local(p) for p in _params(group)], self._device).float()  # [numel]
+            stack = torch.stack([noises[g] for noises in samples]).add_(mean) if indices else None  # [S, numel]
+            offset = 0
+            for p in _params(group):
+                local = _local(p)
+                part = stack[:, offset:offset + local.numel()] if stack is not None else local.new_empty(0)
+                out.append(part.to(local.dtype).reshape(len(indices), *local.shape))
+                offset += local.numel()
+        return out
 
     @torch.no_grad()
     def _write_means(self, param_avg: list[Tensor]) -> None:
-        params = (p for g in self.param_groups for p in _params(g))
-        for p, mean in zip(params, param_avg):  # stops at the last saved mean (partial sampling)
-            _local(p).copy_(mean)
+        for group, mean in zip(self.param_groups, param_avg):  # stops at the last saved group (partial sampling)
+            _write_flat([_local(p) for p in _params(group)], mean)
 
     @torch.no_grad()
     def _restore_param_average(self, train: bool, param_avg: list[Tensor], noise: list[Tensor]) -> None:

@@ -22,14 +22,11 @@ ENGINE_MODES = ("shared", "copy")
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Left-pad token id lists -> ids [R, P] long, mask [R, P] bool."""
+    """Left-pad token id lists -> ids [R, P] long, mask [R, P] bool (one tensor build, no per-row copies)."""
     width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
-    for row, seq in enumerate(sequences):
-        if len(seq):
-            ids[row, width - len(seq) :] = torch.as_tensor(list(seq), dtype=torch.long)
-            mask[row, width - len(seq) :] = True
+    ids = torch.tensor([[pad_id] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long).view(len(sequences), width)
+    lengths = torch.tensor([len(s) for s in sequences])  # [R]
+    mask = torch.arange(width - 1, -1, -1) < lengths[:, None]  # [R, P]: the last len(s) positions
     return ids, mask
 
 
@@ -117,6 +114,7 @@ class HFEngine:
         use_cache: bool = True,
         max_batch: int = 256,
         bucket_bytes: int = 256 << 20,
+        share_prefill: bool = True,
     ):
         if mode not in ENGINE_MODES:
             raise ValueError(f"engine.mode={mode!r} is not valid; valid: {', '.join(ENGINE_MODES)}")
@@ -127,6 +125,7 @@ class HFEngine:
         self.pad_id, self.eos_id = pad_id, eos_id
         self.use_cache = use_cache
         self.max_batch = max_batch
+        self.share_prefill = share_prefill  # one prompt prefill per distinct prompt, its cache rows repeated
         self.bucket_bytes = bucket_bytes  # size cap of one weight push (`copy` mode)
         self.version = 0
         self._params = dict(self.model.named_parameters())
@@ -202,7 +201,7 @@ class HFEngine:
         with stacked_weights(self.model, stacks):
             for start in range(0, per_source, window):
                 batch = [r for block in rows for r in block[start : start + window]]
-                out = self._sample(batch, params_per_source[0], torch.cat([s[start : start + window] for s in seeds]))
+                out = self._sample(batch, params_per_source[0], torch.cat([s[start : start + window] for s in seeds]), num)
                 size = len(out) // num
                 for s in range(num):
                     done[s].extend(out[s * size : (s + 1) * size])
@@ -220,15 +219,38 @@ class HFEngine:
         )
         return out.logits[:, -1].float().cpu(), getattr(out, self._cache_arg, None)  # [R, V]
 
-    def _sample(self, rows: list[list[int]], params: SamplingParams, seeds: Tensor) -> list[Completion]:
-        ids, mask = left_pad(rows, self.pad_id)  # [R, P]
-        num_rows = ids.shape[0]
+    def _prefill(self, rows: list[list[int]], blocks: int) -> tuple[Tensor, Tensor, Tensor, object]:
+        """(ids [R, P], mask [R, P], logits [R, V] after each prompt, KV cache of all rows).
+
+        Rows form `blocks` equal contiguous blocks (`stacked_weights` runs block n with weight source n; 1
+        block otherwise). With `share_prefill`, each distinct prompt of a block runs once and its cache row is
+        repeated: a group's G samples share one prefill. Blocks stay equal: a block with fewer distinct
+        prompts repeats its first one."""
+        size = len(rows) // blocks
+        uniques, inverses = [], []
+        for start in range(0, len(rows), size):
+            index_of: dict[tuple[int, ...], int] = {}
+            inverses.append([index_of.setdefault(tuple(r), len(index_of)) for r in rows[start : start + size]])
+            uniques.append(list(index_of))
+        width = max(len(u) for u in uniques)
+        if not self.share_prefill or width == size:  # nothing repeats: the rows as they are
+            ids, mask = left_pad(rows, self.pad_id)
+            return (ids, mask, *self._forward(ids, mask))
+        ids, mask = left_pad([row for u in uniques for row in u + u[:1] * (width - len(u))], self.pad_id)  # [blocks·width, P]
+        logits, cache = self._forward(ids, mask)
+        index = torch.tensor([n * width + i for n, inverse in enumerate(inverses) for i in inverse])  # [R]
+        if cache is not None:
+            cache.batch_select_indices(index.to(next(self.model.parameters()).device))
+        return ids[index], mask[index], logits[index], cache
+
+    def _sample(self, rows: list[list[int]], params: SamplingParams, seeds: Tensor, blocks: int = 1) -> list[Completion]:
+        num_rows = len(rows)
         stop = torch.tensor(sorted({self.eos_id, *params.stop_token_ids}))
         tokens = torch.full((num_rows, params.max_new_tokens), self.pad_id, dtype=torch.long)  # [R, T]
         logprobs = torch.zeros((num_rows, params.max_new_tokens))  # [R, T]
         finished = torch.zeros(num_rows, dtype=torch.bool)  # [R]
         lengths = torch.full((num_rows,), params.max_new_tokens, dtype=torch.long)  # [R]
-        logits, cache = self._forward(ids, mask)
+        ids, mask, logits, cache = self._prefill(rows, blocks)  # [R, P], [R, P], [R, V]
         for t in range(params.max_new_tokens):
             token, logp = self._pick(logits, params, counter_uniforms(seeds, t))  # [R], [R]
             token = token.masked_fill(finished, self.pad_id)
@@ -244,8 +266,8 @@ class HFEngine:
             else:
                 ids = torch.cat([ids, token[:, None]], dim=1)
                 logits, _ = self._forward(ids, mask)
-        reasons = ["stop" if f else "length" for f in finished.tolist()]
-        return [Completion(tokens[r, : lengths[r]], logprobs[r, : lengths[r]], reasons[r]) for r in range(num_rows)]
+        return [Completion(tokens[r, :n], logprobs[r, :n], "stop" if f else "length")
+                for r, (n, f) in enumerate(zip(lengths.tolist(), finished.tolist()))]
 
     @staticmethod
     def _pick(logits: Tensor, params: SamplingParams, uniforms: Tensor) -> tuple[Tensor, Tensor]:
