@@ -313,7 +313,7 @@ class GRPOModule(pl.LightningModule):
                 return None
             completions = self._engine_generate(plan.prompt_token_ids, counts, self.sampling_params(self.sample_seed(round_index, source)))
         self.step_times["gen_s"] += time.perf_counter() - t0
-        return self._score(plan, completions, source)
+        return self._score(plan, rollouts_from_completions(plan, completions, chunk=source, pad_id=self.tokenizer.pad_token_id))
 
     def _can_stack(self, plan: RolloutPlan, per_source: list[list[int]]) -> bool:
         """One stacked engine call for all weight sources: an engine that has one, sharing the model, and
@@ -333,7 +333,9 @@ class GRPOModule(pl.LightningModule):
         with self._engine_errors():
             completions = self.engine.generate_stacked(plan.prompt_token_ids, per_source, sampling, stacks)
         self.step_times["gen_s"] += time.perf_counter() - t0
-        return [self._score(plan, c, source) for source, c in enumerate(completions)]
+        pad = self.tokenizer.pad_token_id
+        packed = [rollouts_from_completions(plan, c, chunk=source, pad_id=pad) for source, c in enumerate(completions)]
+        return [self._score(plan, Rollouts.concat(packed, pad))]  # one decode and one reward call for all sources
 
     @torch.no_grad()
     def _stacks_from_contexts(self, plan: RolloutPlan) -> dict[Tensor, Tensor]:
@@ -346,9 +348,8 @@ class GRPOModule(pl.LightningModule):
                     stacks[p][source].copy_(p)
         return stacks
 
-    def _score(self, plan: RolloutPlan, completions, source: int) -> Rollouts:
-        """Pack one source's completions into `Rollouts` (chunk = source), decode them and score the rewards."""
-        part = rollouts_from_completions(plan, completions, chunk=source, pad_id=self.tokenizer.pad_token_id)
+    def _score(self, plan: RolloutPlan, part: Rollouts) -> Rollouts:
+        """Decode the packed completions and score their rewards."""
         part.completions = self.tokenizer.batch_decode(part.response_ids.masked_fill(~part.response_mask, self.tokenizer.pad_token_id), skip_special_tokens=True)
         t0 = time.perf_counter()
         scored = self.reward_runner([plan.prompts[g] for g in part.group.tolist()], part.completions,

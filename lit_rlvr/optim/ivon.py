@@ -81,7 +81,8 @@ def _cat(tensors: list[Tensor], device: torch.device) -> Tensor:
 
 def _flat(shards: list[Tensor], device: torch.device) -> Tensor:
     """One flat copy of the shards (mixed dtypes promote to the widest, so writing it back is exact)."""
-    return _cat([t.detach().reshape(-1) for t in shards], device)
+    with torch.no_grad():  # views of the parameters that autograd need not track
+        return _cat([t.view(-1) if t.is_contiguous() else t.reshape(-1) for t in shards], device)
 
 
 def _write_flat(shards: list[Tensor], flat: Tensor) -> None:
@@ -233,19 +234,27 @@ class IVON(ivon.IVON):
         return key
 
     def _noise_scales(self) -> list[Tensor]:
-        """sqrt(λ(h+δ)) = 1/σ per param group, flat fp32 [group numel]."""
-        return [(group["ess"] * (group["hess"] + group["weight_decay"])).sqrt() for group in self.param_groups]
+        """sqrt(λ(h+δ)) = 1/σ per param group, flat fp32 [group numel]; cached while h, λ and δ stay the same
+        (h changes once per step, and a step samples 1 + N times)."""
+        key = [(g["hess"], g["hess"]._version, g["ess"], g["weight_decay"]) for g in self.param_groups]
+        cached = self._runtime.get("scales")
+        same = cached is not None and len(cached[0]) == len(key) and all(
+            a[0] is b[0] and a[1:] == b[1:] for a, b in zip(cached[0], key))  # h by identity and version
+        if not same:
+            cached = self._runtime["scales"] = (key, [(g["ess"] * (g["hess"] + g["weight_decay"])).sqrt()
+                                                      for g in self.param_groups])
+        return cached[1]
 
-    def _noises(self, sample_index: int, scales: Optional[list[Tensor]] = None) -> list[Tensor]:
+    def _noises(self, sample_index: int) -> list[Tensor]:
         """σ⊙ε per param group, flat fp32 [group numel], computed exactly as ivon-opt does (ε / sqrt(λ(h+δ))), so
         the bits match."""
-        scales = self._noise_scales() if scales is None else scales
-        return [eps / scale for eps, scale in zip(self._standard_normal(sample_index), scales)]
+        return [eps / scale for eps, scale in zip(self._standard_normal(sample_index), self._noise_scales())]
 
     @torch.no_grad()
     def _sample_params(self, sample_index: int = 0, keep_noise: bool = True) -> tuple[list[Tensor], list[Tensor]]:
         """Write θ = m + σ⊙ε into the parameters in place; return the saved means (one flat copy per group)
-        and, if kept, σ⊙ε per group. Flat per-group ops: a few calls per group, not a few per parameter."""
+        and, if kept, σ⊙ε per group. Flat per-group ops, few passes over the weights: on a small model these
+        vector ops, not the per-parameter bookkeeping, are the cost."""
         param_avg: list[Tensor] = []
         delta_sq = torch.zeros((), device=self._device, dtype=torch.float32)
         noises = self._noises(sample_index)
@@ -254,8 +263,10 @@ class IVON(ivon.IVON):
                 shards = [_local(p) for p in _params(group)]
                 mean = _flat(shards, self._device)  # [group numel]: the copy that restores m bit-exactly
                 param_avg.append(mean)
-                _write_flat(shards, mean.float() + noise)  # rounds to each param's dtype
-                delta_sq += (_flat(shards, self._device).float() - mean.float()).square().sum()  # as written
+                theta = mean.float() + noise  # [group numel] fp32
+                _write_flat(shards, theta)  # rounds to each param's dtype
+                delta = theta.to(mean.dtype).float() - mean.float()  # θ − m as written (mixed dtypes: as the widest)
+                delta_sq += torch.dot(delta, delta)
         except BaseException:
             self._write_means(param_avg)
             raise
@@ -268,18 +279,18 @@ class IVON(ivon.IVON):
         tensor per (local) parameter, in param-group order and the parameter's dtype, bit-equal to what
         `sampled_params(j)` writes. For running S weight samples in one batched forward (C3PO generation)."""
         indices = list(sample_indices)
-        scales = self._noise_scales()  # σ is the same for every sample of this step
-        samples = [self._noises(j, scales) for j in indices]  # [S][groups] flat σ⊙ε
+        scales = self._noise_scales()
+        stacks = [torch.empty((len(indices), g["numel"]), device=self._device) for g in self.param_groups]  # [S, numel]
+        for row, j in enumerate(indices):
+            for stack, eps, scale in zip(stacks, self._standard_normal(j), scales):
+                torch.div(eps, scale, out=stack[row])  # σ⊙ε_j, as in `_noises`
         out = []
-        for g, group in enumerate(self.param_groups):
-            mean = _flat([_local(p) for p in _params(group)], self._device).float()  # [numel]
-            stack = torch.stack([noises[g] for noises in samples]).add_(mean) if indices else None  # [S, numel]
-            offset = 0
-            for p in _params(group):
-                local = _local(p)
-                part = stack[:, offset:offset + local.numel()] if stack is not None else local.new_empty(0)
-                out.append(part.to(local.dtype).reshape(len(indices), *local.shape))
-                offset += local.numel()
+        for group, stack in zip(self.param_groups, stacks):
+            shards = [_local(p) for p in _params(group)]
+            stack.add_(_flat(shards, self._device).float())  # + m
+            for part, local in zip(stack.split([t.numel() for t in shards], dim=1), shards):
+                part = part.view(len(indices), *local.shape)  # a view into the stack
+                out.append(part if part.dtype == local.dtype else part.to(local.dtype))
         return out
 
     @torch.no_grad()
@@ -317,8 +328,8 @@ class IVON(ivon.IVON):
                 if grad.numel() != local.numel():
                     raise RuntimeError(f"gradient shard has {grad.numel()} elements, parameter shard "
                                        f"{local.numel()}: gradient and parameter must be sharded alike")
-                grads.append(grad.flatten().float())
-        return _cat(grads, self._device)
+                grads.append(grad.reshape(-1))
+        return _cat(grads, self._device).float()
 
     # ------------------------------------------------------------------------------------------------ step
     @torch.no_grad()
@@ -362,7 +373,7 @@ class IVON(ivon.IVON):
             b1, b2, wd = group["beta1"], group["beta2"], group["weight_decay"]
             pg_slice = slice(offset, offset + group["numel"])
             shards = [_local(p) for p in _params(group)]
-            param_avg = _cat([t.flatten().float() for t in shards], self._device)  # [group numel] fp32
+            param_avg = _flat(shards, self._device).float()  # [group numel] fp32
             group["momentum"] = self._new_momentum(self.state["avg_grad"][pg_slice], group["momentum"], b1)
             group["hess"] = self._new_hess(self.hess_approx, group["hess"], self.state["avg_nxg"],
                                            self.state["avg_gsq"], pg_slice, group["ess"], b2, wd)
@@ -370,10 +381,7 @@ class IVON(ivon.IVON):
             debias = 1.0 - math.pow(b1, float(self.current_step)) if self.debias else 1.0
             param_avg = self._new_param_averages(param_avg, group["hess"], group["momentum"], lr, wd,
                                                  group["clip_radius"], debias, group["hess_init"])
-            pg_offset = 0
-            for t in shards:
-                t.copy_(param_avg[pg_offset:pg_offset + t.numel()].view(t.shape))
-                pg_offset += t.numel()
+            _write_flat(shards, param_avg)
             offset += group["numel"]
 
     # ------------------------------------------------------------------------------------------ inspection

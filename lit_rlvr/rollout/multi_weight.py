@@ -69,7 +69,8 @@ def _block_forward(module: nn.Module, own: dict[str, Tensor], num: int):
         return lambda x: _linear(x, weight_t, bias, num)
     if isinstance(module, nn.Embedding) and set(own) == {"weight"} and module.max_norm is None:
         table = own["weight"].reshape(-1, module.embedding_dim)  # [N·V, d]
-        return lambda ids: Fn.embedding(_offset(ids, num, module.num_embeddings), table)
+        shifts: dict[tuple, Tensor] = {}  # per input shape: the same few shapes come back at every decode step
+        return lambda ids: Fn.embedding(ids + _shift(shifts, ids, num, module.num_embeddings), table)
     return _looped_forward(module, own, num)
 
 
@@ -82,10 +83,14 @@ def _linear(x: Tensor, weight_t: Tensor, bias: Tensor | None, num: int) -> Tenso
     return out.reshape(*x.shape[:-1], weight_t.shape[2])
 
 
-def _offset(ids: Tensor, num: int, vocab: int) -> Tensor:
-    """ids [N·R, ...] -> ids of block n shifted by n·V, to index the flattened stack."""
-    shift = torch.arange(num, device=ids.device).repeat_interleave(ids.shape[0] // num) * vocab  # [N·R]
-    return ids + shift.view(-1, *([1] * (ids.dim() - 1)))
+def _shift(cache: dict[tuple, Tensor], ids: Tensor, num: int, vocab: int) -> Tensor:
+    """n·V for the rows of block n ([N·R, 1, …], broadcast over ids [N·R, ...]): added to the ids, they index
+    block n's rows of the flattened stack."""
+    key = (ids.shape[0], ids.dim(), ids.device)
+    if key not in cache:
+        shift = torch.arange(num, device=ids.device).repeat_interleave(ids.shape[0] // num) * vocab  # [N·R]
+        cache[key] = shift.view(-1, *([1] * (ids.dim() - 1)))
+    return cache[key]
 
 
 _BROADCAST_OK: dict[type, bool] = {}  # per class: does the row-broadcast forward match the per-block loop?
