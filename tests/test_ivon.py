@@ -81,6 +81,19 @@ def test_noise_is_sigma_times_seeded_normal():
     torch.testing.assert_close(delta[: w.numel()], sigma * eps, rtol=0, atol=1e-6)
 
 
+def test_sigma_follows_every_change_of_h_lambda_and_delta():
+    """σ is cached between samples; any change of h (in place or replaced), λ or δ must reach the next sample."""
+    model = _model()
+    opt = IVON(model.parameters(), **KW)
+    group = opt.param_groups[0]
+    scale = lambda: (group["ess"] * (group["hess"] + group["weight_decay"])).sqrt()  # 1/σ, [numel]
+    eps = _delta(opt, model, sample_index=1) * scale()  # the seeded normal draw of sample 1
+    for change in (lambda: group["hess"].mul_(4.0), lambda: group.update(hess=group["hess"] * 4.0),
+                   lambda: group.update(ess=group["ess"] * 4.0), lambda: group.update(weight_decay=0.5)):
+        change()
+        torch.testing.assert_close(_delta(opt, model, sample_index=1), eps / scale(), rtol=1e-4, atol=1e-7)  # θ − m rounds at |m|
+
+
 def _stock_enter(stock: ivon.IVON, eps_groups: list[torch.Tensor], monkeypatch):
     """Enter stock sampled_params(train=True) with torch.randn replaced by our ε, one draw per group."""
     draws = iter(eps_groups)
