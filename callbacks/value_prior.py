@@ -152,7 +152,7 @@ class ValuePrior(RLVRCallback):
                                        bandwidth_refit=bandwidth_refit)
         self.value_model = value_model
         self._step: Optional[_Step] = None
-        self._stats: Optional[tuple[tuple, tuple[np.ndarray, np.ndarray]]] = None  # see _group_stats_np
+        self._stats: Optional[tuple[tuple, tuple[np.ndarray, np.ndarray], tuple]] = None  # see _group_stats_np
         self._restored_cache_keys: list[str] = []
         self._restored_features: dict[str, Tensor] = {}
         self._restored_head: dict[str, Any] = {}
@@ -342,9 +342,15 @@ class ValuePrior(RLVRCallback):
         held = self._stats
         if held is not None and held[0][0] is key[0] and held[0][1] is key[1] and held[0][2:] == key[2:]:
             return held[1]
-        stats = _group_stats_np(rollouts)
-        self._stats = (key, stats)
+        arrays = _rollout_arrays(rollouts)
+        stats = _group_stats_np(rollouts, arrays)
+        self._stats = (key, stats, arrays)
         return stats
+
+    def _rollout_arrays(self, rollouts: Rollouts) -> tuple[np.ndarray, np.ndarray]:
+        """The rollouts' rewards [N] float32 and groups [N] int64 on numpy, as `_group_stats_np` last read them."""
+        self._group_stats_np(rollouts)
+        return self._stats[2]
 
     def _metrics(self, step: _Step, rollouts: Rollouts, success: np.ndarray, counts: np.ndarray) -> dict[str, Tensor]:
         """v05/* metrics, on numpy (a handful of [B] arrays: torch's per-op overhead would dominate)."""
@@ -352,23 +358,21 @@ class ValuePrior(RLVRCallback):
         p_hat = self._lookup_np(step.p_hat, rollouts.prompts)  # [B] float32, NaN where absent
         has = np.isfinite(p_hat)  # [B]
         any_prior = bool(has.any())
-        mid = (self.low + self.high) / 2
+        rewards, group = self._rollout_arrays(rollouts)  # [N] float32, [N] int64
         fusion = step.fusion
         metrics = {
             "v05/prior_present": float(step.present),
             "v05/context_size": float(step.context_size),
-            "v05/rollouts_per_prompt": counts.astype(np.float32).mean(dtype=np.float32),
+            "v05/rollouts_per_prompt": _mean32(counts),
             "v05/rounds": float(step.rounds),
-            "v05/w_mean": fusion["w"].astype(np.float32).mean(dtype=np.float32) if fusion else nan,
+            "v05/w_mean": _mean32(fusion["w"]) if fusion else nan,
             # prior-vs-outcome metrics only exist where there was a prior (NaN in the absent phase)
-            "v05/prior_rejected_frac": fusion["prior_rejected"][has].astype(np.float32).mean(dtype=np.float32)
-            if any_prior else nan,
-            "v05/prior_abs_err": np.abs(p_hat - success)[has].mean(dtype=np.float32) if any_prior else nan,
-            "v05/prior_auc": binary_auroc_np(p_hat[rollouts.group.cpu().numpy()],
-                                              rollouts.rewards.detach().cpu().numpy() > mid) if has.all() else nan,
-            "v05/p_hat_mean": p_hat[has].mean(dtype=np.float32) if any_prior else nan,
+            "v05/prior_rejected_frac": _mean32(fusion["prior_rejected"][has]) if any_prior else nan,
+            "v05/prior_abs_err": _mean32(np.abs(p_hat - success)[has]) if any_prior else nan,
+            "v05/prior_auc": binary_auroc_np(p_hat[group], rewards > (self.low + self.high) / 2) if has.all() else nan,
+            "v05/p_hat_mean": _mean32(p_hat[has]) if any_prior else nan,
         }
-        values = torch.tensor([float(v) for v in metrics.values()], dtype=torch.float32)  # one tensor, not nine
+        values = torch.tensor(list(metrics.values()), dtype=torch.float32)  # one tensor, not nine
         return dict(zip(metrics, values.unbind()))  # [] each, the same float32 values
 
     def _lookup_np(self, table: dict[str, float], prompts: list[str]) -> np.ndarray:
@@ -453,13 +457,25 @@ def _group_stats(rollouts: Rollouts) -> tuple[Tensor, Tensor]:
     return torch.from_numpy(mean), torch.from_numpy(counts)
 
 
-def _group_stats_np(rollouts: Rollouts) -> tuple[np.ndarray, np.ndarray]:
-    """`_group_stats` on numpy: [B] float32 means (float64 sums, exact for ±1 rewards, then rounded), [B] int64."""
-    rewards = rollouts.rewards.detach().float().cpu().numpy()  # [N]
-    group = rollouts.group.cpu().numpy()  # [N]
+def _rollout_arrays(rollouts: Rollouts) -> tuple[np.ndarray, np.ndarray]:
+    """Rewards [N] float32 and groups [N] on numpy."""
+    return rollouts.rewards.detach().float().cpu().numpy(), rollouts.group.cpu().numpy()
+
+
+def _group_stats_np(rollouts: Rollouts, arrays: Optional[tuple[np.ndarray, np.ndarray]] = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """`_group_stats` on numpy: [B] float32 means (float64 sums, exact for ±1 rewards, then rounded), [B] int64.
+    `arrays`: the rollouts' `_rollout_arrays` when already at hand."""
+    rewards, group = arrays or _rollout_arrays(rollouts)  # [N], [N]
     counts = np.bincount(group, minlength=rollouts.num_groups)  # [B]
     sums = np.bincount(group, weights=rewards, minlength=rollouts.num_groups)  # [B] float64
     return (sums / np.maximum(counts, 1)).astype(np.float32), counts.astype(np.int64)  # [B], [B]
+
+
+def _mean32(x: np.ndarray) -> float:
+    """`x.astype(np.float32).mean(dtype=np.float32)` as a float, the same value without numpy's Python-level
+    mean wrapper (float32 pairwise sum, then divided in float64 and rounded to float32, as numpy does)."""
+    return float(np.float32(float(np.add.reduce(x, dtype=np.float32)) / x.size)) if x.size else math.nan
 
 
 def _check_budget(k_init: int, k_max: int, cost: float, min_active_frac: float, pad_to: int, round_size: int) -> None:

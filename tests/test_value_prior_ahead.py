@@ -113,3 +113,71 @@ def test_next_chunks_hold_the_prompts_of_the_coming_batches():
         chunk = ahead.chunk_for(0, i) or chunk
         assert set(batch) <= set(chunk) and len(chunk) == 20
     assert ahead.chunk_for(0, 11) is None  # held already
+
+
+@pytest.mark.parametrize("dim", [6, 384])
+def test_incremental_standardized_columns_give_a_fresh_builds_bits(dim):
+    """Between searches the kernel head's context columns are kept and only the new records' standardized: at
+    every step, over ring wrap-arounds, the columns and p̂ are bit for bit those of a model built fresh from the
+    checkpointed state (a resume)."""
+    prompts = [f"{a}/{b}=" for a in range(30) for b in range(10)]
+    model = toy_model(1.0, dim=dim)
+    ctx = ContextBuffer(capacity=32, min_context=8)
+    g = torch.Generator().manual_seed(3)
+    searched = []
+    for start in range(0, 280, 8):  # 35 steps: the ring wraps, the window reaches its buffer's end
+        ctx.add(prompts[start:start + 8], torch.rand(8, generator=g), torch.randint(1, 9, (8,), generator=g))
+        if not ctx.is_ready:
+            continue
+        new = prompts[start + 8:start + 16]
+        fresh = toy_model(1.0, dim=dim)
+        fresh.load_head_state(model.head_state())
+        p, m = model.predict(new, ctx)
+        p_fresh, m_fresh = fresh.predict(new, ctx)
+        searched.append(float(m["bandwidth_searched"]))
+        assert m_fresh["bandwidth_searched"] == m["bandwidth_searched"]
+        assert torch.equal(p, p_fresh)
+        z, sq_norm = model.head.standardize(model.prompt_features(ctx.prompts))  # [M, F], [M] from scratch
+        assert torch.equal(model.head.zt_, z.T) and torch.equal(model.head.sq_norm_, sq_norm)
+    assert 0 < sum(searched) < len(searched) / 2  # mostly steps that reuse the held columns
+
+
+def test_sliding_columns_hold_the_records_columns_and_give_a_copys_matmul_bits():
+    """`_SlidingColumns` through drops, appends and moves back to its buffers' start holds what a fresh stack of
+    the records' columns holds, and a matmul over its window view has a contiguous copy's bits (what makes the
+    kept columns' p̂ equal a rebuilt one's)."""
+    from lit_rlvr.value import _SlidingColumns
+
+    g = torch.Generator().manual_seed(5)
+    records = [torch.randn(384, dtype=torch.float64, generator=g) for _ in range(40)]  # record i's column
+    columns, first, moved = _SlidingColumns((torch.stack(records, 1),), capacity=40), 0, 0
+    for step in range(60):
+        k = step % 9 + 1
+        new = [torch.randn(384, dtype=torch.float64, generator=g) for _ in range(k)]
+        records += new
+        columns.drop(k)
+        first += k
+        moved += columns.end + k > columns.buffers[0].shape[1]
+        columns.append((torch.stack(new, 1),))
+        (view,) = columns.views()  # [F, 40]
+        expected = torch.stack(records[first:], 1)  # [F, 40]
+        assert torch.equal(view, expected)
+        z = torch.randn(8, 384, dtype=torch.float64, generator=g)
+        bias = torch.randn(40, dtype=torch.float64, generator=g)
+        assert torch.equal(torch.addmm(bias, z, view, beta=-1, alpha=2), torch.addmm(bias, z, expected, beta=-1, alpha=2))
+    assert moved >= 2
+
+
+def test_context_columns_kept_up_to_date_equal_a_fresh_build():
+    """ContextBuffer appends the new records' rows to its built columns: the same as building them anew,
+    through the ring's wrap-around, zero-count records (skipped) and more records than the capacity at once."""
+    ctx = ContextBuffer(capacity=16, min_context=1)
+    g = torch.Generator().manual_seed(4)
+    for step, size in enumerate([5, 7, 8, 3, 20, 8, 1, 9]):
+        ctx.prompts  # build the columns, so the next add extends them
+        counts = torch.randint(0, 5, (size,), generator=g)
+        ctx.add([f"q{step}.{i}" for i in range(size)], torch.rand(size, generator=g).numpy(), counts.numpy())
+        fresh = ContextBuffer(capacity=16, min_context=1)
+        fresh.load_state_dict(ctx.state_dict())
+        assert ctx.prompts == fresh.prompts
+        assert torch.equal(ctx.success_rate, fresh.success_rate) and torch.equal(ctx.counts, fresh.counts)

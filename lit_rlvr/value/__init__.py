@@ -103,7 +103,7 @@ class ValueModel:
         self._feature_cache: dict[str, Tensor] = {}  # prompt → [F]: the context's and this step's prompts
         self._precomputed: dict[str, Tensor] = {}  # prompt → [F]: computed ahead (`precompute`), bounded by the caller
         self._searched_at: Optional[int] = None  # context.total_added at the kernel head's last bandwidth search
-        self._context_rows: Optional[tuple[int, int, list[str], Tensor]] = None  # see _context_features
+        self._columns: Optional[tuple[int, list[str], int, _SlidingColumns]] = None  # see _context_standardized
         if adapter is not None:
             adapter.eval().requires_grad_(False)
 
@@ -151,12 +151,21 @@ class ValueModel:
         return torch.stack([self._feature_cache[p] for p in prompts])
 
     def _fill(self, prompts: list[str]) -> None:
-        """Put the features of `prompts` in the cache: computed ahead, or by the backbone now."""
+        """Put the features of `prompts` in the cache (kept with the context from here on)."""
+        self._feature_cache.update(self._features_of(prompts))
+
+    def _hold(self, prompts: list[str]) -> None:
+        """Make the feature cache hold exactly `prompts`' features (bounded: the context's and this step's)."""
+        self._feature_cache = self._features_of(prompts)
+
+    def _features_of(self, prompts: list[str]) -> dict[str, Tensor]:
+        """{prompt: [F] features}: cached, else computed ahead, else by the backbone now (one call for all)."""
         cache, ahead = self._feature_cache, self._precomputed
-        missing = [p for p in dict.fromkeys(prompts) if p not in cache and p not in ahead]
+        held = {p: cache[p] if p in cache else ahead.get(p) for p in prompts}
+        missing = [p for p, row in held.items() if row is None]
         if missing:
-            cache.update(zip(missing, self.features(missing)))
-        cache.update((p, ahead[p]) for p in prompts if p not in cache)  # kept with the context from here on
+            held.update(zip(missing, self.features(missing)))
+        return held
 
     def precompute(self, prompts: list[str], batch_size: int = 256) -> float:
         """Compute the features of `prompts` ahead, in batches of `batch_size`, and hold them (replacing what
@@ -191,23 +200,36 @@ class ValueModel:
 
     def load_head_state(self, state: dict[str, Any]) -> None:
         if state.get("searched_at") is not None and hasattr(self.head, "load_geometry"):
-            self.head.load_geometry(state["geometry"])
-            self._searched_at = int(state["searched_at"])
+            if self.head.load_geometry(state["geometry"]) is not False:  # False: an older state, search anew
+                self._searched_at = int(state["searched_at"])
 
     def _context_features(self, context: ContextBuffer, prompts: list[str]) -> Tensor:
-        """[M, F] float64 features of the context's records. The context is a ring buffer that gains a few
-        records per step, so last step's matrix is reused: drop the rows that fell out, append the new ones
-        (instead of stacking and converting M rows every step). The prompts of the kept rows are checked."""
-        end = context.total_added  # records [end − M, end) are in the context
-        start = end - len(prompts)
-        held = self._context_rows  # (start, end, prompts, [end − start, F]) of the last call, or None
-        if held is not None and held[0] <= start <= held[1] <= end and held[2][start - held[0]:] == prompts[: held[1] - start]:
-            kept, fresh = held[3][start - held[0]:], prompts[held[1] - start:]  # [K, F], M − K prompts
-            x = torch.cat([kept, self.prompt_features(fresh).double()]) if fresh else kept  # [M, F]
-        else:
-            x = self.prompt_features(prompts).double()  # [M, F]
-        self._context_rows = (start, end, prompts, x)
-        return x
+        """[M, F] float64 features of the context's records (a search's or TabPFN's input)."""
+        return self.prompt_features(prompts).double()
+
+    def _context_standardized(self, context: ContextBuffer, prompts: list[str]) -> tuple[Tensor, Tensor]:
+        """The kernel head's standardized context rows as columns [F, M] and their squared norms [M], in its
+        current geometry. A row depends on its record alone, and the context (a ring buffer) gains a few records
+        per step: the columns of the records still in are kept, the new records' standardized and appended."""
+        start = context.total_added - len(prompts)  # records [start, total_added) are in the context
+        held = self._columns  # (start, prompts, geometry, columns) of the last call, or None
+        if held is None or held[2] != self.head.geometry_id or not _continues(held[0], held[1], start, prompts):
+            z, sq_norm = self.head.standardize(self.prompt_features(prompts))  # [M, F], [M]
+            return self._set_columns(context, prompts, _SlidingColumns.of(z.T, sq_norm, context.capacity))
+        columns = held[3]
+        columns.drop(start - held[0])
+        fresh = prompts[held[0] + len(held[1]) - start:]  # the records added since
+        if fresh:
+            z, sq_norm = self.head.standardize(self.prompt_features(fresh))  # [K, F], [K]
+            columns.append((z.T, sq_norm.unsqueeze(0)))
+        return self._set_columns(context, prompts, columns)
+
+    def _set_columns(self, context: ContextBuffer, prompts: list[str],
+                     columns: "_SlidingColumns") -> tuple[Tensor, Tensor]:
+        """Hold `columns` as the context's standardized columns (the next steps' start); their views [F, M], [M]."""
+        self._columns = (context.total_added - len(prompts), prompts, self.head.geometry_id, columns)
+        zt, sq_norm = columns.views()  # [F, M], [1, M]
+        return zt, sq_norm[0]
 
     def _search_now(self, context: ContextBuffer) -> bool:
         """Search the kernel bandwidth at this fit? Yes the first time and once `bandwidth_refit` of the
@@ -215,6 +237,23 @@ class ValueModel:
         if self._searched_at is None or getattr(self.head, "bandwidth_", None) is None:
             return True
         return context.total_added - self._searched_at >= self.bandwidth_refit * len(context)
+
+    def _fit_kernel(self, context: ContextBuffer, ctx_prompts: list[str]) -> bool:
+        """Fit the kernel head on the context: a new geometry from the raw features when `_search_now`, else
+        the held geometry on the context's standardized rows (only the new records' are computed). Returns
+        whether it searched."""
+        search = self._search_now(context)
+        if search:  # a new geometry, from the raw features
+            x = self._context_features(context, ctx_prompts)  # [M, F]
+            self.head.fit(x, context.success_rate, context.counts)
+            self._searched_at = context.total_added
+            columns = _SlidingColumns.of(self.head.zt_, self.head.sq_norm_, context.capacity)
+            zt, sq_norm = self._set_columns(context, ctx_prompts, columns)
+        else:  # the held geometry: only the new records are standardized
+            zt, sq_norm = self._context_standardized(context, ctx_prompts)
+        # the same column layout at every step (what the matmul reads decides its last bits)
+        self.head.fit_standardized(zt, sq_norm, context.success_rate, context.counts)
+        return search
 
     @torch.no_grad()
     def predict(self, prompts: list[str], context: ContextBuffer, *,
@@ -226,23 +265,62 @@ class ValueModel:
         if not context.is_ready:
             return None, metrics
         ctx_prompts = context.prompts
-        self._fill(ctx_prompts + list(prompts))  # the backbone for prompts not held, on all threads
-        self._feature_cache = {p: self._feature_cache[p] for p in ctx_prompts + list(prompts)}  # bounded
+        self._hold(ctx_prompts + list(prompts))  # the backbone for prompts not held, on all threads
         kernel = isinstance(self.head, KernelHead)
         with _one_thread(kernel):  # [M, F] ops on a few hundred KB: waking a 2nd thread costs more than it saves
-            x_ctx = self._context_features(context, ctx_prompts)  # [M, F] float64
-            x_new = self.prompt_features(list(prompts)).double()  # [B, F]
             if kernel:
-                search = self._search_now(context)
-                self.head.fit(x_ctx, context.success_rate, context.counts, search=search)
-                self._searched_at = context.total_added if search else self._searched_at
+                search = self._fit_kernel(context, ctx_prompts)
                 if with_metrics:
                     metrics["bandwidth_searched"] = torch.tensor(float(search))
             else:
-                self.head.fit(x_ctx, context.success_rate, context.counts)
-            p_hat = self.head.predict(x_new).float().clamp(0, 1)  # [B]
+                self.head.fit(self._context_features(context, ctx_prompts), context.success_rate, context.counts)
+            p_hat = self.head.predict(self.prompt_features(list(prompts))).float().clamp(0, 1)  # [B]
         if with_metrics:
             metrics["p_hat_mean"] = p_hat.mean()
             if isinstance(self.head, KernelHead):
                 metrics["bandwidth"] = self.head.bandwidth_.float()
         return p_hat, metrics
+
+
+def _continues(held_start: int, held_prompts: list[str], start: int, prompts: list[str]) -> bool:
+    """Do records [start, start + len(prompts)) continue the held records [held_start, …) of the same ring
+    buffer, so the held rows of the records still in can be kept? (The kept records' prompts are checked.)"""
+    held_end = held_start + len(held_prompts)
+    return held_start <= start <= held_end <= start + len(prompts) and \
+        held_prompts[start - held_start:] == prompts[: held_end - start]
+
+
+class _SlidingColumns:
+    """Per-record columns ([D_i, M] each) of a ring buffer's records, as views of a window in [D_i, 2·capacity]
+    buffers: dropping the oldest records moves the window's start and appending writes the new columns after
+    its end, so a step costs its few new columns instead of a copy of all M (the window moves back to the
+    buffers' start, one copy, each time it reaches their end)."""
+
+    def __init__(self, columns: tuple[Tensor, ...], capacity: int) -> None:
+        width = 2 * max(capacity, columns[0].shape[1])
+        self.buffers = [c.new_empty(c.shape[0], width) for c in columns]  # [D_i, width] each
+        self.start = self.end = 0
+        self.append(columns)
+
+    @classmethod
+    def of(cls, zt: Tensor, sq_norm: Tensor, capacity: int) -> "_SlidingColumns":
+        """Standardized context columns zt [F, M] and their squared norms [M] (as a [1, M] row)."""
+        return cls((zt, sq_norm.unsqueeze(0)), capacity)
+
+    def views(self) -> tuple[Tensor, ...]:
+        """[D_i, M] each: the held records' columns, oldest first."""
+        return tuple(b[:, self.start:self.end] for b in self.buffers)
+
+    def drop(self, count: int) -> None:
+        self.start += count
+
+    def append(self, columns: tuple[Tensor, ...]) -> None:
+        """Columns [D_i, K] of K new records, after the held ones."""
+        k, m = columns[0].shape[1], self.end - self.start
+        if self.end + k > self.buffers[0].shape[1]:  # the window reached the end: move it back to the start
+            for b in self.buffers:
+                b[:, :m] = b[:, self.start:self.end].clone()  # the two ranges may overlap
+            self.start, self.end = 0, m
+        for b, c in zip(self.buffers, columns):
+            b[:, self.end:self.end + k] = c
+        self.end += k

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -48,17 +49,26 @@ class ContextBuffer:
         Records with n = 0 carry no information and are skipped. (One host sync per step: the records are
         plain Python so the buffer pickles into a checkpoint as is.)
         """
-        rates = torch.as_tensor(success_rate, dtype=torch.float64).cpu().tolist()
-        ns = torch.as_tensor(counts).cpu().long().tolist()
+        rates, ns = _as_list(success_rate, torch.float64), _as_list(counts, torch.long)
         if not len(prompts) == len(rates) == len(ns):
             raise ValueError(f"ContextBuffer.add: {len(prompts)} prompts, {len(rates)} rates, {len(ns)} counts")
-        for prompt, rate, n in zip(prompts, rates, ns):
-            if n > 0:
-                if not 0.0 <= rate <= 1.0:
-                    raise ValueError(f"ContextBuffer.add: success rate must be in [0, 1], got {rate} for {prompt!r}")
-                self._records.append((prompt, rate, n))
-                self.total_added += 1
-        self._columns = {}
+        added = [(prompt, rate, n) for prompt, rate, n in zip(prompts, rates, ns) if n > 0]
+        for prompt, rate, _ in added:
+            if not 0.0 <= rate <= 1.0:
+                raise ValueError(f"ContextBuffer.add: success rate must be in [0, 1], got {rate} for {prompt!r}")
+        self._records.extend(added)
+        self.total_added += len(added)
+        self._extend_columns(added)
+
+    def _extend_columns(self, added: list[tuple[str, float, int]]) -> None:
+        """Bring built columns up to date: the new records' rows appended, the dropped ones cut (a few rows,
+        not M: the head reads the columns at every step). The same values as building them anew."""
+        if not self._columns or not added:
+            return
+        fresh = self._build_columns(added[-len(self._records):])  # more added than the capacity: the last kept
+        old = len(self._records) - len(fresh["prompts"])  # rows of the built columns still in the buffer
+        join = lambda a, b: a + b if isinstance(a, list) else torch.cat([a, b])  # noqa: E731
+        self._columns = {name: join(col[len(col) - old:], fresh[name]) for name, col in self._columns.items()}
 
     @property
     def prompts(self) -> list[str]:
@@ -77,10 +87,14 @@ class ContextBuffer:
 
     def _column(self, name: str) -> Any:
         if not self._columns:
-            prompts, rates, counts = zip(*self._records) if self._records else ((), (), ())
-            self._columns = {"prompts": list(prompts), "success_rate": torch.tensor(rates, dtype=torch.float32),
-                             "counts": torch.tensor(counts, dtype=torch.long)}
+            self._columns = self._build_columns(self._records)
         return self._columns[name]
+
+    @staticmethod
+    def _build_columns(records: Sequence[tuple[str, float, int]]) -> dict[str, Any]:
+        prompts, rates, counts = zip(*records) if records else ((), (), ())
+        return {"prompts": list(prompts), "success_rate": torch.tensor(rates, dtype=torch.float32),
+                "counts": torch.tensor(counts, dtype=torch.long)}
 
     def clear(self) -> None:
         self._records.clear()
@@ -104,3 +118,11 @@ class ContextBuffer:
             self._records.append((str(record[0]), float(record[1]), int(record[2])))
         self.total_added = int(state.get("total_added", len(self._records)))
         self._columns = {}
+
+
+def _as_list(values: Tensor | Sequence, dtype: torch.dtype) -> list:
+    """[B] values as a Python list of `dtype`'s kind (floats in float64: no rounding). Numpy arrays and lists
+    take numpy's path: a few µs where a torch conversion costs tens (this runs at every step)."""
+    if isinstance(values, Tensor):
+        return values.detach().to("cpu", dtype).tolist()
+    return np.asarray(values, dtype=np.float64 if dtype.is_floating_point else np.int64).tolist()

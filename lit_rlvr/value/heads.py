@@ -28,9 +28,12 @@ class KernelHead:
     `scale × median pairwise context distance`, the scale picked from `bandwidth_scales` by the leave-one-out
     Binomial log-likelihood of the context (ties go to the largest scale: the smoother fit).
 
-    `fit(..., search=False)` keeps the bandwidth h of the last search and skips the search's M×M work; the
-    records and the standardization are always the given context's. With the same context, both give the same
-    p̂ (see ValueModel's `bandwidth_refit`).
+    The geometry — the standardization (context mean and std) and the bandwidth h, which is chosen for that
+    metric — comes from a search. `fit(..., search=False)` keeps the last search's geometry and skips its M×M
+    work, fitting only the given records; with the same context, both give the same p̂ (see ValueModel's
+    `bandwidth_refit`). In the geometry a record's standardized row and its squared norm depend on that record
+    alone (`standardize`), so a caller whose context changes by a few records per step can keep the rows of
+    the records that stay and pass them to `fit_standardized` (see ValueModel): `fit(search=False)`'s bits.
     """
 
     def __init__(self, alpha0: float = 2.0, bandwidth_scales: Sequence[float] = DEFAULT_BANDWIDTH_SCALES) -> None:
@@ -41,52 +44,81 @@ class KernelHead:
         self.alpha0 = alpha0
         self.bandwidth_scales = tuple(float(s) for s in bandwidth_scales)
         self.fitted = False
+        self.bandwidth_: Optional[Tensor] = None
+        self.geometry_id = 0  # changes whenever the standardization does: rows standardized before are stale
 
     def fit(self, features: Tensor, success_rate: Tensor, counts: Tensor, search: bool = True) -> "KernelHead":
+        """Fit on M records (features [M, F]); `search` = new geometry from them (always when there is none)."""
         x = features.detach().double()  # [M, F] float64: exp(-d²) of near points must not underflow unevenly
+        search = search or self.bandwidth_ is None
+        if search:
+            self._set_standardization(x)
+        z, sq_norm = self.standardize(x)  # [M, F], [M]
+        self.fit_standardized(z.T.contiguous(), sq_norm, success_rate, counts)
+        if search:
+            self._search_bandwidth(z)
+        return self
+
+    def _set_standardization(self, x: Tensor) -> None:
+        """mean_ [F] and std_ [F] (two-pass, float64) of the context x [M, F]."""
         self.mean_ = x.mean(0)  # [F]
-        # The standardized features x_ = (x − mean) / std are not materialized in the step: distances only need
-        # the centered features and the per-feature weights 1/std², ‖(a − b)/std‖² = Σ_f (a − b)_f² / std_f²
-        # (a few [M, F] passes instead of several, each ~0.1 ms at M = 256, F = 384).
         centered = x - self.mean_  # [M, F]
-        square = centered * centered  # [M, F]
-        std = square.sum(0).sqrt() / len(x) ** 0.5  # [F] two-pass std in float64
+        std = (centered * centered).sum(0).sqrt() / len(x) ** 0.5  # [F]
         self.std_ = std.clamp_min(1e-6)  # [F]
-        self.weight_ = self.std_.square().reciprocal()  # [F] 1/std²
-        self.centered_ = centered  # [M, F]
-        self._x = None  # the standardized features, built on demand (`x_`)
-        self.sq_norm_ = square @ self.weight_  # [M] ‖x_j‖² of the standardized records, for predict's distances
+        self.geometry_id += 1
+
+    def standardize(self, features: Tensor) -> tuple[Tensor, Tensor]:
+        """Standardized rows z = (x − mean) / std [N, F] float64 and their squared norms ‖z‖² [N], in the current
+        geometry. Row-wise: a row's values do not depend on the other rows it comes with."""
+        z = (features.detach().double() - self.mean_) / self.std_  # [N, F]
+        return z, (z * z).sum(1)  # [N, F], [N]
+
+    def fit_standardized(self, zt: Tensor, sq_norm: Tensor, success_rate: Tensor, counts: Tensor) -> "KernelHead":
+        """Fit on M records given by `standardize` in the current geometry: their rows as columns zt [F, M] (any
+        strides: a view of a caller's buffer does; the layout predict's matmul reads fastest) and norms [M]."""
+        if self.geometry_id == 0:
+            raise RuntimeError("KernelHead.fit_standardized needs a geometry: call fit(..., search=True) first")
+        self.zt_, self.sq_norm_ = zt, sq_norm  # [F, M], [M]
         self.y_ = success_rate.detach().double().clamp(0, 1)  # [M]
         self.n_ = counts.detach().double().clamp_min(0)  # [M]
-        successes = self.n_ * self.y_  # [M]
-        self.tallies_ = torch.stack([successes, self.n_], 1)  # [M, 2] successes, rollouts
-        self.p_bar_ = (successes.sum() + 0.5) / (self.n_.sum() + 1.0)  # [] pooled rate, Jeffreys-smoothed
+        self.tallies_ = torch.stack([self.n_ * self.y_, self.n_], 1)  # [M, 2] successes, rollouts
+        successes, rollouts = self.tallies_.sum(0).tolist()
+        self.p_bar_ = (successes + 0.5) / (rollouts + 1.0)  # pooled rate, Jeffreys-smoothed
+        # the Beta prior as one more row of tallies, (α0·p̄, α0), with kernel weight 1 (see _smooth)
+        self.prior_tally_ = torch.tensor([self.alpha0 * self.p_bar_, self.alpha0], dtype=torch.float64)  # [2]
         self.fitted = True
-        if not search and getattr(self, "bandwidth_", None) is not None:
-            return self  # the last search's bandwidth
-        d2 = torch.cdist(self.x_, self.x_).square()  # [M, M]
-        off = ~torch.eye(len(x), dtype=torch.bool)  # [M, M]
-        median = d2[off].sqrt().median() if len(x) > 1 else torch.ones((), dtype=x.dtype)
-        scales = torch.tensor(self.bandwidth_scales, dtype=x.dtype)  # [S]
+        return self
+
+    def _search_bandwidth(self, z: Tensor) -> None:
+        """h = scale × median pairwise distance of the standardized context z [M, F], the scale of best
+        leave-one-out likelihood (ties: the largest)."""
+        m = len(z)
+        d2 = torch.cdist(z, z).square()  # [M, M]
+        off = ~torch.eye(m, dtype=torch.bool)  # [M, M]
+        median = d2[off].sqrt().median() if m > 1 else torch.ones((), dtype=d2.dtype)
+        scales = torch.tensor(self.bandwidth_scales, dtype=d2.dtype)  # [S]
         self.bandwidth_grid_ = scales * median.clamp_min(1e-6)  # [S]
         self.loo_loglik_ = torch.stack([self._loo_loglik(d2, off, h) for h in self.bandwidth_grid_])  # [S]
         last_best = len(scales) - 1 - self.loo_loglik_.flip(0).argmax()  # [] ties → the largest bandwidth
         self.bandwidth_ = self.bandwidth_grid_[last_best]  # []
-        return self
 
     @property
     def x_(self) -> Tensor:
-        """[M, F] the context's standardized features (the search's distances)."""
-        if self._x is None:
-            self._x = self.centered_ / self.std_
-        return self._x
+        """[M, F] the context's standardized features (a view)."""
+        return self.zt_.T
 
     def geometry(self) -> dict[str, Tensor]:
         """What `fit(search=False)` keeps from the last search (a checkpoint carries it: exact resume)."""
-        return {"bandwidth": self.bandwidth_}
+        return {"bandwidth": self.bandwidth_, "mean": self.mean_, "std": self.std_}
 
-    def load_geometry(self, state: dict[str, Tensor]) -> None:
-        self.bandwidth_ = state["bandwidth"]
+    def load_geometry(self, state: dict[str, Tensor]) -> bool:
+        """Restore a search's geometry; False (nothing restored: the next fit searches) for a state without
+        the standardization (checkpoints written before it was part of the geometry)."""
+        if "mean" not in state or "std" not in state:
+            return False
+        self.bandwidth_, self.mean_, self.std_ = state["bandwidth"], state["mean"], state["std"]
+        self.geometry_id += 1
+        return True
 
     def _loo_loglik(self, d2: Tensor, off: Tensor, h: Tensor) -> Tensor:
         k = torch.exp(-d2 / (2 * h * h)) * off  # [M, M] zero diagonal: record i never predicts itself
@@ -95,25 +127,20 @@ class KernelHead:
         return (self.n_ * (self.y_ * p.log() + (1 - self.y_) * (1 - p).log())).sum()  # []
 
     def _smooth(self, k: Tensor) -> Tensor:
-        """p̂ for rows of kernel weights k [B, M] over the context, [B]."""
-        succ, tries = (k @ self.tallies_).unbind(1)  # [B], [B] kernel-weighted successes and rollouts
-        return (self.alpha0 * self.p_bar_ + succ) / (self.alpha0 + tries)  # [B]
+        """p̂ for rows of kernel weights k [B, M] over the context, [B]: (α0·p̄ + Σ_j k_j·n_j·y_j) / (α0 + Σ_j k_j·n_j)."""
+        tallies = torch.addmm(self.prior_tally_, k, self.tallies_)  # [B, 2] prior + kernel-weighted tallies
+        return tallies[:, 0] / tallies[:, 1]  # [B]
 
     def predict(self, features: Tensor) -> Tensor:
         if not self.fitted:
             raise RuntimeError("KernelHead.predict called before fit")
-        centered = features.detach().double() - self.mean_  # [B, F]
-        weighted = centered * self.weight_  # [B, F]
-        # ‖x − x_j‖² of the standardized features by one matmul (B is small: torch.cdist's set-up costs more)
-        sq_norm = torch.einsum("bf,bf->b", weighted, centered)  # [B]
-        d2 = (sq_norm.unsqueeze(1) + self.sq_norm_ - 2 * weighted @ self.centered_.T).clamp_min(0)  # [B, M]
-        k = torch.exp(-d2 / (2 * self.bandwidth_**2))  # [B, M]
+        z, sq_norm = self.standardize(features)  # [B, F], [B]
+        # ‖z − z_j‖² = ‖z‖² − (2 z·z_j − ‖z_j‖²): one matmul over the context's rows (B is small: torch.cdist's
+        # set-up costs more)
+        cross = torch.addmm(self.sq_norm_, z, self.zt_, beta=-1, alpha=2)  # [B, M] 2 z·z_j − ‖z_j‖²
+        d2 = (sq_norm.unsqueeze(1) - cross).clamp_min_(0)  # [B, M]
+        k = torch.exp(d2 * (-0.5 / float(self.bandwidth_) ** 2))  # [B, M] exp(−d² / (2h²))
         return self._smooth(k).to(features.dtype if features.is_floating_point() else torch.float32)  # [B]
-
-
-def _sq_norms(x: Tensor) -> Tensor:
-    """‖x_i‖² of each row, [N] (no [N, F] temporary)."""
-    return torch.einsum("nf,nf->n", x, x)  # [N]
 
 
 class TabPFNHead:
