@@ -357,7 +357,8 @@ class ValuePrior(RLVRCallback):
         nan = math.nan
         p_hat = self._lookup_np(step.p_hat, rollouts.prompts)  # [B] float32, NaN where absent
         has = np.isfinite(p_hat)  # [B]
-        any_prior = bool(has.any())
+        any_prior, all_prior = bool(has.any()), bool(has.all())
+        has = slice(None) if all_prior else has  # the usual case: views, not boolean-mask copies
         rewards, group = self._rollout_arrays(rollouts)  # [N] float32, [N] int64
         fusion = step.fusion
         metrics = {
@@ -369,7 +370,7 @@ class ValuePrior(RLVRCallback):
             # prior-vs-outcome metrics only exist where there was a prior (NaN in the absent phase)
             "v05/prior_rejected_frac": _mean32(fusion["prior_rejected"][has]) if any_prior else nan,
             "v05/prior_abs_err": _mean32(np.abs(p_hat - success)[has]) if any_prior else nan,
-            "v05/prior_auc": binary_auroc_np(p_hat[group], rewards > (self.low + self.high) / 2) if has.all() else nan,
+            "v05/prior_auc": binary_auroc_np(p_hat[group], rewards > (self.low + self.high) / 2) if all_prior else nan,
             "v05/p_hat_mean": _mean32(p_hat[has]) if any_prior else nan,
         }
         values = torch.tensor(list(metrics.values()), dtype=torch.float32)  # one tensor, not nine

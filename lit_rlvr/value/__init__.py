@@ -104,6 +104,7 @@ class ValueModel:
         self._precomputed: dict[str, Tensor] = {}  # prompt → [F]: computed ahead (`precompute`), bounded by the caller
         self._searched_at: Optional[int] = None  # context.total_added at the kernel head's last bandwidth search
         self._columns: Optional[tuple[int, list[str], int, _SlidingColumns]] = None  # see _context_standardized
+        self._last_batch: Optional[tuple[list[str], int, Tensor, Tensor]] = None  # see _standardized
         if adapter is not None:
             adapter.eval().requires_grad_(False)
 
@@ -220,9 +221,20 @@ class ValueModel:
         columns.drop(start - held[0])
         fresh = prompts[held[0] + len(held[1]) - start:]  # the records added since
         if fresh:
-            z, sq_norm = self.head.standardize(self.prompt_features(fresh))  # [K, F], [K]
+            z, sq_norm = self._standardized(fresh)  # [K, F], [K]
             columns.append((z.T, sq_norm.unsqueeze(0)))
         return self._set_columns(context, prompts, columns)
+
+    def _standardized(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
+        """The kernel head's `standardize` of the prompts' features, [B, F] and [B]. The records a step adds are
+        usually the prompts it predicted: their rows from that prediction are reused (same geometry, and a row
+        depends on its prompt alone: the same bits)."""
+        last = self._last_batch  # (prompts, geometry, z, sq_norm) of the last prediction, or None
+        if last is not None and last[0] == prompts and last[1] == self.head.geometry_id:
+            return last[2], last[3]
+        z, sq_norm = self.head.standardize(self.prompt_features(prompts))
+        self._last_batch = (prompts, self.head.geometry_id, z, sq_norm)
+        return z, sq_norm
 
     def _set_columns(self, context: ContextBuffer, prompts: list[str],
                      columns: "_SlidingColumns") -> tuple[Tensor, Tensor]:
@@ -272,9 +284,11 @@ class ValueModel:
                 search = self._fit_kernel(context, ctx_prompts)
                 if with_metrics:
                     metrics["bandwidth_searched"] = torch.tensor(float(search))
+                p_hat = self.head.predict_standardized(*self._standardized(list(prompts)))  # [B] float64
             else:
                 self.head.fit(self._context_features(context, ctx_prompts), context.success_rate, context.counts)
-            p_hat = self.head.predict(self.prompt_features(list(prompts))).float().clamp(0, 1)  # [B]
+                p_hat = self.head.predict(self.prompt_features(list(prompts)))  # [B]
+            p_hat = p_hat.float().clamp(0, 1)  # [B]
         if with_metrics:
             metrics["p_hat_mean"] = p_hat.mean()
             if isinstance(self.head, KernelHead):

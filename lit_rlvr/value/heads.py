@@ -132,15 +132,20 @@ class KernelHead:
         return tallies[:, 0] / tallies[:, 1]  # [B]
 
     def predict(self, features: Tensor) -> Tensor:
+        """p̂ [B] of features [B, F] (float32 unless the features are another float type)."""
+        p_hat = self.predict_standardized(*self.standardize(features))  # [B] float64
+        return p_hat.to(features.dtype if features.is_floating_point() else torch.float32)
+
+    def predict_standardized(self, z: Tensor, sq_norm: Tensor) -> Tensor:
+        """p̂ [B] float64 of `standardize`'s rows z [B, F] and norms [B] (the current geometry's)."""
         if not self.fitted:
             raise RuntimeError("KernelHead.predict called before fit")
-        z, sq_norm = self.standardize(features)  # [B, F], [B]
         # ‖z − z_j‖² = ‖z‖² − (2 z·z_j − ‖z_j‖²): one matmul over the context's rows (B is small: torch.cdist's
         # set-up costs more)
         cross = torch.addmm(self.sq_norm_, z, self.zt_, beta=-1, alpha=2)  # [B, M] 2 z·z_j − ‖z_j‖²
         d2 = (sq_norm.unsqueeze(1) - cross).clamp_min_(0)  # [B, M]
         k = torch.exp(d2 * (-0.5 / float(self.bandwidth_) ** 2))  # [B, M] exp(−d² / (2h²))
-        return self._smooth(k).to(features.dtype if features.is_floating_point() else torch.float32)  # [B]
+        return self._smooth(k)  # [B]
 
 
 class TabPFNHead:
