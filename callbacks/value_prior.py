@@ -460,7 +460,14 @@ def _group_stats(rollouts: Rollouts) -> tuple[Tensor, Tensor]:
 
 def _rollout_arrays(rollouts: Rollouts) -> tuple[np.ndarray, np.ndarray]:
     """Rewards [N] float32 and groups [N] on numpy."""
-    return rollouts.rewards.detach().float().cpu().numpy(), rollouts.group.cpu().numpy()
+    rewards = rollouts.rewards if rollouts.rewards.dtype == torch.float32 else rollouts.rewards.float()
+    return _numpy(rewards), _numpy(rollouts.group)
+
+
+def _numpy(t: Tensor) -> np.ndarray:
+    """`t.detach().cpu().numpy()`, without the calls that would return `t` itself (the budget rule runs after
+    every round, on caches the generation has just evicted: each call into torch costs there)."""
+    return t.numpy() if t.device.type == "cpu" and not t.requires_grad else t.detach().cpu().numpy()
 
 
 def _group_stats_np(rollouts: Rollouts, arrays: Optional[tuple[np.ndarray, np.ndarray]] = None
