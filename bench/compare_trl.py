@@ -10,7 +10,8 @@ std-scaled advantages, fp32, CPU, 2 threads, our arithmetic reward (TRL calls it
 TRL generates with `transformers.generate` (no vLLM) from prompts tokenized by the same tokenizer, which adds
 no special tokens (checked at start-up).
 
-The two trainers run in threads that take turns (`--block` steps each, never at once). TRL's step is timed
+The two trainers run in two processes that take turns (`--block` steps each, never at once; see
+`common.Baton` for why not threads). TRL's step is timed
 from `on_step_begin` to `on_step_end` (generation, reward, loss, backward, clip, optimizer step), ours from
 Lightning's batch start to batch end. Budget: `ratio` = ours / TRL ≤ 0.5.
 
@@ -143,28 +144,45 @@ def build_trl(cfg, hp, steps: int, rows: list[dict], baton, output_dir: str):
     return trainer, timer, reward
 
 
+def run_ours(overrides: list[str], total: int, baton) -> dict:
+    """Our side (a child process of `common.run_in_turns`): per-step rows, the lr in effect, peak RSS."""
+    cfg = common.compose("grpo", overrides)
+    recorder = common.StepRecorder("ours", baton)
+    module, datamodule, trainer = common.build_run(cfg, total, recorder)
+    trainer.fit(module, datamodule=datamodule)
+    return {"rows": recorder.rows, "lr": module.hparams.lr, "peak_rss_mb": common.peak_rss_mb()}
+
+
+def run_trl(overrides: list[str], total: int, baton) -> dict:
+    """TRL's side (a child process): step walls, completion lengths, TRL's version, peak RSS."""
+    from lit_rlvr.recipe import build_module
+
+    cfg = common.compose("grpo", overrides)
+    hp = build_module(cfg).hparams  # the hyperparameters our side runs with, as the module resolves them
+    with tempfile.TemporaryDirectory(prefix="bench-trl-") as output_dir:
+        trainer, timer, reward = build_trl(cfg, hp, total, step_prompts(cfg, total), baton, output_dir)
+        trainer.train()
+    return {"walls": timer.walls, "lengths": reward.mean_lengths, "version": __import__("trl").__version__,
+            "peak_rss_mb": common.peak_rss_mb()}
+
+
 def run(args) -> dict:
-    lr = [] if args.lr == "config" else [f"algorithm.lr={float(args.lr)}"]
-    cfg = common.compose("grpo", [*lr, *args.override])
+    overrides = [*([] if args.lr == "config" else [f"algorithm.lr={float(args.lr)}"]), *args.override]
     total = args.warmup + args.steps
     baton = common.Baton(["ours", "trl"], args.block)
-    recorder = common.StepRecorder("ours", baton)
-    module, datamodule, ours = common.build_run(cfg, total, recorder)
-    with tempfile.TemporaryDirectory(prefix="bench-trl-") as output_dir:
-        trl, timer, reward = build_trl(cfg, module.hparams, total, step_prompts(cfg, total), baton, output_dir)
-        jobs = {"ours": lambda: ours.fit(module, datamodule=datamodule), "trl": lambda: trl.train()}
-        errors = common.run_in_turns(jobs, baton)
+    sides, errors = common.run_in_turns({"ours": (run_ours, (overrides, total)), "trl": (run_trl, (overrides, total))},
+                                        baton, args.threads)
     if "trl" in errors:
-        err = errors["trl"]
-        raise TRLUnavailable(f"TRL's GRPOTrainer failed on this workload: {type(err).__name__}: {err}") from err
+        raise TRLUnavailable(f"TRL's GRPOTrainer failed on this workload: {errors['trl']}")
     if "ours" in errors:
-        raise RuntimeError(f"our GRPO run failed: {errors['ours']}") from errors["ours"]
-    if len(timer.walls) < total or len(recorder.rows) < total:
-        raise RuntimeError(f"steps recorded: ours {len(recorder.rows)}, TRL {len(timer.walls)}; expected {total} each")
-    ours_summary = common.summarise_rows(recorder.rows, args.warmup)
-    trl_walls = timer.walls[args.warmup :]
-    trl_lengths = reward.mean_lengths[args.warmup :]
-    paired = [o["wall_s"] / t for o, t in zip(recorder.rows[args.warmup :], trl_walls)]
+        raise RuntimeError(f"our GRPO run failed: {errors['ours']}")
+    ours, trl = sides["ours"], sides["trl"]
+    rows, walls = ours["rows"], trl["walls"]
+    if len(walls) < total or len(rows) < total:
+        raise RuntimeError(f"steps recorded: ours {len(rows)}, TRL {len(walls)}; expected {total} each")
+    ours_summary = common.summarise_rows(rows, args.warmup)
+    trl_walls = walls[args.warmup :]
+    paired = [o["wall_s"] / t for o, t in zip(rows[args.warmup :], trl_walls)]
     ours_s, trl_s = ours_summary["median_step_s"], common.median(trl_walls)
     return {
         "ours_median_step_s": ours_s,
@@ -174,15 +192,15 @@ def run(args) -> dict:
         "budget": BUDGET,
         "steps": args.steps,
         "warmup": args.warmup,
-        "lr": module.hparams.lr,
+        "lr": ours["lr"],
         "block": args.block,
         "ours_gen_s": ours_summary["gen_s"],
         "ours_train_s": ours_summary["train_s"],
         "ours_response_len_mean": ours_summary["response_len_mean"],
-        "trl_response_len_mean": common.median(trl_lengths),
-        "peak_rss_mb": common.peak_rss_mb(),
+        "trl_response_len_mean": common.median(trl["lengths"][args.warmup :]),
+        "peak_rss_mb": max(ours["peak_rss_mb"], trl["peak_rss_mb"]),
         **common.context(),
-        "trl_version": __import__("trl").__version__,
+        "trl_version": trl["version"],
     }
 
 

@@ -14,7 +14,7 @@ lasts until its context holds `min_context` records, so the timed steps run with
 ahead of the steps (`precompute`: at train start and in look-ahead chunks, warm-up included), outside prior_s,
 and `prior_ahead_per_step_s` that spread over the run's steps.
 
-`--compare a,b,…` runs the algorithms in one process, in threads that take turns (`--block` steps each, never
+`--compare a,b,…` runs the algorithms in processes that take turns (`--block` steps each, never
 two at once), and reports each one's medians and `b_over_a` = median step(b) / median step(a).
 """
 
@@ -39,39 +39,44 @@ def warmup_for(cfg, warmup: int) -> int:
     return max(warmup, math.ceil(prior.min_context / cfg.data.batch_size))
 
 
-def measure(algorithms: list[str], steps: int, warmup: int, block: int, overrides: list[str]) -> dict[str, dict]:
-    """Run each algorithm for its warm-up plus `steps` timed steps, taking turns; returns their summaries."""
-    cfgs = {name: common.compose(name, overrides) for name in algorithms}
-    warm = max(warmup_for(cfg, warmup) for cfg in cfgs.values())
-    baton = common.Baton(algorithms, block) if len(algorithms) > 1 else None
-    runs = {}
-    for name, cfg in cfgs.items():  # models load here, before any timing
-        recorder = common.StepRecorder(name, baton)
-        module, datamodule, trainer = common.build_run(cfg, warm + steps, recorder)
-        runs[name] = (recorder, module, datamodule, trainer)
-    jobs = {name: (lambda r=run: r[3].fit(r[1], datamodule=r[2])) for name, run in runs.items()}
-    if baton is None:
-        (job,) = jobs.values()
-        job()
+def run_algorithm(name: str, overrides: list[str], total_steps: int, baton=None) -> dict:
+    """One algorithm's run (in this process, or a child of `common.run_in_turns`): its per-step rows and peak RSS."""
+    recorder = common.StepRecorder(name, baton)
+    module, datamodule, trainer = common.build_run(common.compose(name, overrides), total_steps, recorder)
+    trainer.fit(module, datamodule=datamodule)
+    return {"rows": recorder.rows, "peak_rss_mb": common.peak_rss_mb()}
+
+
+def measure(algorithms: list[str], steps: int, warmup: int, block: int, overrides: list[str],
+            threads: int = common.THREADS) -> tuple[dict[str, dict], float]:
+    """Run each algorithm for its warm-up plus `steps` timed steps, several in processes taking turns; returns
+    their summaries and the largest peak RSS."""
+    warm = max(warmup_for(common.compose(name, overrides), warmup) for name in algorithms)
+    if len(algorithms) == 1:
+        runs = {algorithms[0]: run_algorithm(algorithms[0], overrides, warm + steps)}
     else:
-        errors = common.run_in_turns(jobs, baton)
+        baton = common.Baton(algorithms, block)
+        runs, errors = common.run_in_turns(
+            {name: (run_algorithm, (name, overrides, warm + steps)) for name in algorithms}, baton, threads)
         if errors:
             name, err = next(iter(errors.items()))
-            raise RuntimeError(f"{name} failed: {type(err).__name__}: {err}") from err
+            raise RuntimeError(f"{name} failed: {err}")
     out = {}
-    for name, (recorder, *_rest) in runs.items():
-        if len(recorder.rows) < warm + steps:
-            raise RuntimeError(f"{name}: {len(recorder.rows)} steps recorded, expected {warm + steps}")
-        out[name] = {"algorithm": name, "steps": steps, "warmup": warm, **common.summarise_rows(recorder.rows, warm)}
-        out[name]["_walls"] = [r["wall_s"] for r in recorder.rows[warm:]]
-    return out
+    for name, run in runs.items():
+        rows = run["rows"]
+        if len(rows) < warm + steps:
+            raise RuntimeError(f"{name}: {len(rows)} steps recorded, expected {warm + steps}")
+        out[name] = {"algorithm": name, "steps": steps, "warmup": warm, **common.summarise_rows(rows, warm)}
+        out[name]["_walls"] = [r["wall_s"] for r in rows[warm:]]
+    return out, max(run["peak_rss_mb"] for run in runs.values())
 
 
 def single(args) -> dict:
-    (summary,) = measure([args.algorithm], args.steps, args.warmup, 1, args.override).values()
+    summaries, peak_rss = measure([args.algorithm], args.steps, args.warmup, 1, args.override)
+    (summary,) = summaries.values()
     summary.pop("_walls")
     result = {"algorithm": summary.pop("algorithm"), "steps": summary.pop("steps"), **summary,
-              "peak_rss_mb": common.peak_rss_mb(), **common.context()}
+              "peak_rss_mb": peak_rss, **common.context()}
     if "prior_frac" in result:
         result["prior_frac_budget"] = BUDGETS["prior_frac"]
     return result
@@ -81,7 +86,7 @@ def compare(args) -> dict:
     names = [n.strip() for n in args.compare.split(",") if n.strip()]
     if len(names) < 2 or len(set(names)) != len(names):
         raise SystemExit(f"--compare needs two or more different algorithms, got {args.compare!r}")
-    summaries = measure(names, args.steps, args.warmup, args.block, args.override)
+    summaries, peak_rss = measure(names, args.steps, args.warmup, args.block, args.override, args.threads)
     base = names[0]
     result = {"compare": names, "steps": args.steps, "block": args.block}
     for name in names[1:]:
@@ -94,7 +99,7 @@ def compare(args) -> dict:
     for name in names:
         summaries[name].pop("_walls")
         result[name] = {k: v for k, v in summaries[name].items() if k not in ("algorithm", "steps")}
-    result.update(peak_rss_mb=common.peak_rss_mb(), **common.context())
+    result.update(peak_rss_mb=peak_rss, **common.context())
     return result
 
 
