@@ -1,12 +1,14 @@
-"""bench/common.py's baton: trainers in separate processes take turns, `block` steps each, never at once."""
+"""bench/common.py's baton: trainers in separate processes take turns, `block` steps each, never at once.
 
+Each check runs in a fresh interpreter: multiprocessing's spawn context starts a resource-tracker process that
+lives as long as its parent, and other tests assert that the test process has no children left."""
+
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-import common  # noqa: E402
 
 
 def _steps(name: str, count: int, baton) -> list[tuple[float, float, str]]:
@@ -26,18 +28,40 @@ def _fails(name: str, baton) -> None:
     raise ValueError("boom")
 
 
-def test_processes_take_turns_in_blocks_and_never_overlap():
+def check_turns() -> None:
+    import common
+
     baton = common.Baton(["a", "b"], block=2)
     values, errors = common.run_in_turns({"a": (_steps, ("a", 5)), "b": (_steps, ("b", 3))}, baton, threads=1)
-    assert errors == {}
+    assert errors == {}, errors
     spans = sorted(values["a"] + values["b"])  # perf_counter is system-wide on Linux (CLOCK_MONOTONIC)
-    assert all(prev[1] <= nxt[0] for prev, nxt in zip(spans, spans[1:]))  # one step at a time
-    assert "".join(name for *_, name in spans) == "aabbaaba"  # blocks of 2; after b's third step a finishes alone
+    assert all(prev[1] <= nxt[0] for prev, nxt in zip(spans, spans[1:])), spans  # one step at a time
+    order = "".join(name for *_, name in spans)
+    assert order == "aabbaaba", order  # blocks of 2; after b's third step a finishes alone
 
 
-def test_a_failing_participant_is_reported_and_the_other_finishes():
+def check_failure() -> None:
+    import common
+
     baton = common.Baton(["bad", "good"])
     values, errors = common.run_in_turns({"bad": (_fails, ("bad",)), "good": (_steps, ("good", 3))}, baton,
                                          threads=1)
-    assert "ValueError: boom" in errors["bad"]
-    assert len(values["good"]) == 3
+    assert "ValueError: boom" in errors["bad"], errors
+    assert len(values["good"]) == 3, values
+
+
+def _run(check: str) -> None:
+    done = subprocess.run([sys.executable, __file__, check], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_processes_take_turns_in_blocks_and_never_overlap():
+    _run("check_turns")
+
+
+def test_a_failing_participant_is_reported_and_the_other_finishes():
+    _run("check_failure")
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]]()
