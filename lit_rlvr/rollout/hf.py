@@ -159,7 +159,9 @@ class HFEngine:
         pass
 
     # -- sampling --------------------------------------------------------------------------------------------
-    @torch.no_grad()
+    # inference_mode, not no_grad: no version counters or view tracking on the KV cache and logits (less per-op
+    # work); what leaves the engine is only read by the trainer (packing copies it into ordinary tensors)
+    @torch.inference_mode()
     def generate(
         self, prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int], params: SamplingParams
     ) -> list[list[Completion]]:
@@ -170,7 +172,7 @@ class HFEngine:
             done.extend(self._sample(rows[start : start + self.max_batch], params, seeds[start : start + self.max_batch]))
         return _per_prompt(done, n_per_prompt)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate_stacked(
         self,
         prompt_token_ids: Sequence[Sequence[int]],
