@@ -36,8 +36,9 @@ from typing_extensions import override
 
 from lit_rlvr.functional.ranking import binary_auroc_np
 from lit_rlvr.functional.value_prior import (
-    allocate_round_np,
-    expected_mse_reduction_np,
+    round_f32,
+    allocate_round_py,
+    expected_mse_reduction_py,
     reward_noise_var,
     shrinkage_fusion_np,
 )
@@ -228,8 +229,8 @@ class ValuePrior(RLVRCallback):
         step.prior.update(zip(plan.prompts, prior.tolist()))
         step.p_hat.update(zip(plan.prompts, p_hat.tolist() if p_hat is not None else [math.nan] * plan.num_prompts))
         plan.n_per_prompt = [self.k_init] * plan.num_prompts  # the module's group_size is not used
-        prior_np = prior.cpu().numpy()  # [B] float32, once for all rounds
-        plan.budget_rule = lambda rollouts: self._next_round(rollouts, prior_np)
+        prior_list = prior.tolist()  # [B] float32 values, once for all rounds
+        plan.budget_rule = lambda rollouts: self._next_round(rollouts, prior_list)
         step.prior_s += time.perf_counter() - t0
 
     @override
@@ -317,19 +318,21 @@ class ValuePrior(RLVRCallback):
             p_hat, _ = self.value_model.predict(prompts, self.context)
         return None if p_hat is None else p_hat.detach().float().cpu()
 
-    def _next_round(self, rollouts: Rollouts, prior: np.ndarray) -> Optional[list[int]]:
+    def _next_round(self, rollouts: Rollouts, prior: list[float]) -> Optional[list[int]]:
         """The plan's budget rule: extra samples per prompt for the next round (OSLA, Eq. 12), None = stop.
 
-        The arithmetic of `expected_mse_reduction` and `allocate_round`, on numpy: B is a few dozen numbers,
-        where each torch op's ~10 µs overhead is the whole cost (same float32 values, same allocations)."""
+        The arithmetic of `expected_mse_reduction` and `allocate_round` in plain Python on float32 values: B is a
+        few dozen numbers, where each torch or numpy call's overhead is the whole cost (same bits, same
+        allocations)."""
         t0 = time.perf_counter()
         step = self._require_step()
         step.rounds += 1  # called once after every round
-        mean, counts = self._group_stats_np(rollouts)  # [B] float32, [B] int64
-        gain = expected_mse_reduction_np(mean, prior, counts, self.noise_var)  # [B] Δ̂² re-estimated
-        wants = (gain > np.float32(self.cost)) & (counts < self.k_max)  # [B] = osla_wants_more
-        extra = allocate_round_np(wants, gain, counts, k_max=self.k_max, min_active_frac=self.min_active_frac,
-                                   pad_to=self.pad_to, round_size=self.round_size).tolist()  # [B]
+        mean, counts = (a.tolist() for a in self._group_stats_np(rollouts))  # [B] float32 values, [B] ints
+        gain = expected_mse_reduction_py(mean, prior, counts, self.noise_var)  # [B] Δ̂² re-estimated
+        cost = round_f32(self.cost)
+        wants = [g > cost and c < self.k_max for g, c in zip(gain, counts)]  # [B] = osla_wants_more
+        extra = allocate_round_py(wants, gain, counts, k_max=self.k_max, min_active_frac=self.min_active_frac,
+                                  pad_to=self.pad_to, round_size=self.round_size)  # [B]
         step.prior_s += time.perf_counter() - t0
         return extra if sum(extra) > 0 else None
 

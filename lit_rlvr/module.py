@@ -209,7 +209,8 @@ class GRPOModule(pl.LightningModule):
             # the fused kernel: one call for all tensors (~3x faster than the per-tensor loop on a small model);
             # sharded (DTensor) parameters keep torch's own choice
             options.setdefault("fused", not any(hasattr(p, "full_tensor") for p in params) or None)
-            optimizer = torch.optim.AdamW(params, lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay, **options)
+            optimizer = torch.optim.AdamW(params, lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay,
+                                          **options)
         warmup = max(hp.warmup_steps, 0)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
@@ -313,7 +314,8 @@ class GRPOModule(pl.LightningModule):
                 return None
             completions = self._engine_generate(plan.prompt_token_ids, counts, self.sampling_params(self.sample_seed(round_index, source)))
         self.step_times["gen_s"] += time.perf_counter() - t0
-        return self._score(plan, rollouts_from_completions(plan, completions, chunk=source, pad_id=self.tokenizer.pad_token_id))
+        pad = self.tokenizer.pad_token_id
+        return self._score(plan, rollouts_from_completions(plan, completions, chunk=source, pad_id=pad))
 
     def _can_stack(self, plan: RolloutPlan, per_source: list[list[int]]) -> bool:
         """One stacked engine call for all weight sources: an engine that has one, sharing the model, and

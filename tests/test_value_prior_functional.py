@@ -216,15 +216,15 @@ def test_rounds_spend_samples_where_the_prior_is_wrong(seed):
 
 
 def test_numpy_variants_give_the_torch_functions_bits():
-    """The callback's numpy path (`*_np`) computes what the tested torch functions compute, bit for bit (the AUC
-    metric to float32 rounding): random means, priors with NaNs, counts with zeros, several noise variances,
-    costs and batch rules."""
+    """The callback's numpy and plain-Python paths (`*_np`, `*_py`) compute what the tested torch functions
+    compute, bit for bit (the AUC metric to float32 rounding): random and grid means, priors with NaNs and
+    priors equal to a mean, counts with zeros, several noise variances, costs and batch rules."""
     import numpy as np
 
     from lit_rlvr.functional.ranking import binary_auroc, binary_auroc_np
     from lit_rlvr.functional.value_prior import (
-        allocate_round_np,
-        expected_mse_reduction_np,
+        allocate_round_py,
+        expected_mse_reduction_py,
         shrinkage_fusion_np,
     )
 
@@ -233,8 +233,12 @@ def test_numpy_variants_give_the_torch_functions_bits():
         n = int(torch.randint(1, 40, (1,), generator=g))
         counts = torch.randint(0, 17, (n,), generator=g)  # [n]
         mean = (torch.rand(n, generator=g) * 2 - 1).float()  # [n]
+        if case % 2:  # rewards of ±1 with k samples: means on a grid, as in training
+            mean = (2 * torch.randint(0, 17, (n,), generator=g) / counts.clamp_min(1) - 1).clamp(-1, 1).float()
         prior = (torch.rand(n, generator=g) * 2 - 1).float()  # [n]
         prior[torch.rand(n, generator=g) < 0.2] = float("nan")
+        same = torch.rand(n, generator=g) < 0.1
+        prior[same] = mean[same]  # prior = mean: no excess, bias 0, ratio inf
         noise_var = [1.0, 0.25, 2.0][case % 3]
         b, m = shrinkage_fusion(mean, prior, counts, noise_var=noise_var)
         b_np, m_np = shrinkage_fusion_np(mean.numpy(), prior.numpy(), counts.numpy(), noise_var)
@@ -242,14 +246,15 @@ def test_numpy_variants_give_the_torch_functions_bits():
         for key in m:
             assert np.array_equal(m[key].numpy(), m_np[key], equal_nan=True), key
         gain = expected_mse_reduction(mean, prior, counts, noise_var=noise_var)
-        gain_np = expected_mse_reduction_np(mean.numpy(), prior.numpy(), counts.numpy(), noise_var)
-        assert np.array_equal(gain.numpy(), gain_np, equal_nan=True)
+        gain_py = expected_mse_reduction_py(mean.tolist(), prior.tolist(), counts.tolist(), noise_var)
+        assert np.array_equal(gain.numpy(), np.array(gain_py, dtype=np.float32), equal_nan=True)
+        assert all(float(np.float32(v)) == v or v != v for v in gain_py)  # float32 values
         k_max, cost = [16, 8, 32][case % 3], [0.0039, 0.01, 0.0][case % 3]
         wants = osla_wants_more(mean, prior, counts, noise_var=noise_var, cost=cost, k_max=k_max)
         rules = dict(k_max=k_max, min_active_frac=[0.25, 0.0, 0.5][case % 3], pad_to=[32, 1, 8][case % 3],
                      round_size=[1, 2][case % 2])
         extra = allocate_round(wants, gain, counts, **rules)
-        assert np.array_equal(extra.numpy(), allocate_round_np(wants.numpy(), gain_np, counts.numpy(), **rules))
+        assert extra.tolist() == allocate_round_py(wants.tolist(), gain_py, counts.tolist(), **rules)
         labels = torch.rand(n, generator=g) < 0.5
         auc, auc_np = float(binary_auroc(mean, labels)), binary_auroc_np(mean.numpy(), labels.numpy())
         # the torch function rounds to the scores' float32; the numpy one keeps float64

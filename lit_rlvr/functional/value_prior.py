@@ -15,6 +15,9 @@ Edge cases (ours, not the paper's):
 
 from __future__ import annotations
 
+import math
+import struct
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -208,34 +211,66 @@ def shrinkage_fusion_np(mean: np.ndarray, prior: np.ndarray, counts: np.ndarray,
     return baseline, metrics
 
 
-def expected_mse_reduction_np(mean: np.ndarray, prior: np.ndarray, counts: np.ndarray, noise_var: float) -> np.ndarray:
-    """`expected_mse_reduction` on float32 numpy arrays (same operations), [B]."""
-    nv, one = np.float32(noise_var), np.float32(1)
-    k = counts.astype(np.float32)  # [B]
-    # torch evaluates `scalar / tensor` as scalar · (1 / tensor) in float32: written so, for the same bits
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        excess = np.square(mean - prior) - nv * (one / np.maximum(k, one))  # [B]
-        bias_sq = np.where(np.isfinite(prior), np.maximum(excess, np.float32(0)), np.float32(np.inf))  # [B]
-        ratio = nv * (one / bias_sq)  # [B]
-        gain = nv * (one / (k + ratio)) - nv * (one / (k + one + ratio))  # [B]
-    return np.where(counts > 0, gain, np.float32(np.inf)).astype(np.float32)  # [B]
+# The OSLA round runs 1-3 times per step on B (a few dozen) numbers: there even numpy's per-call overhead (~20 µs
+# per call with the caches cold after the policy's step) is the cost. Plain Python on float32 values, each
+# operation rounded to float32 (`round_f32`), gives the torch functions' bits: for + − × ÷ on float32 inputs the
+# float64 result rounded once more to float32 is the correctly rounded float32 result (53 ≥ 2·24 + 2 bits).
+_F32 = struct.Struct("<f")
 
 
-def allocate_round_np(wants_more: np.ndarray, gain: np.ndarray, counts: np.ndarray, *, k_max: int,
-                       min_active_frac: float, pad_to: int, round_size: int) -> np.ndarray:
-    """`allocate_round` on numpy (same rules, same allocation), [B] int64."""
-    room = np.maximum(k_max - counts, 0)  # [B]
-    active = wants_more & (room > 0)  # [B]
-    if not (active.any() and active.sum() >= min_active_frac * counts.size):
-        return np.zeros_like(room)
-    extra = np.where(active, np.minimum(room, round_size), 0)  # [B]
-    padding = int(-extra.sum()) % pad_to  # sequences to add so the round is a multiple of pad_to
+def round_f32(x: float) -> float:
+    """x rounded to the nearest float32 (inf where float32 overflows)."""
+    try:
+        return _F32.unpack(_F32.pack(x))[0]
+    except OverflowError:  # the correctly rounded result is ±inf
+        return math.copysign(math.inf, x)
+
+
+def _div(a: float, b: float) -> float:
+    """IEEE a / b (Python raises on b = 0 where IEEE gives ±inf or nan), rounded to float32."""
+    if b == 0:
+        return math.nan if a == 0 or a != a else math.copysign(math.inf, a) * math.copysign(1.0, b)
+    return round_f32(a / b)
+
+
+def expected_mse_reduction_py(mean: list[float], prior: list[float], counts: list[int],
+                              noise_var: float) -> list[float]:
+    """`expected_mse_reduction` in plain Python on float32 values (same operations, same bits), [B]."""
+    nv = round_f32(noise_var)
+    out = []
+    for m, p, c in zip(mean, prior, counts):
+        if c <= 0:
+            out.append(math.inf)
+            continue
+        k = float(c)
+        diff = round_f32(m - p)
+        # torch evaluates `scalar / tensor` as scalar · (1 / tensor) in float32: written so, for the same bits
+        excess = round_f32(round_f32(diff * diff) - round_f32(nv * _div(1.0, max(k, 1.0))))
+        bias_sq = (0.0 if excess < 0 else excess) if math.isfinite(p) else math.inf  # NaN stays NaN, as np.maximum
+        ratio = round_f32(nv * _div(1.0, bias_sq))
+        now = round_f32(nv * _div(1.0, round_f32(k + ratio)))  # σ²/(k + σ²/Δ̂²)
+        after = round_f32(nv * _div(1.0, round_f32(round_f32(k + 1.0) + ratio)))  # with one sample more
+        out.append(round_f32(now - after))
+    return out
+
+
+def allocate_round_py(wants_more: list[bool], gain: list[float], counts: list[int], *, k_max: int,
+                      min_active_frac: float, pad_to: int, round_size: int) -> list[int]:
+    """`allocate_round` in plain Python (same rules, same allocation), [B]."""
+    room = [max(k_max - c, 0) for c in counts]
+    active = [w and r > 0 for w, r in zip(wants_more, room)]
+    if not (any(active) and sum(active) >= min_active_frac * len(counts)):
+        return [0] * len(counts)
+    extra = [min(r, round_size) if a else 0 for a, r in zip(active, room)]
+    padding = -sum(extra) % pad_to  # sequences to add so the round is a multiple of pad_to
     # _place_padding: pass p offers one slot to every prompt with room ≥ p, best gain first (ties by index)
-    score = np.where(np.isnan(gain), np.float32(-np.inf), gain.astype(np.float32))  # [B] = nan_to_num(nan=-inf)
-    order = np.argsort(-score, kind="stable")  # [B] best first
-    passes = np.arange(1, max(k_max, 0) + 1)  # [P]
-    slots = (room - extra)[order][None, :] >= passes[:, None]  # [P, B]
-    taken = slots & (np.cumsum(slots.ravel()).reshape(slots.shape) <= padding)  # [P, B] first slots
-    placed = np.zeros_like(room)
-    placed[order] = taken.sum(0)
-    return extra + placed  # [B]
+    order = sorted(range(len(counts)), key=lambda i: math.inf if gain[i] != gain[i] else -gain[i])
+    placed = [0] * len(counts)
+    for p in range(1, max(k_max, 0) + 1):
+        for i in order:
+            if padding == 0:
+                return [e + q for e, q in zip(extra, placed)]
+            if room[i] - extra[i] >= p:
+                placed[i] += 1
+                padding -= 1
+    return [e + q for e, q in zip(extra, placed)]

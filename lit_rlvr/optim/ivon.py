@@ -265,7 +265,9 @@ class IVON(ivon.IVON):
                 param_avg.append(mean)
                 theta = mean.float() + noise  # [group numel] fp32
                 _write_flat(shards, theta)  # rounds to each param's dtype
-                delta = theta.to(mean.dtype).float() - mean.float()  # θ − m as written (mixed dtypes: as the widest)
+                one_dtype = len({t.dtype for t in shards}) == 1
+                written = theta.to(mean.dtype) if one_dtype else _flat(shards, self._device)  # θ as rounded
+                delta = written.float() - mean.float()  # [group numel]
                 delta_sq += torch.dot(delta, delta)
         except BaseException:
             self._write_means(param_avg)
@@ -280,7 +282,8 @@ class IVON(ivon.IVON):
         `sampled_params(j)` writes. For running S weight samples in one batched forward (C3PO generation)."""
         indices = list(sample_indices)
         scales = self._noise_scales()
-        stacks = [torch.empty((len(indices), g["numel"]), device=self._device) for g in self.param_groups]  # [S, numel]
+        stacks = [torch.empty((len(indices), g["numel"]), device=self._device)  # [S, group numel]
+                  for g in self.param_groups]
         for row, j in enumerate(indices):
             for stack, eps, scale in zip(stacks, self._standard_normal(j), scales):
                 torch.div(eps, scale, out=stack[row])  # σ⊙ε_j, as in `_noises`

@@ -24,7 +24,8 @@ ENGINE_MODES = ("shared", "copy")
 def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     """Left-pad token id lists -> ids [R, P] long, mask [R, P] bool (one tensor build, no per-row copies)."""
     width = max(len(s) for s in sequences)
-    ids = torch.tensor([[pad_id] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long).view(len(sequences), width)
+    ids = torch.tensor([[pad_id] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long)
+    ids = ids.view(len(sequences), width)  # also [R, 0] when every sequence is empty
     lengths = torch.tensor([len(s) for s in sequences])  # [R]
     mask = torch.arange(width - 1, -1, -1) < lengths[:, None]  # [R, P]: the last len(s) positions
     return ids, mask
@@ -203,7 +204,8 @@ class HFEngine:
         with stacked_weights(self.model, stacks):
             for start in range(0, per_source, window):
                 batch = [r for block in rows for r in block[start : start + window]]
-                out = self._sample(batch, params_per_source[0], torch.cat([s[start : start + window] for s in seeds]), num)
+                block_seeds = torch.cat([s[start : start + window] for s in seeds])
+                out = self._sample(batch, params_per_source[0], block_seeds, blocks=num)
                 size = len(out) // num
                 for s in range(num):
                     done[s].extend(out[s * size : (s + 1) * size])
@@ -238,14 +240,16 @@ class HFEngine:
         if not self.share_prefill or width == size:  # nothing repeats: the rows as they are
             ids, mask = left_pad(rows, self.pad_id)
             return (ids, mask, *self._forward(ids, mask))
-        ids, mask = left_pad([row for u in uniques for row in u + u[:1] * (width - len(u))], self.pad_id)  # [blocks·width, P]
+        padded = [row for u in uniques for row in u + u[:1] * (width - len(u))]  # blocks·width distinct prompts
+        ids, mask = left_pad(padded, self.pad_id)  # [blocks·width, P]
         logits, cache = self._forward(ids, mask)
         index = torch.tensor([n * width + i for n, inverse in enumerate(inverses) for i in inverse])  # [R]
         if cache is not None:
             cache.batch_select_indices(index.to(next(self.model.parameters()).device))
         return ids[index], mask[index], logits[index], cache
 
-    def _sample(self, rows: list[list[int]], params: SamplingParams, seeds: Tensor, blocks: int = 1) -> list[Completion]:
+    def _sample(self, rows: list[list[int]], params: SamplingParams, seeds: Tensor,
+                blocks: int = 1) -> list[Completion]:
         num_rows = len(rows)
         stop = torch.tensor(sorted({self.eos_id, *params.stop_token_ids}))
         tokens = torch.full((num_rows, params.max_new_tokens), self.pad_id, dtype=torch.long)  # [R, T]
