@@ -380,11 +380,8 @@ class ValuePrior(RLVRCallback):
         return dict(zip(metrics, values.unbind()))  # [] each, the same float32 values
 
     def _lookup_np(self, table: dict[str, float], prompts: list[str]) -> np.ndarray:
+        """[B] float32 values of `table` for the prompts (NaN for a prompt no plan of this step predicted)."""
         return np.array([table.get(p, math.nan) for p in prompts], dtype=np.float32)
-
-    def _lookup(self, table: dict[str, float], prompts: list[str]) -> Tensor:
-        """[B] values of `table` for the prompts (NaN for a prompt no plan of this step predicted)."""
-        return torch.tensor([table.get(p, math.nan) for p in prompts], dtype=torch.float32)
 
     def _require_step(self) -> _Step:
         if self._step is None:
@@ -455,12 +452,6 @@ class _Ahead:
         return self.source.prompts(self._order[1][key[1] * size : (key[1] + 1) * size])
 
 
-def _group_stats(rollouts: Rollouts) -> tuple[Tensor, Tensor]:
-    """Sample mean reward [B] (float32) and sample count [B] (long) of each prompt."""
-    mean, counts = _group_stats_np(rollouts)
-    return torch.from_numpy(mean), torch.from_numpy(counts)
-
-
 def _rollout_arrays(rollouts: Rollouts) -> tuple[np.ndarray, np.ndarray]:
     """Rewards [N] float32 and groups [N] on numpy."""
     rewards = rollouts.rewards if rollouts.rewards.dtype == torch.float32 else rollouts.rewards.float()
@@ -475,7 +466,8 @@ def _numpy(t: Tensor) -> np.ndarray:
 
 def _group_stats_np(rollouts: Rollouts, arrays: Optional[tuple[np.ndarray, np.ndarray]] = None
                     ) -> tuple[np.ndarray, np.ndarray]:
-    """`_group_stats` on numpy: [B] float32 means (float64 sums, exact for ±1 rewards, then rounded), [B] int64.
+    """Sample mean reward [B] float32 (float64 sums, exact for ±1 rewards, then rounded) and sample count [B]
+    int64 of each prompt.
     `arrays`: the rollouts' `_rollout_arrays` when already at hand."""
     rewards, group = arrays or _rollout_arrays(rollouts)  # [N], [N]
     counts = np.bincount(group, minlength=rollouts.num_groups)  # [B]

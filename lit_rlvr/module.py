@@ -352,10 +352,13 @@ class GRPOModule(pl.LightningModule):
 
     def _score(self, plan: RolloutPlan, part: Rollouts) -> Rollouts:
         """Decode the packed completions and score their rewards."""
-        part.completions = self.tokenizer.batch_decode(part.response_ids.masked_fill(~part.response_mask, self.tokenizer.pad_token_id), skip_special_tokens=True)
+        pad = self.tokenizer.pad_token_id
+        part.completions = self.tokenizer.batch_decode(part.response_ids.masked_fill(~part.response_mask, pad),
+                                                       skip_special_tokens=True)
         t0 = time.perf_counter()
-        scored = self.reward_runner([plan.prompts[g] for g in part.group.tolist()], part.completions,
-                                    [plan.answers[g] for g in part.group.tolist()])
+        owners = part.group.tolist()  # [N] prompt of each completion
+        scored = self.reward_runner([plan.prompts[g] for g in owners], part.completions,
+                                    [plan.answers[g] for g in owners])
         part.rewards, part.malformed = scored.scores, scored.malformed
         self.counters["reward_failures"] += scored.failures
         self.step_times["reward_s"] += time.perf_counter() - t0

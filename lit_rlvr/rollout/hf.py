@@ -10,7 +10,7 @@ import copy
 import inspect
 import zlib
 from dataclasses import replace
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
