@@ -29,18 +29,17 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-import numpy as np
 import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lit_rlvr.functional.ranking import binary_auroc_np
+from lit_rlvr.functional.ranking import binary_auroc_py
 from lit_rlvr.functional.value_prior import (
-    round_f32,
     allocate_round_py,
     expected_mse_reduction_py,
     reward_noise_var,
-    shrinkage_fusion_np,
+    round_f32,
+    shrinkage_fusion_py,
 )
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.rollouts import RolloutPlan, Rollouts
@@ -66,7 +65,7 @@ class _Step:
     context_size: int = 0
     rounds: int = 0
     prior_s: float = 0.0  # prediction + allocation + fusion + context bookkeeping (the ≤ 5% budget, DESIGN §9)
-    fusion: dict[str, np.ndarray] = field(default_factory=dict)  # shrinkage_fusion's metrics, on numpy
+    fusion: dict[str, list] = field(default_factory=dict)  # shrinkage_fusion's metrics [B] each
 
 
 class ValuePrior(RLVRCallback):
@@ -153,7 +152,7 @@ class ValuePrior(RLVRCallback):
                                        bandwidth_refit=bandwidth_refit)
         self.value_model = value_model
         self._step: Optional[_Step] = None
-        self._stats: Optional[tuple[tuple, tuple[np.ndarray, np.ndarray], tuple]] = None  # see _group_stats_np
+        self._stats: Optional[tuple[tuple, tuple[list, list], tuple[list, list]]] = None  # see _group_stats
         self._restored_cache_keys: list[str] = []
         self._restored_features: dict[str, Tensor] = {}
         self._restored_head: dict[str, Any] = {}
@@ -237,10 +236,10 @@ class ValuePrior(RLVRCallback):
     def on_before_advantages(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", rollouts: Rollouts) -> None:
         t0 = time.perf_counter()
         step = self._require_step()
-        mean, counts = self._group_stats_np(rollouts)  # [B] float32, [B] int64
-        prior = self._lookup_np(step.prior, rollouts.prompts)  # [B] float32
-        baseline, step.fusion = shrinkage_fusion_np(mean, prior, counts, self.noise_var)  # [B] = shrinkage_fusion
-        rollouts.baseline = torch.from_numpy(baseline)
+        mean, counts = self._group_stats(rollouts)  # [B] float32 values, [B] ints
+        prior = [step.prior.get(p, math.nan) for p in rollouts.prompts]  # [B] float32 values
+        baseline, step.fusion = shrinkage_fusion_py(mean, prior, counts, self.noise_var)  # [B] = shrinkage_fusion
+        rollouts.baseline = torch.tensor(baseline, dtype=torch.float32)
         rollouts.scale_adv_by_std = self.scale_by_std  # A = r − b: the fused baseline is the whole point
         step.prior_s += time.perf_counter() - t0
 
@@ -249,8 +248,8 @@ class ValuePrior(RLVRCallback):
         t0 = time.perf_counter()
         step = self._require_step()
         self._step = None
-        mean, counts = self._group_stats_np(rollouts)  # [B] float32, [B] int64
-        success = self._to_success_rate_np(mean)  # [B] float32 (= to_success_rate)
+        mean, counts = self._group_stats(rollouts)  # [B] float32 values, [B] ints
+        success = self._to_success_rate_py(mean)  # [B] float32 values (= to_success_rate)
         metrics = self._metrics(step, rollouts, success, counts)
         self.context.add(rollouts.prompts, success, counts)  # after the metrics: they judge the prior as predicted
         self._stats = None  # let go of this step's rollouts
@@ -301,10 +300,10 @@ class ValuePrior(RLVRCallback):
         """Mean reward [B] → success rate [B] in [0, 1] (for ±1 rewards: (r̄ + 1) / 2)."""
         return ((mean_reward - self.low) / (self.high - self.low)).clamp(0, 1)
 
-    def _to_success_rate_np(self, mean_reward: np.ndarray) -> np.ndarray:
-        """`to_success_rate` on float32 numpy (same operations, same bits), [B]."""
-        low, span = np.float32(self.low), np.float32(self.high - self.low)
-        return np.clip((mean_reward - low) / span, np.float32(0), np.float32(1))
+    def _to_success_rate_py(self, mean_reward: list[float]) -> list[float]:
+        """`to_success_rate` on float32 values (same operations, same bits), [B]."""
+        low, span = round_f32(self.low), round_f32(self.high - self.low)
+        return [min(max(round_f32(round_f32(m - low) / span), 0.0), 1.0) for m in mean_reward]
 
     def _predict(self, prompts: list[str]) -> Optional[Tensor]:
         """p̂ [B] from V0 fit on the context, or None while the context is short (prior absent)."""
@@ -327,7 +326,7 @@ class ValuePrior(RLVRCallback):
         t0 = time.perf_counter()
         step = self._require_step()
         step.rounds += 1  # called once after every round
-        mean, counts = (a.tolist() for a in self._group_stats_np(rollouts))  # [B] float32 values, [B] ints
+        mean, counts = self._group_stats(rollouts)  # [B] float32 values, [B] ints
         gain = expected_mse_reduction_py(mean, prior, counts, self.noise_var)  # [B] Δ̂² re-estimated
         cost = round_f32(self.cost)
         wants = [g > cost and c < self.k_max for g, c in zip(gain, counts)]  # [B] = osla_wants_more
@@ -336,52 +335,43 @@ class ValuePrior(RLVRCallback):
         step.prior_s += time.perf_counter() - t0
         return extra if sum(extra) > 0 else None
 
-    def _group_stats_np(self, rollouts: Rollouts) -> tuple[np.ndarray, np.ndarray]:
-        """`_group_stats_np`, computed once per rollouts state: the last round's rule, the fusion and the step end
+    def _group_stats(self, rollouts: Rollouts) -> tuple[list[float], list[int]]:
+        """Each prompt's sample mean reward and count (`_per_prompt_stats`), computed once per rollouts state: the last round's rule, the fusion and the step end
         all see the same final rollouts. Keyed on the rewards and group tensors themselves, their in-place
-        version counters and B, so any change recomputes. The arrays are shared: read them, never write."""
+        version counters and B, so any change recomputes. The lists are shared: read them, never write."""
         rewards, group = rollouts.rewards, rollouts.group
         key = (rewards, group, getattr(rewards, "_version", None), getattr(group, "_version", None), rollouts.num_groups)
         held = self._stats
         if held is not None and held[0][0] is key[0] and held[0][1] is key[1] and held[0][2:] == key[2:]:
             return held[1]
-        arrays = _rollout_arrays(rollouts)
-        stats = _group_stats_np(rollouts, arrays)
-        self._stats = (key, stats, arrays)
+        values = rewards.detach().float().tolist(), group.tolist()  # [N] float32 values, [N] ints
+        stats = _per_prompt_stats(*values, rollouts.num_groups)
+        self._stats = (key, stats, values)
         return stats
 
-    def _rollout_arrays(self, rollouts: Rollouts) -> tuple[np.ndarray, np.ndarray]:
-        """The rollouts' rewards [N] float32 and groups [N] int64 on numpy, as `_group_stats_np` last read them."""
-        self._group_stats_np(rollouts)
-        return self._stats[2]
-
-    def _metrics(self, step: _Step, rollouts: Rollouts, success: np.ndarray, counts: np.ndarray) -> dict[str, Tensor]:
-        """v05/* metrics, on numpy (a handful of [B] arrays: torch's per-op overhead would dominate)."""
+    def _metrics(self, step: _Step, rollouts: Rollouts, success: list[float], counts: list[int]) -> dict[str, Tensor]:
+        """v05/* metrics, in plain Python (a handful of [B] lists: a tensor op's overhead would dominate)."""
         nan = math.nan
-        p_hat = self._lookup_np(step.p_hat, rollouts.prompts)  # [B] float32, NaN where absent
-        has = np.isfinite(p_hat)  # [B]
-        any_prior, all_prior = bool(has.any()), bool(has.all())
-        has = slice(None) if all_prior else has  # the usual case: views, not boolean-mask copies
-        rewards, group = self._rollout_arrays(rollouts)  # [N] float32, [N] int64
+        p_hat = [step.p_hat.get(p, nan) for p in rollouts.prompts]  # [B] float32 values, NaN where absent
+        has = [math.isfinite(p) for p in p_hat]  # [B]
+        any_prior, all_prior = any(has), all(has)
+        rewards, group = self._stats[2]  # [N], [N] of the rollouts `_group_stats` last read
         fusion = step.fusion
+        mid = (self.low + self.high) / 2
         metrics = {
             "v05/prior_present": float(step.present),
             "v05/context_size": float(step.context_size),
-            "v05/rollouts_per_prompt": _mean32(counts),
+            "v05/rollouts_per_prompt": _mean(counts),
             "v05/rounds": float(step.rounds),
-            "v05/w_mean": _mean32(fusion["w"]) if fusion else nan,
+            "v05/w_mean": _mean(fusion["w"]) if fusion else nan,
             # prior-vs-outcome metrics only exist where there was a prior (NaN in the absent phase)
-            "v05/prior_rejected_frac": _mean32(fusion["prior_rejected"][has]) if any_prior else nan,
-            "v05/prior_abs_err": _mean32(np.abs(p_hat - success)[has]) if any_prior else nan,
-            "v05/prior_auc": binary_auroc_np(p_hat[group], rewards > (self.low + self.high) / 2) if all_prior else nan,
-            "v05/p_hat_mean": _mean32(p_hat[has]) if any_prior else nan,
+            "v05/prior_rejected_frac": _mean([r for r, h in zip(fusion["prior_rejected"], has) if h]) if any_prior else nan,
+            "v05/prior_abs_err": _mean([abs(p - s) for p, s, h in zip(p_hat, success, has) if h]) if any_prior else nan,
+            "v05/prior_auc": binary_auroc_py([p_hat[g] for g in group], [r > mid for r in rewards]) if all_prior else nan,
+            "v05/p_hat_mean": _mean([p for p, h in zip(p_hat, has) if h]) if any_prior else nan,
         }
         values = torch.tensor(list(metrics.values()), dtype=torch.float32)  # one tensor, not nine
-        return dict(zip(metrics, values.unbind()))  # [] each, the same float32 values
-
-    def _lookup_np(self, table: dict[str, float], prompts: list[str]) -> np.ndarray:
-        """[B] float32 values of `table` for the prompts (NaN for a prompt no plan of this step predicted)."""
-        return np.array([table.get(p, math.nan) for p in prompts], dtype=np.float32)
+        return dict(zip(metrics, values.unbind()))  # [] each, float32
 
     def _require_step(self) -> _Step:
         if self._step is None:
@@ -452,33 +442,19 @@ class _Ahead:
         return self.source.prompts(self._order[1][key[1] * size : (key[1] + 1) * size])
 
 
-def _rollout_arrays(rollouts: Rollouts) -> tuple[np.ndarray, np.ndarray]:
-    """Rewards [N] float32 and groups [N] on numpy."""
-    rewards = rollouts.rewards if rollouts.rewards.dtype == torch.float32 else rollouts.rewards.float()
-    return _numpy(rewards), _numpy(rollouts.group)
+def _per_prompt_stats(rewards: list[float], group: list[int], num_groups: int) -> tuple[list[float], list[int]]:
+    """Sample mean reward [B] (float64 sums, exact for ±1 rewards, rounded to float32) and sample count [B] of
+    each prompt, from rewards [N] and the prompt index of each rollout [N]."""
+    sums, counts = [0.0] * num_groups, [0] * num_groups
+    for r, g in zip(rewards, group):
+        sums[g] += r
+        counts[g] += 1
+    return [round_f32(s / max(n, 1)) for s, n in zip(sums, counts)], counts
 
 
-def _numpy(t: Tensor) -> np.ndarray:
-    """`t.detach().cpu().numpy()`, without the calls that would return `t` itself (the budget rule runs after
-    every round, on caches the generation has just evicted: each call into torch costs there)."""
-    return t.numpy() if t.device.type == "cpu" and not t.requires_grad else t.detach().cpu().numpy()
-
-
-def _group_stats_np(rollouts: Rollouts, arrays: Optional[tuple[np.ndarray, np.ndarray]] = None
-                    ) -> tuple[np.ndarray, np.ndarray]:
-    """Sample mean reward [B] float32 (float64 sums, exact for ±1 rewards, then rounded) and sample count [B]
-    int64 of each prompt.
-    `arrays`: the rollouts' `_rollout_arrays` when already at hand."""
-    rewards, group = arrays or _rollout_arrays(rollouts)  # [N], [N]
-    counts = np.bincount(group, minlength=rollouts.num_groups)  # [B]
-    sums = np.bincount(group, weights=rewards, minlength=rollouts.num_groups)  # [B] float64
-    return (sums / np.maximum(counts, 1)).astype(np.float32), counts.astype(np.int64)  # [B], [B]
-
-
-def _mean32(x: np.ndarray) -> float:
-    """`x.astype(np.float32).mean(dtype=np.float32)` as a float, the same value without numpy's Python-level
-    mean wrapper (float32 pairwise sum, then divided in float64 and rounded to float32, as numpy does)."""
-    return float(np.float32(float(np.add.reduce(x, dtype=np.float32)) / x.size)) if x.size else math.nan
+def _mean(values: Sequence[float]) -> float:
+    """Mean of a few values (float64, as a float; NaN when empty)."""
+    return math.fsum(values) / len(values) if len(values) else math.nan
 
 
 def _check_budget(k_init: int, k_max: int, cost: float, min_active_frac: float, pad_to: int, round_size: int) -> None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
 import math
+from typing import Sequence
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -30,15 +31,14 @@ def binary_auroc(scores: Tensor, labels: Tensor) -> Tensor:
     return (u / (pos * neg)).float()  # [] 0/0 = NaN when a class is empty
 
 
-def binary_auroc_np(scores: np.ndarray, labels: np.ndarray) -> float:
-    """`binary_auroc` on numpy; NaN when a class is empty. The Mann–Whitney U counted directly: each positive
-    scores the negatives below it plus ½ per tied negative, U = Σ (below + below_or_tied) / 2 — the rank-sum
-    form's value exactly (sums of halves), in a few array ops instead of a unique/rank pass (this is a
-    per-step metric of V0.5, where the ops' overhead is the cost). O(N log N)."""
-    scores = scores.astype(np.float64).ravel()
-    labels = labels.astype(bool).ravel()
-    pos, neg = scores[labels], np.sort(scores[~labels])  # [P], [Q]
-    if pos.size == 0 or neg.size == 0:
+def binary_auroc_py(scores: Sequence[float], labels: Sequence[bool]) -> float:
+    """`binary_auroc` in plain Python on [N] values; NaN when a class is empty. The Mann–Whitney U counted
+    directly: each positive scores the negatives below it plus ½ per tied negative, U = Σ (below +
+    below_or_tied) / 2 — the rank-sum form's value exactly (sums of halves). O(N log N); V0.5 scores a few
+    dozen rollouts per step, where a tensor or array op's overhead would be the whole cost."""
+    negatives = sorted(s for s, positive in zip(scores, labels) if not positive)
+    positives = [s for s, positive in zip(scores, labels) if positive]
+    if not positives or not negatives:
         return math.nan
-    below = np.searchsorted(neg, pos, "left").sum() + np.searchsorted(neg, pos, "right").sum()  # 2·U
-    return float(below / 2) / float(pos.size * neg.size)
+    twice_u = sum(bisect.bisect_left(negatives, s) + bisect.bisect_right(negatives, s) for s in positives)
+    return twice_u / 2 / (len(positives) * len(negatives))

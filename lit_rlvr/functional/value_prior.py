@@ -185,36 +185,12 @@ def _place_padding(padding: Tensor, gain: Tensor, room: Tensor, k_max: int) -> T
     return out
 
 
-# -- the same math on float32 numpy arrays -------------------------------------------------------------------
-# The callback's per-step path: B is a few dozen numbers, where each torch op's ~10 µs overhead is the whole
-# cost. Same operations in the same order as the torch functions above, so the same bits
-# (tests/test_value_prior_functional.py checks it on random inputs).
-
-
-def shrinkage_fusion_np(mean: np.ndarray, prior: np.ndarray, counts: np.ndarray,
-                         noise_var: float) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """`shrinkage_fusion` on float32 numpy arrays (same operations, same bits): the
-    baseline [B] and its metrics {"w", "bias_sq", "prior_rejected", "prior_missing"} [B]."""
-    nv, one, zero = np.float32(noise_var), np.float32(1), np.float32(0)
-    has_prior = np.isfinite(prior)  # [B]
-    has_data = counts > 0  # [B]
-    k = np.maximum(counts.astype(np.float32), one)  # [B]
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        noise = nv * (one / k)  # [B] torch's `scalar / tensor`
-        bias_sq = np.where(has_prior, np.maximum(np.square(mean - prior) - noise, zero), np.float32(np.inf))  # [B]
-        w = np.where(np.isinf(bias_sq), one, bias_sq / (bias_sq + noise))  # [B]
-        w = np.where(has_data, w, zero).astype(np.float32)  # [B]
-        fused = np.where(has_data, prior + w * (mean - prior), prior)  # [B]
-    baseline = np.where(has_prior, fused, mean).astype(np.float32)  # [B]
-    metrics = {"w": w, "bias_sq": np.where(has_data, bias_sq, zero).astype(np.float32),
-               "prior_rejected": has_data & has_prior & (bias_sq > 0), "prior_missing": ~has_prior}
-    return baseline, metrics
-
-
-# The OSLA round runs 1-3 times per step on B (a few dozen) numbers: there even numpy's per-call overhead (~20 µs
-# per call with the caches cold after the policy's step) is the cost. Plain Python on float32 values, each
-# operation rounded to float32 (`round_f32`), gives the torch functions' bits: for + − × ÷ on float32 inputs the
-# float64 result rounded once more to float32 is the correctly rounded float32 result (53 ≥ 2·24 + 2 bits).
+# -- the same math in plain Python on float32 values ------------------------------------------------------------
+# The callback's per-step path (the fusion once, the OSLA round 1-3 times) works on B, a few dozen, numbers: there
+# even numpy's per-call overhead (~10-20 µs a call with the caches cold after the policy's step) is the cost.
+# Plain Python on float32 values, each operation rounded to float32 (`round_f32`), gives the torch functions'
+# bits: for + − × ÷ on float32 inputs the float64 result rounded once more to float32 is the correctly rounded
+# float32 result (53 ≥ 2·24 + 2 bits). tests/test_value_prior_functional.py checks it on random inputs.
 _F32 = struct.Struct("<f")
 
 
@@ -252,6 +228,28 @@ def expected_mse_reduction_py(mean: list[float], prior: list[float], counts: lis
         after = round_f32(nv * _div(1.0, round_f32(round_f32(k + 1.0) + ratio)))  # with one sample more
         out.append(round_f32(now - after))
     return out
+
+
+def shrinkage_fusion_py(mean: list[float], prior: list[float], counts: list[int],
+                        noise_var: float) -> tuple[list[float], dict[str, list]]:
+    """`shrinkage_fusion` in plain Python on float32 values (same operations, same bits): the baseline [B] and
+    its metrics {"w", "bias_sq", "prior_rejected", "prior_missing"} [B]."""
+    nv = round_f32(noise_var)
+    baseline, metrics = [], {"w": [], "bias_sq": [], "prior_rejected": [], "prior_missing": []}
+    for m, p, c in zip(mean, prior, counts):
+        has_prior, has_data = math.isfinite(p), c > 0
+        noise = round_f32(nv * _div(1.0, max(float(c), 1.0)))  # σ²/k as torch's `scalar / tensor`
+        diff = round_f32(m - p)
+        excess = round_f32(round_f32(diff * diff) - noise)
+        bias_sq = (0.0 if excess < 0 else excess) if has_prior else math.inf  # NaN stays NaN, as clamp_min
+        w = (_div(bias_sq, round_f32(bias_sq + noise)) if has_prior else 1.0) if has_data else 0.0
+        fused = round_f32(p + round_f32(w * diff)) if has_data else p
+        baseline.append(fused if has_prior else m)
+        metrics["w"].append(w)
+        metrics["bias_sq"].append(bias_sq if has_data else 0.0)
+        metrics["prior_rejected"].append(has_data and has_prior and bias_sq > 0)
+        metrics["prior_missing"].append(not has_prior)
+    return baseline, metrics
 
 
 def allocate_round_py(wants_more: list[bool], gain: list[float], counts: list[int], *, k_max: int,
