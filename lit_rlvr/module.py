@@ -8,6 +8,7 @@ the baseline or the weights the gradient is taken at are `RLVRCallback`s (lit_rl
 from __future__ import annotations
 
 import copy
+import gc
 import inspect
 import logging
 import time
@@ -183,6 +184,10 @@ class GRPOModule(pl.LightningModule):
 
     def on_fit_start(self) -> None:
         self._engine_to_device()
+        # What exists now (imported modules, the model, configs: ~500k objects) lives for the whole run. Frozen,
+        # Python's periodic full collection no longer rescans it: measured 0.33 s every ~30 steps on the tiny
+        # workload, ~1/3 of the mean step. (Any garbage frozen with it is collected after `teardown` unfreezes.)
+        gc.freeze()
 
     def on_validation_start(self) -> None:
         self._engine_to_device()
@@ -193,8 +198,10 @@ class GRPOModule(pl.LightningModule):
             self.engine.to(self.device)
 
     def teardown(self, stage: str) -> None:
-        if stage == "fit" and self.engine is not None:
-            self.engine.sleep()
+        if stage == "fit":
+            gc.unfreeze()
+            if self.engine is not None:
+                self.engine.sleep()
 
     def configure_optimizers(self):
         hp = self.hparams

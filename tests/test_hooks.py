@@ -1,5 +1,6 @@
 """RLVRCallback hook points: a callback changes the plan and the advantages as intended, inside a real step."""
 
+import gc
 from contextlib import contextmanager
 
 import lightning.pytorch as pl
@@ -35,6 +36,7 @@ class FixedBaseline(RLVRCallback):
 
     def on_rl_step_end(self, trainer, pl_module, rollouts):
         self.seen["steps"] = self.seen.get("steps", 0) + 1
+        self.seen["frozen_objects"] = gc.get_freeze_count()
 
 
 def test_callback_sets_counts_and_baseline(tiny_path, tmp_path):
@@ -49,3 +51,5 @@ def test_callback_sets_counts_and_baseline(tiny_path, tmp_path):
     # A = r − b with b = 0.25 for every group (std scaling off), not r − group mean
     assert torch.allclose(callback.seen["advantages"], callback.seen["rewards"] - 0.25)
     assert callback.seen["passes"] == 1 and callback.seen["steps"] == 1
+    # the set-up's objects are frozen during the run (no full-collection rescans) and released after it
+    assert callback.seen["frozen_objects"] > 100_000 and gc.get_freeze_count() == 0
