@@ -99,13 +99,7 @@ class ParamNoise(RLVRCallback):
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        optimizer = self._ivon(trainer)
-        self._maybe_warn_bf16(pl_module, optimizer)
-        optimizer.prefetch_noise(self._step_samples())
-
-    def _step_samples(self) -> range:
-        """The sample indices one step draws first: the N generating samples, and C3PO's loss sample N."""
-        return range(self.num_samples + (self.variant == "c3po"))
+        self._maybe_warn_bf16(pl_module, self._ivon(trainer))
 
     @staticmethod
     def _ivon(trainer: "pl.Trainer") -> IVON:
@@ -147,7 +141,6 @@ class ParamNoise(RLVRCallback):
     @override
     def on_rl_step_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", rollouts: Rollouts) -> None:
         optimizer = self._ivon(trainer)
-        optimizer.prefetch_noise(self._step_samples())  # the next step's ε, drawn while it generates
         pl_module.log_metrics(optimizer.noise_stats())  # σ after this step; θ − m of the loss sample
         if pl_module.global_step % self.bf16_check_every == 0:
             self._maybe_warn_bf16(pl_module, optimizer)

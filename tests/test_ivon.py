@@ -187,26 +187,6 @@ def test_sampled_stack_equals_each_sampled_params_bit_for_bit(dtype):
     assert not torch.equal(stacks[0][0], stacks[0][1])
 
 
-def test_prefetched_noise_is_the_noise_drawn_in_place():
-    """`prefetch_noise` draws on a thread what `sampled_params`/`sampled_stack` would draw themselves: the same
-    bits, each prefetched sample used once, and never at another step."""
-    model, twin_model = _model(), _model()
-    opt, twin = IVON(model.parameters(), seed=3, **KW), IVON(twin_model.parameters(), seed=3, **KW)
-    opt.prefetch_noise([0, 1, 2])
-    with opt.sampled_params(sample_index=1), twin.sampled_params(sample_index=1):
-        assert torch.equal(_flat(model), _flat(twin_model))
-    stack = opt.sampled_stack([2, 0])  # from the thread too
-    assert all(torch.equal(a, b) for a, b in zip(stack, twin.sampled_stack([2, 0])))
-    assert opt._runtime["ahead"]["drawn"] == {}  # all three taken
-    opt.prefetch_noise([0])
-    for o, m in ((opt, model), (twin, twin_model)):
-        _train_sample(o, m, 0, 5)
-        o.step()  # a new step: the sample drawn ahead with the old step's seed must not be used
-    assert all(torch.equal(a, b) for a, b in zip(opt.sampled_stack([0]), twin.sampled_stack([0])))
-    assert 0 in opt._runtime["ahead"]["drawn"]  # still there, unused
-    assert not torch.equal(opt._runtime["ahead"]["drawn"][0][0], opt._standard_normal(0)[0])
-
-
 def test_state_dict_round_trip_continues_identically():
     model_a = _model()
     opt_a = IVON(model_a.parameters(), seed=5, **KW)

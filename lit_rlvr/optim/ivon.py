@@ -38,7 +38,6 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -54,8 +53,6 @@ except ImportError:  # pragma: no cover
     DTensor = ()  # isinstance(x, ()) is always False
 
 __all__ = ["IVON", "sample_seed", "bf16_spacing_warning"]
-
-PREFETCH_MAX_FLOATS = 1 << 26  # 256 MB of fp32 noise held ahead at most (`IVON.prefetch_noise`)
 
 
 def sample_seed(seed: int, step: int, sample_index: int, rank: int, param_index: int) -> int:
@@ -206,19 +203,8 @@ class IVON(ivon.IVON):
             self._runtime["sampling"] = False
 
     def _standard_normal(self, sample_index: int) -> list[Tensor]:
-        """ε per param group: flat fp32 [group numel], the concatenation of one seeded draw per (local) param
-        (from `prefetch_noise`'s thread when it drew this sample)."""
-        ahead = self._runtime.get("ahead")
-        if ahead is not None and ahead["step"] == self.current_step and sample_index in ahead["indices"]:
-            ahead["thread"].join()
-            eps = ahead["drawn"].pop(sample_index, None)  # None: the thread failed; draw here, where errors show
-            if eps is not None:
-                return eps
-        return self._draw_standard_normal(self.current_step, sample_index)
-
-    def _draw_standard_normal(self, step: int, sample_index: int) -> list[Tensor]:
-        """`_standard_normal` of (step, sample_index), each param's draw written straight into its slice of the
-        group's flat buffer (the same numbers as drawing it alone: a contiguous fill of the same size)."""
+        """ε per param group: flat fp32 [group numel], one seeded draw per (local) param written straight into
+        its slice (the same numbers as drawing it alone: a contiguous fill of the same size)."""
         generators: dict[torch.device, torch.Generator] = {}
         out, param_index = [], 0
         for group in self.param_groups:
@@ -229,36 +215,13 @@ class IVON(ivon.IVON):
                 gen = generators.get(local.device)
                 if gen is None:
                     gen = generators[local.device] = torch.Generator(device=local.device)
-                gen.manual_seed(sample_seed(self.seed, step, sample_index, self._shard_key(p), param_index))
+                gen.manual_seed(sample_seed(self.seed, self.current_step, sample_index, self._shard_key(p),
+                                            param_index))
                 torch.randn(local.numel(), generator=gen, out=flat[offset:offset + local.numel()])
                 offset += local.numel()
                 param_index += 1
             out.append(flat)
         return out
-
-    def prefetch_noise(self, sample_indices: Iterable[int]) -> None:
-        """Start drawing ε of `sample_indices` at the current step on a background thread; `sampled_params` and
-        `sampled_stack` of those indices at this step take them from there (same seeds: the same bits).
-
-        Why: on CPU the seeded draws are serial Mersenne-Twister work (C3PO on the tiny model: 5 samples,
-        ~3 ms a step), while a small model's ops leave the second core mostly idle. The thread runs only
-        single-threaded fills, so it starts no OpenMP team of its own. CPU only (a GPU draws in microseconds),
-        and only while the drawn samples stay small (`PREFETCH_MAX_FLOATS`): they wait in memory until used."""
-        indices = list(dict.fromkeys(int(j) for j in sample_indices))
-        if self._device.type != "cpu" or not indices or len(indices) * self._numel > PREFETCH_MAX_FLOATS:
-            return
-        held = self._runtime.get("ahead")
-        if held is not None:
-            held["thread"].join()  # one batch in flight at a time
-        step, drawn = self.current_step, {}
-
-        def draw() -> None:
-            for j in indices:
-                drawn[j] = self._draw_standard_normal(step, j)
-
-        thread = threading.Thread(target=draw, name="ivon-noise", daemon=True)
-        self._runtime["ahead"] = {"step": step, "indices": set(indices), "thread": thread, "drawn": drawn}
-        thread.start()
 
     def _shard_key(self, p: Tensor) -> int:
         """`rank` for a plain tensor; for a DTensor the shard's coordinate over the mesh dims it is sharded on."""
