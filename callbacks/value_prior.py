@@ -336,9 +336,10 @@ class ValuePrior(RLVRCallback):
         return extra if sum(extra) > 0 else None
 
     def _group_stats(self, rollouts: Rollouts) -> tuple[list[float], list[int]]:
-        """Each prompt's sample mean reward and count (`_per_prompt_stats`), computed once per rollouts state: the last round's rule, the fusion and the step end
-        all see the same final rollouts. Keyed on the rewards and group tensors themselves, their in-place
-        version counters and B, so any change recomputes. The lists are shared: read them, never write."""
+        """Each prompt's sample mean reward and count (`_per_prompt_stats`), computed once per rollouts state: the
+        last round's rule, the fusion and the step end all see the same final rollouts. Keyed on the rewards and
+        group tensors themselves, their in-place version counters and B, so any change recomputes. The lists are
+        shared: read them, never write."""
         rewards, group = rollouts.rewards, rollouts.group
         key = (rewards, group, getattr(rewards, "_version", None), getattr(group, "_version", None), rollouts.num_groups)
         held = self._stats
@@ -358,6 +359,7 @@ class ValuePrior(RLVRCallback):
         rewards, group = self._stats[2]  # [N], [N] of the rollouts `_group_stats` last read
         fusion = step.fusion
         mid = (self.low + self.high) / 2
+        where_prior = lambda values: [v for v, h in zip(values, has) if h]  # noqa: E731
         metrics = {
             "v05/prior_present": float(step.present),
             "v05/context_size": float(step.context_size),
@@ -365,10 +367,10 @@ class ValuePrior(RLVRCallback):
             "v05/rounds": float(step.rounds),
             "v05/w_mean": _mean(fusion["w"]) if fusion else nan,
             # prior-vs-outcome metrics only exist where there was a prior (NaN in the absent phase)
-            "v05/prior_rejected_frac": _mean([r for r, h in zip(fusion["prior_rejected"], has) if h]) if any_prior else nan,
-            "v05/prior_abs_err": _mean([abs(p - s) for p, s, h in zip(p_hat, success, has) if h]) if any_prior else nan,
+            "v05/prior_rejected_frac": _mean(where_prior(fusion["prior_rejected"])) if any_prior else nan,
+            "v05/prior_abs_err": _mean(where_prior([abs(p - s) for p, s in zip(p_hat, success)])) if any_prior else nan,
             "v05/prior_auc": binary_auroc_py([p_hat[g] for g in group], [r > mid for r in rewards]) if all_prior else nan,
-            "v05/p_hat_mean": _mean([p for p, h in zip(p_hat, has) if h]) if any_prior else nan,
+            "v05/p_hat_mean": _mean(where_prior(p_hat)) if any_prior else nan,
         }
         values = torch.tensor(list(metrics.values()), dtype=torch.float32)  # one tensor, not nine
         return dict(zip(metrics, values.unbind()))  # [] each, float32

@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 import struct
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -222,7 +221,7 @@ def expected_mse_reduction_py(mean: list[float], prior: list[float], counts: lis
         diff = round_f32(m - p)
         # torch evaluates `scalar / tensor` as scalar · (1 / tensor) in float32: written so, for the same bits
         excess = round_f32(round_f32(diff * diff) - round_f32(nv * _div(1.0, max(k, 1.0))))
-        bias_sq = (0.0 if excess < 0 else excess) if math.isfinite(p) else math.inf  # NaN stays NaN, as np.maximum
+        bias_sq = (0.0 if excess < 0 else excess) if math.isfinite(p) else math.inf  # NaN stays NaN, as clamp_min
         ratio = round_f32(nv * _div(1.0, bias_sq))
         now = round_f32(nv * _div(1.0, round_f32(k + ratio)))  # σ²/(k + σ²/Δ̂²)
         after = round_f32(nv * _div(1.0, round_f32(round_f32(k + 1.0) + ratio)))  # with one sample more

@@ -93,20 +93,22 @@ class KernelHead:
         """h = scale × median pairwise distance of the standardized context z [M, F], the scale of best
         leave-one-out likelihood (ties: the largest).
 
-        In float32 and for all scales at once: the search only ranks a dozen bandwidths, and its M×M work was
-        most of the prior's cost (at M = 256, 11 ms in float64 one scale at a time against ~2 ms). Kernel weights
-        below e^-80 are noise next to the Beta prior's α0 pseudo-rollouts: float32 ranks the scales as float64 does."""
+        In float32 and for all scales at once: the search only ranks a dozen bandwidths, and its M×M work was most
+        of the prior's cost (at M = 256 and 384 features, one thread: 11 ms in float64 one scale at a time, ~4.5
+        ms this way). Kernel weights below e^-80 are noise next to the Beta prior's α0 pseudo-rollouts."""
         m = len(z)
         x = z.float()  # [M, F]
         sq_norm = (x * x).sum(1)  # [M]
-        d2 = torch.addmm(sq_norm[:, None] + sq_norm[None, :], x, x.T, alpha=-2).clamp_min_(0)  # [M, M] ‖z_i − z_j‖²
+        d2 = torch.addmm(sq_norm[:, None] + sq_norm[None, :], x, x.T, alpha=-2).clamp_min_(0)  # [M, M] distance²
         pairs = d2[torch.triu_indices(m, m, 1).unbind()]  # [M(M−1)/2] each pair once
         median = pairs.median().sqrt() if m > 1 else torch.ones(())  # sqrt is monotone: the median distance
         grid = torch.tensor(self.bandwidth_scales) * median.clamp_min(1e-6)  # [S]
         # exp(−d² / (2h²)); the exponent floored at −80: float32 exp is ~30× slower where it underflows
         k = torch.exp((d2 * (-0.5 / grid.square())[:, None, None]).clamp_min_(-80.0))  # [S, M, M]
         k.diagonal(dim1=1, dim2=2).zero_()  # record i never predicts itself
-        tallies = torch.baddbmm(self.prior_tally_.float().expand(1, 1, 2), k, self.tallies_.float().expand(len(grid), m, 2))  # [S, M, 2]
+        # prior + kernel-weighted tallies of every record, per scale (`_smooth` for all S at once)
+        tallies = torch.baddbmm(self.prior_tally_.float().expand(1, 1, 2), k,
+                                self.tallies_.float().expand(len(grid), m, 2))  # [S, M, 2]
         p = (tallies[..., 0] / tallies[..., 1]).double().clamp(1e-6, 1 - 1e-6)  # [S, M]
         self.loo_loglik_ = (self.n_ * (self.y_ * p.log() + (1 - self.y_) * (1 - p).log())).sum(1)  # [S]
         self.bandwidth_grid_ = grid.double()  # [S]
