@@ -4,6 +4,7 @@ import gc
 from contextlib import contextmanager
 
 import lightning.pytorch as pl
+import pytest
 import torch
 
 from lit_rlvr.data.datamodule import RLVRDataModule
@@ -53,3 +54,17 @@ def test_callback_sets_counts_and_baseline(tiny_path, tmp_path):
     assert callback.seen["passes"] == 1 and callback.seen["steps"] == 1
     # the set-up's objects are frozen during the run (no full-collection rescans) and released after it
     assert callback.seen["frozen_objects"] > 100_000 and gc.get_freeze_count() == 0
+
+
+def test_objects_frozen_for_the_run_are_released_when_it_raises(tiny_path, tmp_path):
+    class Raises(RLVRCallback):
+        def on_rl_step_end(self, trainer, pl_module, rollouts):
+            assert gc.get_freeze_count() > 0
+            raise RuntimeError("boom")
+
+    module = GRPOModule(model=tiny_path, group_size=2, max_new_tokens=4)
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, callbacks=[Raises()], default_root_dir=tmp_path)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(module, datamodule=RLVRDataModule(batch_size=2))
+    assert gc.get_freeze_count() == 0
