@@ -115,7 +115,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     if cfg.resume is not None:
         if not Path(cfg.resume).exists():
             raise FileNotFoundError(f"resume={cfg.resume!r}: no such checkpoint (a run keeps its checkpoints/last.ckpt)")
-        _set_metrics_aside(run_dir)
+        if trainer.is_global_zero:  # rank 0 writes metrics.csv; another rank here would race its logger
+            _set_metrics_aside(run_dir)
     # weights_only=False: our own checkpoints hold the config (omegaconf), RNG and data states
     checkpoint = next(cb for cb in trainer.callbacks if isinstance(cb, RunCheckpoint))
     try:
@@ -130,7 +131,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         after = {}
     else:
         after = validate(trainer, module, datamodule)
-    _merge_metrics_aside(run_dir)
+    if trainer.is_global_zero:  # after its logger's last write (another rank may finish first)
+        _merge_metrics_aside(run_dir)
     summary = summarise(cfg, run_dir, module, before, after, time.perf_counter() - started)
     summary["stopped_by_sigterm"] = checkpoint.stopped_by_sigterm
     summary["stopped_by_sigint"] = checkpoint.stopped_by_sigint
