@@ -61,11 +61,15 @@ class RunCheckpoint(pl.Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if (trainer.received_sigterm or self._sigint) and not trainer.should_stop:
+        # any rank's signal stops every rank at this step: a rank that stopped alone would leave the others
+        # waiting in the next step's collectives (signals reach ranks at slightly different times)
+        sigterm = trainer.strategy.reduce_boolean_decision(trainer.received_sigterm, all=False)
+        sigint = trainer.strategy.reduce_boolean_decision(self._sigint, all=False)
+        if (sigterm or sigint) and not trainer.should_stop:
             # Lightning's own handler would raise at the next batch; stopping here ends `fit` normally
-            self.stopped_by_sigterm, self.stopped_by_sigint = trainer.received_sigterm, not trainer.received_sigterm
+            self.stopped_by_sigterm, self.stopped_by_sigint = sigterm, not sigterm
             trainer.should_stop = True
-            name = "SIGTERM" if trainer.received_sigterm else "SIGINT"
+            name = "SIGTERM" if sigterm else "SIGINT"
             log.warning("%s at step %d: saving %s and stopping", name, trainer.global_step, self.last_path)
         step = trainer.global_step
         last = 0 < trainer.max_steps <= step
@@ -74,7 +78,8 @@ class RunCheckpoint(pl.Callback):
 
     def save(self, trainer: pl.Trainer) -> None:
         """Write `last.ckpt` aside and rename it over the old one: a crash mid-write leaves the old one intact."""
-        if self.saved_step == trainer.global_step and self.last_path.exists():
+        # rank 0's view of the file decides for all: saving is a collective, every rank must take the same branch
+        if self.saved_step == trainer.global_step and trainer.strategy.broadcast(self.last_path.exists()):
             return
         tmp = self.last_path.with_name(self.FILE + ".tmp")
         trainer.save_checkpoint(tmp)

@@ -418,7 +418,8 @@ class _TrainPrompts:
     def _resumable_order(self, epoch: int) -> list[int]:
         from lit_rlvr.data.datamodule import ResumableSampler
 
-        fresh = ResumableSampler(self.sampler.size, self.sampler.seed)  # the original may be skipping (resume)
+        # this rank's order (the original may be skipping: resume)
+        fresh = ResumableSampler(self.sampler.size, self.sampler.seed, self.sampler.rank, self.sampler.world)
         fresh.set_epoch(epoch)
         return list(fresh)
 

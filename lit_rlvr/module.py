@@ -610,20 +610,24 @@ class GRPOModule(pl.LightningModule):
         self.log_dict(self.val_metrics.compute(), on_epoch=True, prog_bar=True)
         self.val_metrics.reset()
 
+    SUMMED_COUNTERS = ("rollouts_total", "tokens_generated", "reward_failures")  # per rank; the run's is the sum
+
     def global_counters(self) -> dict[str, int]:
         """The run's counters summed over data-parallel ranks (a collective: call it on every rank)."""
-        summed = ("rollouts_total", "tokens_generated", "reward_failures")
-        values = D.all_reduce(torch.tensor([self.counters[k] for k in summed], dtype=torch.long))
-        return {**self.counters, **dict(zip(summed, values.tolist()))}
+        values = D.all_reduce(torch.tensor([self.counters[k] for k in self.SUMMED_COUNTERS], dtype=torch.long))
+        return {**self.counters, **dict(zip(self.SUMMED_COUNTERS, values.tolist()))}
 
     # -- state -------------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["lit_rlvr"] = {"counters": dict(self.counters), "engine_version": self.global_step,
+        # the run's totals (every rank saves, one file is written): a resume gives them to rank 0, 0 to the others
+        checkpoint["lit_rlvr"] = {"counters": self.global_counters(), "engine_version": self.global_step,
                                   "model_path": self.model_path, "rng": rng_states()}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("lit_rlvr", {})
         self.counters.update(state.get("counters", {}))
+        if self.global_rank != 0:
+            self.counters.update(dict.fromkeys(self.SUMMED_COUNTERS, 0))
         if "rng" in state:  # a resumed run draws the random numbers the uninterrupted run would have drawn
             set_rng_states(state["rng"])
         self._engine_holds_mean = False  # the engine must receive the restored weights before the next rollout

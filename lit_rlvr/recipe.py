@@ -206,7 +206,8 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     result = {"checkpoint": str(cfg.checkpoint), "prompts": len(getattr(datamodule, "eval_set", None) or []),
               "samples_per_prompt": module.hparams.eval_samples, "temperature": module.hparams.eval_temperature,
               **metrics}
-    (run_dir / "eval.json").write_text(json.dumps(result, indent=2))
+    if trainer.is_global_zero:
+        (run_dir / "eval.json").write_text(json.dumps(result, indent=2))
     return result
 
 

@@ -108,3 +108,7 @@ def test_c3po_resume_on_two_ranks_continues_exactly(runs, c3po_resumed):
     assert [r["step"] for r in resumed] == [0, 1, 2]
     assert resumed == straight
     assert _pushes(c3po_resumed, 0)[-1]["digest"] == _pushes(runs["c3po_two_ranks"], 0)[-1]["digest"]
+    # the run's totals: the checkpoint holds the sum over ranks, not rank 0's own counts
+    totals = [json.loads((run / "summary.json").read_text()) for run in (c3po_resumed, runs["c3po_two_ranks"])]
+    for key in ("rollouts_total", "tokens_generated", "reward_failures"):
+        assert totals[0][key] == totals[1][key], key

@@ -260,3 +260,8 @@ def test_python_variants_give_the_torch_functions_bits():
         auc, auc_py = float(binary_auroc(mean, labels)), binary_auroc_py(mean.tolist(), labels.tolist())
         # the torch function rounds to float32; the Python one keeps float64
         assert auc == pytest.approx(auc_py, rel=1e-6, nan_ok=True), (auc, auc_py)
+    # a squared gap that overflows float32: Δ̂² = inf, so torch's w is 1; the Python twin's too
+    mean, prior, counts = torch.tensor([3e38, 0.5]), torch.tensor([-3e38, 0.1]), torch.tensor([4, 4])
+    b, m = shrinkage_fusion(mean, prior, counts, noise_var=1.0)
+    b_py, m_py = shrinkage_fusion_py(mean.tolist(), prior.tolist(), counts.tolist(), 1.0)
+    assert b_py == b.tolist() and m_py["w"] == m["w"].tolist() == [1.0, 0.0]

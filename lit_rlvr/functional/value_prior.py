@@ -241,7 +241,7 @@ def shrinkage_fusion_py(mean: list[float], prior: list[float], counts: list[int]
         diff = round_f32(m - p)
         excess = round_f32(round_f32(diff * diff) - noise)
         bias_sq = (0.0 if excess < 0 else excess) if has_prior else math.inf  # NaN stays NaN, as clamp_min
-        w = (_div(bias_sq, round_f32(bias_sq + noise)) if has_prior else 1.0) if has_data else 0.0
+        w = (1.0 if math.isinf(bias_sq) else _div(bias_sq, round_f32(bias_sq + noise))) if has_data else 0.0
         fused = round_f32(p + round_f32(w * diff)) if has_data else p
         baseline.append(fused if has_prior else m)
         metrics["w"].append(w)
