@@ -7,11 +7,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from lit_rlvr.distributed import shutdown
-from lit_rlvr.recipe import evaluate, print_summary, train  # lit_rlvr first: it sets OMP_WAIT_POLICY before torch loads
+from lit_rlvr.recipe import check_run_dir, evaluate, print_summary, train  # lit_rlvr first: it sets OMP_WAIT_POLICY before torch loads
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    check_run_dir(HydraConfig.get())
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if cfg.mode == "train":
         print_summary(train(cfg, run_dir), f"lit-rlvr {cfg.algorithm.name} run ({run_dir})")

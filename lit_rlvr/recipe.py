@@ -6,6 +6,7 @@ import csv
 import json
 import logging
 import math
+import os
 import resource
 import time
 import warnings
@@ -101,6 +102,17 @@ def _load_data(datamodule: pl.LightningDataModule, trainer: pl.Trainer, stage: s
     except DataError as err:
         raise DataError(f"{err}\nAs train.py overrides: data.fields.prompt=COLUMN data.fields.answer=COLUMN "
                         "(or data.fields=PRESET), data.on_bad_row=skip") from None
+
+
+def check_run_dir(hydra_cfg: DictConfig) -> None:
+    """A multi-process run (torchrun, srun) needs one run dir on every rank. The default `hydra.run.dir` holds
+    `${now:…}`, which each rank resolves on its own clock: ranks that start in different seconds would write
+    their checkpoints and logs to different dirs. Refused before any work."""
+    ranks = int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
+    run_dir = str(OmegaConf.to_container(hydra_cfg.run, resolve=False)["dir"])
+    if ranks > 1 and "${now:" in run_dir:
+        raise ValueError(f"hydra.run.dir={run_dir!r} depends on the clock, which each of the {ranks} ranks reads "
+                         f"for itself; set hydra.run.dir=DIR (the same on every rank) for a multi-process run")
 
 
 def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:

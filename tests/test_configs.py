@@ -7,7 +7,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
-from lit_rlvr.recipe import build_module, build_trainer
+from lit_rlvr.recipe import build_module, build_trainer, check_run_dir
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -68,3 +68,13 @@ def test_missing_model_path_fails_before_work(tmp_path):
     cfg = _compose(f"model.name_or_path={tmp_path / 'nope'}", f"hydra.run.dir={tmp_path}")
     with pytest.raises(FileNotFoundError, match="model.name_or_path"):
         build_module(cfg)
+
+
+def test_multi_process_run_needs_a_fixed_run_dir(tmp_path, monkeypatch):
+    """Each torchrun rank resolves the default `${now:…}` run dir on its own clock: refused, naming the key."""
+    default, fixed = _compose(), _compose(f"hydra.run.dir={tmp_path}")
+    check_run_dir(default.hydra)  # one process: the default is fine
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="hydra.run.dir"):
+        check_run_dir(default.hydra)
+    check_run_dir(fixed.hydra)
