@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import torch
@@ -63,6 +64,22 @@ def warm_start_tiny(
     if (path / "config.json").exists():
         return path
     log.info("warm-starting the tiny model (%d supervised steps) into %s", steps, path)
+    with torch.random.fork_rng(devices=[]):  # the caller's RNG must not depend on whether the cache was warm
+        model, tokenizer = _train(steps, batch_size, lr, seed, levels, hidden_size, layers, split_seed)
+    tmp = path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")  # unique on a shared filesystem
+    tiny.save(model, tokenizer, tmp)
+    try:
+        tmp.rename(path)  # atomic: a half-written cache is never reused
+    except OSError:  # another process finished the same warm-up first (same settings, same model)
+        if not (path / "config.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _train(steps: int, batch_size: int, lr: float, seed: int, levels: tuple[int, ...], hidden_size: int,
+           layers: int, split_seed: int):
+    """The supervised warm-up itself: (model, tokenizer) after `steps` AdamW steps on the train split."""
     model, tokenizer = tiny.build_tiny(seed, hidden_size=hidden_size, layers=layers)
     task = ArithmeticTask(levels=tuple(levels), seed=split_seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -77,12 +94,4 @@ def warm_start_tiny(
         optimizer.step()
         schedule.step()
     model.eval()
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tiny.save(model, tokenizer, tmp)
-    try:
-        tmp.rename(path)  # atomic: a half-written cache is never reused
-    except OSError:  # another process finished the same warm-up first (same settings, same model)
-        if not (path / "config.json").exists():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    return model, tokenizer
