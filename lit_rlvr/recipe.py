@@ -115,8 +115,21 @@ def check_run_dir(hydra_cfg: DictConfig) -> None:
                          f"for itself; set hydra.run.dir=DIR (the same on every rank) for a multi-process run")
 
 
+def _check_resume(path: Path) -> None:
+    """`resume=PATH` must exist; a save interrupted between its two renames (a sharded checkpoint is a folder:
+    `RunCheckpoint` moves the old one aside first) leaves the previous checkpoint as PATH.old: say so."""
+    if path.exists():
+        return
+    aside = path.with_name(path.name + ".old")
+    hint = (f"; {aside} holds the checkpoint before an interrupted save: rename it to {path.name} to resume from it"
+            if aside.exists() else " (a run keeps its checkpoints/last.ckpt)")
+    raise FileNotFoundError(f"resume={str(path)!r}: no such checkpoint{hint}")
+
+
 def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Evaluate, train, evaluate again; write summary.json; return the summary."""
+    if cfg.resume is not None:
+        _check_resume(Path(cfg.resume))
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     started = time.perf_counter()
     datamodule = _instantiate(cfg.data)
@@ -125,8 +138,6 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     module = build_module(cfg)
     before = validate(trainer, module, datamodule) if cfg.eval_before and cfg.resume is None else {}
     if cfg.resume is not None:
-        if not Path(cfg.resume).exists():
-            raise FileNotFoundError(f"resume={cfg.resume!r}: no such checkpoint (a run keeps its checkpoints/last.ckpt)")
         if trainer.is_global_zero:  # rank 0 writes metrics.csv; another rank here would race its logger
             _set_metrics_aside(run_dir)
     # weights_only=False: our own checkpoints hold the config (omegaconf), RNG and data states

@@ -7,7 +7,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
-from lit_rlvr.recipe import build_module, build_trainer, check_run_dir
+from lit_rlvr.recipe import build_module, build_trainer, check_run_dir, train
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -78,3 +78,12 @@ def test_multi_process_run_needs_a_fixed_run_dir(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="hydra.run.dir"):
         check_run_dir(default.hydra)
     check_run_dir(fixed.hydra)
+
+
+def test_missing_resume_checkpoint_fails_first_and_points_to_an_interrupted_save(tmp_path):
+    missing = tmp_path / "checkpoints" / "last.ckpt"
+    with pytest.raises(FileNotFoundError, match="resume=.*no such checkpoint"):
+        train(_compose(f"resume={missing}", f"hydra.run.dir={tmp_path}"), tmp_path)
+    (tmp_path / "checkpoints" / "last.ckpt.old").mkdir(parents=True)  # a sharded save stopped between renames
+    with pytest.raises(FileNotFoundError, match="last.ckpt.old holds the checkpoint"):
+        train(_compose(f"resume={missing}", f"hydra.run.dir={tmp_path}"), tmp_path)
