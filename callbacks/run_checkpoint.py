@@ -27,6 +27,7 @@ class RunCheckpoint(pl.Callback):
     """Args: `dirpath` folder of `last.ckpt`; `every_n_steps` optimizer steps between saves (>= 1)."""
 
     FILE = "last.ckpt"
+    ASIDE = ".old"  # suffix of the previous sharded checkpoint while a new one is renamed in (`_replace`)
 
     def __init__(self, dirpath: Union[str, Path], every_n_steps: int):
         if every_n_steps < 1:
@@ -103,7 +104,7 @@ def _replace(new: Path, old: Path) -> None:
     if not new.is_dir() or not old.exists():
         os.replace(new, old)
         return
-    aside = old.with_name(old.name + ".old")
+    aside = old.with_name(old.name + RunCheckpoint.ASIDE)
     shutil.rmtree(aside, ignore_errors=True)
     os.replace(old, aside)
     os.replace(new, old)

@@ -37,6 +37,7 @@ from lit_rlvr.functional.ranking import binary_auroc_py
 from lit_rlvr.functional.value_prior import (
     allocate_round_py,
     expected_mse_reduction_py,
+    group_mean_py,
     reward_noise_var,
     round_f32,
     shrinkage_fusion_py,
@@ -336,7 +337,7 @@ class ValuePrior(RLVRCallback):
         return extra if sum(extra) > 0 else None
 
     def _group_stats(self, rollouts: Rollouts) -> tuple[list[float], list[int]]:
-        """Each prompt's sample mean reward and count (`_per_prompt_stats`), computed once per rollouts state: the
+        """Each prompt's sample mean reward and count (`group_mean_py`), computed once per rollouts state: the
         last round's rule, the fusion and the step end all see the same final rollouts. Keyed on the rewards and
         group tensors themselves, their in-place version counters and B, so any change recomputes. The lists are
         shared: read them, never write."""
@@ -346,7 +347,7 @@ class ValuePrior(RLVRCallback):
         if held is not None and held[0][0] is key[0] and held[0][1] is key[1] and held[0][2:] == key[2:]:
             return held[1]
         values = rewards.detach().float().tolist(), group.tolist()  # [N] float32 values, [N] ints
-        stats = _per_prompt_stats(*values, rollouts.num_groups)
+        stats = group_mean_py(*values, rollouts.num_groups)
         self._stats = (key, stats, values)
         return stats
 
@@ -443,16 +444,6 @@ class _Ahead:
         size = self.steps * self.source.batch_size
         self.held = key
         return self.source.prompts(self._order[1][key[1] * size : (key[1] + 1) * size])
-
-
-def _per_prompt_stats(rewards: list[float], group: list[int], num_groups: int) -> tuple[list[float], list[int]]:
-    """Sample mean reward [B] (float64 sums, exact for ±1 rewards, rounded to float32) and sample count [B] of
-    each prompt, from rewards [N] and the prompt index of each rollout [N]."""
-    sums, counts = [0.0] * num_groups, [0] * num_groups
-    for r, g in zip(rewards, group):
-        sums[g] += r
-        counts[g] += 1
-    return [round_f32(s / max(n, 1)) for s, n in zip(sums, counts)], counts
 
 
 def _mean(values: Sequence[float]) -> float:

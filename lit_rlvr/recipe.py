@@ -120,7 +120,7 @@ def _check_resume(path: Path) -> None:
     `RunCheckpoint` moves the old one aside first) leaves the previous checkpoint as PATH.old: say so."""
     if path.exists():
         return
-    aside = path.with_name(path.name + ".old")
+    aside = path.with_name(path.name + RunCheckpoint.ASIDE)
     hint = (f"; {aside} holds the checkpoint before an interrupted save: rename it to {path.name} to resume from it"
             if aside.exists() else " (a run keeps its checkpoints/last.ckpt)")
     raise FileNotFoundError(f"resume={str(path)!r}: no such checkpoint{hint}")

@@ -265,3 +265,16 @@ def test_python_variants_give_the_torch_functions_bits():
     b, m = shrinkage_fusion(mean, prior, counts, noise_var=1.0)
     b_py, m_py = shrinkage_fusion_py(mean.tolist(), prior.tolist(), counts.tolist(), 1.0)
     assert b_py == b.tolist() and m_py["w"] == m["w"].tolist() == [1.0, 0.0]
+
+
+def test_group_mean_py_matches_group_mean_on_pm1_rewards():
+    """The callback's per-prompt means and counts equal `group_mean` and `bincount` (±1 sums are exact)."""
+    from lit_rlvr.functional.advantages import group_mean
+    from lit_rlvr.functional.value_prior import group_mean_py
+
+    g = torch.Generator().manual_seed(1)
+    group = torch.randint(0, 7, (50,), generator=g)  # [N]; some of the 8 groups stay empty
+    rewards = torch.where(torch.rand(50, generator=g) < 0.4, 1.0, -1.0)  # [N]
+    means, counts = group_mean_py(rewards.tolist(), group.tolist(), 8)
+    assert means == group_mean(rewards, group, 8).tolist()
+    assert counts == torch.bincount(group, minlength=8).tolist() and counts[7] == 0 and means[7] == 0.0

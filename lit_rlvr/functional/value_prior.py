@@ -208,6 +208,16 @@ def _div(a: float, b: float) -> float:
     return round_f32(a / b)
 
 
+def group_mean_py(values: list[float], group: list[int], num_groups: int) -> tuple[list[float], list[int]]:
+    """`advantages.group_mean` in plain Python, with the counts: the mean of `values` [N] within each group [B]
+    (float64 sums, exact for ±1 rewards, rounded to float32; 0 for an empty group) and each group's size [B]."""
+    sums, counts = [0.0] * num_groups, [0] * num_groups
+    for v, g in zip(values, group):
+        sums[g] += v
+        counts[g] += 1
+    return [round_f32(s / max(n, 1)) for s, n in zip(sums, counts)], counts
+
+
 def expected_mse_reduction_py(mean: list[float], prior: list[float], counts: list[int],
                               noise_var: float) -> list[float]:
     """`expected_mse_reduction` in plain Python on float32 values (same operations, same bits), [B]."""

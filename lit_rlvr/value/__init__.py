@@ -204,10 +204,6 @@ class ValueModel:
             if self.head.load_geometry(state["geometry"]) is not False:  # False: an older state, search anew
                 self._searched_at = int(state["searched_at"])
 
-    def _context_features(self, context: ContextBuffer, prompts: list[str]) -> Tensor:
-        """[M, F] float64 features of the context's records (a search's or TabPFN's input)."""
-        return self.prompt_features(prompts).double()
-
     def _context_standardized(self, context: ContextBuffer, prompts: list[str]) -> tuple[Tensor, Tensor]:
         """The kernel head's standardized context rows as columns [F, M] and their squared norms [M], in its
         current geometry. A row depends on its record alone, and the context (a ring buffer) gains a few records
@@ -256,7 +252,7 @@ class ValueModel:
         whether it searched."""
         search = self._search_now(context)
         if search:  # a new geometry, from the raw features
-            x = self._context_features(context, ctx_prompts)  # [M, F]
+            x = self.prompt_features(ctx_prompts).double()  # [M, F] float64
             self.head.fit(x, context.success_rate, context.counts)
             self._searched_at = context.total_added
             columns = _SlidingColumns.of(self.head.zt_, self.head.sq_norm_, context.capacity)
@@ -286,7 +282,7 @@ class ValueModel:
                     metrics["bandwidth_searched"] = torch.tensor(float(search))
                 p_hat = self.head.predict_standardized(*self._standardized(list(prompts)))  # [B] float64
             else:
-                self.head.fit(self._context_features(context, ctx_prompts), context.success_rate, context.counts)
+                self.head.fit(self.prompt_features(ctx_prompts).double(), context.success_rate, context.counts)
                 p_hat = self.head.predict(self.prompt_features(list(prompts)))  # [B]
             p_hat = p_hat.float().clamp(0, 1)  # [B]
         if with_metrics:

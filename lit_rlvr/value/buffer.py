@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -121,8 +120,8 @@ class ContextBuffer:
 
 
 def _as_list(values: Tensor | Sequence, dtype: torch.dtype) -> list:
-    """[B] values as a Python list of `dtype`'s kind (floats in float64: no rounding). Numpy arrays and lists
-    take numpy's path: a few µs where a torch conversion costs tens (this runs at every step)."""
+    """[B] values as a Python list of `dtype`'s kind (floats in float64: no rounding)."""
     if isinstance(values, Tensor):
         return values.detach().to("cpu", dtype).tolist()
-    return np.asarray(values, dtype=np.float64 if dtype.is_floating_point else np.int64).tolist()
+    kind = float if dtype.is_floating_point else int
+    return [kind(v) for v in values]

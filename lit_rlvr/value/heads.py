@@ -106,19 +106,11 @@ class KernelHead:
         # exp(−d² / (2h²)); the exponent floored at −80: float32 exp is ~30× slower where it underflows
         k = torch.exp((d2 * (-0.5 / grid.square())[:, None, None]).clamp_min_(-80.0))  # [S, M, M]
         k.diagonal(dim1=1, dim2=2).zero_()  # record i never predicts itself
-        # prior + kernel-weighted tallies of every record, per scale (`_smooth` for all S at once)
-        tallies = torch.baddbmm(self.prior_tally_.float().expand(1, 1, 2), k,
-                                self.tallies_.float().expand(len(grid), m, 2))  # [S, M, 2]
-        p = (tallies[..., 0] / tallies[..., 1]).double().clamp(1e-6, 1 - 1e-6)  # [S, M]
+        p = self._smooth(k).double().clamp(1e-6, 1 - 1e-6)  # [S, M]
         self.loo_loglik_ = (self.n_ * (self.y_ * p.log() + (1 - self.y_) * (1 - p).log())).sum(1)  # [S]
         self.bandwidth_grid_ = grid.double()  # [S]
         last_best = len(grid) - 1 - self.loo_loglik_.flip(0).argmax()  # [] ties → the largest bandwidth
         self.bandwidth_ = self.bandwidth_grid_[last_best]  # []
-
-    @property
-    def x_(self) -> Tensor:
-        """[M, F] the context's standardized features (a view)."""
-        return self.zt_.T
 
     def geometry(self) -> dict[str, Tensor]:
         """What `fit(search=False)` keeps from the last search (a checkpoint carries it: exact resume)."""
@@ -134,9 +126,14 @@ class KernelHead:
         return True
 
     def _smooth(self, k: Tensor) -> Tensor:
-        """p̂ for rows of kernel weights k [B, M] over the context, [B]: (α0·p̄ + Σ_j k_j·n_j·y_j) / (α0 + Σ_j k_j·n_j)."""
-        tallies = torch.addmm(self.prior_tally_, k, self.tallies_)  # [B, 2] prior + kernel-weighted tallies
-        return tallies[:, 0] / tallies[:, 1]  # [B]
+        """p̂ for rows of kernel weights k [B, M] (or [S, B, M]: S kernels at once) over the context, in k's dtype:
+        (α0·p̄ + Σ_j k_j·n_j·y_j) / (α0 + Σ_j k_j·n_j), [B] (or [S, B])."""
+        prior, tallies = self.prior_tally_.to(k.dtype), self.tallies_.to(k.dtype)  # [2], [M, 2]
+        if k.dim() == 2:
+            smoothed = torch.addmm(prior, k, tallies)  # [B, 2] prior + kernel-weighted tallies
+        else:
+            smoothed = torch.baddbmm(prior.expand(1, 1, 2), k, tallies.expand(len(k), *tallies.shape))  # [S, B, 2]
+        return smoothed[..., 0] / smoothed[..., 1]
 
     def predict(self, features: Tensor) -> Tensor:
         """p̂ [B] of features [B, F] (float32 unless the features are another float type)."""
