@@ -161,6 +161,25 @@ class StepRecorder(Callback):
         self.name, self.baton = name, baton
         self.rows: list[dict[str, float]] = []
         self._t0 = 0.0
+        self._noise_s: Optional[float] = None  # time in IVON's Gaussian draws this step; None without IVON
+
+    @override
+    def on_train_start(self, trainer, pl_module) -> None:
+        # 3PO: IVON's noise draws are work a GRPO step does not have, so their time is a floor for c3po_over_grpo
+        for optimizer in trainer.optimizers:
+            draw = getattr(optimizer, "_standard_normal", None)
+            if draw is not None:
+                optimizer._standard_normal = self._timed_draw(draw)
+                self._noise_s = 0.0
+
+    def _timed_draw(self, draw: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return draw(*args, **kwargs)
+            finally:
+                self._noise_s += time.perf_counter() - t0
+        return timed
 
     @override
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -171,13 +190,18 @@ class StepRecorder(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.baton is not None:
             self.baton.acquire(self.name)
+        if self._noise_s is not None:
+            self._noise_s = 0.0
         self._t0 = time.perf_counter()
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         wall = time.perf_counter() - self._t0
         source = trainer.callback_metrics or getattr(pl_module, "step_metrics", {})
-        self.rows.append({"wall_s": wall, **{k: float(v) for k, v in source.items() if k in METRICS}})
+        row = {"wall_s": wall, **{k: float(v) for k, v in source.items() if k in METRICS}}
+        if self._noise_s is not None:
+            row["noise_s"] = self._noise_s
+        self.rows.append(row)
 
     @override
     def on_train_end(self, trainer, pl_module) -> None:
@@ -312,6 +336,8 @@ def summarise_rows(rows: list[dict[str, float]], warmup: int) -> dict[str, float
         "rollouts_per_step": median(col("rollouts/per_step")),
         "response_len_mean": median(col("response/len_mean")),
     }
+    if col("noise_s"):
+        out["noise_s"] = median(col("noise_s"))  # IVON's Gaussian draws (3PO)
     if col("time/prior_s"):
         out["prior_s"] = median(col("time/prior_s"))
         out["prior_frac"] = out["prior_s"] / out["module_step_s"]  # of the module's step, which contains it

@@ -115,15 +115,28 @@ def build_trl(cfg, hp, steps: int, rows: list[dict], baton, output_dir: str):
         raise TRLUnavailable("the tokenizer adds special tokens to plain prompts: TRL's prompts would differ from ours")
 
     class StepTimer(TrainerCallback):
+        """Step walls, and per step the time in TRL's `_generate` (transformers' `generate` of the batch)."""
+
         def __init__(self):
             self.walls: list[float] = []
+            self.gens: list[float] = []
             self._t0 = 0.0
+
+        def timed_generate(self, generate):
+            def wrapper(*args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return generate(*args, **kwargs)
+                finally:
+                    self.gens[-1] += time.perf_counter() - t0
+            return wrapper
 
         def on_train_begin(self, args, state, control, **kwargs):
             baton.acquire("trl", count=False)
 
         def on_step_begin(self, args, state, control, **kwargs):
             baton.acquire("trl")
+            self.gens.append(0.0)
             self._t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -141,6 +154,7 @@ def build_trl(cfg, hp, steps: int, rows: list[dict], baton, output_dir: str):
     except Exception as err:  # any refusal of TRL's is the answer this script must give
         raise TRLUnavailable(f"GRPOTrainer cannot be built: {type(err).__name__}: {err}") from err
     trainer.remove_callback(PrinterCallback)  # its end-of-training dict would land on stdout
+    trainer._generate = timer.timed_generate(trainer._generate)
     return trainer, timer, reward
 
 
@@ -162,7 +176,7 @@ def run_trl(overrides: list[str], total: int, baton) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as output_dir:
         trainer, timer, reward = build_trl(cfg, hp, total, step_prompts(cfg, total), baton, output_dir)
         trainer.train()
-    return {"walls": timer.walls, "lengths": reward.mean_lengths, "version": __import__("trl").__version__,
+    return {"walls": timer.walls, "gens": timer.gens, "lengths": reward.mean_lengths, "version": __import__("trl").__version__,
             "peak_rss_mb": common.peak_rss_mb()}
 
 
@@ -196,6 +210,11 @@ def run(args) -> dict:
         "block": args.block,
         "ours_gen_s": ours_summary["gen_s"],
         "ours_train_s": ours_summary["train_s"],
+        "trl_gen_s": common.median(trl["gens"][args.warmup :]),
+        "trl_rest_s": common.median([w - g for w, g in zip(trl_walls, trl["gens"][args.warmup :])]),
+        # our update alone (the same HF forward/backward and AdamW that TRL runs) as a share of TRL's step: the
+        # ratio cannot go below it, however fast our generation gets
+        "train_floor": ours_summary["train_s"] / trl_s,
         "ours_response_len_mean": ours_summary["response_len_mean"],
         "trl_response_len_mean": common.median(trl["lengths"][args.warmup :]),
         "peak_rss_mb": max(ours["peak_rss_mb"], trl["peak_rss_mb"]),

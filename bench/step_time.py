@@ -94,6 +94,9 @@ def compare(args) -> dict:
         result[key] = summaries[name]["median_step_s"] / summaries[base]["median_step_s"]
         paired = [b / a for a, b in zip(summaries[base]["_walls"], summaries[name]["_walls"])]
         result[f"{key}_paired"] = common.median(paired)  # median of step-by-step ratios: robust to load swings
+        if "noise_s" in summaries[name] and "noise_s" not in summaries[base]:
+            # the noise draws alone, on top of the base step: the ratio cannot go below this
+            result[f"{key}_noise_floor"] = 1 + summaries[name]["noise_s"] / summaries[base]["median_step_s"]
         if key in BUDGETS:
             result[f"{key}_budget"] = BUDGETS[key]
     for name in names:

@@ -65,3 +65,32 @@ def test_a_failing_participant_is_reported_and_the_other_finishes():
 
 if __name__ == "__main__":
     globals()[sys.argv[1]]()
+
+
+def test_step_recorder_times_ivon_noise_draws_per_step():
+    """The recorder adds the time spent in an optimizer's `_standard_normal` (IVON's noise draws) to each step's
+    row as noise_s, reset every step; the draws still return what the optimizer returns."""
+    import common
+
+    class Drawing:
+        def _standard_normal(self, sample_index):
+            time.sleep(0.01)
+            return [sample_index]
+
+    class Trainer:
+        optimizers = [Drawing()]
+        callback_metrics = {}
+
+    recorder, trainer = common.StepRecorder("c3po"), Trainer()
+    recorder.on_train_start(trainer, None)
+    for draws in (2, 0):
+        recorder.on_train_batch_start(trainer, None, None, 0)
+        assert [trainer.optimizers[0]._standard_normal(j) for j in range(draws)] == [[j] for j in range(draws)]
+        recorder.on_train_batch_end(trainer, None, None, None, 0)
+    first, second = (row["noise_s"] for row in recorder.rows)
+    assert 0.02 <= first < 0.2 and second < 0.005
+    plain = common.StepRecorder("grpo")  # no optimizer with draws: no noise_s column
+    plain.on_train_start(type("T", (), {"optimizers": [object()], "callback_metrics": {}})(), None)
+    plain.on_train_batch_start(None, None, None, 0)
+    plain.on_train_batch_end(type("T", (), {"callback_metrics": {}})(), None, None, None, 0)
+    assert "noise_s" not in plain.rows[0]
