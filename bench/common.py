@@ -161,25 +161,28 @@ class StepRecorder(Callback):
         self.name, self.baton = name, baton
         self.rows: list[dict[str, float]] = []
         self._t0 = 0.0
-        self._noise_s: Optional[float] = None  # time in IVON's Gaussian draws this step; None without IVON
+        self._timed: dict[str, float] = {}  # per step: seconds spent in the calls `time_calls` wraps
+
+    def time_calls(self, owner: Any, name: str, key: str) -> None:
+        """Add the time spent in `owner.name` (a class's method or an object's) to each step's row as `key`."""
+        inner = getattr(owner, name)
+        self._timed[key] = 0.0
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self._timed[key] += time.perf_counter() - t0
+
+        setattr(owner, name, timed)
 
     @override
     def on_train_start(self, trainer, pl_module) -> None:
         # 3PO: IVON's noise draws are work a GRPO step does not have, so their time is a floor for c3po_over_grpo
         for optimizer in trainer.optimizers:
-            draw = getattr(optimizer, "_standard_normal", None)
-            if draw is not None:
-                optimizer._standard_normal = self._timed_draw(draw)
-                self._noise_s = 0.0
-
-    def _timed_draw(self, draw: Callable) -> Callable:
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return draw(*args, **kwargs)
-            finally:
-                self._noise_s += time.perf_counter() - t0
-        return timed
+            if hasattr(optimizer, "_standard_normal"):
+                self.time_calls(optimizer, "_standard_normal", "noise_s")
 
     @override
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -190,18 +193,14 @@ class StepRecorder(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.baton is not None:
             self.baton.acquire(self.name)
-        if self._noise_s is not None:
-            self._noise_s = 0.0
+        self._timed = dict.fromkeys(self._timed, 0.0)
         self._t0 = time.perf_counter()
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         wall = time.perf_counter() - self._t0
         source = trainer.callback_metrics or getattr(pl_module, "step_metrics", {})
-        row = {"wall_s": wall, **{k: float(v) for k, v in source.items() if k in METRICS}}
-        if self._noise_s is not None:
-            row["noise_s"] = self._noise_s
-        self.rows.append(row)
+        self.rows.append({"wall_s": wall, **{k: float(v) for k, v in source.items() if k in METRICS}, **self._timed})
 
     @override
     def on_train_end(self, trainer, pl_module) -> None:
@@ -336,8 +335,9 @@ def summarise_rows(rows: list[dict[str, float]], warmup: int) -> dict[str, float
         "rollouts_per_step": median(col("rollouts/per_step")),
         "response_len_mean": median(col("response/len_mean")),
     }
-    if col("noise_s"):
-        out["noise_s"] = median(col("noise_s"))  # IVON's Gaussian draws (3PO)
+    for key in ("noise_s", "gen_forward_s"):  # recorded by `StepRecorder.time_calls`
+        if col(key):
+            out[key] = median(col(key))
     if col("time/prior_s"):
         out["prior_s"] = median(col("time/prior_s"))
         out["prior_frac"] = out["prior_s"] / out["module_step_s"]  # of the module's step, which contains it

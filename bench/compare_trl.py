@@ -160,8 +160,11 @@ def build_trl(cfg, hp, steps: int, rows: list[dict], baton, output_dir: str):
 
 def run_ours(overrides: list[str], total: int, baton) -> dict:
     """Our side (a child process of `common.run_in_turns`): per-step rows, the lr in effect, peak RSS."""
+    from lit_rlvr.rollout.hf import HFEngine
+
     cfg = common.compose("grpo", overrides)
     recorder = common.StepRecorder("ours", baton)
+    recorder.time_calls(HFEngine, "_forward", "gen_forward_s")  # the transformers forwards inside generation
     module, datamodule, trainer = common.build_run(cfg, total, recorder)
     trainer.fit(module, datamodule=datamodule)
     return {"rows": recorder.rows, "lr": module.hparams.lr, "peak_rss_mb": common.peak_rss_mb()}
@@ -215,6 +218,9 @@ def run(args) -> dict:
         # our update alone (the same HF forward/backward and AdamW that TRL runs) as a share of TRL's step: the
         # ratio cannot go below it, however fast our generation gets
         "train_floor": ours_summary["train_s"] / trl_s,
+        "ours_gen_forward_s": ours_summary.get("gen_forward_s", float("nan")),
+        # ... nor below this while transformers' model code runs the forwards: all else in the step free
+        "model_code_floor": (ours_summary["train_s"] + ours_summary.get("gen_forward_s", float("nan"))) / trl_s,
         "ours_response_len_mean": ours_summary["response_len_mean"],
         "trl_response_len_mean": common.median(trl["lengths"][args.warmup :]),
         "peak_rss_mb": max(ours["peak_rss_mb"], trl["peak_rss_mb"]),
