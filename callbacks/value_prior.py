@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from lit_rlvr import distributed as D
 from lit_rlvr.functional.ranking import binary_auroc_py
 from lit_rlvr.functional.value_prior import (
     allocate_round_py,
@@ -262,16 +263,25 @@ class ValuePrior(RLVRCallback):
     # -- state -------------------------------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
+        """This rank's state (`_rank_state`); with several ranks, every rank's in rank order under "ranks": each
+        rank's context holds its own prompts' records, and rank 0 alone writes the checkpoint. Called on every
+        rank at each save (Lightning's checkpoint dump is collective)."""
+        own = self._rank_state()
+        return own if D.world_size() == 1 else {"ranks": D.all_gather_object(own)}
+
+    def _rank_state(self) -> dict[str, Any]:
         """The context records and the prompts whose embeddings are cached (the states are recomputed on
         demand after a resume; the keys let a persistent backbone cache refill, and a resume be checked)."""
         features = getattr(self.value_model, "feature_state", lambda prompts: {})(self.context.prompts)
         head = getattr(self.value_model, "head_state", dict)()
         keys = list(dict.fromkeys(self._cache_keys() + list(features)))  # token states or features held
         return {"context": self.context.state_dict(), "embedding_cache_keys": keys,
-                "context_features": features, "head_state": head}
+                "context_features": {p: f.cpu() for p, f in features.items()}, "head_state": head}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "ranks" in state_dict:
+            state_dict = _state_for_this_rank(state_dict["ranks"])
         self.context.load_state_dict(state_dict["context"])
         self._restored_cache_keys = list(state_dict.get("embedding_cache_keys", []))
         self._restored_features = dict(state_dict.get("context_features", {}))
@@ -449,6 +459,25 @@ class _Ahead:
 def _mean(values: Sequence[float]) -> float:
     """Mean of a few values (float64, as a float; NaN when empty)."""
     return math.fsum(values) / len(values) if len(values) else math.nan
+
+
+def _state_for_this_rank(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """This rank's part of a multi-rank checkpoint. Resumed on another number of ranks, every rank takes all
+    the ranks' records (joined in rank order; the buffer keeps the newest `context_size`), and the kernel head
+    searches its bandwidth anew: no saved search was made on that context."""
+    if len(ranks) == D.world_size():
+        return ranks[D.rank()]
+    log.warning("V0.5: the checkpoint was written by %d ranks and this run has %d: every rank starts from the "
+                "records of all %d (%s)", len(ranks), D.world_size(), len(ranks), KEY)
+    contexts = [r["context"] for r in ranks]
+    joined = lambda key: [v for c in contexts for v in c[key]]  # noqa: E731
+    return {
+        "context": {**contexts[0], "prompts": joined("prompts"), "success_rate": joined("success_rate"),
+                    "counts": joined("counts"), "total_added": sum(c["total_added"] for c in contexts)},
+        "embedding_cache_keys": list(dict.fromkeys(k for r in ranks for k in r["embedding_cache_keys"])),
+        "context_features": {p: f for r in ranks for p, f in r["context_features"].items()},
+        "head_state": {},
+    }
 
 
 def _check_budget(k_init: int, k_max: int, cost: float, min_active_frac: float, pad_to: int, round_size: int) -> None:

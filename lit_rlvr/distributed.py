@@ -21,6 +21,19 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def all_gather_object(obj: object) -> list:
+    """[world] every rank's picklable `obj`, in rank order (tensors in it belong on the CPU)."""
+    if world_size() == 1:
+        return [obj]
+    out: list = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def _device() -> torch.device:
     """Where collectives run: NCCL needs CUDA tensors, gloo takes CPU ones."""
     if dist.get_backend() == "nccl":

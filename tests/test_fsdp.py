@@ -25,6 +25,8 @@ COMMON = ["engine.options.mode=copy", "data.batch_size=8", "data.num_test=16",
           "eval_before=false", "callbacks.progress=null", "+callbacks.push_check._target_=fsdp_checks.PushCheck"]
 FSDP_CPU = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy.param_dtype=float32"]
 TIMING = ("time/", "perf/")
+# V0.5 with its prior present from the second step on (each rank adds 4 records per step)
+V05 = ["algorithm=v05", "algorithm.callbacks.value_prior.min_context=4", "algorithm.callbacks.value_prior.k_max=8"]
 
 
 def _run(run_dir: Path, overrides: list[str], ranks: int, steps: int = 3) -> Path:
@@ -40,7 +42,9 @@ def _run(run_dir: Path, overrides: list[str], ranks: int, steps: int = 3) -> Pat
 def _rows(run_dir: Path) -> list[dict[str, float]]:
     with (run_dir / "metrics.csv").open() as handle:
         rows = [r for r in csv.DictReader(handle) if r.get("reward/mean")]
-    return [{k: float(v) for k, v in r.items() if v != "" and not k.startswith(TIMING)} for r in rows]
+    # NaN (e.g. V0.5's prior metrics while the prior is absent) as None, so equal rows compare equal
+    return [{k: None if v == "nan" else float(v) for k, v in r.items() if v != "" and not k.startswith(TIMING)}
+            for r in rows]
 
 
 def _pushes(run_dir: Path, rank: int) -> list[dict]:
@@ -56,6 +60,7 @@ def runs(tiny_path, tmp_path_factory):
         "two_ranks_1kb_buckets": _run(base / "small_buckets", FSDP_CPU + grpo + ["+engine.options.bucket_bytes=1024"], ranks=2),
         "one_rank": _run(base / "one_rank", grpo, ranks=1),
         "c3po_two_ranks": _run(base / "c3po", FSDP_CPU + ["algorithm=c3po"], ranks=2),
+        "v05_two_ranks": _run(base / "v05", FSDP_CPU + V05, ranks=2),
     }
 
 
@@ -64,6 +69,15 @@ def c3po_resumed(runs, tmp_path_factory):
     """The C3PO run stopped after 2 steps, then resumed from its last.ckpt for the third."""
     run_dir = tmp_path_factory.mktemp("fsdp") / "c3po_resumed"
     first = FSDP_CPU + ["algorithm=c3po"]
+    _run(run_dir, first, ranks=2, steps=2)
+    return _run(run_dir, first + [f"resume={run_dir}/checkpoints/last.ckpt"], ranks=2)
+
+
+@pytest.fixture(scope="module")
+def v05_resumed(runs, tmp_path_factory):
+    """The V0.5 run stopped after 2 steps, then resumed from its last.ckpt for the third."""
+    run_dir = tmp_path_factory.mktemp("fsdp") / "v05_resumed"
+    first = FSDP_CPU + V05
     _run(run_dir, first, ranks=2, steps=2)
     return _run(run_dir, first + [f"resume={run_dir}/checkpoints/last.ckpt"], ranks=2)
 
@@ -112,3 +126,12 @@ def test_c3po_resume_on_two_ranks_continues_exactly(runs, c3po_resumed):
     totals = [json.loads((run / "summary.json").read_text()) for run in (c3po_resumed, runs["c3po_two_ranks"])]
     for key in ("rollouts_total", "tokens_generated", "reward_failures"):
         assert totals[0][key] == totals[1][key], key
+
+
+def test_v05_resume_on_two_ranks_continues_exactly(runs, v05_resumed):
+    """Each rank's V0 context (its own prompts' records), feature cache and head state survive a resume: the
+    checkpoint, written by rank 0, holds every rank's."""
+    resumed, straight = _rows(v05_resumed), _rows(runs["v05_two_ranks"])
+    assert [r["step"] for r in resumed] == [0, 1, 2]
+    assert straight[-1]["v05/prior_present"] == 1.0  # the third step used the prior that was resumed
+    assert resumed == straight

@@ -247,6 +247,28 @@ def test_state_round_trip_keeps_context_and_cache_keys(tmp_path):
     assert state["embedding_cache_keys"] == ["a", "b", "c", "z"]
 
 
+
+def test_multi_rank_checkpoint_resumed_on_one_rank_takes_every_ranks_records():
+    """A 2-rank checkpoint holds each rank's state (tests/test_fsdp.py resumes it on 2 ranks, exactly); on 1 rank
+    the records of both are joined in rank order and the newest context_size kept, the cache keys and features
+    united, and the head's saved search dropped."""
+    ranks = []
+    for prompts, rates in ((["a", "b"], [0.25, 1.0]), (["c", "d", "e"], [0.0, 0.5, 0.75])):
+        cb = ValuePrior(value_model=StubV0({}), context_size=4, min_context=2)
+        cb.context.add(prompts, rates, [4] * len(prompts))
+        ranks.append({**cb.state_dict(), "embedding_cache_keys": prompts,
+                      "context_features": {p: torch.full((2,), float(i)) for i, p in enumerate(prompts)},
+                      "head_state": {"searched_at": 3, "geometry": "rank's own"}})
+    fresh = ValuePrior(value_model=StubV0({}), context_size=4, min_context=2)
+    fresh.load_state_dict({"ranks": ranks})
+    context = fresh.context.state_dict()
+    assert context["prompts"] == ["b", "c", "d", "e"] and context["success_rate"] == [1.0, 0.0, 0.5, 0.75]
+    assert context["total_added"] == 5
+    assert fresh._restored_cache_keys == ["a", "b", "c", "d", "e"]
+    assert sorted(fresh._restored_features) == ["a", "b", "c", "d", "e"]
+    assert fresh._restored_head == {}
+
+
 # ----------------------------------------------------------------------------------------------- with the tiny model
 
 
