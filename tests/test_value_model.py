@@ -110,6 +110,19 @@ def test_kernel_head_loo_bandwidth_is_sensible(seed):
     assert picked["sharp"] < picked["smooth"] < picked["flat"]
 
 
+
+def test_kernel_head_search_in_batches_of_scales_gives_the_same_choice(monkeypatch):
+    """A context too large for all scales' M×M kernels at once is searched a few scales at a time: same scores."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 3, generator=g)  # [64, 3]
+    rates, counts = binomial_context(64, torch.sigmoid(3 * x[:, 0]), g)
+    whole = KernelHead().fit(x, rates, counts)
+    monkeypatch.setattr(KernelHead, "SEARCH_FLOATS", 5 * 64 * 64)  # 5 scales per batch: 12 scales in 3 batches
+    batched = KernelHead().fit(x, rates, counts)
+    torch.testing.assert_close(batched.loo_loglik_, whole.loo_loglik_, rtol=1e-6, atol=1e-6)
+    assert batched.bandwidth_ == whole.bandwidth_
+
+
 # ----------------------------------------------------------------------------------------------- TabPFN head
 
 

@@ -36,6 +36,8 @@ class KernelHead:
     the records that stay and pass them to `fit_standardized` (see ValueModel): `fit(search=False)`'s bits.
     """
 
+    SEARCH_FLOATS = 1 << 26  # most kernel weights the bandwidth search holds at once (256 MB of float32)
+
     def __init__(self, alpha0: float = 2.0, bandwidth_scales: Sequence[float] = DEFAULT_BANDWIDTH_SCALES) -> None:
         if alpha0 <= 0 or not bandwidth_scales or min(bandwidth_scales) <= 0:
             raise ValueError(
@@ -103,14 +105,21 @@ class KernelHead:
         pairs = d2[torch.triu_indices(m, m, 1).unbind()]  # [M(M−1)/2] each pair once
         median = pairs.median().sqrt() if m > 1 else torch.ones(())  # sqrt is monotone: the median distance
         grid = torch.tensor(self.bandwidth_scales) * median.clamp_min(1e-6)  # [S]
-        # exp(−d² / (2h²)); the exponent floored at −80: float32 exp is ~30× slower where it underflows
-        k = torch.exp((d2 * (-0.5 / grid.square())[:, None, None]).clamp_min_(-80.0))  # [S, M, M]
-        k.diagonal(dim1=1, dim2=2).zero_()  # record i never predicts itself
-        p = self._smooth(k).double().clamp(1e-6, 1 - 1e-6)  # [S, M]
+        # scales a few at a time where S kernels of M×M would not fit in SEARCH_FLOATS (0.8 GB at M = 4096)
+        per_batch = max(1, self.SEARCH_FLOATS // (m * m))
+        p = torch.cat([self._loo_smooth(d2, scales) for scales in (-0.5 / grid.square()).split(per_batch)])
+        p = p.double().clamp(1e-6, 1 - 1e-6)  # [S, M]
         self.loo_loglik_ = (self.n_ * (self.y_ * p.log() + (1 - self.y_) * (1 - p).log())).sum(1)  # [S]
         self.bandwidth_grid_ = grid.double()  # [S]
         last_best = len(grid) - 1 - self.loo_loglik_.flip(0).argmax()  # [] ties → the largest bandwidth
         self.bandwidth_ = self.bandwidth_grid_[last_best]  # []
+
+    def _loo_smooth(self, d2: Tensor, scales: Tensor) -> Tensor:
+        """Leave-one-out p̂ [s, M] of every context record for kernels exp(scale·d²), scales [s] = −1/(2h²)."""
+        # the exponent floored at −80: float32 exp is ~30× slower where it underflows
+        k = torch.exp((d2 * scales[:, None, None]).clamp_min_(-80.0))  # [s, M, M]
+        k.diagonal(dim1=1, dim2=2).zero_()  # record i never predicts itself
+        return self._smooth(k)
 
     def geometry(self) -> dict[str, Tensor]:
         """What `fit(search=False)` keeps from the last search (a checkpoint carries it: exact resume)."""
