@@ -87,8 +87,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> pl.Trainer:
                       default_root_dir=str(run_dir))
 
 
-def validate(trainer: pl.Trainer, module: GRPOModule, datamodule) -> dict[str, float]:
-    results = trainer.validate(module, datamodule=datamodule, verbose=False)
+def validate(trainer: pl.Trainer, module: GRPOModule, datamodule, ckpt_path: Optional[str] = None) -> dict[str, float]:
+    results = trainer.validate(module, datamodule=datamodule, verbose=False, ckpt_path=ckpt_path, weights_only=False)
     return {k: float(v) for k, v in (results[0] if results else {}).items()}
 
 
@@ -215,17 +215,28 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         raise FileNotFoundError(f"checkpoint={cfg.checkpoint!r}: mode=eval needs an existing checkpoint file")
     import torch
 
+    from lit_rlvr.strategies import FSDPRolloutStrategy
+
     datamodule = _instantiate(cfg.data)
     trainer = build_trainer(cfg, run_dir)
+    sharded = Path(cfg.checkpoint).is_dir()  # trainer.strategy.save_distributed_checkpoint=true: a shard per rank
+    if sharded and not isinstance(trainer.strategy, FSDPRolloutStrategy):
+        raise ValueError(f"checkpoint={cfg.checkpoint!r} is a sharded checkpoint (a folder, one file per rank): "
+                         "evaluate it with the FSDP trainer that wrote it, e.g. torchrun --nproc_per_node N "
+                         "train.py mode=eval checkpoint=... trainer=fsdp32 (the run's trainer, model and engine)")
     _load_data(datamodule, trainer, "validate")
     module = build_module(cfg)
-    state = torch.load(cfg.checkpoint, map_location="cpu", weights_only=False)
-    missing, _ = module.load_state_dict(state["state_dict"], strict=False)  # a reference model may differ
-    missing = [k for k in missing if k.startswith("policy.")]
-    if missing:
-        raise ValueError(f"checkpoint={cfg.checkpoint!r} does not match model={cfg.model.name_or_path!r}: "
-                         f"missing {missing[:3]}{' …' if len(missing) > 3 else ''}")
-    metrics = validate(trainer, module, datamodule)
+    if sharded:  # the strategy reads each rank's shards straight into the sharded policy
+        metrics = validate(trainer, module, datamodule, ckpt_path=str(cfg.checkpoint))
+    else:
+        # mmap: only the tensors loaded are read from disk, never the optimizer's states (2-3x the weights)
+        state = torch.load(cfg.checkpoint, map_location="cpu", weights_only=False, mmap=True)
+        missing, _ = module.load_state_dict(state["state_dict"], strict=False)  # a reference model may differ
+        missing = [k for k in missing if k.startswith("policy.")]
+        if missing:
+            raise ValueError(f"checkpoint={cfg.checkpoint!r} does not match model={cfg.model.name_or_path!r}: "
+                             f"missing {missing[:3]}{' …' if len(missing) > 3 else ''}")
+        metrics = validate(trainer, module, datamodule)
     result = {"checkpoint": str(cfg.checkpoint), "prompts": len(getattr(datamodule, "eval_set", None) or []),
               "samples_per_prompt": module.hparams.eval_samples, "temperature": module.hparams.eval_temperature,
               **metrics}

@@ -29,11 +29,15 @@ TIMING = ("time/", "perf/")
 V05 = ["algorithm=v05", "algorithm.callbacks.value_prior.min_context=4", "algorithm.callbacks.value_prior.k_max=8"]
 
 
-def _run(run_dir: Path, overrides: list[str], ranks: int, steps: int = 3) -> Path:
+def _run(run_dir: Path, overrides: list[str], ranks: int, steps: int = 3, push_check: bool = True) -> Path:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     # --standalone: torchrun picks a free rendezvous port itself (no race between choosing a port and binding it)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else [sys.executable]
-    cmd = [*launcher, "train.py", *COMMON, *overrides, f"trainer.max_steps={steps}", f"+callbacks.push_check.out_dir={run_dir}", f"hydra.run.dir={run_dir}"]
+    common = [o for o in COMMON if o.split("=")[0] not in {o.split("=")[0] for o in overrides}]  # overrides win
+    checks = [f"+callbacks.push_check.out_dir={run_dir}"] if push_check else []
+    if not push_check:
+        common = [o for o in common if "push_check" not in o]
+    cmd = [*launcher, "train.py", *common, *overrides, f"trainer.max_steps={steps}", *checks, f"hydra.run.dir={run_dir}"]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return run_dir
@@ -80,6 +84,19 @@ def v05_resumed(runs, tmp_path_factory):
     first = FSDP_CPU + V05
     _run(run_dir, first, ranks=2, steps=2)
     return _run(run_dir, first + [f"resume={run_dir}/checkpoints/last.ckpt"], ranks=2)
+
+
+@pytest.fixture(scope="module")
+def sharded_eval(tiny_path, tmp_path_factory):
+    """A 2-rank GRPO run saving a sharded checkpoint (a folder), then `mode=eval` of it on 2 ranks. Greedy
+    held-out decoding, so the evaluation of the same weights gives the same figures in both processes."""
+    base = tmp_path_factory.mktemp("fsdp")
+    options = FSDP_CPU + ["algorithm.group_size=4", "algorithm.eval_temperature=0",
+                          "trainer.strategy.save_distributed_checkpoint=true"]
+    trained = _run(base / "sharded", options + ["eval_before=true"], ranks=2, steps=2, push_check=False)
+    checkpoint = trained / "checkpoints" / "last.ckpt"
+    return trained, _run(base / "sharded_eval", options + ["mode=eval", f"checkpoint={checkpoint}"], ranks=2,
+                         push_check=False)
 
 
 def test_every_push_gives_each_rank_the_gathered_weights(runs):
@@ -135,3 +152,21 @@ def test_v05_resume_on_two_ranks_continues_exactly(runs, v05_resumed):
     assert [r["step"] for r in resumed] == [0, 1, 2]
     assert straight[-1]["v05/prior_present"] == 1.0  # the third step used the prior that was resumed
     assert resumed == straight
+
+
+def test_eval_of_a_sharded_checkpoint_gives_the_trained_runs_accuracy(sharded_eval):
+    trained, evaluated = sharded_eval
+    assert (trained / "checkpoints" / "last.ckpt").is_dir()  # one shard per rank
+    summary = json.loads((trained / "summary.json").read_text())
+    result = json.loads((evaluated / "eval.json").read_text())
+    assert summary["accuracy_before"] != summary["accuracy_after"]  # 2 steps changed what greedy decoding solves
+    assert result["val/accuracy"] == summary["accuracy_after"]
+    assert result["val/pass@k"] == summary["pass_at_k_after"]
+
+
+def test_eval_of_a_sharded_checkpoint_without_fsdp_says_how(sharded_eval, tmp_path):
+    checkpoint = sharded_eval[0] / "checkpoints" / "last.ckpt"
+    done = subprocess.run([sys.executable, "train.py", "mode=eval", f"checkpoint={checkpoint}", "data.num_test=16",
+                           f"hydra.run.dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "is a sharded checkpoint" in done.stderr and "trainer=fsdp32" in done.stderr, done.stderr[-2000:]
