@@ -153,6 +153,17 @@ def model_path(cfg: Any) -> str:
     return resolve_model_path(cfg.model.name_or_path, OmegaConf.to_container(cfg.model.options, resolve=True))
 
 
+def timed(fn: Callable, record: Callable[[float], None]) -> Callable:
+    """`fn`, passing the seconds of each call to `record` (also when it raises)."""
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            record(time.perf_counter() - t0)
+    return wrapper
+
+
 class StepRecorder(Callback):
     """Per training step: its wall time (batch start to batch end, so Lightning's own work is in it) and the
     module's logged step metrics. With a baton, set-up and each step first wait for their turn."""
@@ -165,17 +176,12 @@ class StepRecorder(Callback):
 
     def time_calls(self, owner: Any, name: str, key: str) -> None:
         """Add the time spent in `owner.name` (a class's method or an object's) to each step's row as `key`."""
-        inner = getattr(owner, name)
         self._timed[key] = 0.0
 
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self._timed[key] += time.perf_counter() - t0
+        def add(seconds: float) -> None:
+            self._timed[key] += seconds
 
-        setattr(owner, name, timed)
+        setattr(owner, name, timed(getattr(owner, name), add))
 
     @override
     def on_train_start(self, trainer, pl_module) -> None:

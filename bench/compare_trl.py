@@ -122,14 +122,8 @@ def build_trl(cfg, hp, steps: int, rows: list[dict], baton, output_dir: str):
             self.gens: list[float] = []
             self._t0 = 0.0
 
-        def timed_generate(self, generate):
-            def wrapper(*args, **kwargs):
-                t0 = time.perf_counter()
-                try:
-                    return generate(*args, **kwargs)
-                finally:
-                    self.gens[-1] += time.perf_counter() - t0
-            return wrapper
+        def add_generate(self, seconds: float) -> None:
+            self.gens[-1] += seconds
 
         def on_train_begin(self, args, state, control, **kwargs):
             baton.acquire("trl", count=False)
@@ -154,7 +148,7 @@ def build_trl(cfg, hp, steps: int, rows: list[dict], baton, output_dir: str):
     except Exception as err:  # any refusal of TRL's is the answer this script must give
         raise TRLUnavailable(f"GRPOTrainer cannot be built: {type(err).__name__}: {err}") from err
     trainer.remove_callback(PrinterCallback)  # its end-of-training dict would land on stdout
-    trainer._generate = timer.timed_generate(trainer._generate)
+    trainer._generate = common.timed(trainer._generate, timer.add_generate)
     return trainer, timer, reward
 
 
@@ -179,8 +173,8 @@ def run_trl(overrides: list[str], total: int, baton) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as output_dir:
         trainer, timer, reward = build_trl(cfg, hp, total, step_prompts(cfg, total), baton, output_dir)
         trainer.train()
-    return {"walls": timer.walls, "gens": timer.gens, "lengths": reward.mean_lengths, "version": __import__("trl").__version__,
-            "peak_rss_mb": common.peak_rss_mb()}
+    return {"walls": timer.walls, "gens": timer.gens, "lengths": reward.mean_lengths,
+            "version": __import__("trl").__version__, "peak_rss_mb": common.peak_rss_mb()}
 
 
 def run(args) -> dict:
@@ -218,9 +212,9 @@ def run(args) -> dict:
         # our update alone (the same HF forward/backward and AdamW that TRL runs) as a share of TRL's step: the
         # ratio cannot go below it, however fast our generation gets
         "train_floor": ours_summary["train_s"] / trl_s,
-        "ours_gen_forward_s": ours_summary.get("gen_forward_s", float("nan")),
+        "ours_gen_forward_s": ours_summary["gen_forward_s"],
         # ... nor below this while transformers' model code runs the forwards: all else in the step free
-        "model_code_floor": (ours_summary["train_s"] + ours_summary.get("gen_forward_s", float("nan"))) / trl_s,
+        "model_code_floor": (ours_summary["train_s"] + ours_summary["gen_forward_s"]) / trl_s,
         "ours_response_len_mean": ours_summary["response_len_mean"],
         "trl_response_len_mean": common.median(trl["lengths"][args.warmup :]),
         "peak_rss_mb": max(ours["peak_rss_mb"], trl["peak_rss_mb"]),
