@@ -12,7 +12,9 @@ import logging
 import os
 import shutil
 import socket
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -55,7 +57,10 @@ def warm_start_tiny(
 
     It trains on the train split of `ArithmeticTask(seed=split_seed)`, the split the datamodule evaluates on
     (`data.split_seed`), so held-out problems are unseen whatever the model and run seeds. Several processes
-    (torchrun ranks) may warm up at once: each writes its own temporary folder and the first rename wins.
+    (torchrun ranks) may ask at once: the first takes a lock on the cache entry and trains, the others wait for
+    it and load what it saved. It writes a temporary folder and renames it, so a half-written cache is never
+    reused (and where the lock is unavailable, e.g. across hosts on some network filesystems, the first
+    rename wins).
     """
     settings = dict(steps=steps, batch_size=batch_size, lr=lr, seed=seed, levels=list(levels),
                     hidden_size=hidden_size, layers=layers, split_seed=split_seed, version=2)
@@ -63,18 +68,42 @@ def warm_start_tiny(
     path = Path(cache_dir).expanduser() / f"tiny-{key}"
     if (path / "config.json").exists():
         return path
-    log.info("warm-starting the tiny model (%d supervised steps) into %s", steps, path)
-    with torch.random.fork_rng(devices=[]):  # the caller's RNG must not depend on whether the cache was warm
-        model, tokenizer = _train(steps, batch_size, lr, seed, levels, hidden_size, layers, split_seed)
-    tmp = path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")  # unique on a shared filesystem
-    tiny.save(model, tokenizer, tmp)
-    try:
-        tmp.rename(path)  # atomic: a half-written cache is never reused
-    except OSError:  # another process finished the same warm-up first (same settings, same model)
-        if not (path / "config.json").exists():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path.with_name(f"{path.name}.lock")):
+        if (path / "config.json").exists():  # another process trained it while this one waited
+            return path
+        log.info("warm-starting the tiny model (%d supervised steps) into %s", steps, path)
+        with torch.random.fork_rng(devices=[]):  # the caller's RNG must not depend on whether the cache was warm
+            model, tokenizer = _train(steps, batch_size, lr, seed, levels, hidden_size, layers, split_seed)
+        tmp = path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")  # unique on a shared filesystem
+        tiny.save(model, tokenizer, tmp)
+        try:
+            tmp.rename(path)  # atomic: a half-written cache is never reused
+        except OSError:  # another process finished the same warm-up first (same settings, same model)
+            if not (path / "config.json").exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+@contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    """An exclusive advisory lock (flock) held for the block; none where flock is not available."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover  (not POSIX)
+        yield
+        return
+    with open(lock_path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:  # a filesystem without flock: the rename still keeps the cache whole
+            yield
+            return
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _train(steps: int, batch_size: int, lr: float, seed: int, levels: tuple[int, ...], hidden_size: int,
