@@ -103,6 +103,9 @@ class GRPOModule(pl.LightningModule):
     `optimizer_options` go to the optimizer's constructor either way.
     """
 
+    token_metrics = TOKEN_METRICS  # loss metrics that are means over tokens (a subclass may move one)
+    sequence_metrics = SEQUENCE_METRICS  # ... and over sequences
+
     def __init__(
         self,
         model: str = "tiny",
@@ -443,11 +446,14 @@ class GRPOModule(pl.LightningModule):
         logp, logits = self.forward_logprobs(self.policy, rollouts)  # [n, T], [n, T, V]
         mask = rollouts.response_mask.to(self.device)
         old = rollouts.old_logp.to(self.device)
+        advantages = rollouts.advantages.to(self.device)  # [n]
         keep_metrics = {}
-        if rollouts.seq_mask_tau is not None:  # 3PO: drop sequences whose ratio left [1/τ, τ]; their terms become 0
+        if rollouts.seq_mask_tau is not None:
+            # 3PO: a sequence whose ratio left [1/τ, τ] gets no policy gradient. Its terms become 0 but its tokens
+            # stay in every normalisation, as the micro-batch weights assume: the loss cannot depend on micro-batching
             keep, keep_metrics = F.sequence_importance_mask(logp, old, mask, tau=rollouts.seq_mask_tau)  # [n]
-            mask = mask & keep[:, None]  # [n, T]
-        loss, metrics = self.policy_loss(logp, old, rollouts.advantages.to(self.device), mask, rollouts)
+            advantages = advantages * keep  # [n]
+        loss, metrics = self.policy_loss(logp, old, advantages, mask, rollouts)
         metrics.update(keep_metrics)
         with torch.set_grad_enabled(hp.entropy_coef > 0):
             entropy = F.entropy_from_logits(logits / (hp.temperature or 1.0))  # [n, T]
@@ -494,7 +500,7 @@ class GRPOModule(pl.LightningModule):
         """Backward of one loss pass, micro-batch by micro-batch. Each micro-batch's loss is weighted by its share
         of the global pass (tokens for token-mean, else sequences) times the world size, since data-parallel
         gradients are averaged over ranks: the sum equals the loss of the whole global batch. Metrics are
-        weighted the same way by what they average over (`TOKEN_METRICS`, `SEQUENCE_METRICS`, else the loss's
+        weighted the same way by what they average over (`token_metrics`, `sequence_metrics`, else the loss's
         unit), so they do not depend on the micro-batching or the number of ranks."""
         hp = self.hparams
         tokens = rollouts.response_mask.sum(-1).double()  # [n]
@@ -515,7 +521,7 @@ class GRPOModule(pl.LightningModule):
                 loss, metrics = self.micro_batch_loss(rollouts.select(micro), share)
                 self.manual_backward(loss)
                 for k, v in (metrics.items() if real else ()):
-                    w = token_w if k in TOKEN_METRICS else seq_w if k in SEQUENCE_METRICS else share
+                    w = token_w if k in self.token_metrics else seq_w if k in self.sequence_metrics else share
                     sums[k] = sums.get(k, 0.0) + v * w
 
     def _optimizer_step(self, optimizer, sums: dict[str, Tensor]) -> Tensor:

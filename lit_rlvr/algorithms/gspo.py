@@ -22,6 +22,10 @@ class GSPOModule(GRPOModule):
     sequence count; entropy/KL terms use the same reduction).
     """
 
+    # its clip fraction counts sequences, not tokens: micro-batches weight it by sequence count
+    token_metrics = GRPOModule.token_metrics - {"loss/pg_clipfrac"}
+    sequence_metrics = GRPOModule.sequence_metrics | {"loss/pg_clipfrac"}
+
     def __init__(self, eps_low: float = 3e-4, eps_high: float = 4e-4, loss_aggregation: str = "seq-mean-token-mean",
                  **kwargs):
         check_fixed("gspo", loss_aggregation=(loss_aggregation, "seq-mean-token-mean"))

@@ -1,0 +1,75 @@
+"""GRPOModule's micro-batching: the weighted micro-batch losses sum to the loss of the whole batch, so the
+gradient does not depend on `micro_batch_size` — for every aggregation, with and without 3PO's sequence mask."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from lit_rlvr.functional.losses import AGGREGATIONS
+from lit_rlvr.module import GRPOModule
+from lit_rlvr.rollouts import Rollouts
+
+TINY = {"cache_dir": os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr"), "steps": 450, "batch_size": 64,
+        "lr": 3.0e-3, "seed": 0}  # = conf/model/tiny.yaml
+
+
+def _rollouts(module: GRPOModule, tau) -> Rollouts:
+    """8 completions of 2 prompts, responses of 1–6 tokens; the behaviour log-probs are the policy's own, moved
+    by 0.02 per token, and by 1.0 per token for completions 1 and 6 (their ratio leaves [1/2, 2]: dropped)."""
+    g = torch.Generator().manual_seed(0)
+    n, p, t = 8, 5, 6
+    lengths = torch.tensor([1, 6, 3, 4, 2, 5, 6, 3])
+    rollouts = Rollouts(
+        prompt_ids=torch.randint(4, 90, (n, p), generator=g), prompt_mask=torch.ones(n, p, dtype=torch.bool),
+        response_ids=torch.randint(4, 90, (n, t), generator=g), response_mask=torch.arange(t) < lengths[:, None],
+        old_logp=torch.zeros(n, t), group=torch.arange(n) // 4, chunk=torch.zeros(n, dtype=torch.long),
+        num_groups=2, prompts=["a", "b"], answers=[0, 0], advantages=torch.randn(n, generator=g), seq_mask_tau=tau)
+    with torch.no_grad():
+        logp, _ = module.forward_logprobs(module.policy, rollouts)  # [n, t]
+    shift = torch.full((n, 1), 0.02)
+    shift[[1, 6]] = 1.0
+    rollouts.old_logp = (logp - shift) * rollouts.response_mask
+    return rollouts
+
+
+def _grads_and_metrics(module: GRPOModule, tau) -> tuple[list, list]:
+    """The gradient and the summed pass metrics at micro-batch sizes 8, 3 and 1."""
+    module.manual_backward = lambda loss: loss.backward()  # no trainer: plain autograd
+    module.rl_callbacks = lambda: []
+    rollouts = _rollouts(module, tau)
+    grads, metrics = [], []
+    for size in (8, 3, 1):
+        module.hparams.micro_batch_size = size
+        module.policy.zero_grad()
+        sums: dict = {}
+        module._backward_pass(rollouts, 0, sums)
+        grads.append(torch.cat([q.grad.flatten() for q in module.policy.parameters() if q.grad is not None]))
+        metrics.append({k: float(v) for k, v in sums.items()})
+    return grads, metrics
+
+
+@pytest.mark.parametrize("tau", [None, 2.0])
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_gradient_does_not_depend_on_micro_batch_size(aggregation, tau):
+    module = GRPOModule(model="tiny", model_options=dict(TINY), group_size=4, max_new_tokens=6,
+                        loss_aggregation=aggregation, entropy_coef=0.01)
+    grads, metrics = _grads_and_metrics(module, tau)
+    for grad, got in zip(grads[1:], metrics[1:]):
+        torch.testing.assert_close(grad, grads[0], rtol=1e-5, atol=1e-7)
+        assert got == pytest.approx(metrics[0], rel=1e-5, abs=1e-7)
+    if tau is not None:
+        assert metrics[0]["loss/seq_mask_frac"] == pytest.approx(2 / 8)
+
+
+def test_gspo_sequence_clip_fraction_does_not_depend_on_micro_batch_size():
+    from lit_rlvr.algorithms.gspo import GSPOModule
+
+    module = GSPOModule(model="tiny", model_options=dict(TINY), group_size=4, max_new_tokens=6)
+    grads, metrics = _grads_and_metrics(module, None)
+    assert 0 < metrics[0]["loss/pg_clipfrac"] < 1  # some sequences clipped: the weighting matters
+    for grad, got in zip(grads[1:], metrics[1:]):
+        torch.testing.assert_close(grad, grads[0], rtol=1e-5, atol=1e-7)
+        assert got == pytest.approx(metrics[0], rel=1e-5, abs=1e-7)
