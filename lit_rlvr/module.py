@@ -186,10 +186,26 @@ class GRPOModule(pl.LightningModule):
         from lit_rlvr.optim import IVON
 
         valid = set(inspect.signature(IVON.__init__).parameters) - {"self", "params", "lr", "seed", "rank", "kwargs"}
-        unknown = set(hp.optimizer_options or {}) - valid - {"sync", "debias"}
-        if unknown or "ess" not in (hp.optimizer_options or {}):
+        options = dict(hp.optimizer_options or {})
+        unknown = set(options) - valid - {"sync", "debias"}
+        if unknown or "ess" not in options:
             raise ValueError(f"algorithm.optimizer_options for ivon: ess (λ) is required; unknown keys "
                              f"{sorted(unknown)}; valid: {', '.join(sorted(valid | {'sync', 'debias'}))}")
+        if not float(options["ess"]) > 0 or not hp.lr > 0:
+            raise ValueError(f"algorithm.optimizer_options.ess and algorithm.lr must be > 0 for ivon, got "
+                             f"{options['ess']} and {hp.lr}")
+        if options.get("mc_samples", 1) != 1:
+            # ivon-opt repeats a closure that returns the loss; Lightning's manual optimization passes none
+            raise ValueError(f"algorithm.optimizer_options.mc_samples={options['mc_samples']}: one gradient sample "
+                             "is recorded per loss pass; for several weight samples per step use algorithm=m3po "
+                             "(algorithm.callbacks.param_noise.num_samples)")
+        if hp.dtype != "float32":
+            # the mean moves by at most lr·(h0 + δ)·clip_radius per step (1e-6 at c3po_paper's settings), far below
+            # the spacing of bf16 numbers near typical weights (~1e-4): bf16 weights would round every update away
+            raise ValueError(f"algorithm.optimizer=ivon needs model.dtype=float32 (got {hp.dtype!r}): IVON's mean "
+                             "updates are smaller than the spacing of half-precision weights, which would never "
+                             "change. Compute can still run in bf16: trainer=gpu (bf16-mixed) or trainer=fsdp "
+                             "(trainer.strategy.param_dtype=bfloat16)")
 
     # -- Lightning plumbing ----------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -226,6 +242,13 @@ class GRPOModule(pl.LightningModule):
         if hp.optimizer == "ivon":
             from lit_rlvr.optim import IVON
 
+            from lit_rlvr.strategies import FSDPRolloutStrategy
+
+            if self.trainer.world_size > 1 and not isinstance(self.trainer.strategy, FSDPRolloutStrategy):
+                # each DDP rank would pair its own noise with the averaged gradient: their Hessians, then their
+                # weights, drift apart; FSDP2 perturbs each shard once, on the rank that holds it
+                raise ValueError(f"algorithm.optimizer=ivon on {self.trainer.world_size} ranks needs trainer=fsdp "
+                                 f"(or fsdp32); this run's strategy is {type(self.trainer.strategy).__name__}")
             # run seed and rank seed the weight samples: reproducible, resumable, different per data-parallel rank
             optimizer = IVON(self.policy.parameters(), lr=hp.lr, seed=hp.seed, rank=self.global_rank, **options)
         else:
@@ -482,10 +505,13 @@ class GRPOModule(pl.LightningModule):
         for _epoch in range(hp.ppo_epochs):
             for mini in order.chunk(hp.mini_batches):
                 optimizer.zero_grad()
-                for pass_index, index in self._loss_passes(rollouts, mini):
+                earlier_finite = True
+                for n, (pass_index, index) in enumerate(self._loss_passes(rollouts, mini)):
+                    if n:  # M3PO: the next pass's context clears .grad, so the previous pass's is checked first
+                        earlier_finite &= bool(torch.isfinite(self._grad_norm()))
                     self._backward_pass(rollouts.select(index), pass_index, loss_sums)
                     passes += 1
-                grad_norms.append(self._optimizer_step(optimizer, loss_sums))
+                grad_norms.append(self._optimizer_step(optimizer, loss_sums, earlier_finite))
         self.log_metrics({k: v / passes for k, v in loss_sums.items()})
         self.log_metrics({"grad/norm": torch.stack(grad_norms).mean()})
 
@@ -524,15 +550,22 @@ class GRPOModule(pl.LightningModule):
                     w = token_w if k in self.token_metrics else seq_w if k in self.sequence_metrics else share
                     sums[k] = sums.get(k, 0.0) + v * w
 
-    def _optimizer_step(self, optimizer, sums: dict[str, Tensor]) -> Tensor:
-        """Clip, check finiteness, step; returns the gradient norm before clipping."""
+    def _grad_norm(self) -> Tensor:
+        """The policy's gradient norm, over all shards under FSDP2."""
+        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.tensor(0.0)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
+
+    def _optimizer_step(self, optimizer, sums: dict[str, Tensor], earlier_finite: bool = True) -> Tensor:
+        """Clip, check finiteness (also of the loss passes before the last: `earlier_finite`), step; returns the
+        gradient norm before clipping."""
         params = [p for p in self.policy.parameters() if p.grad is not None]
         clip = self.hparams.grad_clip if self.hparams.grad_clip and self.hparams.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, clip) if params else torch.tensor(0.0)
         if hasattr(norm, "full_tensor"):  # FSDP2: the norm over all shards, as a DTensor
             norm = norm.full_tensor()
         loss_ok = bool(torch.isfinite(sums.get("loss/policy", torch.tensor(0.0))))
-        if not (loss_ok and bool(torch.isfinite(norm))):
+        if not (loss_ok and earlier_finite and bool(torch.isfinite(norm))):
             self._skip_step(optimizer, "loss" if not loss_ok else "gradient")
             return norm.detach()
         self.counters["bad_steps_in_row"] = 0

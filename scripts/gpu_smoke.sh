@@ -45,11 +45,11 @@ run() {  # name, launcher..., -- overrides...
 
 mkdir -p "$OUT"
 run grpo $PY train.py trainer=gpu algorithm=grpo "${ENGINE[@]}" "${COMMON[@]}"
-run c3po $PY train.py trainer=gpu algorithm=c3po "${ENGINE[@]}" "${COMMON[@]}"
+run c3po $PY train.py trainer=gpu algorithm=c3po "${ENGINE[@]}" "${COMMON[@]}" model.dtype=float32  # IVON: fp32 weights
 run fsdp_grpo $PY -m torch.distributed.run --nproc_per_node 1 --master_port 29531 train.py trainer=fsdp trainer.devices=1 \
   algorithm=grpo "${FSDP_ENGINE[@]}" "${COMMON[@]}"
 run fsdp_c3po $PY -m torch.distributed.run --nproc_per_node 1 --master_port 29532 train.py trainer=fsdp trainer.devices=1 \
-  algorithm=c3po "${FSDP_ENGINE[@]}" "${COMMON[@]}"
+  algorithm=c3po "${FSDP_ENGINE[@]}" "${COMMON[@]}" model.dtype=float32
 
 $PY - "$OUT" <<'EOF'
 import csv, json, statistics, sys

@@ -16,12 +16,14 @@ from lit_rlvr.rewards.base import RewardResult
 
 class FaultyModule(GRPOModule):
     """GRPO with faults on chosen training-step calls (1-based; a skipped step does not advance global_step):
-    `nan_calls` NaN policy loss; `nan_from` NaN from that call on; `engine_fail_call` engine.generate raises."""
+    `nan_calls` NaN policy loss; `nan_from` NaN from that call on; `engine_fail_call` engine.generate raises;
+    `nan_grad_calls` a finite loss whose gradient is NaN, in the first loss pass only (M3PO has several)."""
 
     def __init__(self, nan_calls: Optional[list[int]] = None, nan_from: int = 0, engine_fail_call: int = 0,
-                 **kwargs: Any):
+                 nan_grad_calls: Optional[list[int]] = None, **kwargs: Any):
         super().__init__(**kwargs)
         self.nan_calls, self.nan_from, self.engine_fail_call = set(nan_calls or []), nan_from, engine_fail_call
+        self.nan_grad_calls = set(nan_grad_calls or [])
         self.calls = 0
 
     def training_step(self, batch, batch_idx):
@@ -32,12 +34,27 @@ class FaultyModule(GRPOModule):
         loss, metrics = super().policy_loss(logp, old_logp, advantages, mask, rollouts)
         if self.calls in self.nan_calls or 0 < self.nan_from <= self.calls:
             loss = loss * torch.tensor(float("nan"))
+        first_pass = rollouts.loss_pass is None or int(rollouts.loss_pass[0]) == 0
+        if self.calls in self.nan_grad_calls and first_pass:
+            loss = _NaNGradient.apply(loss)
         return loss, metrics
 
     def _engine_generate(self, prompt_token_ids, counts, params):
         if self.calls == self.engine_fail_call:
             self.engine.generate = _broken_generate
         return super()._engine_generate(prompt_token_ids, counts, params)
+
+
+class _NaNGradient(torch.autograd.Function):
+    """Identity forward, NaN backward: a step whose loss looks fine but whose gradient is not."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
 
 
 def _broken_generate(*args: Any, **kwargs: Any):

@@ -51,6 +51,10 @@ def runs(tmp_path_factory):
         "nan_once": Run(root / "nan_once", FAULTY, "+algorithm.nan_calls=[2]", "trainer.max_steps=3"),
         "nan_always": Run(root / "nan_always", FAULTY, "+algorithm.nan_from=2", "algorithm.max_bad_steps=2",
                           "trainer.max_steps=5"),
+        # M3PO: 2 loss passes per step; the first pass's gradient is NaN on the second call, the last pass's finite
+        "m3po_nan_grad": Run(root / "m3po_nan_grad", "algorithm=m3po", FAULTY, "+algorithm.nan_grad_calls=[2]",
+                             "algorithm.callbacks.param_noise.num_samples=2", "algorithm.group_size=4",
+                             "trainer.max_steps=3"),
         "raising_reward": Run(root / "raising_reward", "reward.name=tests.fault_helpers:raising_reward",
                               "trainer.max_steps=2"),
         "hanging_reward": Run(root / "hanging_reward", "reward.name=tests.fault_helpers:hanging_reward",
@@ -80,6 +84,19 @@ def test_nan_loss_step_is_skipped_counted_and_training_continues(runs):
     assert len(rows) == 4 and float(rows[-1]["train/skipped_steps"]) == 1.0  # 4 batches for 3 optimizer steps
     assert "non-finite loss" in log
     report(fault="NaN loss on one step", bad_inputs=1, survived=True, data_lost=0)
+
+
+def test_m3po_nan_gradient_in_an_earlier_loss_pass_skips_the_step(runs):
+    """Each M3PO loss pass starts from a cleared .grad: a NaN gradient of the first pass is caught although the
+    last pass's gradient is finite, and IVON's mean stays finite."""
+    run = runs["m3po_nan_grad"]
+    rc, log = run.wait()
+    assert rc == 0, log[-3000:]
+    assert run.summary()["skipped_steps"] == 1 and run.summary()["steps"] == 3
+    assert "non-finite gradient" in log
+    weights = run.checkpoint()["state_dict"]
+    assert all(torch.isfinite(w).all() for k, w in weights.items() if k.startswith("policy."))
+    report(fault="NaN gradient in one M3PO loss pass", bad_inputs=1, survived=True, data_lost=0)
 
 
 def test_nan_losses_in_a_row_stop_with_max_bad_steps_and_checkpoint_intact(runs):

@@ -170,3 +170,14 @@ def test_eval_of_a_sharded_checkpoint_without_fsdp_says_how(sharded_eval, tmp_pa
                            f"hydra.run.dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert "is a sharded checkpoint" in done.stderr and "trainer=fsdp32" in done.stderr, done.stderr[-2000:]
+
+
+def test_ivon_on_plain_ddp_ranks_is_refused(tiny_path, tmp_path):
+    """DDP ranks would each pair their own noise with the averaged gradient and drift apart: 3PO needs FSDP."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           "algorithm=c3po", "trainer.devices=2", "trainer.max_steps=1", "eval_before=false", "data.num_test=4",
+           "callbacks.progress=null", "engine.options.mode=copy", f"hydra.run.dir={tmp_path}"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    assert "algorithm.optimizer=ivon on 2 ranks needs trainer=fsdp" in done.stdout + done.stderr
+    assert not list(tmp_path.glob("checkpoints/*"))  # refused before any step

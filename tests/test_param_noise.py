@@ -158,6 +158,17 @@ def test_setup_fails_before_any_rollout(overrides, message):
     assert module.engine is None and module.counters["rollouts_total"] == 0  # no engine built, nothing generated
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (dict(dtype="bfloat16"), r"model\.dtype=float32 \(got 'bfloat16'\)"),
+    (dict(optimizer_options={**IVON_OPTIONS, "mc_samples": 2}), r"optimizer_options\.mc_samples=2"),
+    (dict(optimizer_options={**IVON_OPTIONS, "ess": 0.0}), r"optimizer_options\.ess and algorithm\.lr must be > 0"),
+])
+def test_ivon_options_that_cannot_work_fail_at_construction(overrides, message):
+    """Half-precision weights would round IVON's updates away; mc_samples would be ignored (no closure)."""
+    with pytest.raises(ValueError, match=message):
+        make_module(**overrides)
+
+
 @pytest.mark.parametrize("kwargs", [dict(variant="c4po"), dict(variant="b3po", num_samples=2), dict(tau=1.0)])
 def test_bad_arguments(kwargs):
     with pytest.raises(ValueError, match="algorithm.callbacks.param_noise"):

@@ -20,7 +20,7 @@ What this subclass adds (the math above is untouched; a test compares it with st
 * seeded noise: ε of each parameter comes from a `torch.Generator` seeded by `sample_seed(seed, current_step,
   sample_index, rank, param_index)`, so every sample is reproducible, also after a resume;
 * fp32 state (h, g and the sample averages) whatever the parameter dtype; bf16 weights are read as fp32 and
-  the result rounded back on write;
+  the result rounded back on write (so a step below the bf16 spacing is lost: `GRPOModule` asks for fp32 weights);
 * parameters whose `.grad` is None count as a zero gradient (stock ivon-opt raises);
 * the mean m is restored bit-exactly on leaving `sampled_params`, also when its body raises;
 * parameters are written in place (storage kept: FSDP2 shards, shared rollout engines and in-flight
