@@ -498,12 +498,16 @@ class GRPOModule(pl.LightningModule):
         for M3PO) inside the callbacks' loss contexts, micro-batch by micro-batch."""
         hp = self.hparams
         optimizer = self.optimizers()
+        fewest = -D.global_max(-rollouts.num_samples)  # the smallest batch of any rank
+        if fewest < hp.mini_batches:
+            raise ValueError(f"algorithm.mini_batches={hp.mini_batches} but a rank holds only {fewest} rollouts this "
+                             f"step: every mini-batch needs at least one (lower algorithm.mini_batches)")
         order = torch.arange(rollouts.num_samples)
         loss_sums: dict[str, Tensor] = {}  # per-pass metrics, summed over passes
         grad_norms: list[Tensor] = []
         passes = 0
         for _epoch in range(hp.ppo_epochs):
-            for mini in order.chunk(hp.mini_batches):
+            for mini in order.tensor_split(hp.mini_batches):  # exactly that many steps (chunk can give fewer)
                 optimizer.zero_grad()
                 earlier_finite = True
                 for n, (pass_index, index) in enumerate(self._loss_passes(rollouts, mini)):

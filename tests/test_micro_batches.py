@@ -73,3 +73,23 @@ def test_gspo_sequence_clip_fraction_does_not_depend_on_micro_batch_size():
     for grad, got in zip(grads[1:], metrics[1:]):
         torch.testing.assert_close(grad, grads[0], rtol=1e-5, atol=1e-7)
         assert got == pytest.approx(metrics[0], rel=1e-5, abs=1e-7)
+
+
+def test_mini_batches_give_exactly_that_many_optimizer_steps():
+    """8 rollouts in 6 mini-batches: 6 steps (torch.chunk would make 4 of 2); more mini-batches than rollouts
+    fails naming the key."""
+    module = GRPOModule(model="tiny", model_options=dict(TINY), group_size=4, max_new_tokens=6, mini_batches=6)
+    module.manual_backward = lambda loss: loss.backward()  # no trainer: plain autograd
+    module.rl_callbacks = lambda: []
+    module.lr_schedulers = lambda: None
+    module.step_metrics = {}  # set per step by training_step
+    steps = []
+    optimizer = torch.optim.SGD(module.policy.parameters(), lr=0.0)
+    optimizer.step = lambda: steps.append(sum(q.grad is not None for q in module.policy.parameters()))
+    module.optimizers = lambda: optimizer
+    rollouts = _rollouts(module, None)
+    module.update(rollouts)
+    assert len(steps) == 6 and all(steps)
+    module.hparams.mini_batches = 9
+    with pytest.raises(ValueError, match=r"algorithm\.mini_batches=9 but a rank holds only 8 rollouts"):
+        module.update(rollouts)
