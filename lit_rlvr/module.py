@@ -311,7 +311,16 @@ class GRPOModule(pl.LightningModule):
         hp = self.hparams
         temperature = hp.eval_temperature if evaluation else hp.temperature
         return SamplingParams(temperature=temperature, top_p=hp.top_p, top_k=hp.top_k,
-                              max_new_tokens=hp.max_new_tokens, seed=seed)
+                              max_new_tokens=hp.max_new_tokens, seed=seed, stop_token_ids=self.stop_token_ids())
+
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Where sampling stops besides the tokenizer's eos: the eos ids of the model's generation config (e.g. a
+        chat model that ends a turn with one token and a document with another)."""
+        eos = getattr(getattr(getattr(self, "policy", None), "generation_config", None), "eos_token_id", None)
+        if eos is None:  # also while __init__ checks the options, before the model loads
+            return ()
+        ids = eos if isinstance(eos, (list, tuple)) else [eos]
+        return tuple(sorted({int(i) for i in ids} - {self.tokenizer.eos_token_id}))
 
     def sample_seed(self, *parts: int) -> int:
         """Seed of one engine call: a function of the run seed, the step and the call's place in it. Not of the

@@ -190,3 +190,13 @@ def test_inverse_cdf_sampling_matches_the_distribution():
     assert torch.allclose(freq, expected.double(), atol=0.01), (freq, expected)
     assert int((token == 4).sum()) == 0  # probability 0 is never drawn
     torch.testing.assert_close(logp, torch.log(expected)[token])
+
+
+def test_sampling_stops_at_the_generation_configs_eos_ids_too(tiny_path):
+    from lit_rlvr.module import GRPOModule
+
+    module = GRPOModule(model=tiny_path, group_size=4, max_new_tokens=6)
+    eos = module.tokenizer.eos_token_id
+    assert module.sampling_params(0).stop_token_ids == ()  # the tiny model's generation config names only eos
+    module.policy.generation_config.eos_token_id = [eos, 7, 5]
+    assert module.sampling_params(0).stop_token_ids == (5, 7)

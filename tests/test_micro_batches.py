@@ -1,5 +1,6 @@
-"""GRPOModule's micro-batching: the weighted micro-batch losses sum to the loss of the whole batch, so the
-gradient does not depend on `micro_batch_size` — for every aggregation, with and without 3PO's sequence mask."""
+"""GRPOModule.update: the weighted micro-batch losses sum to the loss of the whole batch, so the
+gradient does not depend on `micro_batch_size` — for every aggregation, with and without 3PO's sequence mask —
+and `mini_batches` gives exactly that many optimizer steps."""
 
 from __future__ import annotations
 
@@ -93,3 +94,4 @@ def test_mini_batches_give_exactly_that_many_optimizer_steps():
     module.hparams.mini_batches = 9
     with pytest.raises(ValueError, match=r"algorithm\.mini_batches=9 but a rank holds only 8 rollouts"):
         module.update(rollouts)
+
