@@ -14,7 +14,7 @@ from torch import Tensor
 
 def group_mean(values: Tensor, group: Tensor, num_groups: int) -> Tensor:
     """Mean of `values` ([N]) within each group -> [B] (0 for an empty group)."""
-    sums = torch.zeros(num_groups, dtype=values.dtype).index_add_(0, group, values)  # [B]
+    sums = values.new_zeros(num_groups).index_add_(0, group, values)  # [B]
     counts = torch.bincount(group, minlength=num_groups).to(values.dtype)  # [B]
     return sums / counts.clamp_min(1)
 
@@ -22,7 +22,7 @@ def group_mean(values: Tensor, group: Tensor, num_groups: int) -> Tensor:
 def group_std(values: Tensor, group: Tensor, num_groups: int) -> Tensor:
     """Unbiased standard deviation within each group -> [B] (0 for groups of one), as torch.std."""
     mean = group_mean(values, group, num_groups)  # [B]
-    sq = torch.zeros(num_groups, dtype=values.dtype).index_add_(0, group, (values - mean[group]) ** 2)  # [B]
+    sq = values.new_zeros(num_groups).index_add_(0, group, (values - mean[group]) ** 2)  # [B]
     counts = torch.bincount(group, minlength=num_groups).to(values.dtype)  # [B]
     return (sq / (counts - 1).clamp_min(1)).sqrt()
 
@@ -32,7 +32,7 @@ def constant_groups(rewards: Tensor, group: Tensor, num_groups: int) -> Tensor:
 
     DAPO's dynamic sampling (Yu et al. 2025, Eq. 11: keep groups with 0 < #correct < G) drops these groups.
     """
-    fill = torch.zeros(num_groups, dtype=rewards.dtype)
+    fill = rewards.new_zeros(num_groups)
     high = fill.scatter_reduce(0, group, rewards, reduce="amax", include_self=False)  # [B]
     low = fill.scatter_reduce(0, group, rewards, reduce="amin", include_self=False)  # [B]
     present = torch.bincount(group, minlength=num_groups) > 0  # [B]
