@@ -34,8 +34,6 @@ from lit_rlvr.validation import ValidationMetrics
 log = logging.getLogger(__name__)
 
 OPTIMIZERS = ("adamw", "ivon")
-TOKEN_METRICS = frozenset({"loss/entropy", "loss/pg_clipfrac", "loss/approx_kl"})  # means over response tokens
-SEQUENCE_METRICS = frozenset({"loss/seq_mask_frac"})  # means over sequences
 
 
 class NonFiniteError(RuntimeError):
@@ -103,8 +101,9 @@ class GRPOModule(pl.LightningModule):
     `optimizer_options` go to the optimizer's constructor either way.
     """
 
-    token_metrics = TOKEN_METRICS  # loss metrics that are means over tokens (a subclass may move one)
-    sequence_metrics = SEQUENCE_METRICS  # ... and over sequences
+    # loss metrics that are means over response tokens, and over sequences (a subclass may move one)
+    token_metrics = frozenset({"loss/entropy", "loss/pg_clipfrac", "loss/approx_kl"})
+    sequence_metrics = frozenset({"loss/seq_mask_frac"})
 
     def __init__(
         self,
