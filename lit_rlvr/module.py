@@ -506,16 +506,19 @@ class GRPOModule(pl.LightningModule):
         for M3PO) inside the callbacks' loss contexts, micro-batch by micro-batch."""
         hp = self.hparams
         optimizer = self.optimizers()
-        fewest = -D.global_max(-rollouts.num_samples)  # the smallest batch of any rank
+        # every rank takes the same number of optimizer steps (FSDP's collectives), each on at least one rollout:
+        # a batch smaller than mini_batches on some rank (DAPO kept few groups) gets one step per rollout
+        fewest = -D.global_max(-rollouts.num_samples)
         if fewest < hp.mini_batches:
-            raise ValueError(f"algorithm.mini_batches={hp.mini_batches} but a rank holds only {fewest} rollouts this "
-                             f"step: every mini-batch needs at least one (lower algorithm.mini_batches)")
+            log.warning("step %d: a rank holds %d rollouts, fewer than algorithm.mini_batches=%d: %d optimizer steps",
+                        self.global_step, fewest, hp.mini_batches, fewest)
+        steps = min(hp.mini_batches, fewest)
         order = torch.arange(rollouts.num_samples)
         loss_sums: dict[str, Tensor] = {}  # per-pass metrics, summed over passes
         grad_norms: list[Tensor] = []
         passes = 0
         for _epoch in range(hp.ppo_epochs):
-            for mini in order.tensor_split(hp.mini_batches):  # exactly that many steps (chunk can give fewer)
+            for mini in order.tensor_split(steps):  # exactly that many (torch.chunk can give fewer)
                 optimizer.zero_grad()
                 earlier_finite = True
                 for n, (pass_index, index) in enumerate(self._loss_passes(rollouts, mini)):
