@@ -193,6 +193,9 @@ class GRPOModule(pl.LightningModule):
         if not float(options["ess"]) > 0 or not hp.lr > 0:
             raise ValueError(f"algorithm.optimizer_options.ess and algorithm.lr must be > 0 for ivon, got "
                              f"{options['ess']} and {hp.lr}")
+        if options.get("hess_approx", "price") not in IVON.hessian_approx_methods:
+            raise ValueError(f"algorithm.optimizer_options.hess_approx={options['hess_approx']!r}; valid: "
+                             f"{', '.join(IVON.hessian_approx_methods)}")
         if options.get("mc_samples", 1) != 1:
             # ivon-opt repeats a closure that returns the loss; Lightning's manual optimization passes none
             raise ValueError(f"algorithm.optimizer_options.mc_samples={options['mc_samples']}: one gradient sample "

@@ -162,6 +162,7 @@ def test_setup_fails_before_any_rollout(overrides, message):
     (dict(dtype="bfloat16"), r"model\.dtype=float32 \(got 'bfloat16'\)"),
     (dict(optimizer_options={**IVON_OPTIONS, "mc_samples": 2}), r"optimizer_options\.mc_samples=2"),
     (dict(optimizer_options={**IVON_OPTIONS, "ess": 0.0}), r"optimizer_options\.ess and algorithm\.lr must be > 0"),
+    (dict(optimizer_options={**IVON_OPTIONS, "hess_approx": "fisher"}), r"optimizer_options\.hess_approx='fisher'"),
 ])
 def test_ivon_options_that_cannot_work_fail_at_construction(overrides, message):
     """Half-precision weights would round IVON's updates away; mc_samples would be ignored (no closure)."""
