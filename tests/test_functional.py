@@ -108,3 +108,15 @@ def test_token_logprobs_and_entropy():
     assert ent.item() == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)))
     # temperature 0.5 doubles the logits: p = 1/10, 9/10
     assert F.token_logprobs(logits, torch.tensor([[1]]), temperature=0.5).item() == pytest.approx(math.log(0.9))
+
+
+def test_std_scaling_leaves_a_constant_group_around_a_baseline_alone():
+    """V0.5 with scale_by_std: a group of equal rewards has A = r − b ≠ 0 and no spread; dividing by eps alone
+    would give 5e5. Its advantages stay r − b, and it no longer counts as a zero-advantage group."""
+    rewards, group = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, -1.0]), torch.tensor([0, 0, 0, 0, 1, 1])
+    adv, metrics = F.grpo_advantages(rewards, group, 2, scale_by_std=True, baseline=torch.tensor([0.5, 0.0]))
+    assert adv[:4].tolist() == [0.5] * 4
+    assert adv[4:].tolist() == pytest.approx([1 / (2 ** 0.5 + 1e-6), -1 / (2 ** 0.5 + 1e-6)])  # std of (1, −1): √2
+    assert metrics["groups/zero_adv_frac"].item() == 0.0
+    adv, metrics = F.grpo_advantages(rewards, group, 2, scale_by_std=True)  # around the group mean
+    assert adv[:4].tolist() == [0.0] * 4 and metrics["groups/zero_adv_frac"].item() == 0.5

@@ -57,15 +57,18 @@ def grpo_advantages(
     Args:
         rewards: [N] float. group: [N] long. baseline: optional [B].
     Returns:
-        advantages [N], metrics with `groups/zero_adv_frac` (groups whose rewards are all equal).
+        advantages [N], metrics with `groups/zero_adv_frac` (groups whose advantages are all 0: around the group
+        mean, the groups whose rewards are all equal).
     """
-    mean = group_mean(rewards, group, num_groups)  # [B]
     std = group_std(rewards, group, num_groups)  # [B]
-    center = mean if baseline is None else baseline.to(rewards.dtype)  # [B]
+    center = group_mean(rewards, group, num_groups) if baseline is None else baseline.to(rewards.dtype)  # [B]
     adv = rewards - center[group]  # [N]
     if scale_by_std:
-        adv = adv / (std[group] + eps)  # [N]
+        # a group whose rewards are all equal has no spread to scale by: its advantages stay r − b (0 around the
+        # group mean; around a given baseline, dividing by eps alone would blow them up a millionfold)
+        adv = adv / torch.where(std > 0, std + eps, 1.0)[group]  # [N]
     present = torch.bincount(group, minlength=num_groups) > 0  # [B]
-    constant = (std == 0) & present  # [B] all rewards equal (no signal from the group mean)
-    metrics = {"groups/zero_adv_frac": (constant.sum() / present.sum().clamp_min(1)).detach()}
+    largest = adv.abs().new_zeros(num_groups).scatter_reduce(0, group, adv.abs(), reduce="amax")  # [B]
+    zero = (largest == 0) & present  # [B] groups that give no gradient
+    metrics = {"groups/zero_adv_frac": (zero.sum() / present.sum().clamp_min(1)).detach()}
     return adv, metrics
