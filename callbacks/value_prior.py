@@ -76,7 +76,8 @@ class ValuePrior(RLVRCallback):
     Args:
         k_init: samples per prompt in the first round (paper: 4).
         k_max: never more samples than this per prompt (paper: 16).
-        cost: OSLA's price c of one more sample, in baseline MSE (paper: 0.0039 ≈ 1/256).
+        cost: OSLA's price c of one more sample, in baseline MSE on the ±1 reward scale (paper: 0.0039 ≈ 1/256);
+            other reward ranges scale it by ((high − low)/2)², so the same c stops at the same count.
         min_active_frac: keep generating rounds only while this fraction of the batch asks for more (paper: 0.25).
         pad_to: pad each extra round to a multiple of this many sequences (paper: 32); the padding goes to the
             prompts with the largest expected MSE reduction.
@@ -146,6 +147,8 @@ class ValuePrior(RLVRCallback):
             raise ValueError(f"{KEY}.bandwidth_refit must be in [0, 1], got {bandwidth_refit}")
         self.precompute, self.precompute_max, self.precompute_batch = precompute, precompute_max, precompute_batch
         self.k_init, self.k_max, self.cost = k_init, k_max, cost
+        # c is a price in baseline MSE on the ±1 scale; MSE scales with the square of the reward range
+        self._cost_f32 = round_f32(cost * ((self.high - self.low) / 2) ** 2)
         self.min_active_frac, self.pad_to, self.round_size = min_active_frac, pad_to, round_size
         self.scale_by_std = scale_by_std
         self.context = ContextBuffer(capacity=context_size, min_context=min_context)
@@ -339,8 +342,7 @@ class ValuePrior(RLVRCallback):
         step.rounds += 1  # called once after every round
         mean, counts = self._group_stats(rollouts)  # [B] float32 values, [B] ints
         gain = expected_mse_reduction_py(mean, prior, counts, self.noise_var)  # [B] Δ̂² re-estimated
-        cost = round_f32(self.cost)
-        wants = [g > cost and c < self.k_max for g, c in zip(gain, counts)]  # [B] = osla_wants_more
+        wants = [g > self._cost_f32 and c < self.k_max for g, c in zip(gain, counts)]  # [B] = osla_wants_more
         extra = allocate_round_py(wants, gain, counts, k_max=self.k_max, min_active_frac=self.min_active_frac,
                                   pad_to=self.pad_to, round_size=self.round_size)  # [B]
         step.prior_s += time.perf_counter() - t0

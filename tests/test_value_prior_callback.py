@@ -396,3 +396,13 @@ def test_train_py_v05_writes_metrics_summary_checkpoint(cache_dir, tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["algorithm"] == "v05" and summary["steps"] == 2
     assert (run / "checkpoints" / "last.ckpt").exists()
+
+
+def test_osla_stops_at_the_same_count_on_any_reward_range():
+    """The cost c is a price in ±1-scale MSE: rewards in {0, 1} (MSE a quarter as large) stop where ±1 do."""
+    prompts = [f"p{i}" for i in range(8)]
+    succeed = set(prompts[2:])
+    plus_minus = simulate(ready_callback({p: 0.95 for p in prompts}, pad_to=1, k_max=32), prompts, always(succeed))
+    zero_one = simulate(ready_callback({p: 0.95 for p in prompts}, pad_to=1, k_max=32, reward_range=(0.0, 1.0)),
+                        prompts, lambda prompt, i: 1.0 if prompt in succeed else 0.0)
+    assert zero_one[0] == plus_minus[0] and plus_minus[0][0] > 4  # the wrong-prior prompts got extra samples
