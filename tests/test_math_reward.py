@@ -38,6 +38,10 @@ CASES = [
     ("\\boxed{[1,2)}", "[1,2)", CORRECT),
     ("\\boxed{[1,2]}", "[1,2)", WRONG),
     ("\\boxed{(-\\infty, 3]}", "(-\\infty,3]", CORRECT),
+    # golds with an escaped dollar sign (MATH-500 writes money so): a dollar sign, not math mode
+    ("\\boxed{32348}", "\\$32,\\!348", CORRECT),
+    ("\\boxed{\\$18.90}", "\\$18.90", CORRECT),
+    ("\\boxed{37}", "\\$36", WRONG),
     # units
     ("\\boxed{5\\text{ cm}}", "5", CORRECT),
     ("\\boxed{5 \\text{cm}^2}", "5", CORRECT),

@@ -100,7 +100,7 @@ def parse_gold(answer: Any, *, timeout_s: int = 0) -> list:
     boxed = last_boxed(text)
     if boxed is not None:
         text = _as_math(boxed)
-    elif "$" not in text:
+    elif not re.search(r"(?<!\\)\$", text):  # an escaped \$ is a dollar sign (MATH: "\$18.90"), not math mode
         text = _as_math(text)
     return _parse(text, _ANSWER_CONFIG, timeout_s)
 
