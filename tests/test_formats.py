@@ -239,3 +239,14 @@ def test_render_prompt():
     assert text == f"<chat>system=S|user=2+2?\n{MATH_INSTRUCTION}<assistant>"
     assert render_prompt("2+2?", None, chat_template=False, instruction="Think.") == "2+2?\nThink."
     assert chat == [{"role": "user", "content": "2+2?"}]  # the record is not modified
+
+
+def test_too_few_usable_training_rows_fail_naming_the_file_and_keys(tmp_path):
+    """on_bad_row=skip with the wrong columns drops every row: the run must not start with no batches."""
+    from lit_rlvr.data.datamodule import RLVRDataModule
+
+    path = tmp_path / "data.jsonl"
+    write_jsonl(path, [{"question": f"{i}+1", "solution": str(i + 1)} for i in range(5)])
+    data = RLVRDataModule(path=str(path), batch_size=8, on_bad_row="skip")
+    with pytest.raises(DataError, match=r"data\.jsonl: 0 usable training rows \(5 skipped\).*data\.batch_size=8.*data\.fields"):
+        data.setup("fit")

@@ -159,6 +159,13 @@ class RLVRDataModule(pl.LightningDataModule):
             return
         if hp.path is not None:
             self.train_set = self._load(hp.path, hp.split, hp.fields)
+            if stage in (None, "fit") and len(self.train_set) < hp.batch_size:
+                from lit_rlvr.data.formats import DataError
+
+                stats = self.load_stats[hp.path]
+                raise DataError(f"{hp.path}: {len(self.train_set)} usable training rows ({stats['skipped']} skipped), "
+                                f"fewer than one step's data.batch_size={hp.batch_size}; check data.fields (the "
+                                "prompt and answer columns) and data.split")
             eval_fields = hp.fields if hp.eval_fields is None else hp.eval_fields
             self.eval_set = self._load(hp.eval_path, hp.eval_split, eval_fields) if hp.eval_path else self.train_set
         else:
