@@ -250,3 +250,4 @@ def test_too_few_usable_training_rows_fail_naming_the_file_and_keys(tmp_path):
     data = RLVRDataModule(path=str(path), batch_size=8, on_bad_row="skip")
     with pytest.raises(DataError, match=r"data\.jsonl: 0 usable training rows \(5 skipped\).*data\.batch_size=8.*data\.fields"):
         data.setup("fit")
+        data.train_dataloader()

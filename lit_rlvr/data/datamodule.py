@@ -159,13 +159,6 @@ class RLVRDataModule(pl.LightningDataModule):
             return
         if hp.path is not None:
             self.train_set = self._load(hp.path, hp.split, hp.fields)
-            if stage in (None, "fit") and len(self.train_set) < hp.batch_size:
-                from lit_rlvr.data.formats import DataError
-
-                stats = self.load_stats[hp.path]
-                raise DataError(f"{hp.path}: {len(self.train_set)} usable training rows ({stats['skipped']} skipped), "
-                                f"fewer than one step's data.batch_size={hp.batch_size}; check data.fields (the "
-                                "prompt and answer columns) and data.split")
             eval_fields = hp.fields if hp.eval_fields is None else hp.eval_fields
             self.eval_set = self._load(hp.eval_path, hp.eval_split, eval_fields) if hp.eval_path else self.train_set
         else:
@@ -193,6 +186,13 @@ class RLVRDataModule(pl.LightningDataModule):
         if hp.batch_size % world:
             raise ValueError(f"data.batch_size={hp.batch_size} (prompts per step, all ranks together) must be "
                              f"divisible by the {world} data-parallel ranks")
+        if len(self.train_set) < hp.batch_size:  # drop_last: not one step's worth, the run would train on nothing
+            from lit_rlvr.data.formats import DataError
+
+            stats = self.load_stats.get(hp.path, {"skipped": 0})
+            raise DataError(f"{hp.path or 'the task'}: {len(self.train_set)} usable training rows ({stats['skipped']} "
+                            f"skipped), fewer than one step's data.batch_size={hp.batch_size}; check data.fields (the "
+                            "prompt and answer columns) and data.split")
         self._sampler = ResumableSampler(len(self.train_set), hp.seed, rank, world)
         if self._position["batches"]:  # resumed mid-epoch: continue after the batches already trained on
             self._sampler.skip_next(self._position["epoch"], self._position["batches"] * hp.batch_size)
