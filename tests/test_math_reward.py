@@ -236,3 +236,13 @@ def test_empty_batch_and_validation():
 def test_scores_are_tensors(flaky_runner):
     batch = flaky_runner(["p", "p"], ["1", "2"], [1, 1])
     assert batch.scores.dtype == torch.float32 and batch.malformed.dtype == torch.bool
+
+
+def test_reward_options_that_would_be_dropped_or_crash_say_which_key():
+    from lit_rlvr.rewards import build_reward_runner
+
+    with pytest.raises(ValueError, match=r"reward='arithmetic' is a function and takes no options.*\['typo'\]"):
+        build_reward_runner("arithmetic", {"typo": 1})
+    with pytest.raises(ValueError, match=r"reward\.options \['workers'\] are not options of MathReward"):
+        build_reward_runner("math", {"workers": 2})  # workers belongs to isolation=process
+    assert build_reward_runner("math", {"timeout_s": 2.0, "format_weight": 0.1}).fn.format_weight == 0.1

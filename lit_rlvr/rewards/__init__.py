@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any, Optional
 
 from lit_rlvr.rewards.base import RewardBatch, RewardFn, RewardResult, RewardRunner
@@ -25,7 +26,18 @@ def resolve_reward(name: str, options: Optional[dict[str, Any]] = None) -> Rewar
         obj = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:
         raise ValueError(f"reward={name!r}: cannot import {target} ({err})") from err
-    return obj(**(options or {})) if isinstance(obj, type) else obj
+    options = dict(options or {})
+    if not isinstance(obj, type):
+        if options:  # a plain function has nothing to take them: they would be dropped without a word
+            raise ValueError(f"reward={name!r} is a function and takes no options; got reward.options keys "
+                             f"{sorted(options)}")
+        return obj
+    valid = [p for p in inspect.signature(obj).parameters if p not in ("self", "args", "kwargs")]
+    unknown = sorted(set(options) - set(valid))
+    if unknown and "kwargs" not in inspect.signature(obj).parameters:
+        raise ValueError(f"reward={name!r}: reward.options {unknown} are not options of {obj.__name__}; valid: "
+                         f"{', '.join(valid)} (and isolation, with isolation=process: timeout_s, workers)")
+    return obj(**options)
 
 
 class _BatchRewardRunner(RewardRunner):
