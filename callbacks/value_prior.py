@@ -87,7 +87,7 @@ class ValuePrior(RLVRCallback):
         scale_by_std: divide A = r − b by the group's reward std (paper: off).
         context_size, min_context: the context buffer of V0 (records kept; below min_context the prior is absent).
         backbone, head, head_kwargs, features, adapter_path, max_length, device, seed, bandwidth_refit: V0,
-            see `lit_rlvr.value.ValueModel.create`; `device` None = the policy's device. Built in `setup`.
+            see `lit_rlvr.value.ValueModel.create`; `device` None = the policy's device (the strategy's root device). Built in `setup`.
             bandwidth_refit (default 0.25): the kernel head searches its bandwidth again once this fraction
             of the context is new since its last search (0 = at every step).
         precompute: when prompt features are computed (see the module docstring): "all" the training set at
@@ -170,7 +170,8 @@ class ValuePrior(RLVRCallback):
         if stage == "fit" and self.value_model is None:
             # built here, not in __init__: loading the backbone is not part of any step's time
             kwargs = dict(self.value_model_kwargs)
-            kwargs["device"] = kwargs["device"] or str(pl_module.device)
+            # the strategy's device: Lightning calls this hook before it moves the module there
+            kwargs["device"] = kwargs["device"] or str(trainer.strategy.root_device)
             self.value_model = ValueModel.create(**kwargs)
             self._restore_backbone_cache()
         _warn_unused_module_options(pl_module, self.k_init, self.scale_by_std)

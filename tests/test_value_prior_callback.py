@@ -406,3 +406,15 @@ def test_osla_stops_at_the_same_count_on_any_reward_range():
     zero_one = simulate(ready_callback({p: 0.95 for p in prompts}, pad_to=1, k_max=32, reward_range=(0.0, 1.0)),
                         prompts, lambda prompt, i: 1.0 if prompt in succeed else 0.0)
     assert zero_one[0] == plus_minus[0] and plus_minus[0][0] > 4  # the wrong-prior prompts got extra samples
+
+
+def test_v0_is_built_on_the_strategys_device_not_where_the_module_still_is(monkeypatch):
+    """Lightning calls `setup` before the strategy moves the module: device=None must mean the strategy's."""
+    import lit_rlvr.value
+
+    built = {}
+    monkeypatch.setattr(lit_rlvr.value.ValueModel, "create", staticmethod(lambda **kw: built.update(kw) or StubV0({})))
+    trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(root_device=torch.device("cuda", 3)))
+    module = types.SimpleNamespace(device=torch.device("cpu"), hparams={"group_size": 4, "scale_adv_by_std": False})
+    ValuePrior().setup(trainer, module, "fit")
+    assert built["device"] == "cuda:3"
