@@ -6,6 +6,7 @@ import logging
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from lit_rlvr.data.formats import (
     MATH_INSTRUCTION,
@@ -251,3 +252,23 @@ def test_too_few_usable_training_rows_fail_naming_the_file_and_keys(tmp_path):
     with pytest.raises(DataError, match=r"data\.jsonl: 0 usable training rows \(5 skipped\).*data\.batch_size=8.*data\.fields"):
         data.setup("fit")
         data.train_dataloader()
+
+
+def test_held_out_shards_are_equal_on_every_rank(caplog):
+    """Each validation step pushes weights (a collective): ranks with unequal shares would hang."""
+    import types
+
+    from lit_rlvr.data.datamodule import RLVRDataModule
+
+    data = RLVRDataModule(num_test=5, eval_batch_size=2)
+    data.setup("validate")
+    shards = []
+    for rank in range(2):
+        data.trainer = types.SimpleNamespace(world_size=2, global_rank=rank, _accelerator_connector=None)
+        with caplog.at_level(logging.WARNING, logger="lit_rlvr.data.datamodule"):
+            shards.append([p for batch in data.val_dataloader() for p in batch["prompt"]])
+    assert len(shards[0]) == len(shards[1]) == 2 and not set(shards[0]) & set(shards[1])
+    assert "the last 1 of 5 prompts are not scored" in caplog.text
+    data.eval_set = data.eval_set[:1] if isinstance(data.eval_set, list) else torch.utils.data.Subset(data.eval_set, [0])
+    with pytest.raises(ValueError, match=r"held-out set has 1 prompts, fewer than the 2 ranks.*data\.num_test"):
+        data.val_dataloader()

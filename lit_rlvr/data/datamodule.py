@@ -6,6 +6,7 @@ rendering and tokenization happen in the module, which owns the tokenizer.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -13,6 +14,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lit_rlvr.data.tasks.arithmetic import ArithmeticTask
+
+log = logging.getLogger(__name__)
 
 
 class ArithmeticDataset(Dataset):
@@ -222,7 +225,17 @@ class RLVRDataModule(pl.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         rank, world = self._ranks()  # each rank scores its share; the metrics are reduced by torchmetrics
-        shard = self.eval_set if world == 1 else torch.utils.data.Subset(self.eval_set, range(rank, len(self.eval_set), world))
+        if world == 1:
+            return DataLoader(self.eval_set, batch_size=self.hparams.eval_batch_size, shuffle=False, collate_fn=collate)
+        # equal shards: every rank must run the same number of validation steps (each one pushes weights)
+        usable = len(self.eval_set) - len(self.eval_set) % world
+        if usable == 0:
+            raise ValueError(f"the held-out set has {len(self.eval_set)} prompts, fewer than the {world} ranks: raise "
+                             "data.num_test or data.eval_limit, or evaluate on fewer ranks")
+        if usable < len(self.eval_set):
+            log.warning("held-out set: the last %d of %d prompts are not scored, so the %d ranks get equal shares",
+                        len(self.eval_set) - usable, len(self.eval_set), world)
+        shard = torch.utils.data.Subset(self.eval_set, range(rank, usable, world))
         return DataLoader(shard, batch_size=self.hparams.eval_batch_size, shuffle=False, collate_fn=collate)
 
     def test_dataloader(self) -> DataLoader:
