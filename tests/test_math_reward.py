@@ -246,3 +246,12 @@ def test_reward_options_that_would_be_dropped_or_crash_say_which_key():
     with pytest.raises(ValueError, match=r"reward\.options \['workers'\] are not options of MathReward"):
         build_reward_runner("math", {"workers": 2})  # workers belongs to isolation=process
     assert build_reward_runner("math", {"timeout_s": 2.0, "format_weight": 0.1}).fn.format_weight == 0.1
+
+
+def test_a_non_finite_score_is_a_counted_failure():
+    """A NaN score would reach the advantages (and V0.5's context): it is scored like a raising reward."""
+    scores = iter([float("nan"), 1.0, None])
+    runner = RewardRunner(lambda p, c, a: RewardResult(next(scores), False, ""))
+    batch = runner(["p"] * 3, ["c"] * 3, [0] * 3)
+    assert batch.scores.tolist() == [-1.0, 1.0, -1.0] and batch.malformed.tolist() == [True, False, True]
+    assert batch.failures == 2

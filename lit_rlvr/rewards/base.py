@@ -8,6 +8,7 @@ also bounds every call in time: a timeout or a crashed worker is one malformed, 
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing as mp
 import pickle
 import time
@@ -57,13 +58,25 @@ class RewardRunner:
                 log.warning("reward function raised %s: %s (scored as malformed)", type(err).__name__, err)
                 result = RewardResult(self.failure_score, True, f"error: {err}")
             results.append(result)
-        return _to_batch(results, failures)
+        return _to_batch(results, failures, self.failure_score)
 
     def close(self) -> None:
         pass
 
 
-def _to_batch(results: Sequence[RewardResult], failures: int) -> RewardBatch:
+def _to_batch(results: Sequence[RewardResult], failures: int, failure_score: float) -> RewardBatch:
+    """The batch tensors; a score that is not a finite number is a broken reward: `failure_score`, malformed and
+    counted, like a raise (a NaN would otherwise reach the advantages and the V0.5 context)."""
+    results = list(results)
+    for i, r in enumerate(results):
+        try:
+            ok = math.isfinite(float(r.score))
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            failures += 1
+            log.warning("reward returned score %r (scored as malformed)", r.score)
+            results[i] = RewardResult(failure_score, True, f"error: score {r.score!r} is not a finite number")
     scores = torch.tensor([float(r.score) for r in results])  # [N]
     malformed = torch.tensor([bool(r.malformed) for r in results], dtype=torch.bool)  # [N]
     return RewardBatch(scores, malformed, failures)
@@ -154,7 +167,7 @@ class ProcessRewardRunner:
         except BaseException:  # e.g. KeyboardInterrupt: leave no call of this batch running in the pool
             self._kill_pool()
             raise
-        return _to_batch(b.results, b.failures)
+        return _to_batch(b.results, b.failures, self.failure_score)
 
     def close(self) -> None:
         """Stops the workers (a later call starts new ones)."""
