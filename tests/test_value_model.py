@@ -314,3 +314,13 @@ def test_value_model_create_with_saved_adapter(tmp_path, monkeypatch):
     save_adapter(ResidualQueryAdapter(384, num_queries=4, width=6, heads=3, seed=5), tmp_path / "v0.pt")
     model = ValueModel.create(backbone="minilm", head="kernel", adapter_path=tmp_path / "v0.pt", max_length=16)
     assert model.features_mode == "adapter" and model.features(["1+1="]).shape == (1, 24)
+
+
+def test_tabpfn_head_gets_the_value_models_device_and_seed(tiny_tabpfn_checkpoint, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = ValueModel.create(backbone="minilm", head="tabpfn", head_kwargs={"model_path": tiny_tabpfn_checkpoint},
+                              device="cpu", seed=7, max_length=16)
+    assert (model.head.device, model.head.random_state) == ("cpu", 7)
+    kept = ValueModel.create(backbone="minilm", head="tabpfn", seed=7, max_length=16,
+                             head_kwargs={"model_path": tiny_tabpfn_checkpoint, "random_state": 1})
+    assert kept.head.random_state == 1  # head_kwargs win

@@ -12,11 +12,11 @@ bandwidth search (and standardization) reruns once `bandwidth_refit` of the cont
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import time
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
-
-import contextlib
-import time
 
 import torch
 from torch import Tensor
@@ -129,7 +129,13 @@ class ValueModel:
         adapter = load_adapter(adapter_path, map_location=device) if adapter_path is not None else None
         if adapter is not None and adapter.config["d_in"] != bb.dim:
             raise ValueError(f"adapter {adapter_path} expects d_in={adapter.config['d_in']}, backbone gives {bb.dim}")
-        return cls(bb, HEADS[head](**(head_kwargs or {})), adapter=adapter, features=features, seed=seed,
+        head_kwargs = dict(head_kwargs or {})
+        accepts = inspect.signature(HEADS[head]).parameters
+        if "device" in accepts:  # TabPFN: on the value model's device and seeded by it, unless head_kwargs say
+            head_kwargs.setdefault("device", device)
+        if "random_state" in accepts:
+            head_kwargs.setdefault("random_state", seed)
+        return cls(bb, HEADS[head](**head_kwargs), adapter=adapter, features=features, seed=seed,
                    bandwidth_refit=bandwidth_refit)
 
     @torch.no_grad()
