@@ -87,7 +87,8 @@ class ValuePrior(RLVRCallback):
         scale_by_std: divide A = r − b by the group's reward std (paper: off).
         context_size, min_context: the context buffer of V0 (records kept; below min_context the prior is absent).
         backbone, head, head_kwargs, features, adapter_path, max_length, device, seed, bandwidth_refit: V0,
-            see `lit_rlvr.value.ValueModel.create`; `device` None = the policy's device (the strategy's root device). Built in `setup`.
+            see `lit_rlvr.value.ValueModel.create`; `device` None = the policy's device (the strategy's root
+            device). Built in `setup`.
             bandwidth_refit (default 0.25): the kernel head searches its bandwidth again once this fraction
             of the context is new since its last search (0 = at every step).
         precompute: when prompt features are computed (see the module docstring): "all" the training set at

@@ -68,7 +68,8 @@ def grpo_advantages(
         # group mean; around a given baseline, dividing by eps alone would blow them up a millionfold)
         adv = adv / torch.where(std > 0, std + eps, 1.0)[group]  # [N]
     present = torch.bincount(group, minlength=num_groups) > 0  # [B]
-    largest = adv.abs().new_zeros(num_groups).scatter_reduce(0, group, adv.abs(), reduce="amax")  # [B]
+    magnitude = adv.abs()  # [N]
+    largest = magnitude.new_zeros(num_groups).scatter_reduce(0, group, magnitude, reduce="amax")  # [B]
     zero = (largest == 0) & present  # [B] groups that give no gradient
     metrics = {"groups/zero_adv_frac": (zero.sum() / present.sum().clamp_min(1)).detach()}
     return adv, metrics

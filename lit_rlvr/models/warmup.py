@@ -12,7 +12,7 @@ import logging
 import os
 import shutil
 import socket
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Iterator
 
@@ -20,6 +20,11 @@ import torch
 
 from lit_rlvr.data.tasks.arithmetic import ArithmeticTask
 from lit_rlvr.models import tiny
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover  (not POSIX)
+    fcntl = None
 
 log = logging.getLogger(__name__)
 
@@ -89,21 +94,11 @@ def warm_start_tiny(
 @contextmanager
 def _locked(lock_path: Path) -> Iterator[None]:
     """An exclusive advisory lock (flock) held for the block; none where flock is not available."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover  (not POSIX)
+    with open(lock_path, "a") as handle:  # closing the file releases the lock
+        if fcntl is not None:
+            with suppress(OSError):  # a filesystem without flock: the rename still keeps the cache whole
+                fcntl.flock(handle, fcntl.LOCK_EX)
         yield
-        return
-    with open(lock_path, "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        except OSError:  # a filesystem without flock: the rename still keeps the cache whole
-            yield
-            return
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _train(steps: int, batch_size: int, lr: float, seed: int, levels: tuple[int, ...], hidden_size: int,
