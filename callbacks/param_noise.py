@@ -49,7 +49,8 @@ class ParamNoise(RLVRCallback):
         variant: `b3po` (one sample per step), `m3po` (N samples, advantages and gradients per sample) or
             `c3po` (N samples pooled into one group; the paper's best).
         num_samples: N, the weight samples the G completions of a prompt are split over; None = 1 for b3po
-            (its only valid value), 4 otherwise (paper). `group_size` must be a multiple of it.
+            (its only valid value), 4 otherwise (paper). `group_size` must be a multiple of it
+            (for m3po at least twice it: advantages are taken within each sample's G/N completions).
         tau: bound τ of the sequence-level importance mask (paper: 2); None = no mask.
         group_size: the module's G, when known at construction (the configs pass `${algorithm.group_size}`), so
             that a G not divisible by N fails before the model loads; `setup` checks the module's G anyway.
@@ -82,6 +83,13 @@ class ParamNoise(RLVRCallback):
                 f"algorithm.group_size={group_size} is not divisible by {KEY}.num_samples={self.num_samples}: each "
                 f"of the N weight samples generates G/N completions per prompt; make algorithm.group_size a "
                 f"multiple of {KEY}.num_samples")
+        if self.variant == "m3po" and group_size // self.num_samples < 2:
+            # M3PO centres each reward within its chunk of G/N: a chunk of one gives A = r − r = 0, no gradient
+            raise ValueError(
+                f"algorithm.group_size={group_size} with {KEY}.num_samples={self.num_samples} gives M3PO "
+                f"{group_size // self.num_samples} completion per weight sample: its advantage within the chunk is "
+                f"always 0, so nothing is learned; M3PO needs algorithm.group_size >= 2 x {KEY}.num_samples "
+                f"(e.g. algorithm.group_size={2 * self.num_samples}), or use algorithm=c3po, which pools the G")
 
     # -- checks before any work --------------------------------------------------------------------------------
     @override

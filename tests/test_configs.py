@@ -87,3 +87,14 @@ def test_missing_resume_checkpoint_fails_first_and_points_to_an_interrupted_save
     (tmp_path / "checkpoints" / "last.ckpt.old").mkdir(parents=True)  # a sharded save stopped between renames
     with pytest.raises(FileNotFoundError, match="last.ckpt.old holds the checkpoint"):
         train(_compose(f"resume={missing}", f"hydra.run.dir={tmp_path}"), tmp_path)
+
+
+def test_m3po_with_one_completion_per_weight_sample_fails_before_any_work(tmp_path):
+    """`algorithm=m3po algorithm.group_size=4` (N = 4): every within-chunk advantage is 0. The run stops before the
+    model loads, naming both keys and why."""
+    cfg = _compose("algorithm=m3po", "algorithm.group_size=4", "trainer.max_steps=1", "eval_before=false",
+                   "data.num_test=16", f"hydra.run.dir={tmp_path}")
+    with pytest.raises(ValueError, match=r"algorithm\.group_size=4.*algorithm\.callbacks\.param_noise\.num_samples=4"
+                                         r".*advantage"):
+        train(cfg, tmp_path)
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.csv").exists()

@@ -147,6 +147,23 @@ def test_group_size_not_divisible_fails_at_construction_naming_both_keys():
         ParamNoise("c3po", num_samples=3, group_size=8)
 
 
+def test_m3po_with_one_completion_per_sample_fails_at_construction_naming_both_keys():
+    """G/N = 1: each chunk's advantage is r − r = 0, so M3PO would learn nothing; G/N = 2 is the smallest that can."""
+    with pytest.raises(ValueError, match=r"algorithm\.group_size=4.*algorithm\.callbacks\.param_noise\.num_samples=4"
+                                         r".*advantage"):
+        ParamNoise("m3po", num_samples=4, group_size=4)
+    ParamNoise("m3po", num_samples=4, group_size=8)  # G/N = 2
+    ParamNoise("c3po", num_samples=4, group_size=4)  # C3PO pools the G: one completion per sample is fine
+
+
+def test_m3po_with_one_completion_per_sample_fails_at_setup_before_any_rollout():
+    """Built without `group_size` (a hand-written callback): setup checks the module's G."""
+    module = make_module(group_size=4)
+    with pytest.raises(ValueError, match=r"algorithm\.group_size=4.*algorithm\.callbacks\.param_noise\.num_samples=4"):
+        fit(module, ParamNoise("m3po", num_samples=4), steps=1)
+    assert module.engine is None and module.counters["rollouts_total"] == 0
+
+
 @pytest.mark.parametrize("overrides, message", [
     (dict(group_size=6), r"algorithm\.group_size=6.*algorithm\.callbacks\.param_noise\.num_samples=4"),
     (dict(optimizer="adamw", grad_clip=1.0, optimizer_options=None), r"algorithm\.optimizer=ivon"),
