@@ -93,8 +93,9 @@ class GRPOModule(pl.LightningModule):
     """GRPO with PPO-clip (Shao et al. 2024) and the usual knobs; see DESIGN §4 for every option.
 
     Args (the ones a user changes most): `group_size` G samples per prompt; `lr`; `eps_low`/`eps_high` clip
-    range; `loss_aggregation` (one of `functional.AGGREGATIONS`); `scale_adv_by_std`; `kl_coef` β (> 0 loads a
-    frozen reference copy) with `kl_estimator`; `entropy_coef` η; `ppo_epochs` passes over each rollout batch;
+    range; `dual_clip` c (> 1: verl's clip_ratio_c; None = off); `loss_aggregation` (one of
+    `functional.AGGREGATIONS`); `scale_adv_by_std`; `kl_coef` β (> 0 loads a frozen reference copy) with
+    `kl_estimator` (and `kl_k3_cap`: verl caps k3 at 10; None = no cap); `entropy_coef` η; `ppo_epochs` passes over each rollout batch;
     `mini_batches` optimizer steps per epoch; `micro_batch_size` completions per forward/backward.
     `optimizer`: `adamw` (uses `betas`, `weight_decay`) or `ivon` (`lit_rlvr.optim.IVON`, for 3PO; `lr` plus
     `optimizer_options`: ess λ (required), hess_init, beta1, beta2, weight_decay δ, clip_radius, …); extra
@@ -102,7 +103,7 @@ class GRPOModule(pl.LightningModule):
     """
 
     # loss metrics that are means over response tokens, and over sequences (a subclass may move one)
-    token_metrics = frozenset({"loss/entropy", "loss/pg_clipfrac", "loss/approx_kl"})
+    token_metrics = frozenset({"loss/entropy", "loss/pg_clipfrac", "loss/pg_clipfrac_lower", "loss/approx_kl"})
     sequence_metrics = frozenset({"loss/seq_mask_frac"})
 
     def __init__(
@@ -124,10 +125,12 @@ class GRPOModule(pl.LightningModule):
         optimizer_options: Optional[dict[str, Any]] = None,
         eps_low: float = 0.2,
         eps_high: float = 0.2,
+        dual_clip: Optional[float] = None,
         loss_aggregation: str = "seq-mean-token-mean",
         scale_adv_by_std: bool = True,
         kl_coef: float = 0.0,
         kl_estimator: str = "k3",
+        kl_k3_cap: Optional[float] = None,
         entropy_coef: float = 0.0,
         ppo_epochs: int = 1,
         mini_batches: int = 1,
@@ -168,6 +171,12 @@ class GRPOModule(pl.LightningModule):
                 raise ValueError(f"algorithm.{key} must be >= 1, got {getattr(hp, key)}")
         if not (0 <= hp.eps_low < 1 and hp.eps_high >= 0):
             raise ValueError(f"algorithm.eps_low must be in [0, 1) and eps_high >= 0, got {hp.eps_low}, {hp.eps_high}")
+        if hp.dual_clip is not None and not hp.dual_clip > 1:
+            raise ValueError(f"algorithm.dual_clip={hp.dual_clip}: the dual-clip bound c must be > 1 (verl: 3.0); "
+                             "null turns it off")
+        if hp.kl_k3_cap is not None and (hp.kl_estimator != "k3" or not hp.kl_k3_cap > 0):
+            raise ValueError(f"algorithm.kl_k3_cap={hp.kl_k3_cap} caps the k3 estimator: it needs "
+                             f"algorithm.kl_estimator=k3 (got {hp.kl_estimator}) and a cap > 0 (verl: 10); null = no cap")
         self.sampling_params(0)  # SamplingParams validates temperature, top_p, max_new_tokens
         self._check_optimizer_options()
 
@@ -462,7 +471,7 @@ class GRPOModule(pl.LightningModule):
         """Surrogate loss of one micro-batch. logp, old_logp, mask: [n, T]; advantages: [n]."""
         hp = self.hparams
         return F.ppo_clip_loss(logp, old_logp, advantages, mask, eps_low=hp.eps_low, eps_high=hp.eps_high,
-                               aggregation=hp.loss_aggregation, norm_len=hp.max_new_tokens)
+                               aggregation=hp.loss_aggregation, norm_len=hp.max_new_tokens, dual_clip=hp.dual_clip)
 
     def forward_logprobs(self, model, rollouts: Rollouts) -> tuple[Tensor, Tensor]:
         """Log-probs [n, T] of the response tokens at the sampling temperature, and the logits [n, T, V]."""
@@ -498,7 +507,8 @@ class GRPOModule(pl.LightningModule):
         if self.ref_policy is not None:
             with torch.no_grad():
                 ref_logp, _ = self.forward_logprobs(self.ref_policy, rollouts)
-            kl = F.aggregate(F.kl_penalty(logp, ref_logp, estimator=hp.kl_estimator), mask, hp.loss_aggregation, norm_len=hp.max_new_tokens)
+            per_token = F.kl_penalty(logp, ref_logp, estimator=hp.kl_estimator, k3_cap=hp.kl_k3_cap)  # [n, T]
+            kl = F.aggregate(per_token, mask, hp.loss_aggregation, norm_len=hp.max_new_tokens)
             loss = loss + hp.kl_coef * kl
             metrics["loss/kl_ref"] = kl.detach()
         metrics["loss/policy"] = loss.detach()

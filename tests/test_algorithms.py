@@ -111,6 +111,15 @@ def test_dr_grpo_rejects_contradicting_options():
         tiny(DrGRPOModule, scale_adv_by_std=True)
     with pytest.raises(ValueError, match="algorithm.loss_aggregation"):
         tiny(GSPOModule, loss_aggregation="token-mean")
+    with pytest.raises(ValueError, match="algorithm.dual_clip"):  # a sequence-level clip: no per-token floor
+        tiny(GSPOModule, dual_clip=3.0)
+
+
+def test_dr_grpo_passes_dual_clip_to_its_loss():
+    module = tiny(DrGRPOModule, dual_clip=3.0)
+    logp, mask = torch.tensor([[1.5, 0.5]]), torch.ones(1, 2, dtype=torch.bool)  # ratios e^1.5 > 3, e^0.5
+    loss, metrics = module.policy_loss(logp, torch.zeros(1, 2), torch.tensor([-1.0]), mask, None)
+    assert metrics["loss/pg_clipfrac_lower"].item() == pytest.approx(0.5)
 
 
 # -- GSPO ----------------------------------------------------------------------------------------------------------

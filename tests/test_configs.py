@@ -49,6 +49,8 @@ def test_every_algorithm_builds_module_and_trainer(algorithm, tiny_path, tmp_pat
     [
         ("algorithm.loss_aggregation=bogus", "algorithm.loss_aggregation"),
         ("algorithm.kl_estimator=k9", "algorithm.kl_estimator"),
+        ("algorithm.dual_clip=1.0", "algorithm.dual_clip=1.0"),
+        ("algorithm.kl_k3_cap=10 algorithm.kl_estimator=k2", "algorithm.kl_k3_cap=10"),
         ("algorithm.group_size=0", "algorithm.group_size"),
         ("algorithm.top_p=0", "top_p"),
         ("engine.options.mode=bogus", "engine.mode"),
@@ -58,7 +60,7 @@ def test_every_algorithm_builds_module_and_trainer(algorithm, tiny_path, tmp_pat
     ],
 )
 def test_invalid_values_name_the_key(override, message, tiny_path, tmp_path):
-    cfg = _compose(override, f"hydra.run.dir={tmp_path}", f"model.name_or_path={tiny_path}")
+    cfg = _compose(*override.split(), f"hydra.run.dir={tmp_path}", f"model.name_or_path={tiny_path}")
     with pytest.raises(ValueError, match=message):
         module = build_module(cfg)
         module.setup("fit")

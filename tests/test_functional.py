@@ -43,6 +43,7 @@ def test_aggregation_modes_by_hand():
     assert F.aggregate(values, mask, "token-mean").item() == pytest.approx(10 / 4)  # (1+2+3+4)/4
     assert F.aggregate(values, mask, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
     assert F.aggregate(values, mask, "seq-mean-token-sum-norm", norm_len=5).item() == pytest.approx((6 / 5 + 4 / 5) / 2)
+    assert F.aggregate(values, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)  # verl's mode
     with pytest.raises(ValueError, match="token-mean"):
         F.aggregate(values, mask, "bogus")
 
@@ -64,6 +65,44 @@ def test_ppo_clip_loss_by_hand():
     assert loss.item() == pytest.approx((math.exp(0.5) + 0.8) / 2, rel=1e-5)
 
 
+def test_seq_mean_token_sum_gradient_by_hand():
+    """Each token of a sequence gets weight 1 / N (N sequences), whatever the sequence's length (verl's
+    seq-mean-token-sum): d/dv = mask / 2 here; a masked token gets none."""
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], requires_grad=True)
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    F.aggregate(values, mask, "seq-mean-token-sum").backward()
+    assert values.grad.tolist() == [[0.5, 0.5, 0.5], [0.5, 0.0, 0.0]]
+
+
+def test_dual_clip_caps_negative_advantage_tokens_by_hand():
+    """Dual-clip PPO (Ye et al. 2020, arXiv 1912.09729; verl's clip_ratio_c): for A < 0 the surrogate is at least
+    c·A, so a token whose ratio ran past c stops pushing. Two tokens, A = −1, c = 3:
+    token 0: r = e^1.5 = 4.4817 > 3: PPO gives −4.4817, dual-clip −3 (no gradient);
+    token 1: r = e^0.5 = 1.6487 < 3: both give min(−1.6487, −1.2) = −1.6487."""
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    old = torch.zeros(1, 2)
+    logp = torch.tensor([[1.5, 0.5]], requires_grad=True)
+    loss, metrics = F.ppo_clip_loss(logp, old, torch.tensor([-1.0]), mask, aggregation="token-mean", dual_clip=3.0)
+    assert loss.item() == pytest.approx((3.0 + math.exp(0.5)) / 2, rel=1e-6)
+    assert metrics["loss/pg_clipfrac_lower"].item() == pytest.approx(0.5)
+    loss.backward()
+    assert logp.grad[0, 0].item() == 0.0
+    assert logp.grad[0, 1].item() == pytest.approx(math.exp(0.5) / 2, rel=1e-6)  # d(r/2)/dlogp = r/2
+    # off (the default): the plain PPO value and no lower-clip metric
+    plain, metrics = F.ppo_clip_loss(logp.detach(), old, torch.tensor([-1.0]), mask, aggregation="token-mean")
+    assert plain.item() == pytest.approx((math.exp(1.5) + math.exp(0.5)) / 2, rel=1e-6)
+    assert "loss/pg_clipfrac_lower" not in metrics
+    # A > 0 is untouched: min(4.4817, 1.2) = 1.2 and min(1.6487, 1.2) = 1.2 either way
+    pos, _ = F.ppo_clip_loss(logp.detach(), old, torch.tensor([1.0]), mask, aggregation="token-mean", dual_clip=3.0)
+    assert pos.item() == pytest.approx(-1.2, rel=1e-6)
+
+
+def test_dual_clip_bound_must_exceed_one():
+    logp = torch.zeros(1, 1)
+    with pytest.raises(ValueError, match="dual_clip=1.0"):
+        F.ppo_clip_loss(logp, logp, torch.tensor([-1.0]), torch.ones(1, 1, dtype=torch.bool), dual_clip=1.0)
+
+
 def test_clip_higher_is_asymmetric():
     logp, old = torch.tensor([[0.3]]), torch.tensor([[0.0]])  # ratio 1.3499
     mask = torch.ones(1, 1, dtype=torch.bool)
@@ -78,6 +117,21 @@ def test_kl_estimators_by_hand():
     assert F.kl_penalty(logp, ref, estimator="k3").item() == pytest.approx(math.exp(-1) - 1 + 1)
     with pytest.raises(ValueError, match="k1, k2, k3"):
         F.kl_penalty(logp, ref, estimator="k4")
+
+
+def test_k3_cap_by_hand():
+    """log r = ref − logp = 3: k3 = e^3 − 1 − 3 = 16.0855. verl caps k3 at 10 (`low_var_kl`); here the cap is an
+    option, off by default."""
+    logp, ref = torch.tensor([[-4.0, -1.0]], requires_grad=True), torch.tensor([[-1.0, -2.0]])
+    uncapped = F.kl_penalty(logp, ref, estimator="k3")
+    assert uncapped[0, 0].item() == pytest.approx(math.exp(3) - 4, rel=1e-6)
+    capped = F.kl_penalty(logp, ref, estimator="k3", k3_cap=10.0)
+    assert capped[0, 0].item() == pytest.approx(10.0)
+    assert capped[0, 1].item() == pytest.approx(math.exp(-1), rel=1e-6)  # under the cap: unchanged
+    capped.sum().backward()
+    assert logp.grad[0, 0].item() == 0.0  # a capped token gives no gradient, as with verl's clamp
+    with pytest.raises(ValueError, match="k3_cap"):
+        F.kl_penalty(logp, ref, estimator="k1", k3_cap=10.0)
 
 
 def test_sequence_importance_mask():

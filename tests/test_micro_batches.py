@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from lit_rlvr import functional as F
 from lit_rlvr.functional.losses import AGGREGATIONS
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.rollouts import Rollouts
@@ -64,6 +65,27 @@ def test_gradient_does_not_depend_on_micro_batch_size(aggregation, tau):
         assert got == pytest.approx(metrics[0], rel=1e-5, abs=1e-7)
     if tau is not None:
         assert metrics[0]["loss/seq_mask_frac"] == pytest.approx(2 / 8)
+
+
+def test_dual_clip_reaches_the_loss_and_does_not_depend_on_micro_batch_size():
+    """algorithm.dual_clip = 1.5: completions 1 and 6 (ratio e^1 per token) with A < 0 are capped at c·A."""
+    module = GRPOModule(model="tiny", model_options=dict(TINY), group_size=4, max_new_tokens=6,
+                        loss_aggregation="token-mean", dual_clip=1.5)
+    grads, metrics = _grads_and_metrics(module, None)
+    assert 0 < metrics[0]["loss/pg_clipfrac_lower"] < 1  # some tokens capped: the option reached the loss
+    for grad, got in zip(grads[1:], metrics[1:]):
+        torch.testing.assert_close(grad, grads[0], rtol=1e-5, atol=1e-7)
+        assert got == pytest.approx(metrics[0], rel=1e-5, abs=1e-7)
+
+
+def test_k3_cap_reaches_the_kl_penalty(monkeypatch):
+    module = GRPOModule(model="tiny", model_options=dict(TINY), group_size=4, max_new_tokens=6, kl_coef=0.1,
+                        kl_k3_cap=10.0)
+    seen = []
+    real = F.kl_penalty
+    monkeypatch.setattr(F, "kl_penalty", lambda *a, **k: seen.append(k) or real(*a, **k))
+    _grads_and_metrics(module, None)
+    assert seen and all(k == {"estimator": "k3", "k3_cap": 10.0} for k in seen)
 
 
 def test_gspo_sequence_clip_fraction_does_not_depend_on_micro_batch_size():

@@ -38,4 +38,5 @@ class DrGRPOModule(GRPOModule):
         """PPO-clip surrogate; token sum of each sequence / max_new_tokens, mean over sequences."""
         hp = self.hparams
         return F.ppo_clip_loss(logp, old_logp, advantages, mask, eps_low=hp.eps_low, eps_high=hp.eps_high,
-                               aggregation="seq-mean-token-sum-norm", norm_len=hp.max_new_tokens)
+                               aggregation="seq-mean-token-sum-norm", norm_len=hp.max_new_tokens,
+                               dual_clip=hp.dual_clip)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from torch import Tensor
 
 from lit_rlvr import functional as F
@@ -27,9 +29,11 @@ class GSPOModule(GRPOModule):
     sequence_metrics = GRPOModule.sequence_metrics | {"loss/pg_clipfrac"}
 
     def __init__(self, eps_low: float = 3e-4, eps_high: float = 4e-4, loss_aggregation: str = "seq-mean-token-mean",
-                 **kwargs):
-        check_fixed("gspo", loss_aggregation=(loss_aggregation, "seq-mean-token-mean"))
-        super().__init__(eps_low=eps_low, eps_high=eps_high, loss_aggregation=loss_aggregation, **kwargs)
+                 dual_clip: Optional[float] = None, **kwargs):
+        # dual-clip floors per-token terms; GSPO clips one ratio per sequence, so it has no such option
+        check_fixed("gspo", loss_aggregation=(loss_aggregation, "seq-mean-token-mean"), dual_clip=(dual_clip, None))
+        super().__init__(eps_low=eps_low, eps_high=eps_high, loss_aggregation=loss_aggregation, dual_clip=dual_clip,
+                         **kwargs)
 
     def policy_loss(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
         """logp, old_logp, mask: [n, T]; advantages: [n]. Metrics: `loss/pg_clipfrac` = sequences clipped."""

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 def aggregate(values: Tensor, mask: Tensor, mode: str, *, norm_len: Optional[int] = None) -> Tensor:
@@ -18,6 +18,8 @@ def aggregate(values: Tensor, mask: Tensor, mode: str, *, norm_len: Optional[int
 
     * `token-mean`: mean over all counted tokens of the batch (DAPO, Yu et al. 2025, Eq. 12).
     * `seq-mean-token-mean`: mean over tokens of each sequence, then over sequences (GRPO paper, Eq. 3).
+    * `seq-mean-token-sum`: token sum of each sequence, then mean over sequences (verl's mode of that name; a
+      sequence weighs by its length, and the loss scale grows with the response length).
     * `seq-mean-token-sum-norm`: token sum of each sequence divided by the constant `norm_len` (the maximum
       response length), then mean over sequences (Dr. GRPO, Liu et al. 2025, Eq. 2).
     """
@@ -27,6 +29,8 @@ def aggregate(values: Tensor, mask: Tensor, mode: str, *, norm_len: Optional[int
     if mode == "seq-mean-token-mean":
         per_seq = (values * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)  # [N]
         return per_seq.mean()
+    if mode == "seq-mean-token-sum":
+        return (values * mask).sum(-1).mean()
     if mode == "seq-mean-token-sum-norm":
         if norm_len is None:
             raise ValueError("aggregation 'seq-mean-token-sum-norm' needs norm_len (the max response length)")
@@ -44,27 +48,41 @@ def ppo_clip_loss(
     eps_high: float = 0.2,
     aggregation: str = "seq-mean-token-mean",
     norm_len: Optional[int] = None,
+    dual_clip: Optional[float] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate per token (Schulman et al. 2017, Eq. 7; asymmetric clip from DAPO, Eq. 10).
 
     ratio = exp(logp − old); s = min(ratio·A, clip(ratio, 1−ε_low, 1+ε_high)·A); loss = −aggregate(s).
+    Dual-clip (Ye et al. 2020, arXiv 1912.09729, Eq. 5; verl's `clip_ratio_c`, 3.0 there): with `dual_clip` = c > 1,
+    a token with A < 0 takes s = max(s, c·A), so a ratio that ran past c stops pushing its probability down
+    (its gradient is 0). None (the default, as in TRL) turns it off.
 
     Args: logp, old_logp, mask: [N, T]; advantages: [N] (one per completion, broadcast over its tokens).
-    Returns: loss (scalar), metrics `loss/pg_clipfrac` (tokens where the clipped term is taken) and
-    `loss/approx_kl` (token-mean of ½(logp − old)²).
+    Returns: loss (scalar), metrics `loss/pg_clipfrac` (tokens where the clipped term is taken),
+    `loss/approx_kl` (token-mean of k2 = ½(logp − old)²; verl's `ppo_kl` is k1, the mean of old − logp) and, with
+    dual-clip, `loss/pg_clipfrac_lower` (tokens where c·A is taken).
     """
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip={dual_clip}: the lower bound c of dual-clip PPO must be > 1 (verl: 3.0); "
+                         f"None turns it off")
     log_ratio = logp - old_logp  # [N, T]
     ratio = torch.exp(log_ratio)  # [N, T]
     adv = advantages[:, None].to(logp.dtype)  # [N, 1]
     unclipped = ratio * adv  # [N, T]
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv  # [N, T]
     surrogate = torch.minimum(unclipped, clipped)  # [N, T]
-    loss = -aggregate(surrogate, mask, aggregation, norm_len=norm_len)
     m = mask.to(logp.dtype)
+    count = m.sum().clamp_min(1.0)
     metrics = {
-        "loss/pg_clipfrac": ((clipped < unclipped).to(logp.dtype) * m).sum().detach() / m.sum().clamp_min(1.0),
-        "loss/approx_kl": (0.5 * log_ratio.detach() ** 2 * m).sum() / m.sum().clamp_min(1.0),
+        "loss/pg_clipfrac": ((clipped < unclipped).to(logp.dtype) * m).sum().detach() / count,
+        "loss/approx_kl": (0.5 * log_ratio.detach() ** 2 * m).sum() / count,
     }
+    if dual_clip is not None:
+        floor = dual_clip * adv  # [N, 1]
+        lower = (adv < 0) & (floor > surrogate)  # [N, T]
+        surrogate = torch.where(lower, floor, surrogate)  # [N, T]
+        metrics["loss/pg_clipfrac_lower"] = (lower.to(logp.dtype) * m).sum().detach() / count
+    loss = -aggregate(surrogate, mask, aggregation, norm_len=norm_len)
     return loss, metrics
 
 
