@@ -8,6 +8,7 @@ the baseline or the weights the gradient is taken at are `RLVRCallback`s (lit_rl
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import inspect
 import logging
@@ -24,6 +25,7 @@ from lit_rlvr import distributed as D
 from lit_rlvr import functional as F
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.models import load_policy, resolve_model_path
+from lit_rlvr.optim.schedule import warmup_factor
 from lit_rlvr.rewards import build_reward_runner
 from lit_rlvr.rollout import build_engine
 from lit_rlvr.rollout.engine import SamplingParams
@@ -97,6 +99,8 @@ class GRPOModule(pl.LightningModule):
     `functional.AGGREGATIONS`); `scale_adv_by_std`; `kl_coef` β (> 0 loads a frozen reference copy) with
     `kl_estimator` (and `kl_k3_cap`: verl caps k3 at 10; None = no cap); `entropy_coef` η; `ppo_epochs` passes over each rollout batch;
     `mini_batches` optimizer steps per epoch; `micro_batch_size` completions per forward/backward.
+    `warmup_steps` W: linear lr warm-up over the first W optimizer updates (`warmup_from_zero`: verl's shape, from
+    lr 0; see `lit_rlvr.optim.schedule.warmup_factor`).
     `optimizer`: `adamw` (uses `betas`, `weight_decay`) or `ivon` (`lit_rlvr.optim.IVON`, for 3PO; `lr` plus
     `optimizer_options`: ess λ (required), hess_init, beta1, beta2, weight_decay δ, clip_radius, …); extra
     `optimizer_options` go to the optimizer's constructor either way.
@@ -120,6 +124,7 @@ class GRPOModule(pl.LightningModule):
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
         warmup_steps: int = 0,
+        warmup_from_zero: bool = False,
         grad_clip: float = 1.0,
         optimizer: str = "adamw",
         optimizer_options: Optional[dict[str, Any]] = None,
@@ -269,8 +274,8 @@ class GRPOModule(pl.LightningModule):
             options.setdefault("fused", not any(hasattr(p, "full_tensor") for p in params) or None)
             optimizer = torch.optim.AdamW(params, lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay,
                                           **options)
-        warmup = max(hp.warmup_steps, 0)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
+        factor = functools.partial(warmup_factor, warmup_steps=hp.warmup_steps, from_zero=hp.warmup_from_zero)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def rl_callbacks(self) -> list[RLVRCallback]:

@@ -100,3 +100,15 @@ def test_m3po_with_one_completion_per_weight_sample_fails_before_any_work(tmp_pa
                                          r".*advantage"):
         train(cfg, tmp_path)
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.csv").exists()
+
+
+def test_c3po_paper_matches_the_released_run():
+    """The settings of the released C3PO run that the library can express (conf/algorithm/c3po_paper.yaml lists
+    what differs on purpose)."""
+    algorithm = _compose("algorithm=c3po_paper").algorithm
+    assert algorithm.loss_aggregation == "token-mean"
+    assert (algorithm.warmup_steps, algorithm.warmup_from_zero) == (34, True)
+    assert algorithm.dual_clip == 3.0 and algorithm.kl_coef == 0.0 and algorithm.temperature == 1.0
+    assert (algorithm.group_size, algorithm.callbacks.param_noise.num_samples) == (16, 4)
+    assert (algorithm.ppo_epochs, algorithm.mini_batches) == (1, 1)
+    assert (algorithm.lr, algorithm.optimizer_options.ess, algorithm.optimizer_options.clip_radius) == (1.0, 1e9, 1e-3)
