@@ -55,7 +55,8 @@ def ppo_clip_loss(
     ratio = exp(logp − old); s = min(ratio·A, clip(ratio, 1−ε_low, 1+ε_high)·A); loss = −aggregate(s).
     Dual-clip (Ye et al. 2020, arXiv 1912.09729, Eq. 5; verl's `clip_ratio_c`, 3.0 there): with `dual_clip` = c > 1,
     a token with A < 0 takes s = max(s, c·A), so a ratio that ran past c stops pushing its probability down
-    (its gradient is 0). None (the default, as in TRL) turns it off.
+    (its gradient is 0). None (the default) turns it off. TRL's GRPO `delta` (two-sided clipping, off by default)
+    gives the same loss for c ≥ 1 + ε_high.
 
     Args: logp, old_logp, mask: [N, T]; advantages: [N] (one per completion, broadcast over its tokens).
     Returns: loss (scalar), metrics `loss/pg_clipfrac` (tokens where the clipped term is taken),
