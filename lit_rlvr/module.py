@@ -97,10 +97,10 @@ class GRPOModule(pl.LightningModule):
     Args (the ones a user changes most): `group_size` G samples per prompt; `lr`; `eps_low`/`eps_high` clip
     range; `dual_clip` c (> 1: verl's clip_ratio_c; None = off); `loss_aggregation` (one of
     `functional.AGGREGATIONS`); `scale_adv_by_std`; `kl_coef` β (> 0 loads a frozen reference copy) with
-    `kl_estimator` (and `kl_k3_cap`: verl caps k3 at 10; None = no cap); `entropy_coef` η; `ppo_epochs` passes over each rollout batch;
-    `mini_batches` optimizer steps per epoch; `micro_batch_size` completions per forward/backward.
-    `warmup_steps` W: linear lr warm-up over the first W optimizer updates (`warmup_from_zero`: verl's shape, from
-    lr 0; see `lit_rlvr.optim.schedule.warmup_factor`).
+    `kl_estimator` (and `kl_k3_cap`: verl caps k3 at 10; None = no cap); `entropy_coef` η; `ppo_epochs` passes
+    over each rollout batch; `mini_batches` optimizer steps per epoch; `micro_batch_size` completions per
+    forward/backward. `warmup_steps` W: linear lr warm-up over the first W optimizer updates (`warmup_from_zero`:
+    verl's shape, from lr 0; see `lit_rlvr.optim.schedule.warmup_factor`).
     `optimizer`: `adamw` (uses `betas`, `weight_decay`) or `ivon` (`lit_rlvr.optim.IVON`, for 3PO; `lr` plus
     `optimizer_options`: ess λ (required), hess_init, beta1, beta2, weight_decay δ, clip_radius, …); extra
     `optimizer_options` go to the optimizer's constructor either way.
@@ -180,8 +180,8 @@ class GRPOModule(pl.LightningModule):
             raise ValueError(f"algorithm.dual_clip={hp.dual_clip}: the dual-clip bound c must be > 1 (verl: 3.0); "
                              "null turns it off")
         if hp.kl_k3_cap is not None and (hp.kl_estimator != "k3" or not hp.kl_k3_cap > 0):
-            raise ValueError(f"algorithm.kl_k3_cap={hp.kl_k3_cap} caps the k3 estimator: it needs "
-                             f"algorithm.kl_estimator=k3 (got {hp.kl_estimator}) and a cap > 0 (verl: 10); null = no cap")
+            raise ValueError(f"algorithm.kl_k3_cap={hp.kl_k3_cap} caps the k3 estimator: it needs algorithm."
+                             f"kl_estimator=k3 (got {hp.kl_estimator}) and a cap > 0 (verl: 10); null = no cap")
         self.sampling_params(0)  # SamplingParams validates temperature, top_p, max_new_tokens
         self._check_optimizer_options()
 

@@ -8,14 +8,16 @@ import pytest
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.optim.schedule import warmup_factor
 
-TINY = {"cache_dir": os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr"), "steps": 450, "batch_size": 64, "lr": 3.0e-3, "seed": 0}
+TINY = {"cache_dir": os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr"), "steps": 450, "batch_size": 64,
+        "lr": 3.0e-3, "seed": 0}  # = conf/model/tiny.yaml
 
 
 def test_warmup_factor_by_hand():
     # W = 3. Default: (k + 1) / (W + 1), the full lr from update 3 on. verl's constant schedule with warm-up
     # (lr_warmup_steps): k / W, so its first update takes lr 0, also full from update 3 on
     assert [warmup_factor(k, warmup_steps=3) for k in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
-    assert [warmup_factor(k, warmup_steps=3, from_zero=True) for k in range(5)] == pytest.approx([0, 1 / 3, 2 / 3, 1, 1])
+    verl_shape = [warmup_factor(k, warmup_steps=3, from_zero=True) for k in range(5)]
+    assert verl_shape == pytest.approx([0, 1 / 3, 2 / 3, 1, 1])
     assert warmup_factor(0, warmup_steps=0) == warmup_factor(0, warmup_steps=0, from_zero=True) == 1.0  # no warm-up
 
 
