@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from lit_rlvr.data.tasks.arithmetic import arithmetic_reward
+from lit_rlvr.rewards.base import RewardResult
 
 
 def contract_breaker(prompt: str, completion: str, answer: Any) -> Any:
@@ -39,8 +40,8 @@ def looping_reward(prompt: str, completion: str, answer: Any) -> Any:
 
 
 def echo_reward(prompt: str, completion: str, answer: Any) -> Any:
-    """"hang": sleeps; "spin": busy loop writing its pid to $PID_DIR first; "modules": 1.0 when the worker did
-    not import torch or Lightning, else -1.0; anything else: the pid of the process that scored it."""
+    """"hang": sleeps; "spin": busy loop writing its pid to $PID_DIR first; "modules": a RewardResult, 1.0 when the
+    worker did not import torch or Lightning, else -1.0; anything else: the pid of the process that scored it."""
     if completion == "hang":
         time.sleep(3600)
     if completion == "spin":
@@ -49,5 +50,6 @@ def echo_reward(prompt: str, completion: str, answer: Any) -> Any:
         while True:
             pass
     if completion == "modules":
-        return -1.0 if {"torch", "lightning"} & set(sys.modules) else 1.0
+        heavy = {"torch", "lightning"} & set(sys.modules)
+        return RewardResult(-1.0 if heavy else 1.0, False, ",".join(sorted(heavy)))
     return float(os.getpid())
