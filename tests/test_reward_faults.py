@@ -185,3 +185,111 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"  # a zombie is dead (its parent may reap it later)
     except FileNotFoundError:
         return False
+
+
+# -- points 2 and 3: the code sandbox's IPC namespace and Unix sockets ----------------------------------------
+
+def _sandbox(source: str, timeout_s: float = 3.0):
+    from lit_rlvr.rewards.code import Limits, run_program
+
+    return run_program(source, limits=Limits(timeout_s=timeout_s))
+
+
+def _sysv_keys(kind: str) -> set[int]:
+    with open(f"/proc/sysvipc/{kind}") as f:
+        return {int(line.split()[0]) for line in f.readlines()[1:]}
+
+
+IPC_PROG = """
+import ctypes, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmget.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_int]
+shm = libc.shmget({key}, 64 << 20, 0o1000 | 0o666)   # IPC_CREAT, left behind on purpose
+msg = libc.msgget({key} + 1, 0o1000 | 0o666)
+host = libc.shmget({host_key}, 0, 0)                   # the host's 0666 segment
+print("created" if shm >= 0 and msg >= 0 else "not created", "PWNED" if host >= 0 else "host segment hidden", flush=True)
+if {hang}:
+    time.sleep(60)                                      # killed at its timeout
+"""
+
+
+@pytest.mark.parametrize("hang", [False, True], ids=["exits", "killed_at_timeout"])
+def test_sandbox_sysv_ipc_is_private_and_vanishes(hang):
+    from lit_rlvr.rewards.code import capabilities
+
+    if not os.path.exists("/proc/sysvipc/shm"):
+        pytest.skip("no /proc/sysvipc on this machine")
+    if not capabilities()["ipcns"]:
+        pytest.skip("no IPC namespace here (needs root or CAP_SYS_ADMIN): SysV IPC is shared with the host")
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.shmget.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_int]
+    key, host_key = 0x1900000 + os.getpid() % 100000 * 4 + hang, 0x2900000 + os.getpid() % 100000 * 4 + hang
+    host = libc.shmget(host_key, 4096, 0o1000 | 0o666)
+    assert host >= 0
+    try:
+        result = _sandbox(IPC_PROG.format(key=key, host_key=host_key, hang=hang), timeout_s=4.0)
+    finally:
+        libc.shmctl(host, 0, None)  # IPC_RMID
+    assert result.status == ("timeout" if hang else "ok"), result
+    assert "created" in result.stdout.split() and "PWNED" not in result.stdout, result.stdout
+    assert key not in _sysv_keys("shm") and key + 1 not in _sysv_keys("msg")  # nothing left on the host
+    report(fault=f"sandbox SysV IPC ({'killed' if hang else 'exits'})", bad_inputs=3, survived=True, data_lost=0)
+
+
+SOCKET_PROG = """
+import socket
+results = []
+try:
+    socket.socket(socket.AF_UNIX).connect({stream!r}); results.append("PWNED stream")
+except OSError as err:
+    results.append(f"stream blocked: {{err}}")
+for make in (lambda: socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM),
+             lambda: socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)[0]):
+    try:
+        make().sendto(b"x", {dgram!r}); results.append("PWNED datagram")
+    except OSError as err:
+        results.append(f"datagram blocked: {{err}}")
+print(results)
+"""
+
+
+def test_sandbox_cannot_reach_filesystem_unix_sockets(tmp_path):
+    """A 0777 stream and datagram socket under /run (not covered by the private /tmp): no connection, no datagram."""
+    from lit_rlvr.rewards.code import capabilities
+
+    if not capabilities()["seccomp"]:
+        pytest.skip("no seccomp filter on this machine: filesystem Unix sockets are reachable")
+    base = "/run" if os.access("/run", os.W_OK) else str(tmp_path)
+    stream_path, dgram_path = (f"{base}/lit_rlvr_test_{os.getpid()}_{k}.sock" for k in ("s", "d"))
+    server, dgram = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    server.bind(stream_path)
+    dgram.bind(dgram_path)
+    for path in (stream_path, dgram_path):
+        os.chmod(path, 0o777)
+    server.listen(4)
+    server.settimeout(0.2)
+    dgram.settimeout(0.2)
+    hits, stop = [], threading.Event()
+
+    def listen():
+        while not stop.is_set():
+            for sock, take in ((server, lambda: server.accept()), (dgram, lambda: dgram.recv(16))):
+                try:
+                    hits.append(take())
+                except OSError:
+                    pass
+
+    listener = threading.Thread(target=listen, daemon=True)
+    listener.start()
+    try:
+        result = _sandbox(SOCKET_PROG.format(stream=stream_path, dgram=dgram_path))
+    finally:
+        stop.set()
+        listener.join(2)
+        server.close()
+        dgram.close()
+        for path in (stream_path, dgram_path):
+            os.unlink(path)
+    assert result.status == "ok" and "PWNED" not in result.stdout and result.stdout.count("blocked") == 3, result
+    assert not hits
+    report(fault="sandbox Unix socket (0777, /run)", bad_inputs=3, survived=True, data_lost=0)
