@@ -80,7 +80,7 @@ def test_score_bound_is_configurable():
 def test_contract_breaking_rewards_do_not_stop_a_default_run(runs):
     """Floats, strings, None, 1e308, SystemExit and KeyboardInterrupt from the reward: the run ends normally."""
     run = runs["contract"]
-    rc, log = run.wait()
+    rc, log = run.wait(timeout=900)
     assert rc == 0, log[-3000:]
     summary = run.summary()
     assert summary["steps"] == 2 and summary["reward_failures"] > 0
@@ -91,7 +91,7 @@ def test_contract_breaking_rewards_do_not_stop_a_default_run(runs):
 
 def test_non_finite_error_does_not_claim_a_checkpoint_that_is_not_there(runs):
     run = runs["nan_no_ckpt"]
-    rc, log = run.wait()
+    rc, log = run.wait(timeout=900)
     assert rc != 0 and "NonFiniteError" in log, log[-3000:]
     assert not (run.dir / "checkpoints" / "last.ckpt").exists()
     assert "is intact" not in log and "no checkpoint was written yet" in log
@@ -123,7 +123,7 @@ def test_hanging_reward_under_default_isolation_stops_with_a_checkpoint(runs):
     """isolation none (the default), eval_before=true: the step finishes, last.ckpt is saved, the error names
     reward.options.timeout_s and reward.options.isolation=process."""
     run = runs["hang_none"]
-    rc, log = run.wait()
+    rc, log = run.wait(timeout=900)
     assert rc != 0 and "RewardHangError" in log, log[-3000:]
     assert "reward.options.timeout_s=1" in log and "reward.options.isolation=process" in log
     assert "resume=" in log and "is intact" in log
@@ -137,9 +137,9 @@ def test_hanging_reward_under_default_isolation_stops_with_a_checkpoint(runs):
 def test_process_timeout_replaces_only_the_hung_worker():
     with ProcessRewardRunner(H.echo_reward, timeout_s=1.0, workers=2, score_bound=1e9) as runner:
         runner(["p"] * 2, ["a", "b"], [0, 0])
-        before = {w.proc.pid for w in runner._pool}
+        before = {w.pid for w in runner._pool}
         batch = runner(["p"] * 4, ["hang", "a", "b", "c"], [0] * 4)
-        after = {w.proc.pid for w in runner._pool}
+        after = {w.pid for w in runner._pool}
     assert batch.failures == 1 and batch.malformed.tolist() == [True, False, False, False]
     assert len(before & after) == 1 and len(after) == 2  # the busy neighbour was not killed
     report(fault="reward timeout, isolation process", bad_inputs=1, survived=True, data_lost=0)
@@ -173,10 +173,24 @@ def test_kill_9_of_the_trainer_leaves_no_worker(tmp_path):
         proc.kill()
         proc.wait()
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(_alive(p) for p in pids + _children_of(proc.pid)):
         time.sleep(0.2)
     assert not any(_alive(p) for p in pids), f"reward workers {pids} outlived the trainer"
+    assert not [p for p in _children_of(proc.pid) if _alive(p)], "a helper process outlived the trainer"
     report(fault="kill -9 of the trainer", bad_inputs=1, survived=False, stopped_cleanly=True, data_lost=0)
+
+
+def _children_of(trainer: int) -> list[int]:
+    """Processes started for the trainer `trainer` (the zygote gets its pid as an argument)."""
+    found = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            args = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if str(trainer).encode() in args and args[0] == sys.executable.encode():
+            found.append(int(p))
+    return found
 
 
 def _alive(pid: int) -> bool:

@@ -3,10 +3,13 @@ costs one malformed, counted rollout, and only its own worker is replaced.
 
 Why not `ProcessPoolExecutor`: it cannot cancel a running call, so a timeout meant killing and rebuilding the
 whole pool, and Python 3.11's forkserver does not preload `__main__`, so each new worker re-imported train.py
-(Lightning, torch): 6-30 s per timeout. Here a worker is a fresh `python -c _WORKER_SRC` that imports the stdlib,
-`lit_rlvr.rewards.base` (no torch) and the reward's module only; a hung one is killed and a new one started at
-once, while the other workers go on. Workers die with the trainer however it ends: PR_SET_PDEATHSIG (Linux) and a
-thread that watches the parent pid; they ignore SIGINT/SIGTERM (the trainer decides when to stop, then kills them).
+(Lightning, torch): 6-30 s per timeout. Here a small "zygote" process (`python -c _ZYGOTE_SRC`: the stdlib,
+`lit_rlvr.rewards.base` without torch, and the reward's module) imports the reward once and forks a worker per
+request in milliseconds; a hung worker is killed and a fork replaces it while the others go on.
+
+Workers die with the trainer however it ends: the zygote and each worker set PR_SET_PDEATHSIG (Linux) on their
+parent; the zygote also exits when its socket to the trainer closes, and a worker thread watches its parent's
+pid. They ignore SIGINT/SIGTERM: the trainer decides when to stop, then kills them.
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -26,47 +32,33 @@ from lit_rlvr.rewards.base import DEFAULT_SCORE_BOUND, DEFAULT_TIMEOUT_S, Reward
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.05  # how often running calls are checked against their deadline
-_START_TIMEOUT_S = 120.0  # a worker not ready by then: the reward's module cannot be imported in time
-_MAX_START_FAILURES = 3  # workers in a row that died before they were ready, before giving up
+_START_TIMEOUT_S = 120.0  # the zygote not ready by then: the reward's module cannot be imported in time
+_MAX_START_FAILURES = 3  # zygotes in a row that died before they were ready, before giving up
 
-# The worker: stdin/stdout carry pickled messages; the reward's own prints go to stderr.
-_WORKER_SRC = r'''
-import os, pickle, signal, sys, threading, time
+_ZYGOTE_SRC = r'''
+import os, pickle, signal, socket, struct, sys, threading, time
 from multiprocessing.connection import Connection
 
 
-def die_with(parent):
+def die_with(parent, watch):
     try:
         import ctypes
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: SIGKILL when the trainer dies
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: SIGKILL when the parent dies
     except Exception:
-        pass  # not Linux: the watcher below still ends this process (unless a call holds the GIL)
+        pass  # not Linux: the watcher thread (or, in the zygote, its socket's EOF) ends this process
     if os.getppid() != parent:
-        os._exit(1)  # the trainer died before the death signal was set
+        os._exit(1)  # the parent died before the death signal was set
 
-    def watch():
+    def watcher():
         while os.getppid() == parent:
             time.sleep(0.5)
         os._exit(1)
 
-    threading.Thread(target=watch, daemon=True).start()
+    if watch:
+        threading.Thread(target=watcher, daemon=True).start()
 
 
-def main():
-    die_with(int(sys.argv[1]))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the terminal is for the trainer
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    inbox, outbox = Connection(os.dup(0), writable=False), Connection(os.dup(1), readable=False)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(2, 1)  # print() in a reward must not corrupt the messages
-    path, payload, main_path = inbox.recv()
-    sys.path[:] = path
-    if main_path:  # the reward lives in the trainer's __main__
-        from multiprocessing import spawn
-        spawn.import_main_path(main_path)
-    fn = pickle.loads(payload)
-    outbox.send(("ready", None, None))
+def serve(fn, inbox, outbox):
     while True:
         try:
             index, args = inbox.recv()
@@ -82,31 +74,102 @@ def main():
             outbox.send(("error", index, f"the result ({type(message[2]).__name__}) cannot be pickled: {err}"))
 
 
+def fork_worker(sock, fn):
+    to_r, to_w = os.pipe()
+    from_r, from_w = os.pipe()
+    zygote = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            sock.close()
+            os.close(to_w)
+            os.close(from_r)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the reward may wait for its own children
+            die_with(zygote, watch=True)
+            serve(fn, Connection(to_r, writable=False), Connection(from_w, readable=False))
+        finally:
+            os._exit(0)
+    os.close(to_r)
+    os.close(from_w)
+    socket.send_fds(sock, [struct.pack("q", pid)], [to_w, from_r])
+    os.close(to_w)
+    os.close(from_r)
+
+
+def main():
+    die_with(int(sys.argv[1]), watch=False)  # no thread here: this process forks
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)  # Ctrl-C in the terminal is for the trainer
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped by the kernel
+    os.dup2(2, 1)  # print() in a reward goes to stderr
+    sock = socket.socket(fileno=int(sys.argv[2]))
+    path, payload, main_path = Connection(os.dup(sock.fileno())).recv()
+    sys.path[:] = path
+    if main_path:  # the reward lives in the trainer's __main__
+        from multiprocessing import spawn
+        spawn.import_main_path(main_path)
+    fn = pickle.loads(payload)
+    sock.sendall(b"R")
+    while sock.recv(1) == b"F":  # b"" when the trainer is gone
+        fork_worker(sock, fn)
+
+
 main()
 '''
 
 
-class _Worker:
-    """One worker process and its two pipes; `index` is the call it runs (None when idle)."""
+class _Zygote:
+    """The process that holds the imported reward and forks workers."""
 
     def __init__(self, init: tuple):
-        to_r, to_w = os.pipe()
-        from_r, from_w = os.pipe()
-        self.proc = subprocess.Popen([sys.executable, "-c", _WORKER_SRC, str(os.getpid())], stdin=to_r,
-                                     stdout=from_w, close_fds=True)
-        os.close(to_r)
-        os.close(from_w)
-        self.inbox, self.outbox = Connection(to_w, readable=False), Connection(from_r, writable=False)
-        self.ready, self.index, self.since = False, None, time.monotonic()
-        self.inbox.send(init)
+        self.sock, theirs = socket.socketpair()
+        self.proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE_SRC, str(os.getpid()), str(theirs.fileno())],
+                                     stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),))
+        theirs.close()
+        conn = Connection(os.dup(self.sock.fileno()))
+        conn.send(init)
+        conn.close()
+        self.sock.settimeout(_START_TIMEOUT_S)
+        try:
+            ready = self.sock.recv(1) == b"R"
+        except socket.timeout:
+            self.kill()
+            raise RuntimeError(f"ProcessRewardRunner: the reward worker process was not ready within "
+                               f"{_START_TIMEOUT_S:g}s (importing the reward's module)") from None
+        self.sock.settimeout(30.0)
+        if not ready:
+            self.kill()
+            raise ConnectionError(f"exit code {self.proc.returncode}")
+
+    def fork(self) -> "_Worker":
+        self.sock.sendall(b"F")
+        data, fds, _, _ = socket.recv_fds(self.sock, 8, 2)
+        if len(fds) != 2:
+            raise ConnectionError("the zygote sent no worker")
+        return _Worker(struct.unpack("q", data)[0], *fds)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.sock.close()
+
+
+class _Worker:
+    """One forked worker and its two pipes; `index` is the call it runs (None when idle)."""
+
+    def __init__(self, pid: int, to_w: int, from_r: int):
+        self.pid, self.inbox, self.outbox = pid, Connection(to_w, readable=False), Connection(from_r, writable=False)
+        self.index, self.since = None, time.monotonic()
 
     def run(self, index: int, args: tuple) -> None:
         self.inbox.send((index, args))
         self.index, self.since = index, time.monotonic()
 
     def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
+        try:
+            os.kill(self.pid, signal.SIGKILL)  # the zygote reaps it
+        except ProcessLookupError:
+            pass
         self.inbox.close()
         self.outbox.close()
 
@@ -114,7 +177,7 @@ class _Worker:
 class ProcessRewardRunner:
     """Scores completions in `workers` worker processes; each call is bounded by `timeout_s` seconds.
 
-    A call still running `timeout_s` after it was sent to a ready worker, or whose worker died (e.g. `os._exit`,
+    A call still running `timeout_s` after it was sent to its worker, or whose worker died (e.g. `os._exit`,
     segfault, out of memory), is scored `failure_score`, malformed, and counted in `failures`; that worker
     is killed and replaced. Workers start on the first call and live until `close()` (or the end of a `with`
     block). `fn` must be picklable: a module-level function or an instance of a module-level class.
@@ -137,8 +200,8 @@ class ProcessRewardRunner:
         self.fn, self.timeout_s, self.workers = fn, float(timeout_s), int(workers)
         self.contract = RewardContract(failure_score, score_bound)
         self.failure_score = self.contract.failure_score
+        self._zygote: Optional[_Zygote] = None
         self._pool: list[_Worker] = []
-        self._start_failures = 0  # workers in a row that died before they were ready
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], answers: Sequence[Any]) -> RewardBatch:
         jobs = list(zip(prompts, completions, answers))
@@ -146,9 +209,10 @@ class ProcessRewardRunner:
         todo, failures = deque(range(len(jobs))), 0
         try:
             while todo or any(w.index is not None for w in self._pool):
-                self._fill_pool()
+                while len(self._pool) < self.workers:
+                    self._pool.append(self._fork())
                 for worker in self._pool:
-                    if todo and worker.ready and worker.index is None:
+                    if todo and worker.index is None:
                         index = todo.popleft()
                         worker.run(index, jobs[index])
                 for conn in wait([w.outbox for w in self._pool], timeout=_POLL_S):
@@ -164,6 +228,9 @@ class ProcessRewardRunner:
         pool, self._pool = self._pool, []
         for worker in pool:
             worker.kill()
+        if self._zygote is not None:
+            self._zygote.kill()
+            self._zygote = None
 
     def __enter__(self) -> "ProcessRewardRunner":
         return self
@@ -177,39 +244,38 @@ class ProcessRewardRunner:
         except Exception:
             pass
 
-    def _fill_pool(self) -> None:
-        while len(self._pool) < self.workers:
-            self._pool.append(_Worker(self._init))
+    def _fork(self) -> _Worker:
+        """A new worker from the zygote; a dead zygote is restarted (a few times in a row at most)."""
+        for attempt in range(_MAX_START_FAILURES + 1):
+            try:
+                if self._zygote is None:
+                    self._zygote = _Zygote(self._init)
+                return self._zygote.fork()
+            except (ConnectionError, OSError, struct.error) as err:
+                if self._zygote is not None:
+                    self._zygote.kill()
+                    self._zygote = None
+                log.warning("the reward worker process died (%s); starting another", err)
+        raise RuntimeError("ProcessRewardRunner: the reward worker process keeps dying while starting; can the "
+                           "reward's module be imported in a fresh process? (its error is above)")
 
     def _receive(self, worker: _Worker, results: list) -> int:
         """Handle one message of `worker` (or its death); the number of failed calls (0 or 1)."""
         try:
             kind, index, value = worker.outbox.recv()
         except (EOFError, OSError):
-            return self._on_death(worker, results)
-        if kind == "ready":
-            worker.ready, self._start_failures = True, 0
-            return 0
+            index = worker.index
+            self._replace(worker)
+            if index is None:
+                return 0
+            results[index] = self._failed(index, "worker crashed")
+            return 1
         worker.index = None
         if kind == "ok":
             results[index] = value
             return 0
         results[index] = self._failed(index, value)
         return 1
-
-    def _on_death(self, worker: _Worker, results: list) -> int:
-        index, code = worker.index, worker.proc.wait()
-        self._replace(worker)
-        if index is not None:
-            results[index] = self._failed(index, f"worker crashed (exit code {code})")
-            return 1
-        if not worker.ready:
-            self._start_failures += 1
-            if self._start_failures > _MAX_START_FAILURES:
-                raise RuntimeError(f"ProcessRewardRunner: reward workers die while starting (exit code {code}); "
-                                   "can the reward's module be imported in a fresh process? (its error is above)")
-            log.warning("a reward worker died while starting (exit code %s); starting another", code)
-        return 0
 
     def _check_deadlines(self, results: list) -> int:
         now, failures = time.monotonic(), 0
@@ -219,15 +285,12 @@ class ProcessRewardRunner:
                                                                    "(reward.options.timeout_s)")
                 failures += 1
                 self._replace(worker)
-            elif not worker.ready and now - worker.since > _START_TIMEOUT_S:
-                raise RuntimeError(f"ProcessRewardRunner: a reward worker was not ready within "
-                                   f"{_START_TIMEOUT_S:g}s (importing the reward's module)")
         return failures
 
     def _replace(self, worker: _Worker) -> None:
-        """Kill one worker (the only way to stop a call stuck in C code) and start its successor now."""
+        """Kill one worker (the only way to stop a call stuck in C code) and fork its successor."""
         worker.kill()
-        self._pool[self._pool.index(worker)] = _Worker(self._init)
+        self._pool[self._pool.index(worker)] = self._fork()
 
     def _failed(self, index: int, why: str) -> Any:
         log.warning("reward call %d failed: %s (scored as malformed)", index, why)
