@@ -31,11 +31,15 @@ Rules (DESIGN §8, §10):
       loopback), a new PID namespace (the program is pid 1 there; when it dies or is killed the kernel kills
       every descendant, so nothing leaks, and a fresh /proc hides the host's processes), a new mount
       namespace with private size-capped tmpfs over /tmp, /var/tmp, /dev/shm, /run/lock and the working
-      directory (writes there vanish with the run and cannot fill the disk).
-  Not enforced: read access to world-readable files (the filesystem is not hidden, only private scratch
-  dirs), a system-wide memory cap (no cgroups: worst case is `max_procs × memory_mb` of address space),
-  CPU share between concurrent runs, syscall filtering (no seccomp). Without root there is no uid switch
-  and no namespaces; RLIMIT_NPROC then counts all the user's processes (set to current + `max_procs`).
+      directory (writes there vanish with the run and cannot fill the disk), a new IPC namespace (SysV
+      segments, queues and semaphores die with the run; the host's are out of sight);
+    - with seccomp (any user on Linux x86_64/aarch64): no AF_UNIX socket (a network namespace does not cover
+      filesystem sockets), socketpair for stream pairs only, no io_uring.
+  Still shared with the host: read access to world-readable files (the filesystem is not hidden, only
+  private scratch dirs), a system-wide memory cap (no cgroups: worst case is `max_procs × memory_mb` of
+  address space), CPU share between concurrent runs, the kernel's other syscalls. Without root there is no
+  uid switch and no namespaces (SysV IPC is then shared); RLIMIT_NPROC then counts all the user's processes
+  (set to current + `max_procs`).
 * A sandbox failure (the launcher itself broke) is not a wrong answer: `CodeReward.__call__` raises
   `SandboxError` so `RewardRunner` counts it; `score_batch` scores it malformed and counts `failures`.
 
