@@ -25,9 +25,15 @@ def contract_breaker(prompt: str, completion: str, answer: Any) -> Any:
             arithmetic_reward(prompt, completion, answer)][kind]
 
 
+_calls = 0
+
+
 def sleeping_reward(prompt: str, completion: str, answer: Any) -> Any:
-    """Hangs in C code (time.sleep) for about half of the completions: cannot be cut inside the process."""
-    if len(completion) % 2 == 0:
+    """Hangs in C code (time.sleep: cannot be cut inside the process) for about half of the completions, once
+    it has been called more than $HANG_AFTER times (default 0)."""
+    global _calls
+    _calls += 1
+    if len(completion) % 2 == 0 and _calls > int(os.environ.get("HANG_AFTER", "0")):
         time.sleep(3600)
     return arithmetic_reward(prompt, completion, answer)
 
