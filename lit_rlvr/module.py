@@ -441,7 +441,8 @@ class GRPOModule(pl.LightningModule):
 
     def _checkpoint_hint(self) -> str:
         """What a stopped run keeps: the last checkpoint, if one was written (never claim one that is not there)."""
-        path = next((cb.last_path for cb in self.trainer.callbacks if hasattr(cb, "last_path")), None)
+        callbacks = self._trainer.callbacks if self._trainer is not None else []
+        path = next((cb.last_path for cb in callbacks if hasattr(cb, "last_path")), None)
         if path is not None and Path(path).exists():
             return f"the last checkpoint {path} is intact: fix the cause and continue with resume={path}"
         return "no checkpoint was written yet (the run stopped before its first save): fix the cause and start again"

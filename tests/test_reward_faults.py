@@ -146,6 +146,16 @@ def test_process_timeout_replaces_only_the_hung_worker():
     report(fault="reward timeout, isolation process", bad_inputs=1, survived=True, data_lost=0)
 
 
+def test_an_idle_worker_killed_between_batches_costs_no_call():
+    with ProcessRewardRunner(H.echo_reward, timeout_s=30.0, workers=2, score_bound=1e9) as runner:
+        runner(["p"] * 2, ["a", "b"], [0, 0])
+        for worker in runner._pool:
+            os.kill(worker.pid, signal.SIGKILL)  # e.g. the OOM killer
+        time.sleep(0.5)
+        batch = runner(["p"] * 4, ["a", "b", "c", "d"], [0] * 4)
+    assert batch.failures == 0 and not batch.malformed.any()
+
+
 def test_reward_workers_do_not_import_torch_or_lightning():
     with ProcessRewardRunner(H.echo_reward, timeout_s=60.0, workers=1) as runner:
         assert runner(["p"], ["modules"], [0]).scores.tolist() == [1.0]

@@ -74,10 +74,9 @@ class RewardContract:
         else:
             return self._violation(f"returned {type(value).__name__}",
                                    "rewards return a float or a RewardResult"), True
-        try:
-            number = float(score)
-        except (TypeError, ValueError):
+        if not isinstance(score, numbers.Real):
             return self._violation(f"score of type {type(score).__name__}", "a score is a number"), True
+        number = float(score)
         if not math.isfinite(number):
             return self._violation("non-finite score", f"score {score!r} is not a finite number"), True
         if abs(number) > self.score_bound:
@@ -176,6 +175,7 @@ class _CallThread(threading.Thread):
     def __init__(self):
         super().__init__(name="reward-call", daemon=True)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._retired = False
         self.start()
 
     def submit(self, fn: RewardFn, args: tuple) -> _Job:
@@ -184,6 +184,7 @@ class _CallThread(threading.Thread):
         return job
 
     def retire(self) -> None:
+        self._retired = True
         self._jobs.put(None)
 
     def cut(self) -> None:
@@ -192,8 +193,8 @@ class _CallThread(threading.Thread):
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.ident), ctypes.py_object(_CallTimeout))
 
     def run(self) -> None:
-        job = None
-        while True:
+        while not self._retired:
+            job = None
             try:
                 job = self._jobs.get()
                 if job is None:

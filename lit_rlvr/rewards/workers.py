@@ -8,7 +8,7 @@ whole pool, and Python 3.11's forkserver does not preload `__main__`, so each ne
 request in milliseconds; a hung worker is killed and a fork replaces it while the others go on.
 
 Workers die with the trainer however it ends: the zygote and each worker set PR_SET_PDEATHSIG (Linux) on their
-parent; the zygote also exits when its socket to the trainer closes, and a worker thread watches its parent's
+parent (for the zygote: the trainer thread that made the first call, so call the runner from a lasting thread); the zygote also exits when its socket to the trainer closes, and a worker thread watches its parent's
 pid. They ignore SIGINT/SIGTERM: the trainer decides when to stop, then kills them.
 """
 
@@ -211,10 +211,9 @@ class ProcessRewardRunner:
             while todo or any(w.index is not None for w in self._pool):
                 while len(self._pool) < self.workers:
                     self._pool.append(self._fork())
-                for worker in self._pool:
+                for worker in list(self._pool):
                     if todo and worker.index is None:
-                        index = todo.popleft()
-                        worker.run(index, jobs[index])
+                        self._start(worker, todo, jobs)
                 for conn in wait([w.outbox for w in self._pool], timeout=_POLL_S):
                     failures += self._receive(next(w for w in self._pool if w.outbox is conn), results)
                 failures += self._check_deadlines(results)
@@ -258,6 +257,14 @@ class ProcessRewardRunner:
                 log.warning("the reward worker process died (%s); starting another", err)
         raise RuntimeError("ProcessRewardRunner: the reward worker process keeps dying while starting; can the "
                            "reward's module be imported in a fresh process? (its error is above)")
+
+    def _start(self, worker: _Worker, todo: deque, jobs: list) -> None:
+        index = todo.popleft()
+        try:
+            worker.run(index, jobs[index])
+        except OSError:  # the idle worker died since the last look (e.g. the OOM killer): not the call's fault
+            todo.appendleft(index)
+            self._replace(worker)
 
     def _receive(self, worker: _Worker, results: list) -> int:
         """Handle one message of `worker` (or its death); the number of failed calls (0 or 1)."""
