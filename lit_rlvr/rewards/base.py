@@ -209,9 +209,4 @@ class _CallThread(threading.Thread):
                     job.done.set()
 
 
-def _to_batch(results: Sequence[Any], failures: int, failure_score: float) -> RewardBatch:
-    """The batch of raw reward returns under the default contract (kept for callers of the old helper)."""
-    return RewardContract(failure_score).batch(results, failures)
-
-
 from lit_rlvr.rewards.workers import ProcessRewardRunner  # noqa: E402  (re-exported: the old home of the class)
