@@ -97,7 +97,7 @@ def test_non_finite_error_does_not_claim_a_checkpoint_that_is_not_there(runs):
     assert rc != 0 and "NonFiniteError" in log, log[-3000:]
     assert not (run.dir / "checkpoints" / "last.ckpt").exists()
     assert "is intact" not in log and "no checkpoint was written yet" in log
-    report(fault="NaN before the first checkpoint", bad_inputs=1, survived=False, stopped_cleanly=True, data_lost=0)
+    report(fault="NaN, no ckpt yet (error says so)", bad_inputs=1, survived=False, stopped_cleanly=True, data_lost=0)
 
 
 # -- point 4: every call bounded in time under isolation none --------------------------------------------
@@ -188,7 +188,7 @@ def test_kill_9_of_the_trainer_leaves_no_worker(tmp_path):
         time.sleep(0.2)
     assert not any(_alive(p) for p in pids), f"reward workers {pids} outlived the trainer"
     assert not [p for p in _children_of(proc.pid) if _alive(p)], "a helper process outlived the trainer"
-    report(fault="kill -9 of the trainer", bad_inputs=1, survived=False, stopped_cleanly=True, data_lost=0)
+    report(fault="kill -9 trainer: 0 workers left", bad_inputs=1, survived=False, stopped_cleanly=True, data_lost=0)
 
 
 def _children_of(trainer: int) -> list[int]:
