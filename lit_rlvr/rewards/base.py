@@ -157,7 +157,7 @@ class RewardRunner:
 
 
 class _CallTimeout(BaseException):
-    """Raised inside an overrunning reward call to cut it (BaseException: a reward's `except Exception` passes it on)."""
+    """Raised inside an overrunning reward call to cut it (a BaseException: `except Exception` lets it pass)."""
 
 
 @dataclass

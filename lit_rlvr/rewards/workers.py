@@ -8,7 +8,8 @@ whole pool, and Python 3.11's forkserver does not preload `__main__`, so each ne
 request in milliseconds; a hung worker is killed and a fork replaces it while the others go on.
 
 Workers die with the trainer however it ends: the zygote and each worker set PR_SET_PDEATHSIG (Linux) on their
-parent (for the zygote: the trainer thread that made the first call, so call the runner from a lasting thread); the zygote also exits when its socket to the trainer closes, and a worker thread watches its parent's
+parent (for the zygote: the trainer thread that made the first call, so call the runner from a lasting
+thread); the zygote also exits when its socket to the trainer closes, and a worker thread watches its parent's
 pid. They ignore SIGINT/SIGTERM: the trainer decides when to stop, then kills them.
 """
 
