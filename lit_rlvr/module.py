@@ -15,6 +15,7 @@ import logging
 import time
 import zlib
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import lightning.pytorch as pl
@@ -27,6 +28,7 @@ from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.models import load_policy, resolve_model_path
 from lit_rlvr.optim.schedule import warmup_factor
 from lit_rlvr.rewards import build_reward_runner
+from lit_rlvr.rewards.base import RewardHangError
 from lit_rlvr.rollout import build_engine
 from lit_rlvr.rollout.engine import SamplingParams
 from lit_rlvr.rollout.weights import push_weights
@@ -431,6 +433,8 @@ class GRPOModule(pl.LightningModule):
         owners = part.group.tolist()  # [N] prompt of each completion
         scored = self.reward_runner([plan.prompts[g] for g in owners], part.completions,
                                     [plan.answers[g] for g in owners])
+        if getattr(self.reward_runner, "stop_reason", None):  # a hung call is left running: finish, save, stop
+            self.trainer.should_stop = True
         part.rewards, part.malformed = scored.scores, scored.malformed
         self.counters["reward_failures"] += scored.failures
         self.step_times["reward_s"] += time.perf_counter() - t0
@@ -446,9 +450,22 @@ class GRPOModule(pl.LightningModule):
         try:
             yield
         except Exception as err:
-            raise EngineError(f"engine {self.hparams.engine!r} failed at step {self.global_step + 1}: {err!r}; the "
-                              "last checkpoint (checkpoints/last.ckpt in the run dir) is intact: fix the cause and "
-                              "continue with resume=RUN_DIR/checkpoints/last.ckpt") from err
+            raise EngineError(f"engine {self.hparams.engine!r} failed at step {self.global_step + 1}: {err!r}; "
+                              f"{self._checkpoint_hint()}") from err
+
+    def _checkpoint_hint(self) -> str:
+        """What a stopped run keeps: the last checkpoint, if one was written (never claim one that is not there)."""
+        callbacks = self._trainer.callbacks if self._trainer is not None else []
+        path = next((cb.last_path for cb in callbacks if hasattr(cb, "last_path")), None)
+        if path is not None and Path(path).exists():
+            return f"the last checkpoint {path} is intact: fix the cause and continue with resume={path}"
+        return "no checkpoint was written yet (the run stopped before its first save): fix the cause and start again"
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # after the callbacks' hook: RunCheckpoint has saved this step (should_stop was set in `_score`)
+        reason = getattr(self.reward_runner, "stop_reason", None)
+        if reason:
+            raise RewardHangError(f"{reason}; {self._checkpoint_hint()}")
 
     def push_to_engine(self, *, holds_mean: bool = True) -> None:
         """Send the policy's current weights to the engine (no copy in `shared` mode); wakes a sleeping engine."""
@@ -619,7 +636,7 @@ class GRPOModule(pl.LightningModule):
         if self.counters["bad_steps_in_row"] >= self.hparams.max_bad_steps:
             raise NonFiniteError(
                 f"{self.counters['bad_steps_in_row']} non-finite steps in a row (algorithm.max_bad_steps="
-                f"{self.hparams.max_bad_steps}); lower algorithm.lr or check the reward; last checkpoint is intact")
+                f"{self.hparams.max_bad_steps}); lower algorithm.lr or check the reward; {self._checkpoint_hint()}")
 
     # -- metrics ----------------------------------------------------------------------------------------------
     def log_metrics(self, metrics: dict[str, Tensor]) -> None:
@@ -675,6 +692,8 @@ class GRPOModule(pl.LightningModule):
         flat = [t for per in texts for t in per]
         owners = [b for b, per in enumerate(texts) for _ in per]
         scored = self.reward_runner([plan.prompts[b] for b in owners], flat, [plan.answers[b] for b in owners])
+        if getattr(self.reward_runner, "stop_reason", None):
+            raise RewardHangError(f"{self.reward_runner.stop_reason} (in validation)")
         correct = (scored.scores > 0).view(plan.num_prompts, n)  # [B, n]
         self.val_metrics.update(correct)
 

@@ -1,6 +1,6 @@
-"""Fault report (DESIGN §10): runs tests/test_faults.py and tests/test_resume.py and prints what was injected,
-how many bad inputs each fault fed the run, which runs survived (or stopped cleanly with last.ckpt intact),
-and the data lost (0: every stopped run resumes from its last.ckpt, and the resume tests check it is exact).
+"""Fault report (DESIGN §10): runs tests/test_faults.py, tests/test_resume.py and tests/test_reward_faults.py and
+prints what was injected, how many bad inputs each fault fed the run, which runs survived (or stopped cleanly
+with last.ckpt intact), and the data lost (0: every stopped run resumes from its last.ckpt, and the resume tests check it is exact).
 
     python scripts/fault_report.py        (~2 minutes on 2 CPU cores)
 """
@@ -21,7 +21,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         records_path = Path(tmp) / "faults.jsonl"
         env = {**os.environ, "FAULT_REPORT": str(records_path)}
-        tests = ["tests/test_faults.py", "tests/test_resume.py"]
+        tests = ["tests/test_faults.py", "tests/test_resume.py", "tests/test_reward_faults.py"]
         result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=REPO,
                                 env=env, capture_output=True, text=True)
         records = [json.loads(line) for line in records_path.read_text().splitlines()] if records_path.exists() else []

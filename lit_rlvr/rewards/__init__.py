@@ -6,7 +6,7 @@ import importlib
 import inspect
 from typing import Any, Optional
 
-from lit_rlvr.rewards.base import RewardBatch, RewardFn, RewardResult, RewardRunner
+from lit_rlvr.rewards.base import DEFAULT_SCORE_BOUND, DEFAULT_TIMEOUT_S, RewardBatch, RewardFn, RewardResult, RewardRunner
 
 # name -> "module:attribute"; a class is instantiated with the reward options, a function used as is
 REWARDS = {
@@ -16,16 +16,20 @@ REWARDS = {
 }
 
 
-def resolve_reward(name: str, options: Optional[dict[str, Any]] = None) -> RewardFn:
-    """A built-in name (see `REWARDS`) or any "package.module:attribute" path."""
+def _load(name: str) -> Any:
     target = REWARDS.get(name, name)
     if ":" not in target:
         raise ValueError(f"reward={name!r} is not valid; use one of {', '.join(REWARDS)} or 'package.module:function'")
     module_name, attr = target.split(":", 1)
     try:
-        obj = getattr(importlib.import_module(module_name), attr)
+        return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:
         raise ValueError(f"reward={name!r}: cannot import {target} ({err})") from err
+
+
+def resolve_reward(name: str, options: Optional[dict[str, Any]] = None) -> RewardFn:
+    """A built-in name (see `REWARDS`) or any "package.module:attribute" path."""
+    obj = _load(name)
     options = dict(options or {})
     if not isinstance(obj, type):
         if options:  # a plain function has nothing to take them: they would be dropped without a word
@@ -36,7 +40,7 @@ def resolve_reward(name: str, options: Optional[dict[str, Any]] = None) -> Rewar
     unknown = sorted(set(options) - set(valid))
     if unknown and "kwargs" not in inspect.signature(obj).parameters:
         raise ValueError(f"reward={name!r}: reward.options {unknown} are not options of {obj.__name__}; valid: "
-                         f"{', '.join(valid)} (and isolation, with isolation=process: timeout_s, workers)")
+                         f"{', '.join(valid)} (and isolation, timeout_s, score_bound; with isolation=process: workers)")
     return obj(**options)
 
 
@@ -44,30 +48,36 @@ class _BatchRewardRunner(RewardRunner):
     """For rewards that score a whole batch themselves (the code sandbox runs its own worker pool)."""
 
     def __call__(self, prompts, completions, answers) -> RewardBatch:
-        import torch
-
         results = self.fn.score_batch(list(prompts), list(completions), list(answers))
-        failures = sum(r.info.startswith("error") for r in results)
-        return RewardBatch(torch.tensor([float(r.score) for r in results]),
-                           torch.tensor([bool(r.malformed) for r in results], dtype=torch.bool), failures)
+        failures = sum(isinstance(r, RewardResult) and r.info.startswith("error") for r in results)
+        return self.contract.batch(results, failures)
 
     def close(self) -> None:
         getattr(self.fn, "close", lambda: None)()
 
 
 def build_reward_runner(name: str, options: Optional[dict[str, Any]] = None) -> RewardRunner:
-    """`options`: `isolation` ("none" | "process"), `timeout_s`, `workers`; the rest go to a reward class."""
+    """`options`: `isolation` ("none" | "process"), `timeout_s` (every call's bound, in both modes; also given to
+    a reward class that takes it), `score_bound`, `workers` (process); the rest go to a reward class."""
     options = dict(options or {})
     isolation = options.pop("isolation", "none")
     if isolation not in ("none", "process"):
         raise ValueError(f"reward.options.isolation={isolation!r} is not valid; valid: none, process")
+    score_bound = options.pop("score_bound", DEFAULT_SCORE_BOUND)
     if isolation == "process":  # the runner owns the time bound and the pool; the rest configure the reward
         from lit_rlvr.rewards.base import ProcessRewardRunner
 
-        timeout_s, workers = options.pop("timeout_s", 5.0), options.pop("workers", 2)
-        return ProcessRewardRunner(resolve_reward(name, options), timeout_s=timeout_s, workers=workers)
+        timeout_s, workers = options.pop("timeout_s", DEFAULT_TIMEOUT_S), options.pop("workers", 2)
+        return ProcessRewardRunner(resolve_reward(name, options), timeout_s=timeout_s, workers=workers,
+                                   score_bound=score_bound)
+    timeout_s = options.get("timeout_s", DEFAULT_TIMEOUT_S)
+    obj = _load(name)
+    if not (isinstance(obj, type) and "timeout_s" in inspect.signature(obj).parameters):
+        options.pop("timeout_s", None)  # the runner's bound only (e.g. a plain function takes no options)
     fn = resolve_reward(name, options)  # e.g. the code sandbox takes timeout_s and workers itself
-    return _BatchRewardRunner(fn) if hasattr(fn, "score_batch") else RewardRunner(fn)
+    if hasattr(fn, "score_batch"):  # bounded by its own sandbox kills
+        return _BatchRewardRunner(fn, score_bound=score_bound)
+    return RewardRunner(fn, timeout_s=timeout_s, score_bound=score_bound)
 
 
 __all__ = ["REWARDS", "RewardBatch", "RewardFn", "RewardResult", "RewardRunner", "build_reward_runner", "resolve_reward"]

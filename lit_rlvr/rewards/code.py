@@ -31,11 +31,15 @@ Rules (DESIGN §8, §10):
       loopback), a new PID namespace (the program is pid 1 there; when it dies or is killed the kernel kills
       every descendant, so nothing leaks, and a fresh /proc hides the host's processes), a new mount
       namespace with private size-capped tmpfs over /tmp, /var/tmp, /dev/shm, /run/lock and the working
-      directory (writes there vanish with the run and cannot fill the disk).
-  Not enforced: read access to world-readable files (the filesystem is not hidden, only private scratch
-  dirs), a system-wide memory cap (no cgroups: worst case is `max_procs × memory_mb` of address space),
-  CPU share between concurrent runs, syscall filtering (no seccomp). Without root there is no uid switch
-  and no namespaces; RLIMIT_NPROC then counts all the user's processes (set to current + `max_procs`).
+      directory (writes there vanish with the run and cannot fill the disk), a new IPC namespace (SysV
+      segments, queues and semaphores die with the run; the host's are out of sight);
+    - with seccomp (any user on Linux x86_64/aarch64): no AF_UNIX socket (a network namespace does not cover
+      filesystem sockets), socketpair for stream pairs only, no io_uring.
+  Still shared with the host: read access to world-readable files (the filesystem is not hidden, only
+  private scratch dirs), a system-wide memory cap (no cgroups: worst case is `max_procs × memory_mb` of
+  address space), CPU share between concurrent runs, the kernel's other syscalls. Without root there is no
+  uid switch and no namespaces (SysV IPC is then shared); RLIMIT_NPROC then counts all the user's processes
+  (set to current + `max_procs`).
 * A sandbox failure (the launcher itself broke) is not a wrong answer: `CodeReward.__call__` raises
   `SandboxError` so `RewardRunner` counts it; `score_batch` scores it malformed and counts `failures`.
 
@@ -157,9 +161,11 @@ def extract_program(completion: str, language: str = "python") -> str | None:
 _SANDBOX_SRC = r'''
 import ctypes, json, os, resource, signal, sys, time
 
-CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
+CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET, CLONE_NEWIPC = 0x00020000, 0x20000000, 0x40000000, 0x08000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 16384, 1 << 18
-PR_SET_PDEATHSIG = 1
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 1, 38, 22, 2
+# audit arch -> syscall numbers (socket, socketpair, io_uring_setup); little-endian 64-bit only
+SYSCALLS = {"x86_64": (0xC000003E, 41, 53, 425), "aarch64": (0xC00000B7, 198, 199, 425)}
 PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # the world-writable places
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
@@ -185,6 +191,50 @@ def private_mounts(workdir, scratch):
             mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, opts)
     os.makedirs(workdir, exist_ok=True)  # the host's copy may now be hidden under the private /tmp
     mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV, f"size={scratch},nr_inodes=4096,mode=0700")
+
+
+class SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+
+def unix_socket_filter():
+    """A seccomp program: socket(AF_UNIX) and io_uring fail with EACCES, socketpair only for SOCK_STREAM (a
+    connected pair cannot reach a path; asyncio needs it), other ABIs (i386, x32) kill the process.
+
+    A network namespace does not cover filesystem sockets (connect by path) and a 0777 socket is open to any
+    uid; this closes every way to one. Returns None on an unknown machine."""
+    arch = SYSCALLS.get(os.uname().machine)
+    if arch is None:
+        return None
+    audit, nr_socket, nr_socketpair, nr_io_uring = arch
+    LD, JEQ, JGE, AND, RET = 0x20, 0x15, 0x35, 0x54, 0x06  # BPF_LD|W|ABS, JMP|JEQ|K, JMP|JGE|K, ALU|AND|K, RET|K
+    ALLOW, DENY, KILL = 0x7FFF0000, 0x00050000 | 13, 0x80000000  # SECCOMP_RET_ALLOW, _ERRNO|EACCES, _KILL_PROCESS
+    prog = [  # (code, jump if true, jump if false, k); jumps name a label, or 0 for the next instruction
+        (LD, 0, 0, 4), (JEQ, "nr", 0, audit), (RET, 0, 0, KILL),
+        ("nr", LD, 0, 0, 0), (JGE, "deny", 0, 0x40000000), (JEQ, "deny", 0, nr_io_uring),
+        (JEQ, 0, "pair", nr_socket), (LD, 0, 0, 16), (JEQ, "deny", "allow", 1),  # args[0] == AF_UNIX
+        ("pair", JEQ, 0, "allow", nr_socketpair), (LD, 0, 0, 24), (AND, 0, 0, 0xF),
+        (JEQ, "allow", "deny", 1),  # (type & 0xf) == SOCK_STREAM
+        ("allow", RET, 0, 0, ALLOW), ("deny", RET, 0, 0, DENY),
+    ]
+    labels = {ins[0]: i for i, ins in enumerate(prog) if isinstance(ins[0], str)}
+    prog = [ins[1:] if isinstance(ins[0], str) else ins for ins in prog]
+    rel = lambda i, j: 0 if j == 0 else labels[j] - i - 1
+    return (SockFilter * len(prog))(*(SockFilter(c, rel(i, t), rel(i, f), k) for i, (c, t, f, k) in enumerate(prog)))
+
+
+def block_unix_sockets():
+    """Installs `unix_socket_filter` on this process and what it execs (no_new_privs is required for it)."""
+    prog = unix_socket_filter()
+    if prog is None:
+        raise OSError(0, f"no seccomp filter for {os.uname().machine}")
+    check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(no_new_privs)")
+    fprog = SockFprog(len(prog), prog)
+    check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "prctl(seccomp)")
 
 
 def count_own_procs():
@@ -221,6 +271,8 @@ def child(cfg, launcher_pid, err_w):
             os.setuid(cfg["uid"])
         # After the uid change (which clears it): die with the launcher, so a killed launcher leaks nothing.
         check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+        if cfg["seccomp"]:
+            block_unix_sockets()
         if not cfg["pidns"] and os.getppid() != launcher_pid:
             raise RuntimeError("the launcher died before the program started")
         os.execve(cfg["python"], [cfg["python"], *cfg["argv"]], cfg["env"])
@@ -251,7 +303,7 @@ def run(cfg):
     out = open(cfg["status"], "w")
     try:
         flags = (CLONE_NEWNET if cfg["netns"] else 0) | (CLONE_NEWPID if cfg["pidns"] else 0)
-        flags |= CLONE_NEWNS if cfg["mountns"] else 0
+        flags |= (CLONE_NEWNS if cfg["mountns"] else 0) | (CLONE_NEWIPC if cfg["ipcns"] else 0)
         if flags:
             check(libc.unshare(flags), "unshare")
         if cfg["mountns"]:
@@ -338,8 +390,19 @@ def probe(cfg):
 
     root = os.geteuid() == 0
     setuid = root and try_in_child(lambda: as_uid(cfg["uid"], False))
+    def seccomp():
+        import socket
+        block_unix_sockets()
+        try:
+            socket.socket(socket.AF_UNIX)
+        except PermissionError:
+            socket.socketpair()  # asyncio's self-pipe still works
+            return True
+        return False
+
     caps = {"root": root, "netns": try_in_child(lambda: libc.unshare(CLONE_NEWNET) == 0),
             "pidns": try_in_child(pidns), "mountns": try_in_child(mountns), "setuid": setuid,
+            "ipcns": try_in_child(lambda: libc.unshare(CLONE_NEWIPC) == 0), "seccomp": try_in_child(seccomp),
             "python_ok": try_in_child(lambda: as_uid(cfg["uid"], True)) if setuid else True}
     print(json.dumps(caps))
 
@@ -429,7 +492,7 @@ def _probe(python: str) -> dict:
     except (subprocess.SubprocessError, OSError, ValueError, IndexError) as err:
         log.warning("code sandbox probe failed (%s): only rlimits will be enforced", err)
         return {"root": os.geteuid() == 0, "netns": False, "pidns": False, "mountns": False, "setuid": False,
-                "python_ok": True}
+                "ipcns": False, "seccomp": False, "python_ok": True}
     finally:
         shutil.rmtree(probe_dir, ignore_errors=True)
 
@@ -477,6 +540,7 @@ def _run_in(run_dir: str, source: str, stdin: str, limits: Limits, caps: dict, f
         "fsize": limits.max_output_bytes + 1,  # one byte over the cap tells "limit hit" from "exactly at it"
         "max_procs": limits.max_procs, "scratch_bytes": limits.scratch_mb << 20,
         "netns": limits.isolate_network and caps["netns"], "pidns": caps["pidns"], "mountns": caps["mountns"],
+        "ipcns": caps["ipcns"], "seccomp": caps["seccomp"],
         "env": {"PATH": _SAFE_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir,
                 "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},  # threads count in NPROC
     }
@@ -736,13 +800,18 @@ class CodeReward:
             log.warning("CodeReward: no network namespace on this machine; programs can reach the network")
         if caps["root"] and not caps["setuid"]:
             log.warning("CodeReward: running as root but cannot switch uid; programs run as root")
+        if not caps["ipcns"]:
+            log.warning("CodeReward: no IPC namespace on this machine; programs share SysV IPC with the host")
+        if not caps["seccomp"]:
+            log.warning("CodeReward: no seccomp filter on this machine; programs can reach filesystem Unix sockets")
 
     @property
     def enforced(self) -> dict:
         """What isolation this reward's runs actually get on this machine."""
         caps = capabilities(self.limits.python)
         return {"network_isolated": self.limits.isolate_network and caps["netns"], "fresh_uid": caps["setuid"],
-                "pid_namespace": caps["pidns"], "private_tmp": caps["mountns"], "rlimits": caps["rlimits"],
+                "pid_namespace": caps["pidns"], "private_tmp": caps["mountns"], "ipc_namespace": caps["ipcns"],
+                "unix_sockets_blocked": caps["seccomp"], "rlimits": caps["rlimits"],
                 "limits": asdict(self.limits)}
 
     def __call__(self, prompt: str, completion: str, answer: Any) -> RewardResult:
