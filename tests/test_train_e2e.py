@@ -56,8 +56,9 @@ def test_rl_raises_held_out_accuracy(default_run):
     """RL raises held-out accuracy (mean@4 at T=1, the same decoding before and after), from where the warm-up
     stops on any CPU (its target band, `tiny_options.BAND`).
 
-    Measured for this run (80 steps of 64 prompts, the default 256 held-out prompts): MEASURED. Held-out problems
-    are unseen ones from the same large problem spaces (the split is fixed and shared with the warm-up)."""
+    Measured for this run (80 steps of 64 prompts, the default 256 held-out prompts, Intel Xeon): 0.346 -> 0.442.
+    Held-out problems are unseen ones from the same large problem spaces (the split is fixed and shared with the
+    warm-up)."""
     run_dir, _ = default_run
     summary = json.loads((run_dir / "summary.json").read_text())
     before, after = summary["accuracy_before"], summary["accuracy_after"]
