@@ -103,3 +103,10 @@ def test_dev_problems_are_neither_trained_on_nor_in_rls_held_out_split():
     held_out = {p["prompt"] for p in task.problems(2000, "test")}  # RL's held-out problems (data.num_test of them)
     assert len(dev) > 200 and not dev & trained and not dev & held_out
     assert len(trained) > 5000  # the training stream still covers the train split's problem space
+
+
+def test_an_unknown_tiny_option_names_it_and_the_valid_ones(tmp_path):
+    from lit_rlvr.models import resolve_model_path
+
+    with pytest.raises(ValueError, match=r"model\.options\.steps is not an option.*valid: target, max_steps"):
+        resolve_model_path("tiny", {"cache_dir": str(tmp_path), "steps": 800})
