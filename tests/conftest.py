@@ -15,6 +15,6 @@ import lit_rlvr  # noqa: E402,F401  (before torch loads: it sets the OpenMP wait
 @pytest.fixture(scope="session")
 def tiny_path() -> str:
     from lit_rlvr.models import resolve_model_path
+    from tiny_options import TINY
 
-    return resolve_model_path("tiny", {"steps": 800, "batch_size": 64, "lr": 3e-3, "seed": 0,
-                                       "levels": [2, 3, 4]})  # = conf/model/tiny.yaml: the e2e run reuses it
+    return resolve_model_path("tiny", TINY)  # = conf/model/tiny.yaml: the e2e run reuses it

@@ -31,6 +31,9 @@ class PushCheck(RLVRCallback):
         self.samples_pushed = 0
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        if getattr(pl_module, "_push_checked", False):  # a run validates, fits, validates: wrap once
+            return
+        pl_module._push_checked = True
         original = pl_module.push_to_engine
 
         def checked_push(*args, **kwargs):
@@ -51,7 +54,8 @@ class PushCheck(RLVRCallback):
             exact &= torch.equal(engine_params[name].detach(), full)
             digest.update(engine_params[name].detach().cpu().numpy().tobytes())
         record = {"step": pl_module.global_step, "exact": bool(exact), "digest": digest.hexdigest()}
-        optimizer = pl_module.optimizers().optimizer if pl_module._trainer is not None else None
+        optimizers = pl_module.optimizers() if pl_module._trainer is not None else []  # [] while validating only
+        optimizer = getattr(optimizers, "optimizer", None)
         if isinstance(optimizer, IVON) and optimizer._runtime["sampling"]:
             record["sample_index"] = self.samples_pushed
             record["noise_max_err"] = self._noise_error(pl_module, optimizer, self.samples_pushed)
@@ -77,7 +81,8 @@ class PushCheck(RLVRCallback):
             worst = max(worst, float((engine_params[name].detach() - (self.means[name] + noise)).abs().max()))
         return worst
 
-    def on_fit_end(self, trainer, pl_module) -> None:
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        """After each of a run's trainer calls (`mode=eval` only validates): every push so far."""
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / f"push_check_rank{rank}.json").write_text(json.dumps(self.records))

@@ -17,9 +17,10 @@ from lit_rlvr.data.datamodule import RLVRDataModule
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.rewards.base import RewardResult, RewardRunner
 from lit_rlvr.rollouts import Rollouts
+from tiny_options import TINY as TINY_OPTIONS
 
 CACHE = os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr")
-TINY = {"cache_dir": CACHE, "steps": 450, "batch_size": 64, "lr": 3.0e-3, "seed": 0}  # = conf/model/tiny.yaml
+TINY = {"cache_dir": CACHE, **TINY_OPTIONS}  # = conf/model/tiny.yaml
 
 
 def tiny(cls, **kwargs):

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+from tiny_options import TINY as TINY_OPTIONS
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-TINY = {"cache_dir": os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr"), "steps": 450, "batch_size": 64,
-        "lr": 3.0e-3, "seed": 0}  # = conf/model/tiny.yaml
+TINY = {"cache_dir": os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr"), **TINY_OPTIONS}  # = conf/model/tiny.yaml
 
 
 def loggers_of(name: str, run_dir: Path) -> list:

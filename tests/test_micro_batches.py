@@ -14,9 +14,9 @@ from lit_rlvr import functional as F
 from lit_rlvr.functional.losses import AGGREGATIONS
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.rollouts import Rollouts
+from tiny_options import TINY as TINY_OPTIONS
 
-TINY = {"cache_dir": os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr"), "steps": 450, "batch_size": 64,
-        "lr": 3.0e-3, "seed": 0}  # = conf/model/tiny.yaml
+TINY = {"cache_dir": os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr"), **TINY_OPTIONS}  # = conf/model/tiny.yaml
 
 
 def _rollouts(module: GRPOModule, tau) -> Rollouts:

@@ -23,10 +23,11 @@ from lit_rlvr.data.datamodule import RLVRDataModule
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.optim import IVON, sample_seed
 from lit_rlvr.rollouts import Rollouts
+from tiny_options import TINY as TINY_OPTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = os.environ.get("LIT_RLVR_CACHE") or str(Path(tempfile.gettempdir()) / "lit_rlvr_test_cache")
-TINY = {"cache_dir": CACHE, "steps": 450, "batch_size": 64, "lr": 3e-3, "seed": 0}  # = conf/model/tiny.yaml
+TINY = {"cache_dir": CACHE, **TINY_OPTIONS}  # = conf/model/tiny.yaml
 ESS, H0, DELTA, CLIP = 1e7, 1e-3, 1e-6, 1.0
 IVON_OPTIONS = {"ess": ESS, "hess_init": H0, "weight_decay": DELTA, "clip_radius": CLIP}
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_options import BAND
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -16,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def default_run(tiny_path, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("default_run")
-    cmd = [sys.executable, "train.py", "trainer.max_steps=80", "data.num_test=64", f"hydra.run.dir={run_dir}"]
+    cmd = [sys.executable, "train.py", "trainer.max_steps=80", f"hydra.run.dir={run_dir}"]
     done = subprocess.run(cmd, cwd=REPO, env=os.environ.copy(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return run_dir, done.stdout
@@ -52,13 +53,14 @@ def test_rl_raises_the_sampled_reward(default_run):
 
 
 def test_rl_raises_held_out_accuracy(default_run):
-    """Fixed seed: RL raises held-out accuracy (mean@4 at T=1, the same decoding before and after).
+    """RL raises held-out accuracy (mean@4 at T=1, the same decoding before and after), from where the warm-up
+    stops on any CPU (its target band, `tiny_options.BAND`).
 
-    Measured for this run (80 steps of 64 prompts, 64 held-out prompts): 0.316 -> 0.383; the full default (250
-    steps, 256 held-out prompts) gives 0.291 -> 0.463. Held-out problems are unseen ones from the same large
-    problem spaces (the split is fixed and shared with the warm-up)."""
+    Measured for this run (80 steps of 64 prompts, the default 256 held-out prompts, Intel Xeon): 0.346 -> 0.442.
+    Held-out problems are unseen ones from the same large problem spaces (the split is fixed and shared with the
+    warm-up)."""
     run_dir, _ = default_run
     summary = json.loads((run_dir / "summary.json").read_text())
     before, after = summary["accuracy_before"], summary["accuracy_after"]
-    assert 0.2 <= before <= 0.6, before  # the warm-up leaves room for RL
-    assert after > before + 0.03, (before, after)
+    assert BAND[0] <= before <= BAND[1], (before, BAND)  # the warm-up's target: room for RL on any machine
+    assert after > before + 0.02, (before, after)

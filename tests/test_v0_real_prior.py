@@ -12,8 +12,9 @@ from lit_rlvr.models import load_policy, resolve_model_path
 from lit_rlvr.rollout.engine import SamplingParams
 from lit_rlvr.rollout.hf import HFEngine
 from lit_rlvr.value import ContextBuffer, ValueModel
+from tiny_options import TINY as TINY_OPTIONS
 
-TINY = {"steps": 450, "batch_size": 64, "lr": 3.0e-3, "seed": 0}  # conf/model/tiny.yaml: reuses its cache
+TINY = TINY_OPTIONS  # conf/model/tiny.yaml: reuses its cache
 CONTEXT, HELD_OUT, N = 256, 64, 8
 
 

@@ -20,9 +20,10 @@ from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.rewards.base import RewardResult, RewardRunner
 from lit_rlvr.rollouts import RolloutPlan, Rollouts
+from tiny_options import TINY as TINY_OPTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = {"steps": 450, "batch_size": 64, "lr": 3.0e-3, "seed": 0}  # conf/model/tiny.yaml: reuses its cache
+TINY = TINY_OPTIONS  # conf/model/tiny.yaml: reuses its cache
 V05_KEYS = ("v05/w_mean", "v05/prior_rejected_frac", "v05/rollouts_per_prompt", "v05/rounds", "v05/prior_auc",
             "v05/prior_abs_err", "v05/context_size", "v05/prior_present", "time/prior_s")
 

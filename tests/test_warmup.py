@@ -1,18 +1,26 @@
 """The tiny model's cached warm-up (lit_rlvr.models.warmup)."""
 
+import json
+
+import pytest
 import torch
 
+from lit_rlvr.data.tasks.arithmetic import ArithmeticTask
+from lit_rlvr.models import warmup
 from lit_rlvr.models.warmup import warm_start_tiny
+
+QUICK = dict(max_steps=2, batch_size=4, eval_every=1, eval_problems=4, target=1.0)  # stops at the cap
 
 
 def test_warm_up_leaves_the_callers_rng_alone(tmp_path):
     """A cold cache trains the model; the caller's random numbers must not depend on whether it did."""
     torch.manual_seed(123)
     before = torch.get_rng_state()
-    path = warm_start_tiny(tmp_path, steps=2, batch_size=4)
+    with pytest.warns(UserWarning, match="step cap"):
+        path = warm_start_tiny(tmp_path, **QUICK)
     assert torch.equal(torch.get_rng_state(), before)
     assert (path / "config.json").exists() and not list(tmp_path.glob("*.tmp-*"))
-    assert warm_start_tiny(tmp_path, steps=2, batch_size=4) == path  # warm: the same folder, nothing trained
+    assert warm_start_tiny(tmp_path, **QUICK) == path  # warm: the same folder, nothing trained
 
 
 def _warm_up_slowly(cache: str, marks: str) -> str:
@@ -31,7 +39,7 @@ def _warm_up_slowly(cache: str, marks: str) -> str:
         return train(*args, **kwargs)
 
     warmup._train = marked_train
-    return str(warmup.warm_start_tiny(cache, steps=2, batch_size=4))
+    return str(warmup.warm_start_tiny(cache, max_steps=2, batch_size=4, eval_every=1, eval_problems=4, target=1.0))
 
 
 def test_ranks_warming_up_at_once_train_once(tmp_path):
@@ -44,3 +52,61 @@ def test_ranks_warming_up_at_once_train_once(tmp_path):
         paths = pool.starmap(_warm_up_slowly, [(str(tmp_path / "cache"), str(marks))] * 2)
     assert paths[0] == paths[1]
     assert len(list(marks.iterdir())) == 1
+
+
+def _scripted(monkeypatch, accuracies: list[float]) -> list[int]:
+    """Checks return `accuracies` in turn (the training itself is real); returns the steps checked at."""
+    checked, left = [], iter(accuracies)
+
+    def fake(model, tokenizer, problems, samples, seed=0):
+        checked.append(len(problems))
+        return next(left)
+
+    monkeypatch.setattr(warmup, "sampled_accuracy", fake)
+    return checked
+
+
+def test_warm_up_stops_at_the_first_check_that_reaches_the_target(tmp_path, monkeypatch):
+    _scripted(monkeypatch, [0.1, 0.25, 0.31, 0.5])
+    path = warm_start_tiny(tmp_path, max_steps=100, eval_every=2, eval_problems=8, batch_size=4, target=0.3)
+    record = json.loads((path / "warmup.json").read_text())
+    assert record["steps"] == 6 and record["reached"] and record["accuracy"] == 0.31
+    assert [step for step, _ in record["history"]] == [2, 4, 6]
+    assert record["target"] == 0.3 and record["threads"] == torch.get_num_threads()
+
+
+def test_warm_up_that_hits_its_cap_says_which_options_to_change(tmp_path, monkeypatch):
+    _scripted(monkeypatch, [0.1, 0.2])
+    with pytest.warns(UserWarning, match=r"model\.options\.max_steps=4.*0\.200.*model\.options\.target=0\.3"):
+        path = warm_start_tiny(tmp_path, max_steps=4, eval_every=2, eval_problems=8, batch_size=4, target=0.3)
+    record = json.loads((path / "warmup.json").read_text())
+    assert record["steps"] == 4 and not record["reached"]
+
+
+def test_the_target_is_part_of_the_cache_key(tmp_path, monkeypatch):
+    _scripted(monkeypatch, [0.9, 0.9])
+    low = warm_start_tiny(tmp_path, max_steps=4, eval_every=2, eval_problems=8, batch_size=4, target=0.3)
+    high = warm_start_tiny(tmp_path, max_steps=4, eval_every=2, eval_problems=8, batch_size=4, target=0.4)
+    assert low != high
+
+
+def test_a_target_outside_0_1_names_the_option(tmp_path):
+    with pytest.raises(ValueError, match=r"model\.options\.target=30"):
+        warm_start_tiny(tmp_path, target=30)
+
+
+def test_dev_problems_are_neither_trained_on_nor_in_rls_held_out_split():
+    task = ArithmeticTask(levels=(2, 3, 4), seed=0)
+    dev = {p["prompt"] for p in warmup.dev_problems(task, 256)}
+    stream = warmup._training_problems(task)
+    trained = {next(stream)["prompt"] for _ in range(20_000)}
+    held_out = {p["prompt"] for p in task.problems(2000, "test")}  # RL's held-out problems (data.num_test of them)
+    assert len(dev) > 200 and not dev & trained and not dev & held_out
+    assert len(trained) > 5000  # the training stream still covers the train split's problem space
+
+
+def test_an_unknown_tiny_option_names_it_and_the_valid_ones(tmp_path):
+    from lit_rlvr.models import resolve_model_path
+
+    with pytest.raises(ValueError, match=r"model\.options\.steps is not an option.*valid: target, max_steps"):
+        resolve_model_path("tiny", {"cache_dir": str(tmp_path), "steps": 800})

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from lit_rlvr.data.datamodule import RLVRDataModule
+from tiny_options import TINY as TINY_OPTIONS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "write_your_own_loss.md"
-TINY = {"cache_dir": os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr"), "steps": 450, "batch_size": 64,
-        "lr": 3.0e-3, "seed": 0}  # = conf/model/tiny.yaml
+TINY = {"cache_dir": os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr"), **TINY_OPTIONS}  # = conf/model/tiny.yaml
 
 
 @pytest.fixture(scope="module")

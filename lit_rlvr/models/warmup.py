@@ -1,7 +1,7 @@
 """Supervised warm-up of the tiny model on the arithmetic task, cached on disk by its settings.
 
-RL needs a policy that is sometimes right: the warm-up stops early on purpose so held-out accuracy starts
-well below 100% and RL has room to show gains.
+RL needs a policy that is sometimes right: the warm-up stops at a target held-out sampled accuracy, well below
+100%, so RL has room to show gains and starts from about the same accuracy on any CPU.
 """
 
 from __future__ import annotations
@@ -12,13 +12,16 @@ import logging
 import os
 import shutil
 import socket
+import time
+import warnings
+import zlib
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from lit_rlvr.data.tasks.arithmetic import ArithmeticTask
+from lit_rlvr.data.tasks.arithmetic import ArithmeticTask, arithmetic_reward
 from lit_rlvr.models import tiny
 
 try:
@@ -49,9 +52,14 @@ def sft_batch(tokenizer, examples: list[dict]) -> tuple[torch.Tensor, torch.Tens
 def warm_start_tiny(
     cache_dir: str | Path,
     *,
-    steps: int = 300,
+    target: float = 0.30,
+    max_steps: int = 2000,
+    eval_every: int = 25,
+    eval_problems: int = 256,
+    eval_samples: int = 4,
     batch_size: int = 64,
-    lr: float = 3e-3,
+    lr: float = 1e-3,
+    warmup_steps: int = 80,
     seed: int = 0,
     levels: tuple[int, ...] = ArithmeticTask.levels,
     hidden_size: int = 64,
@@ -61,14 +69,23 @@ def warm_start_tiny(
     """Path of the warmed-up tiny model; trains and saves it unless the same settings are cached.
 
     It trains on the train split of `ArithmeticTask(seed=split_seed)`, the split the datamodule evaluates on
-    (`data.split_seed`), so held-out problems are unseen whatever the model and run seeds. Several processes
-    (torchrun ranks) may ask at once: the first takes a lock on the cache entry and trains, the others wait for
-    it and load what it saved. It writes a temporary folder and renames it, so a half-written cache is never
-    reused (and where the lock is unavailable, e.g. across hosts on some network filesystems, the first
-    rename wins).
+    (`data.split_seed`), so RL's held-out problems are unseen whatever the model and run seeds. Training stops
+    the first time the sampled accuracy (mean@`eval_samples` at T=1, checked every `eval_every` steps on
+    `eval_problems` problems of a dev slice of the train split that the warm-up never trains on and RL never
+    evaluates on) reaches `target`, or after `max_steps` with a warning: a step count alone lands at different
+    accuracies on different CPUs (float order, compounded near a fast-learning phase). `warmup.json` in the
+    folder records where it stopped.
+
+    Several processes (torchrun ranks) may ask at once: the first takes a lock on the cache entry and trains,
+    the others wait for it and load what it saved. It writes a temporary folder and renames it, so a
+    half-written cache is never reused (and where the lock is unavailable, e.g. across hosts on some network
+    filesystems, the first rename wins).
     """
-    settings = dict(steps=steps, batch_size=batch_size, lr=lr, seed=seed, levels=list(levels),
-                    hidden_size=hidden_size, layers=layers, split_seed=split_seed, version=2)
+    if not 0.0 < target <= 1.0:
+        raise ValueError(f"model.options.target={target} must be in (0, 1]: the held-out sampled accuracy to stop at")
+    settings = dict(target=target, max_steps=max_steps, eval_every=eval_every, eval_problems=eval_problems,
+                    eval_samples=eval_samples, batch_size=batch_size, lr=lr, warmup_steps=warmup_steps, seed=seed,
+                    levels=list(levels), hidden_size=hidden_size, layers=layers, split_seed=split_seed, version=3)
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     path = Path(cache_dir).expanduser() / f"tiny-{key}"
     if (path / "config.json").exists():
@@ -77,11 +94,15 @@ def warm_start_tiny(
     with _locked(path.with_name(f"{path.name}.lock")):
         if (path / "config.json").exists():  # another process trained it while this one waited
             return path
-        log.info("warm-starting the tiny model (%d supervised steps) into %s", steps, path)
+        log.info("warm-starting the tiny model (to held-out mean@%d %.2f, at most %d steps) into %s",
+                 eval_samples, target, max_steps, path)
         with torch.random.fork_rng(devices=[]):  # the caller's RNG must not depend on whether the cache was warm
-            model, tokenizer = _train(steps, batch_size, lr, seed, levels, hidden_size, layers, split_seed)
+            model, tokenizer, record = _train(settings)
+        record = {**settings, **record}
+        _warn_if_capped(record)
         tmp = path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")  # unique on a shared filesystem
         tiny.save(model, tokenizer, tmp)
+        (tmp / RECORD_FILE).write_text(json.dumps(record, indent=2))
         try:
             tmp.rename(path)  # atomic: a half-written cache is never reused
         except OSError:  # another process finished the same warm-up first (same settings, same model)
@@ -89,6 +110,19 @@ def warm_start_tiny(
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+RECORD_FILE = "warmup.json"
+
+
+def _warn_if_capped(record: dict) -> None:
+    if record["reached"]:
+        return
+    message = (f"the tiny model's warm-up hit its step cap (model.options.max_steps={record['max_steps']}) at held-out "
+               f"sampled accuracy {record['accuracy']:.3f}, below model.options.target={record['target']}: RL starts "
+               f"lower than the README's figures; raise model.options.max_steps or lr")
+    log.warning(message)
+    warnings.warn(message, stacklevel=3)
 
 
 @contextmanager
@@ -101,21 +135,81 @@ def _locked(lock_path: Path) -> Iterator[None]:
         yield
 
 
-def _train(steps: int, batch_size: int, lr: float, seed: int, levels: tuple[int, ...], hidden_size: int,
-           layers: int, split_seed: int):
-    """The supervised warm-up itself: (model, tokenizer) after `steps` AdamW steps on the train split."""
-    model, tokenizer = tiny.build_tiny(seed, hidden_size=hidden_size, layers=layers)
-    task = ArithmeticTask(levels=tuple(levels), seed=split_seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=max(steps, 1), pct_start=0.1)
-    model.train()
-    for step in range(steps):
-        examples = [task.problem(step * batch_size + i, "train") for i in range(batch_size)]
-        ids, mask, labels = sft_batch(tokenizer, examples)
+def dev_problems(task: ArithmeticTask, count: int) -> list[dict]:
+    """`count` problems of the warm-up's dev slice: train-split problems the warm-up never trains on (RL's
+    held-out evaluation uses the test split, so it never sees them either)."""
+    found, index = [], 0
+    while len(found) < count:
+        problem = task.problem(index, "train")
+        if _in_dev_slice(task, problem["prompt"]):
+            found.append(problem)
+        index += 1
+    return found
+
+
+def _in_dev_slice(task: ArithmeticTask, prompt: str) -> bool:
+    return zlib.crc32(f"warmup-dev:{task.seed}:{prompt}".encode()) % 100 < DEV_PERCENT
+
+
+DEV_PERCENT = 5  # of the train split's problems (a few hundred per level)
+
+
+def _training_problems(task: ArithmeticTask) -> Iterator[dict]:
+    """The train split in order, without the dev slice."""
+    index = 0
+    while True:
+        problem = task.problem(index, "train")
+        if not _in_dev_slice(task, problem["prompt"]):
+            yield problem
+        index += 1
+
+
+@torch.no_grad()
+def sampled_accuracy(model, tokenizer, problems: list[dict], samples: int, seed: int = 0) -> float:
+    """mean@`samples` at T=1 over `problems`, sampled as RL's held-out evaluation samples (`HFEngine`, batched)."""
+    from lit_rlvr.rollout.engine import SamplingParams
+    from lit_rlvr.rollout.hf import HFEngine
+
+    engine = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id)
+    prompts = [tokenizer(p["prompt"])["input_ids"] for p in problems]
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=seed)
+    completions = engine.generate(prompts, [samples] * len(prompts), params)
+    correct = [arithmetic_reward(p["prompt"], tokenizer.decode(c.token_ids, skip_special_tokens=True),
+                                 p["answer"]).score > 0 for p, per in zip(problems, completions) for c in per]
+    return sum(correct) / len(correct)
+
+
+def _train(s: dict):
+    """The supervised warm-up itself: (model, tokenizer, record) after AdamW steps on the train split until the
+    dev slice's sampled accuracy reaches s["target"] or s["max_steps"] pass. Linear LR warm-up, then constant:
+    the schedule must not depend on where it stops."""
+    model, tokenizer = tiny.build_tiny(s["seed"], hidden_size=s["hidden_size"], layers=s["layers"])
+    task = ArithmeticTask(levels=tuple(s["levels"]), seed=s["split_seed"])
+    dev = dev_problems(task, s["eval_problems"])
+    stream = _training_problems(task)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=s["lr"], weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / max(s["warmup_steps"], 1)))
+    accuracy, step, history, eval_s, started = 0.0, 0, [], 0.0, time.perf_counter()
+    while step < s["max_steps"]:
+        model.train()
+        ids, mask, labels = sft_batch(tokenizer, [next(stream) for _ in range(s["batch_size"])])
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         schedule.step()
+        step += 1
+        if step % s["eval_every"] == 0 or step == s["max_steps"]:
+            model.eval()
+            checked = time.perf_counter()
+            accuracy = sampled_accuracy(model, tokenizer, dev, s["eval_samples"])
+            eval_s += time.perf_counter() - checked
+            history.append([step, round(accuracy, 4)])
+            log.info("warm-up step %d: dev mean@%d %.3f (target %.2f)", step, s["eval_samples"], accuracy, s["target"])
+            if accuracy >= s["target"]:
+                break
     model.eval()
-    return model, tokenizer
+    record = dict(steps=step, accuracy=accuracy, reached=accuracy >= s["target"], history=history,
+                  threads=torch.get_num_threads(), wall_s=round(time.perf_counter() - started, 1),
+                  eval_s=round(eval_s, 1))  # the checks' share of the time
+    return model, tokenizer, record
