@@ -14,13 +14,24 @@ import types
 __version__ = "0.0.0+lit-rlvr-cpu-stand-in"
 
 
-def _missing(qualname: str):
-    def op(*args, **kwargs):
-        raise NotImplementedError(f"{qualname} is a test stand-in (tests/live_sglang/stubs): sglang called a "
-                                  "sgl_kernel op that has no CPU build here")
+class _Missing:
+    """Any name of sgl_kernel: its attributes are more of the same (module-level `scalar_types.uint4b8` reads
+    work), and calling one raises."""
 
-    op.__name__ = op.__qualname__ = qualname.rsplit(".", 1)[-1]
-    return op
+    def __init__(self, qualname: str):
+        self._qualname = qualname
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Missing(f"{self._qualname}.{name}")
+
+    def __call__(self, *args, **kwargs):
+        raise NotImplementedError(f"{self._qualname} is a test stand-in (tests/live_sglang/stubs): sglang called "
+                                  "a sgl_kernel op that has no CPU build here")
+
+    def __repr__(self) -> str:
+        return f"<sgl_kernel stand-in {self._qualname}>"
 
 
 def _ops_of(module_name: str):
@@ -29,7 +40,7 @@ def _ops_of(module_name: str):
     def getattr_(name: str):
         if name.startswith("__"):
             raise AttributeError(name)
-        return _missing(f"{module_name}.{name}")
+        return _Missing(f"{module_name}.{name}")
 
     return getattr_
 
