@@ -230,8 +230,12 @@ class SGLangEngine:
         manager = getattr(self._engine, "tokenizer_manager", None)
         if manager is None or threading.current_thread() is not threading.main_thread():
             return
-        manager.auto_create_handle_loop()  # installs sglang's handler now (else lazily, over ours)
-        loop = manager.event_loop
+        loop = self._engine.loop
+
+        async def create_handle_loop():  # on the engine's loop: outside one, sglang would make a new loop
+            manager.auto_create_handle_loop()  # installs sglang's handler now (else lazily, over ours)
+
+        loop.run_until_complete(create_handle_loop())
 
         def died() -> None:
             self._death = self._death or self._dead_children()

@@ -2,7 +2,7 @@
 
 After every weight push it records the step, whether the push holds the mean weights (3PO pushes one weight
 sample at a time), a digest of the pushed policy weights, and the engine's greedy answer to one probe prompt,
-which shows the live engine serves those weights. `push_probe.json` is rewritten after each push.
+which shows the live engine serves those weights. `push_probe_rank{R}.json` is rewritten after each push.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ PROBE = "12+34="
 
 class PushProbe(RLVRCallback):
     def __init__(self, out_dir: str):
-        self.path = Path(out_dir) / "push_probe.json"
+        self.out_dir = Path(out_dir)
         self.records: list[dict] = []
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        self.path = self.out_dir / f"push_probe_rank{trainer.global_rank}.json"
         original = pl_module.push_to_engine
 
         def probed_push(*args, holds_mean: bool = True, **kwargs):

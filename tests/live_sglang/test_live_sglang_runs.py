@@ -52,8 +52,8 @@ def _wait(*procs: subprocess.Popen) -> None:
         assert proc.returncode == 0, proc.log.read_text()[-4000:]
 
 
-def _pushes(run_dir: Path, name: str = "push_probe.json") -> list[dict]:
-    return json.loads((run_dir / name).read_text())
+def _pushes(run_dir: Path, rank: int = 0) -> list[dict]:
+    return json.loads((run_dir / f"push_probe_rank{rank}.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +97,18 @@ def test_resumed_run_pushes_the_weights_its_first_part_ended_with(runs):
     assert after["digest"] == before["digest"]
     assert after["probe_ids"] == before["probe_ids"] and after["probe_logprobs"] == before["probe_logprobs"]
     assert (runs["resumed"] / "summary.json").exists()
+
+
+def test_two_ranks_each_with_its_own_engine(tiny_path, tmp_path):
+    """torchrun, FSDP2 over gloo: each rank starts its own sglang engine (ports spaced by local rank) and
+    receives the gathered weights; both ranks push the same weights at every step."""
+    fsdp_cpu = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy.param_dtype=float32"]
+    launcher = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
+    run_dir = tmp_path / "ranks2"
+    _wait(_start(run_dir, ["algorithm=grpo", "trainer.max_steps=2", "eval_before=false", *fsdp_cpu], 31500,
+                 launcher=launcher))
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
+    rank0, rank1 = _pushes(run_dir, 0), _pushes(run_dir, 1)
+    assert {p["step"] for p in rank0} >= {1, 2} and len(rank0) == len(rank1)
+    for a, b in zip(rank0, rank1):  # the same gathered weights, and each live engine answers the probe alike
+        assert (a["step"], a["digest"], a["probe_ids"]) == (b["step"], b["digest"], b["probe_ids"])
