@@ -338,11 +338,15 @@ class SGLangEngine:
         if engine is None:
             return
         atexit.unregister(self.shutdown)
-        with only_own_children(self._module, engine.get_all_child_pids()):
+        watched = list(getattr(self._watchdog(), "_processes", []))  # schedulers and the detokenizer
+        own = sorted({*engine.get_all_child_pids(), *(p.pid for p in watched)})  # the former: schedulers only
+        with only_own_children(self._module, own):
             if self._death:  # its children are gone or dying: kill what is left, no graceful drain
                 self._module.kill_process_tree(os.getpid(), include_parent=False, wait_timeout=10)
             else:
                 engine.shutdown()
+        for proc in watched:
+            proc.join(timeout=10)
         if self._config_dir is not None:
             self._config_dir.cleanup()
 
