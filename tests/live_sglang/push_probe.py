@@ -26,12 +26,15 @@ class PushProbe(RLVRCallback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self.path = self.out_dir / f"push_probe_rank{trainer.global_rank}.json"
+        if getattr(pl_module.push_to_engine, "probed", False):  # setup runs per stage (validate, then fit)
+            return
         original = pl_module.push_to_engine
 
         def probed_push(*args, holds_mean: bool = True, **kwargs):
             original(*args, holds_mean=holds_mean, **kwargs)
             self._record(pl_module, holds_mean)
 
+        probed_push.probed = True
         pl_module.push_to_engine = probed_push
 
     @torch.no_grad()
