@@ -57,8 +57,10 @@ def test_fp32_trainer_into_bf16_engine(policy):
 
 
 def test_a_scheduler_that_cannot_start_is_an_engine_error(policy):
-    """mem_fraction_static too small for any KV cache: sglang's scheduler raises while it starts and signals
-    this process, whose default answer (sglang's) is to kill it."""
+    """load_format=auto on the config-only directory the engine starts from: no weight files, so sglang's
+    scheduler raises while it loads the model and signals this process, whose default answer (sglang's) is to
+    kill it. (A too small mem_fraction_static is no such option on a shared machine: sglang checks it against
+    free memory, which other processes move.)"""
     from lit_rlvr.rollout.sglang import SGLangEngine
 
     model, tokenizer = policy
@@ -70,7 +72,8 @@ def test_a_scheduler_that_cannot_start_is_an_engine_error(policy):
     signal.alarm(START_BOUND_S)
     try:
         with pytest.raises(EngineError, match="died while the engine was starting|did not start"):
-            SGLangEngine(model, tokenizer, **cpu_options(mem_fraction_static=1e-7))
+            engine = SGLangEngine(model, tokenizer, **cpu_options(server_args={"load_format": "auto"}))
+            engine.shutdown()  # only reached when the test fails
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
