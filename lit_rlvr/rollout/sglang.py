@@ -106,7 +106,8 @@ def engine_args(model_path: str, dtype: torch.dtype, *, rank: int, local_rank: i
         "load_format": "dummy",  # the first push brings the weights
         "enable_memory_saver": True,  # release_/resume_memory_occupation around training
         "dtype": str(dtype).removeprefix("torch."),
-        "base_gpu_id": local_rank,
+        # on a CPU sglang reads it as a NUMA node index (a 1-node machine has only 0)
+        "base_gpu_id": 0 if server_args.get("device") == "cpu" else local_rank,
         "port": port,
         "nccl_port": port + 1,  # else sglang picks a free port, which races between ranks starting together
         "random_seed": seed + rank,
