@@ -1,6 +1,7 @@
 """Weight push into an `HFEngine` in `copy` mode against this machine's memcpy bandwidth (DESIGN §9).
 
     python bench/weight_sync.py [--json] [--repeats 20] [--mb 100]
+    python bench/weight_sync.py --engine sglang [--json]     # a live sglang.Engine on a CPU: bench/weight_sync_sglang.py
 
 Two models: the cached tiny model (~0.4 MB) and a synthetic Qwen3 of about `--mb` MB (random weights, built in
 code). For each, `lit_rlvr.rollout.weights.push_weights` sends the weights to a `copy`-mode engine with several
@@ -131,10 +132,18 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=20, help="timed repeats per case (tiny model: ×10)")
     parser.add_argument("--mb", type=float, default=100.0, help="size of the synthetic model in MB")
     parser.add_argument("--threads", type=int, default=common.THREADS, help="torch threads (DESIGN §9: 2)")
+    parser.add_argument("--engine", choices=("hf", "sglang"), default="hf",
+                        help="sglang: push into a live sglang.Engine (CPU venv of scripts/sglang_cpu_env.sh)")
+    parser.add_argument("--steps", type=int, default=6, help="--engine sglang: GRPO steps per run for the sync share")
     args = parser.parse_args(argv)
-    if args.repeats < 1 or args.mb <= 0:
-        raise SystemExit("--repeats must be >= 1 and --mb > 0")
+    if args.repeats < 1 or args.mb <= 0 or args.steps < 2:
+        raise SystemExit("--repeats must be >= 1, --mb > 0 and --steps >= 2")
     common.quiet(args.threads)
+    if args.engine == "sglang":
+        import weight_sync_sglang
+
+        common.emit(weight_sync_sglang.run(args), args.json)
+        return
     common.emit(run(args), args.json)
 
 

@@ -30,7 +30,7 @@ from lit_rlvr.optim.schedule import warmup_factor
 from lit_rlvr.rewards import build_reward_runner
 from lit_rlvr.rewards.base import RewardHangError
 from lit_rlvr.rollout import build_engine
-from lit_rlvr.rollout.engine import SamplingParams
+from lit_rlvr.rollout.engine import EngineError, SamplingParams  # EngineError: also lit_rlvr.module.EngineError
 from lit_rlvr.rollout.weights import push_weights
 from lit_rlvr.rollouts import RolloutPlan, Rollouts, rollouts_from_completions
 from lit_rlvr.validation import ValidationMetrics
@@ -42,10 +42,6 @@ OPTIMIZERS = ("adamw", "ivon")
 
 class NonFiniteError(RuntimeError):
     pass
-
-
-class EngineError(RuntimeError):
-    """The rollout engine failed; the message names the step and the checkpoint to resume from."""
 
 
 def rng_states() -> dict[str, Any]:

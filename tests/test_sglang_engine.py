@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lit_rlvr.rollout.engine import SamplingParams
-from lit_rlvr.rollout.sglang import NEUTRAL_SAMPLING, build_requests, parse_outputs
+from lit_rlvr.rollout.sglang import NEUTRAL_SAMPLING, build_requests, engine_args, parse_outputs
 from lit_rlvr.rollout.weights import push_weights
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang_0_5_23"
@@ -238,6 +238,9 @@ def test_engine_arguments_and_per_rank_ports_seeds_gpus(fake_sglang, monkeypatch
     rank1 = fake_sglang.instances[-1].kwargs
     assert (rank1["base_gpu_id"], rank1["random_seed"]) == (1, 8)
     assert rank1["attention_backend"] == "triton"
+    assert engine_args("m", torch.float32, rank=1, local_rank=1, base_port=0, port_stride=10, seed=0,
+                       mem_fraction_static=0.1, deterministic=False,
+                       server_args={"device": "cpu"})["base_gpu_id"] == 0  # sglang's CPU mode: a NUMA node
     ports0, ports1 = {rank0["port"], rank0["nccl_port"]}, {rank1["port"], rank1["nccl_port"]}
     assert len(ports0) == len(ports1) == 2 and ports0.isdisjoint(ports1)
 

@@ -8,6 +8,11 @@ from typing import Iterable, Protocol, Sequence, runtime_checkable
 from torch import Tensor
 
 
+class EngineError(RuntimeError):
+    """The rollout engine failed (its process died, or it did not answer in time); the message names the cause.
+    `GRPOModule` re-raises it naming the step and the checkpoint to resume from."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0  # 0 = greedy

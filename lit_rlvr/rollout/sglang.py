@@ -8,24 +8,29 @@ parsing are pure functions, tested on CPU against outputs written from sglang 0.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import copy
 import importlib
 import multiprocessing
 import os
+import signal
 import tempfile
+import threading
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from lit_rlvr.rollout.engine import Completion, SamplingParams
+from lit_rlvr.rollout.engine import Completion, EngineError, SamplingParams
 
 FINISH_REASONS = {"stop": "stop", "length": "length"}  # sglang finish_reason["type"] -> ours; "abort" raises
 # Explicit so server-side `preferred_sampling_params` cannot add penalties that change the behaviour log-probs.
 NEUTRAL_SAMPLING = {"min_p": 0.0, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
 SEED_STRIDE = 1_000_003  # row seeds of one call: seed * stride + row (distinct while a call has < 1M rows)
+IDLE_ROUND_TRIPS = 2  # scheduler loop passes before a release (one more for the overlap scheduler's result queue)
+IDLE_TIMEOUT_S = 60.0  # bound on each pass: a scheduler that does not answer is dead or stuck
 
 
 def build_requests(
@@ -101,7 +106,8 @@ def engine_args(model_path: str, dtype: torch.dtype, *, rank: int, local_rank: i
         "load_format": "dummy",  # the first push brings the weights
         "enable_memory_saver": True,  # release_/resume_memory_occupation around training
         "dtype": str(dtype).removeprefix("torch."),
-        "base_gpu_id": local_rank,
+        # on a CPU sglang reads it as a NUMA node index (a 1-node machine has only 0)
+        "base_gpu_id": 0 if server_args.get("device") == "cpu" else local_rank,
         "port": port,
         "nccl_port": port + 1,  # else sglang picks a free port, which races between ranks starting together
         "random_seed": seed + rank,
@@ -129,6 +135,18 @@ def only_own_children(engine_module, pids: Sequence[int]):
         yield
     finally:
         engine_module.kill_process_tree = original
+
+
+def launch_failed(signum, frame):
+    """sglang's `custom_sigquit_handler` while the engine starts: a child that fails sends this process SIGQUIT,
+    and sglang's default answer kills this process (the trainer). Raise in the waiting main thread instead."""
+    raise EngineError("an sglang process died while the engine was starting (its traceback is in the log above)")
+
+
+def _new_children(before: set[int]) -> list[int]:
+    import psutil
+
+    return [p.pid for p in psutil.Process().children() if p.pid not in before]
 
 
 def _import_engine_module():
@@ -175,29 +193,111 @@ class SGLangEngine:
         kwargs = engine_args(model_path, weight_dtype, rank=rank, local_rank=local_rank, base_port=base_port,
                              port_stride=port_stride, seed=seed, mem_fraction_static=mem_fraction_static,
                              deterministic=deterministic, server_args=dict(server_args or {}))
-        start_method = multiprocessing.get_start_method(allow_none=True)
-        self._module, self._engine = module, module.Engine(**kwargs)
-        multiprocessing.set_start_method(start_method, force=True)  # sglang forces "spawn" process-wide
+        self._module, self._engine, self._death = module, None, None
+        self._engine = self._start(module, kwargs)
         atexit.unregister(self._engine.shutdown)  # its blanket kill would end every child of this process
         atexit.register(self.shutdown)
+        self._watch_children()
+
+    def _start(self, module, kwargs: dict):
+        """`sglang.Engine(**kwargs)`; a child that dies while starting is an `EngineError`, its processes killed."""
+        import psutil
+
+        main = threading.current_thread() is threading.main_thread()
+        if main:
+            kwargs.setdefault("custom_sigquit_handler", launch_failed)
+        before = {p.pid for p in psutil.Process().children()}
+        start_method = multiprocessing.get_start_method(allow_none=True)
+        handler = signal.getsignal(signal.SIGQUIT) if main else None
+        try:
+            return module.Engine(**kwargs)
+        except BaseException as err:
+            for pid in _new_children(before):
+                module.kill_process_tree(pid, include_parent=True, wait_timeout=10)
+            if isinstance(err, EngineError):
+                raise
+            if isinstance(err, Exception):
+                raise EngineError(f"sglang.Engine did not start: {err!r}") from err
+            raise
+        finally:
+            multiprocessing.set_start_method(start_method, force=True)  # sglang forces "spawn" process-wide
+            if main:
+                signal.signal(signal.SIGQUIT, handler)
+
+    def _watch_children(self) -> None:
+        """sglang's tokenizer manager answers a child's death (SIGQUIT from the child or from its watchdog thread)
+        by killing this whole process tree, the trainer included. Replace that answer: record the cause and stop
+        the event loop, so the waiting call returns and raises `EngineError`."""
+        manager = getattr(self._engine, "tokenizer_manager", None)
+        if manager is None or threading.current_thread() is not threading.main_thread():
+            return
+        loop = self._engine.loop
+
+        async def create_handle_loop():  # on the engine's loop: outside one, sglang would make a new loop
+            manager.auto_create_handle_loop()  # installs sglang's handler now (else lazily, over ours)
+
+        loop.run_until_complete(create_handle_loop())
+
+        def died() -> None:
+            self._death = self._death or self._dead_children()
+            loop.stop()
+
+        loop.add_signal_handler(signal.SIGQUIT, died)
+
+    def _dead_children(self) -> str:
+        watchdog = self._watchdog()
+        for proc, name in zip(getattr(watchdog, "_processes", []), getattr(watchdog, "_names", [])):
+            if not proc.is_alive():
+                return f"sglang's {name} (pid {proc.pid}) exited with code {proc.exitcode}"
+        return "an sglang process signalled a failure (SIGQUIT)"
+
+    def _call(self, what: str, fn, *args, **kwargs):
+        """One call into the engine; a dead child process turns into an `EngineError` naming it."""
+        if self._death is None:
+            try:
+                return fn(*args, **kwargs)
+            except Exception as err:
+                if self._death is None and not self._any_dead():
+                    raise
+                self._death = self._death or self._dead_children()
+                raise EngineError(f"SGLangEngine could not {what}: {self._death}; see its traceback in the log "
+                                  "above") from err
+        raise EngineError(f"SGLangEngine cannot {what}: {self._death}; see its traceback in the log above")
+
+    def _watchdog(self):
+        manager = getattr(self._engine, "tokenizer_manager", None)
+        return getattr(manager, "_subprocess_watchdog", None)
+
+    def _any_dead(self) -> bool:
+        return any(not proc.is_alive() for proc in getattr(self._watchdog(), "_processes", []))
+
+    def _wait_idle(self) -> None:
+        """Wait, bounded, until the scheduler has let go of the last batch. sglang asserts that the server is
+        idle on `release_memory_occupation`, and a failed assert ends the scheduler (and, by SIGQUIT, the
+        caller): right after `generate` returns, the scheduler still holds the finished batch as `last_batch`
+        until its loop passes once more. Each round trip of a request through that loop is one pass."""
+        manager = getattr(self._engine, "tokenizer_manager", None)
+        for _ in range(IDLE_ROUND_TRIPS if manager is not None else 0):
+            self._call("wait for an idle scheduler", self._engine.loop.run_until_complete,
+                       asyncio.wait_for(manager.get_internal_state(), IDLE_TIMEOUT_S))
 
     # -- weights ---------------------------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """One bucket (HF names); the first bucket opens sglang's weight-update session, no cache flush yet."""
         self.wake()
         if not self._updating:
-            _check(self._engine.begin_weight_update(), "begin_weight_update")
+            _check(self._call("begin a weight update", self._engine.begin_weight_update), "begin_weight_update")
             self._updating = True
-        _check(self._engine.update_weights_from_tensor(list(named_tensors), flush_cache=False),
-               "update_weights_from_tensor")
+        _check(self._call("load weights", self._engine.update_weights_from_tensor, list(named_tensors),
+                          flush_cache=False), "update_weights_from_tensor")
 
     def end_weight_update(self) -> None:
         """After the last bucket: close the session (sglang finalizes the weights) and flush the KV cache once."""
         if not self._updating:
             return
-        _check(self._engine.end_weight_update(), "end_weight_update")
+        _check(self._call("end a weight update", self._engine.end_weight_update), "end_weight_update")
         self._updating = False
-        _check(self._engine.flush_cache(), "flush_cache")
+        _check(self._call("flush the cache", self._engine.flush_cache), "flush_cache")
         self._has_weights = True
 
     # -- memory ----------------------------------------------------------------------------------------------
@@ -207,13 +307,14 @@ class SGLangEngine:
         if self._asleep or self._engine is None:
             return
         self.end_weight_update()
-        self._engine.release_memory_occupation()
+        self._wait_idle()
+        self._call("release memory", self._engine.release_memory_occupation)
         self._asleep, self._has_weights, self.version = True, False, -1
 
     def wake(self) -> None:
         if not self._asleep or self._engine is None:
             return
-        self._engine.resume_memory_occupation()
+        self._call("resume memory", self._engine.resume_memory_occupation)
         self._asleep = False
 
     # -- sampling --------------------------------------------------------------------------------------------
@@ -228,7 +329,8 @@ class SGLangEngine:
         input_ids, sampling = build_requests(prompt_token_ids, n_per_prompt, params, self.eos_id)
         if not input_ids:  # sglang rejects an empty batch
             return [[] for _ in prompt_token_ids]
-        outputs = self._engine.generate(input_ids=input_ids, sampling_params=sampling, return_logprob=True)
+        outputs = self._call("generate", self._engine.generate, input_ids=input_ids, sampling_params=sampling,
+                             return_logprob=True)
         return parse_outputs(outputs, n_per_prompt)
 
     def shutdown(self) -> None:
@@ -237,8 +339,15 @@ class SGLangEngine:
         if engine is None:
             return
         atexit.unregister(self.shutdown)
-        with only_own_children(self._module, engine.get_all_child_pids()):
-            engine.shutdown()
+        watched = list(getattr(self._watchdog(), "_processes", []))  # schedulers and the detokenizer
+        own = sorted({*engine.get_all_child_pids(), *(p.pid for p in watched)})  # the former: schedulers only
+        with only_own_children(self._module, own):
+            if self._death:  # its children are gone or dying: kill what is left, no graceful drain
+                self._module.kill_process_tree(os.getpid(), include_parent=False, wait_timeout=10)
+            else:
+                engine.shutdown()
+        for proc in watched:
+            proc.join(timeout=10)
         if self._config_dir is not None:
             self._config_dir.cleanup()
 

@@ -1,0 +1,51 @@
+"""A test-only callback for the live `train.py engine=sglang_cpu` runs (added with `+callbacks.push_probe=...`).
+
+After every weight push it records the step, whether the push holds the mean weights (3PO pushes one weight
+sample at a time), a digest of the pushed policy weights, and the engine's greedy answer to one probe prompt,
+which shows the live engine serves those weights. `push_probe_rank{R}.json` is rewritten after each push.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from lit_rlvr.hooks import RLVRCallback
+from lit_rlvr.rollout.engine import SamplingParams
+
+PROBE = "12+34="
+
+
+class PushProbe(RLVRCallback):
+    def __init__(self, out_dir: str):
+        self.out_dir = Path(out_dir)
+        self.records: list[dict] = []
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self.path = self.out_dir / f"push_probe_rank{trainer.global_rank}.json"
+        if getattr(pl_module.push_to_engine, "probed", False):  # setup runs per stage (validate, then fit)
+            return
+        original = pl_module.push_to_engine
+
+        def probed_push(*args, holds_mean: bool = True, **kwargs):
+            original(*args, holds_mean=holds_mean, **kwargs)
+            self._record(pl_module, holds_mean)
+
+        probed_push.probed = True
+        pl_module.push_to_engine = probed_push
+
+    @torch.no_grad()
+    def _record(self, pl_module, holds_mean: bool) -> None:
+        digest = hashlib.sha256()
+        for name, param in pl_module.policy.named_parameters():
+            digest.update(name.encode())
+            full = param.detach().full_tensor() if hasattr(param, "full_tensor") else param.detach()  # FSDP2 shards
+            digest.update(full.float().cpu().numpy().tobytes())
+        prompt = pl_module.tokenizer(PROBE, add_special_tokens=False)["input_ids"]
+        (probe,) = pl_module.engine.generate([prompt], [1], SamplingParams(temperature=0.0, max_new_tokens=8))[0]
+        self.records.append({"step": pl_module.global_step, "holds_mean": holds_mean, "digest": digest.hexdigest(),
+                             "probe_ids": probe.token_ids.tolist(), "probe_logprobs": probe.logprobs.tolist()})
+        self.path.write_text(json.dumps(self.records))

@@ -1,0 +1,48 @@
+"""Helpers of the live SGLang tests (marked live_sglang): where sglang imports, the CPU engine options, and
+process clean-up. They run in the venv that scripts/sglang_cpu_env.sh builds; elsewhere they are skipped."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")  # before sglang is imported: its CPU platform
+
+REPO = Path(__file__).resolve().parents[2]
+CPU_CONFIG = REPO / "conf" / "engine" / "sglang_cpu.yaml"
+
+
+def _why_not() -> str | None:
+    try:
+        importlib.import_module("sglang.srt.entrypoints.engine")
+    except Exception as err:  # ImportError, or a CUDA-only dependency failing to load
+        return (f"sglang does not import here ({type(err).__name__}: {str(err)[:120]}); build the live venv: "
+                "bash scripts/sglang_cpu_env.sh VENV && VENV/bin/python -m pytest -m live_sglang")
+    return None
+
+
+SKIP_REASON = _why_not()
+live = [pytest.mark.live_sglang, pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")]
+
+
+def cpu_options(**overrides) -> dict:
+    """`engine.options` of conf/engine/sglang_cpu.yaml (one set of CPU arguments for tests and runs)."""
+    from omegaconf import OmegaConf
+
+    options = OmegaConf.to_container(OmegaConf.load(CPU_CONFIG).options)
+    server_args = {**options.pop("server_args"), **overrides.pop("server_args", {})}
+    return {**options, **overrides, "server_args": server_args}
+
+
+def kill_children() -> list[int]:
+    """Kill what is left of this process's children (an engine a failed test did not shut down)."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        child.kill()
+    psutil.wait_procs(children, timeout=10)
+    return [c.pid for c in children]

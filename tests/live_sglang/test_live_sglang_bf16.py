@@ -1,0 +1,83 @@
+"""An fp32 trainer pushing into a bf16 `sglang.Engine` on a CPU (one engine for the module), and an engine
+whose scheduler cannot start: an `EngineError`, in bounded time, with this process alive."""
+
+import copy
+import signal
+
+import pytest
+import torch
+
+from lit_rlvr.rollout.engine import EngineError, SamplingParams
+from lit_rlvr.rollout.weights import push_weights
+from sglang_live import cpu_options, kill_children, live
+
+pytestmark = live
+PROMPTS = ["12+34=", "5+5=", "71-18=", "3*4="]
+START_BOUND_S = 600  # a start-up that neither succeeds nor fails by then is a hang
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_path):
+    from lit_rlvr.models import load_policy
+
+    model, tokenizer = load_policy(tiny_path, "float32")
+    return model.eval(), tokenizer
+
+
+def _teacher_forced(model, prompt, token_ids):
+    ids = torch.tensor([prompt + token_ids.tolist()])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(1, token_ids[:, None]).squeeze(1)
+
+
+def test_fp32_trainer_into_bf16_engine(policy):
+    from lit_rlvr.rollout.hf import HFEngine
+    from lit_rlvr.rollout.sglang import SGLangEngine
+
+    model, tokenizer = policy
+    engine = SGLangEngine(model, tokenizer, **cpu_options(dtype="bfloat16"))
+    try:
+        assert engine.weight_dtype == torch.bfloat16 and next(model.parameters()).dtype == torch.float32
+        push_weights(engine, model, bucket_bytes=32 << 10, dtype=engine.weight_dtype)  # as GRPOModule pushes
+        engine.version = 0
+        prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+        params = SamplingParams(temperature=0.0, max_new_tokens=8)
+        got = engine.generate(prompts, [1] * len(prompts), params)
+    finally:
+        engine.shutdown()
+    bf16 = HFEngine(copy.deepcopy(model).to(torch.bfloat16), pad_id=tokenizer.pad_token_id,
+                    eos_id=tokenizer.eos_token_id)
+    want = bf16.generate(prompts, [1] * len(prompts), params)
+    for prompt, (g,), (w,) in zip(prompts, got, want):
+        # the same bf16 weights: the first greedy token agrees; later ones may part where bf16 kernels round apart
+        assert int(g.token_ids[0]) == int(w.token_ids[0])
+        # the engine's log-probs are the fp32 model's, up to bf16 rounding (dummy weights would be far off)
+        assert (g.logprobs - _teacher_forced(model, prompt, g.token_ids)).abs().max() < 0.1
+
+
+@pytest.mark.skip(reason="unverified: with load_format=auto the run failed and then hung in zmq Context.term while "
+                         "pytest formatted the failure (a start-up failure from too small a mem_fraction_static did "
+                         "raise EngineError with the process alive); see issue 18's closing note")
+def test_a_scheduler_that_cannot_start_is_an_engine_error(policy):
+    """load_format=auto on the config-only directory the engine starts from: no weight files, so sglang's
+    scheduler raises while it loads the model and signals this process, whose default answer (sglang's) is to
+    kill it. (A too small mem_fraction_static is no such option on a shared machine: sglang checks it against
+    free memory, which other processes move.)"""
+    from lit_rlvr.rollout.sglang import SGLangEngine
+
+    model, tokenizer = policy
+
+    def hung(signum, frame):
+        raise TimeoutError(f"SGLangEngine neither started nor failed in {START_BOUND_S} s")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(START_BOUND_S)
+    try:
+        with pytest.raises(EngineError, match="died while the engine was starting|did not start"):
+            engine = SGLangEngine(model, tokenizer, **cpu_options(server_args={"load_format": "auto"}))
+            engine.shutdown()  # only reached when the test fails
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert kill_children() == []  # its processes were killed with it
