@@ -40,20 +40,22 @@ class CheckpointError(ValueError):
 
 def load_checkpoint(path: Path, key: str = "resume") -> dict[str, Any]:
     """The checkpoint at `path`, memory-mapped (tensors are read only when used), or a one-line `CheckpointError`
-    for a truncated, corrupt or foreign file. A sharded checkpoint (a folder) is left to its strategy: `{}`."""
+    for a truncated, corrupt or foreign file. Of a sharded checkpoint (a folder, one file per rank) only the
+    metadata file is read: its tensors are checked by the strategy that loads them."""
     import torch
 
-    if path.is_dir():
-        return {}
+    sharded = path.is_dir()
+    source = path / "meta.pt" if sharded else path  # Lightning's ModelParallelStrategy metadata file
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        state = torch.load(source, map_location="cpu", weights_only=False, mmap=not sharded)
     except Exception as err:  # EOFError, UnpicklingError, zip and mmap errors: all mean "not a checkpoint"
         size = path.stat().st_size if path.exists() else 0
         reason = str(err).splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"{key}={str(path)!r}: not a readable checkpoint ({size} bytes; truncated or corrupt: "
                               f"{type(err).__name__}: {reason[:160]}); pass {key}= an intact checkpoint, e.g. "
                               "another run's checkpoints/last.ckpt") from None
-    missing = [k for k in ("state_dict", "global_step") if not isinstance(state, dict) or k not in state]
+    required = ("global_step",) if sharded else ("state_dict", "global_step")
+    missing = [k for k in required if not isinstance(state, dict) or k not in state]
     if missing:
         raise CheckpointError(f"{key}={str(path)!r}: not a lit-rlvr checkpoint (no {', '.join(missing)}); pass "
                               f"{key}= a file that train.py wrote (checkpoints/last.ckpt)")
@@ -117,7 +119,7 @@ def check_config(path: Path, state: dict[str, Any], current: dict[str, Any], all
 
 def check_weights_fit(path: Path, state: dict[str, Any], module: pl.LightningModule, key: str, model: str) -> None:
     """The checkpoint's policy tensors have this model's names and shapes (another model size is refused)."""
-    if not state:
+    if "state_dict" not in state:  # no resume, or a sharded checkpoint (its strategy checks the shards)
         return
     saved = state["state_dict"]
     ours = {k: tuple(v.shape) for k, v in module.state_dict().items() if k.startswith("policy.")}
