@@ -106,6 +106,14 @@ def _load_data(datamodule: pl.LightningDataModule, trainer: pl.Trainer, stage: s
                         "(or data.fields=PRESET), data.on_bad_row=skip") from None
 
 
+def _check_prompt_tokens(datamodule: pl.LightningDataModule, module: GRPOModule) -> None:
+    """File prompts fit the model's context (minus max_new_tokens), counted with the module's own rendering."""
+    check = getattr(datamodule, "check_prompt_tokens", None)
+    if check is not None:
+        check(module.render_prompt, lambda text: module.tokenizer(text, add_special_tokens=False)["input_ids"],
+              module.policy.config.max_position_embeddings, module.hparams.max_new_tokens)
+
+
 def check_run_dir(hydra_cfg: DictConfig) -> None:
     """A multi-process run (torchrun, srun) needs one run dir on every rank. The default `hydra.run.dir` holds
     `${now:…}`, which each rank resolves on its own clock: ranks that start in different seconds would write
@@ -142,6 +150,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     trainer = build_trainer(cfg, run_dir, overrides)  # first: callbacks check their config before the model loads
     _load_data(datamodule, trainer, "fit")
     module = build_module(cfg)
+    _check_prompt_tokens(datamodule, module)
     check_weights_fit(Path(str(cfg.resume)), resumed, module, "resume", cfg.model.name_or_path)
     del resumed  # memory-mapped; Lightning loads the checkpoint itself
     before = validate(trainer, module, datamodule) if cfg.eval_before and cfg.resume is None else {}
@@ -236,6 +245,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                          "train.py mode=eval checkpoint=... trainer=fsdp32 (the run's trainer, model and engine)")
     _load_data(datamodule, trainer, "validate")
     module = build_module(cfg)
+    _check_prompt_tokens(datamodule, module)
     if sharded:  # the strategy reads each rank's shards straight into the sharded policy
         metrics = validate(trainer, module, datamodule, ckpt_path=str(cfg.checkpoint))
     else:
