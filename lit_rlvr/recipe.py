@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_rlvr.callbacks import RunCheckpoint
 from lit_rlvr.module import GRPOModule
-from lit_rlvr.resume import RunConfig, check_config, check_weights_fit, load_checkpoint
+from lit_rlvr.resume import RunConfig, check_config, check_weights_fit, load_checkpoint, resolved_config
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def _keyed(section: Optional[DictConfig]) -> list[Any]:
 
 def build_trainer(cfg: DictConfig, run_dir: Path, resume_overrides: Optional[list] = None) -> pl.Trainer:
     checkpoint = RunCheckpoint(run_dir / "checkpoints", every_n_steps=cfg.checkpoint_every)
-    run_config = RunConfig(OmegaConf.to_container(cfg, resolve=True), resume_overrides)  # recorded in checkpoints
+    run_config = RunConfig(resolved_config(cfg), resume_overrides)  # recorded in checkpoints
     callbacks = [checkpoint, run_config, *_keyed(cfg.get("callbacks")), *_keyed(cfg.algorithm.get("callbacks"))]
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
     trainer_kwargs["enable_checkpointing"] = False  # RunCheckpoint writes last.ckpt (no default ModelCheckpoint)
@@ -143,7 +143,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         _check_resume(Path(cfg.resume))
         resumed = load_checkpoint(Path(cfg.resume))
         allow = list(cfg.get("resume_allow") or [])
-        overrides = check_config(Path(cfg.resume), resumed, OmegaConf.to_container(cfg, resolve=True), allow)
+        overrides = check_config(Path(cfg.resume), resumed, resolved_config(cfg), allow)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     started = time.perf_counter()
     datamodule = _instantiate(cfg.data)

@@ -62,6 +62,21 @@ def load_checkpoint(path: Path, key: str = "resume") -> dict[str, Any]:
     return state
 
 
+def resolved_config(cfg: Any) -> dict[str, Any]:
+    """The run's config as plain containers, resolved section by section; a section that cannot be resolved here
+    (e.g. a logger's `${hydra:...}` outside a Hydra run) is kept as written."""
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(cfg, resolve=False)
+    for key in plain:
+        try:
+            node = cfg[key]
+            plain[key] = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+        except Exception:  # omegaconf's interpolation errors have no common base class
+            pass
+    return plain
+
+
 def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     """`{"a": {"b": 1}}` -> `{"a.b": 1}`; lists stay values."""
     if not isinstance(node, dict) or (prefix and not node):
