@@ -236,6 +236,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         raise FileNotFoundError(f"checkpoint={cfg.checkpoint!r}: mode=eval needs an existing checkpoint file")
     from lit_rlvr.strategies import FSDPRolloutStrategy
 
+    state = load_checkpoint(Path(cfg.checkpoint), "checkpoint")  # a corrupt file fails before any work
     datamodule = _instantiate(cfg.data)
     trainer = build_trainer(cfg, run_dir)
     sharded = Path(cfg.checkpoint).is_dir()  # trainer.strategy.save_distributed_checkpoint=true: a shard per rank
@@ -250,7 +251,6 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         metrics = validate(trainer, module, datamodule, ckpt_path=str(cfg.checkpoint))
     else:
         # mmap: only the tensors loaded are read from disk, never the optimizer's states (2-3x the weights)
-        state = load_checkpoint(Path(cfg.checkpoint), "checkpoint")
         check_weights_fit(Path(cfg.checkpoint), state, module, "checkpoint", cfg.model.name_or_path)
         module.load_state_dict(state["state_dict"], strict=False)  # a reference model may differ
         metrics = validate(trainer, module, datamodule)
