@@ -29,7 +29,8 @@ FROZEN = ("seed", "algorithm", "model", "engine", "reward", "data", "trainer.acc
 MUTABLE = ("algorithm.eval_samples", "algorithm.eval_temperature", "algorithm.max_bad_steps",
            "algorithm.micro_batch_size", "data.num_test", "data.eval_batch_size", "data.eval_limit",
            "data.eval_path", "data.eval_split", "data.eval_fields", "model.options.cache_dir",
-           "engine.options.max_batch", "reward.options.timeout_s", "reward.options.workers")
+           "engine.options.max_batch", "reward.options.isolation", "reward.options.timeout_s",
+           "reward.options.workers")
 # optimizer settings that a checkpoint's optimizer state would silently put back: applied after the restore
 OPTIMIZER_KEYS = {"algorithm.lr": "lr", "algorithm.weight_decay": "weight_decay"}
 
