@@ -4,7 +4,9 @@ DESIGN §10). A second SIGINT aborts at once, as usual.
 
 Why not `ModelCheckpoint` plus a save after `fit`: a checkpoint written after `fit` returns records the epoch as
 finished, so a resumed run would start a new epoch (a new data order) instead of continuing the old one; and a
-crash while writing must not leave a truncated `last.ckpt`, so the file is written aside and renamed over.
+crash while writing must not leave a truncated `last.ckpt`: a file is written by `AtomicCheckpointIO` (an
+unnamed temp file in the target directory, fsync, atomic rename, directory fsync), a sharded checkpoint (a
+folder) aside and renamed over.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from pathlib import Path
 from typing import Any, Union
 
 import lightning.pytorch as pl
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
+
+from lit_rlvr.checkpoint_io import AtomicCheckpointIO, sweep_temp_files
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +43,13 @@ class RunCheckpoint(pl.Callback):
         self.stopped_by_sigint = False
         self._sigint = False
         self._previous_sigint = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default: saves via $TMPDIR
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        if trainer.is_global_zero:
+            sweep_temp_files(self.last_path)  # left by a process killed mid-save (named temp files only)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -78,14 +90,17 @@ class RunCheckpoint(pl.Callback):
             self.save(trainer)
 
     def save(self, trainer: pl.Trainer) -> None:
-        """Write `last.ckpt` aside and rename it over the old one: a crash mid-write leaves the old one intact."""
+        """Write `last.ckpt` so that a crash or kill mid-write leaves the old one intact and no partial file."""
         # rank 0's view of the file decides for all: saving is a collective, every rank must take the same branch
         if self.saved_step == trainer.global_step and trainer.strategy.broadcast(self.last_path.exists()):
             return
-        tmp = self.last_path.with_name(self.FILE + ".tmp")
-        trainer.save_checkpoint(tmp)
-        if trainer.is_global_zero:
-            _replace(tmp, self.last_path)
+        if getattr(trainer.strategy, "_save_distributed_checkpoint", False):  # a folder, one file per rank
+            tmp = self.last_path.with_name(self.FILE + ".tmp")
+            trainer.save_checkpoint(tmp)
+            if trainer.is_global_zero:
+                _replace(tmp, self.last_path)
+        else:  # one file, through the strategy's checkpoint IO (AtomicCheckpointIO unless a user set another)
+            trainer.save_checkpoint(self.last_path)
         trainer.strategy.barrier("RunCheckpoint.save")
         self.saved_step = trainer.global_step
 

@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_rlvr.callbacks import RunCheckpoint
 from lit_rlvr.module import GRPOModule
+from lit_rlvr.resume import RunConfig, check_config, check_weights_fit, load_checkpoint, resolved_config
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +76,10 @@ def _keyed(section: Optional[DictConfig]) -> list[Any]:
     return [_instantiate(node) for node in section.values() if node is not None]
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path) -> pl.Trainer:
+def build_trainer(cfg: DictConfig, run_dir: Path, resume_overrides: Optional[list] = None) -> pl.Trainer:
     checkpoint = RunCheckpoint(run_dir / "checkpoints", every_n_steps=cfg.checkpoint_every)
-    callbacks = [checkpoint, *_keyed(cfg.get("callbacks")), *_keyed(cfg.algorithm.get("callbacks"))]
+    run_config = RunConfig(resolved_config(cfg), resume_overrides)  # recorded in checkpoints
+    callbacks = [checkpoint, run_config, *_keyed(cfg.get("callbacks")), *_keyed(cfg.algorithm.get("callbacks"))]
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
     trainer_kwargs["enable_checkpointing"] = False  # RunCheckpoint writes last.ckpt (no default ModelCheckpoint)
     strategy = trainer_kwargs.pop("strategy", "auto")
@@ -104,6 +106,14 @@ def _load_data(datamodule: pl.LightningDataModule, trainer: pl.Trainer, stage: s
                         "(or data.fields=PRESET), data.on_bad_row=skip") from None
 
 
+def _check_prompt_tokens(datamodule: pl.LightningDataModule, module: GRPOModule) -> None:
+    """File prompts fit the model's context (minus max_new_tokens), counted with the module's own rendering."""
+    check = getattr(datamodule, "check_prompt_tokens", None)
+    if check is not None:
+        check(module.render_prompt, lambda text: module.tokenizer(text, add_special_tokens=False)["input_ids"],
+              module.policy.config.max_position_embeddings, module.hparams.max_new_tokens)
+
+
 def check_run_dir(hydra_cfg: DictConfig) -> None:
     """A multi-process run (torchrun, srun) needs one run dir on every rank. The default `hydra.run.dir` holds
     `${now:…}`, which each rank resolves on its own clock: ranks that start in different seconds would write
@@ -128,14 +138,21 @@ def _check_resume(path: Path) -> None:
 
 def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Evaluate, train, evaluate again; write summary.json; return the summary."""
-    if cfg.resume is not None:
+    resumed, overrides = {}, []
+    if cfg.resume is not None:  # checked before any work: nothing in the run dir is touched by a refused resume
         _check_resume(Path(cfg.resume))
+        resumed = load_checkpoint(Path(cfg.resume))
+        allow = list(cfg.get("resume_allow") or [])
+        overrides = check_config(Path(cfg.resume), resumed, resolved_config(cfg), allow)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     started = time.perf_counter()
     datamodule = _instantiate(cfg.data)
-    trainer = build_trainer(cfg, run_dir)  # first: callbacks check their config before the model loads
+    trainer = build_trainer(cfg, run_dir, overrides)  # first: callbacks check their config before the model loads
     _load_data(datamodule, trainer, "fit")
     module = build_module(cfg)
+    _check_prompt_tokens(datamodule, module)
+    check_weights_fit(Path(str(cfg.resume)), resumed, module, "resume", cfg.model.name_or_path)
+    del resumed  # memory-mapped; Lightning loads the checkpoint itself
     before = validate(trainer, module, datamodule) if cfg.eval_before and cfg.resume is None else {}
     if cfg.resume is not None:
         if trainer.is_global_zero:  # rank 0 writes metrics.csv; another rank here would race its logger
@@ -148,6 +165,10 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         if trainer.global_step == 0:
             raise
         checkpoint.stopped_by_sigterm = True
+    except BaseException:
+        if trainer.is_global_zero:  # a failed run keeps the rows it had before the resume in metrics.csv
+            _merge_metrics_aside(run_dir)
+        raise
     checkpoint.save(trainer)  # no-op when fit ended on a saved step (max_steps, SIGTERM)
     if checkpoint.stopped_by_sigterm or checkpoint.stopped_by_sigint:  # leave quickly: a grace period is short
         log.warning("stopped by a signal at step %d; continue with resume=%s", module.global_step, checkpoint.last_path)
@@ -213,10 +234,9 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """`mode=eval checkpoint=PATH`: held-out metrics of a checkpoint, written to eval.json."""
     if not cfg.checkpoint or not Path(cfg.checkpoint).exists():
         raise FileNotFoundError(f"checkpoint={cfg.checkpoint!r}: mode=eval needs an existing checkpoint file")
-    import torch
-
     from lit_rlvr.strategies import FSDPRolloutStrategy
 
+    state = load_checkpoint(Path(cfg.checkpoint), "checkpoint")  # a corrupt file fails before any work
     datamodule = _instantiate(cfg.data)
     trainer = build_trainer(cfg, run_dir)
     sharded = Path(cfg.checkpoint).is_dir()  # trainer.strategy.save_distributed_checkpoint=true: a shard per rank
@@ -226,16 +246,13 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                          "train.py mode=eval checkpoint=... trainer=fsdp32 (the run's trainer, model and engine)")
     _load_data(datamodule, trainer, "validate")
     module = build_module(cfg)
+    _check_prompt_tokens(datamodule, module)
     if sharded:  # the strategy reads each rank's shards straight into the sharded policy
         metrics = validate(trainer, module, datamodule, ckpt_path=str(cfg.checkpoint))
     else:
         # mmap: only the tensors loaded are read from disk, never the optimizer's states (2-3x the weights)
-        state = torch.load(cfg.checkpoint, map_location="cpu", weights_only=False, mmap=True)
-        missing, _ = module.load_state_dict(state["state_dict"], strict=False)  # a reference model may differ
-        missing = [k for k in missing if k.startswith("policy.")]
-        if missing:
-            raise ValueError(f"checkpoint={cfg.checkpoint!r} does not match model={cfg.model.name_or_path!r}: "
-                             f"missing {missing[:3]}{' …' if len(missing) > 3 else ''}")
+        check_weights_fit(Path(cfg.checkpoint), state, module, "checkpoint", cfg.model.name_or_path)
+        module.load_state_dict(state["state_dict"], strict=False)  # a reference model may differ
         metrics = validate(trainer, module, datamodule)
     result = {"checkpoint": str(cfg.checkpoint), "prompts": len(getattr(datamodule, "eval_set", None) or []),
               "samples_per_prompt": module.hparams.eval_samples, "temperature": module.hparams.eval_temperature,

@@ -33,5 +33,8 @@ class ValidationMetrics(nn.Module):
         return {"val/accuracy": accuracy, "val/mean@k": accuracy, "val/pass@k": self.pass_at_k.compute()}
 
     def reset(self) -> None:
-        self.accuracy.reset()
-        self.pass_at_k.reset()
+        # Lightning runs `trainer.validate` under inference mode but validation inside `fit` under no_grad: states
+        # re-created under inference mode would be inference tensors that the next in-fit update cannot add to
+        with torch.inference_mode(False):
+            self.accuracy.reset()
+            self.pass_at_k.reset()

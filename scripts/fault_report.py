@@ -22,6 +22,8 @@ def main() -> int:
         records_path = Path(tmp) / "faults.jsonl"
         env = {**os.environ, "FAULT_REPORT": str(records_path)}
         tests = ["tests/test_faults.py", "tests/test_resume.py", "tests/test_reward_faults.py"]
+        tests += ["tests/test_default_run.py", "tests/test_resume_checks.py", "tests/test_checkpoint_io.py",
+                  "tests/test_prompt_tokens.py"]  # defaults and signals, resume checks, kill mid-save, long prompts
         result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=REPO,
                                 env=env, capture_output=True, text=True)
         records = [json.loads(line) for line in records_path.read_text().splitlines()] if records_path.exists() else []

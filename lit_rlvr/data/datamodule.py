@@ -7,7 +7,7 @@ rendering and tokenization happen in the module, which owns the tokenizer.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -32,8 +32,11 @@ class ArithmeticDataset(Dataset):
 
 
 class RecordDataset(Dataset):
-    def __init__(self, records: list[dict[str, Any]]):
-        self.records = records
+    """Records read from `source`; `rows` holds each record's 1-based row in that file (for error messages)."""
+
+    def __init__(self, records: list[dict[str, Any]], source: str = "", rows: Optional[list[int]] = None):
+        self.records, self.source = records, source
+        self.rows = rows if rows is not None else list(range(1, len(records) + 1))
 
     def __len__(self) -> int:
         return len(self.records)
@@ -105,7 +108,8 @@ class RLVRDataModule(pl.LightningDataModule):
     model's warm-up split, 0, so held-out problems are unseen); `eval_batch_size` prompts per validation batch; `num_train`/`num_test`
     arithmetic problems per split; `path`/`eval_path` training/evaluation files; `fields` a field mapping or
     preset name (`eval_fields` for the `eval_path` file when its columns differ); `max_prompt_chars` length
-    filter; `on_bad_row` "error" | "skip"; `eval_limit` first N evaluation prompts; `instruction` text appended
+    filter; `max_prompt_tokens` token limit of a file's prompts (null: the model's context minus
+    `max_new_tokens`; checked by `check_prompt_tokens`); `on_bad_row` "error" | "skip"; `eval_limit` first N evaluation prompts; `instruction` text appended
     to every prompt's last user turn (e.g. `formats.MATH_INSTRUCTION`) and `system_prompt` a system message
     added to prompts without one (both for training and evaluation).
     """
@@ -128,6 +132,7 @@ class RLVRDataModule(pl.LightningDataModule):
         fields: Optional[Any] = None,
         eval_fields: Optional[Any] = None,
         max_prompt_chars: Optional[int] = None,
+        max_prompt_tokens: Optional[int] = None,
         on_bad_row: str = "error",
         eval_limit: Optional[int] = None,
         instruction: Optional[str] = None,
@@ -141,6 +146,7 @@ class RLVRDataModule(pl.LightningDataModule):
             raise ValueError(f"data.task={task!r} is not valid; valid: arithmetic (or data.path for files)")
         if batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+        self._sources: tuple[Dataset, ...] = ()  # (train, eval) as loaded, before `_wrap`
         self.train_set: Optional[Dataset] = None
         self.eval_set: Optional[Dataset] = None
         self.load_stats: dict[str, Any] = {}
@@ -151,28 +157,64 @@ class RLVRDataModule(pl.LightningDataModule):
         from lit_rlvr.data.formats import load_records
 
         hp = self.hparams
-        records, stats = load_records(path, format=hp.format, split=split, fields=fields,
+        rows: list[int] = []
+        records, stats = load_records(path, format=hp.format, split=split, fields=fields, row_numbers=rows,
                                       on_bad_row=hp.on_bad_row, max_prompt_chars=hp.max_prompt_chars)
         self.load_stats[path] = stats
-        return RecordDataset(records)
+        return RecordDataset(records, path, rows)
 
     def setup(self, stage: Optional[str] = None) -> None:
         hp = self.hparams
         if self.train_set is not None:
             return
         if hp.path is not None:
-            self.train_set = self._load(hp.path, hp.split, hp.fields)
+            train = self._load(hp.path, hp.split, hp.fields)
             eval_fields = hp.fields if hp.eval_fields is None else hp.eval_fields
-            self.eval_set = self._load(hp.eval_path, hp.eval_split, eval_fields) if hp.eval_path else self.train_set
+            self._sources = (train, self._load(hp.eval_path, hp.eval_split, eval_fields) if hp.eval_path else train)
         else:
             task = ArithmeticTask(levels=tuple(hp.levels), seed=hp.split_seed)
-            self.train_set = ArithmeticDataset(task, hp.num_train, "train")
-            self.eval_set = ArithmeticDataset(task, hp.num_test, "test")
+            self._sources = (ArithmeticDataset(task, hp.num_train, "train"), ArithmeticDataset(task, hp.num_test, "test"))
+        self._wrap()
+
+    def _wrap(self) -> None:
+        """train_set / eval_set: the loaded sources with instruction, system prompt and eval_limit applied."""
+        hp = self.hparams
+        self.train_set, self.eval_set = self._sources
         if hp.instruction or hp.system_prompt:
             self.train_set = PromptedDataset(self.train_set, hp.instruction, hp.system_prompt)
             self.eval_set = PromptedDataset(self.eval_set, hp.instruction, hp.system_prompt)
         if hp.eval_limit is not None:
             self.eval_set = torch.utils.data.Subset(self.eval_set, range(min(hp.eval_limit, len(self.eval_set))))
+
+    def check_prompt_tokens(self, render: Callable[[Any], str], tokenize: Callable[[str], list], context: int,
+                            max_new_tokens: int) -> None:
+        """File prompts longer than `max_prompt_tokens` (rendered by `render` as the module renders them) fail
+        naming the file and row, or are dropped and counted with `on_bad_row=skip`. The built-in task's prompts
+        are short by construction and not checked."""
+        from lit_rlvr.data.formats import DataError
+        from lit_rlvr.data.lengths import long_rows, token_limit
+
+        hp = self.hparams
+        limit, origin = token_limit(hp.max_prompt_tokens, context, max_new_tokens)
+        for source in dict.fromkeys(s for s in self._sources if isinstance(s, RecordDataset)):
+            prompts = [with_instruction(r["prompt"], hp.instruction, hp.system_prompt) for r in source.records]
+            found = long_rows(prompts, render, tokenize, limit)
+            if found and hp.on_bad_row == "error":
+                index, length = found[0]
+                raise DataError(f"{source.source}: row {source.rows[index]}: the prompt has {length}, more than "
+                                f"{limit} ({origin}); shorten it, or pass data.on_bad_row=skip "
+                                f"({len(found)} rows of this file are too long)")
+            if found:
+                drop = {index for index, _ in found}
+                source.records = [r for i, r in enumerate(source.records) if i not in drop]
+                source.rows = [n for i, n in enumerate(source.rows) if i not in drop]
+                stats = self.load_stats[source.source]
+                stats["kept"] -= len(drop)
+                stats["skipped"] += len(drop)
+                stats["skipped_by_reason"]["prompt_tokens"] = len(drop)
+                log.warning("%s: skipped %d rows whose prompts have more than %d tokens (%s)", source.source,
+                            len(drop), limit, origin)
+        self._wrap()
 
     def _ranks(self) -> tuple[int, int]:
         """(rank, world size); the data is split over ranks here, not by Lightning's distributed sampler."""

@@ -52,6 +52,7 @@ def load_records(
     fields: Mapping[str, str] | str | None = None,
     on_bad_row: str = "error",
     max_prompt_chars: Optional[int] = None,
+    row_numbers: Optional[list[int]] = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Read prompt records from a file or an HF dataset.
 
@@ -63,6 +64,7 @@ def load_records(
         fields: record key -> source path (merged over the default `prompt`/`answer`), or a preset name.
         on_bad_row: "error" raises `DataError` at the first bad row; "skip" drops bad rows and counts them.
         max_prompt_chars: prompts longer than this (characters of text, summed over messages) are bad rows.
+        row_numbers: if a list, the 1-based file row of each kept record is appended to it.
 
     Returns:
         records, stats `{"rows": read, "kept": n, "skipped": m, "skipped_by_reason": {reason: count}}`.
@@ -79,6 +81,8 @@ def load_records(
             if isinstance(row, _BadRow):
                 raise row
             records.append(_to_record(row, mapping, max_prompt_chars))
+            if row_numbers is not None:
+                row_numbers.append(row_no)
         except _BadRow as bad:
             if on_bad_row == "error":
                 raise DataError(f"{path_or_name}: row {row_no}: {bad}. Fix the row, map the field with "

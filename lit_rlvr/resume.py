@@ -1,0 +1,182 @@
+"""Checks for `resume=PATH` and `checkpoint=PATH`, run before any work (DESIGN §10).
+
+A checkpoint must be a readable lit-rlvr checkpoint (not truncated, not garbage), and a resumed run must mean
+the same as the run that wrote it: the resolved config recorded in the checkpoint (`RunConfig` writes it) is
+compared with this run's. Keys under `FROZEN` decide what the run computes (algorithm and optimizer, model,
+group size, sampling, reward, data and its order, seed): a difference is refused, each one listed. Keys under
+`MUTABLE` (inside a frozen section) and everything else (trainer.max_steps, loggers, callbacks, eval_before,
+checkpoint_every, paths) may change. `resume_allow=[algorithm.lr]` accepts named differences deliberately
+(a section name accepts all keys under it); they take effect and are recorded in the checkpoint's
+`lit_rlvr_config.overrides`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import lightning.pytorch as pl
+from typing_extensions import override
+
+log = logging.getLogger(__name__)
+
+CONFIG_KEY = "lit_rlvr_config"  # the checkpoint entry: {"config": resolved config, "overrides": [...]}
+FROZEN = ("seed", "algorithm", "model", "engine", "reward", "data", "trainer.accelerator", "trainer.devices",
+          "trainer.num_nodes", "trainer.precision", "trainer.strategy", "trainer.accumulate_grad_batches")
+# evaluation settings, memory knobs (same math) and paths inside the frozen sections
+MUTABLE = ("algorithm.eval_samples", "algorithm.eval_temperature", "algorithm.max_bad_steps",
+           "algorithm.micro_batch_size", "data.num_test", "data.eval_batch_size", "data.eval_limit",
+           "data.eval_path", "data.eval_split", "data.eval_fields", "model.options.cache_dir",
+           "engine.options.max_batch", "reward.options.isolation", "reward.options.timeout_s",
+           "reward.options.workers")
+# optimizer settings that a checkpoint's optimizer state would silently put back: applied after the restore
+OPTIMIZER_KEYS = {"algorithm.lr": "lr", "algorithm.weight_decay": "weight_decay"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the file, what is wrong and the key to change."""
+
+
+def load_checkpoint(path: Path, key: str = "resume") -> dict[str, Any]:
+    """The checkpoint at `path`, memory-mapped (tensors are read only when used), or a one-line `CheckpointError`
+    for a truncated, corrupt or foreign file. Of a sharded checkpoint (a folder, one file per rank) only the
+    metadata file is read: its tensors are checked by the strategy that loads them."""
+    import torch
+
+    sharded = path.is_dir()
+    source = path / "meta.pt" if sharded else path  # Lightning's ModelParallelStrategy metadata file
+    try:
+        state = torch.load(source, map_location="cpu", weights_only=False, mmap=not sharded)
+    except Exception as err:  # EOFError, UnpicklingError, zip and mmap errors: all mean "not a checkpoint"
+        size = path.stat().st_size if path.exists() else 0
+        reason = str(err).splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"{key}={str(path)!r}: not a readable checkpoint ({size} bytes; truncated or corrupt: "
+                              f"{type(err).__name__}: {reason[:160]}); pass {key}= an intact checkpoint, e.g. "
+                              "another run's checkpoints/last.ckpt") from None
+    required = ("global_step",) if sharded else ("state_dict", "global_step")
+    missing = [k for k in required if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise CheckpointError(f"{key}={str(path)!r}: not a lit-rlvr checkpoint (no {', '.join(missing)}); pass "
+                              f"{key}= a file that train.py wrote (checkpoints/last.ckpt)")
+    return state
+
+
+def resolved_config(cfg: Any) -> dict[str, Any]:
+    """The run's config as plain containers, resolved section by section; a section that cannot be resolved here
+    (e.g. a logger's `${hydra:...}` outside a Hydra run) is kept as written."""
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(cfg, resolve=False)
+    for key in plain:
+        try:
+            node = cfg[key]
+            plain[key] = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+        except Exception:  # omegaconf's interpolation errors have no common base class
+            pass
+    return plain
+
+
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """`{"a": {"b": 1}}` -> `{"a.b": 1}`; lists stay values."""
+    if not isinstance(node, dict) or (prefix and not node):
+        return {prefix: node}
+    flat: dict[str, Any] = {}
+    for key, value in node.items():
+        flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def _under(key: str, prefixes: Iterable[str]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return math.isclose(a, b, rel_tol=1e-12, abs_tol=0.0) or a == b
+    return a == b
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(key, checkpoint value, this run's value) for each frozen key that differs; `<absent>` where missing."""
+    old, new = flatten(saved), flatten(current)
+    diffs = []
+    for key in sorted(set(old) | set(new)):
+        if not _under(key, FROZEN) or _under(key, MUTABLE):
+            continue
+        a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
+        if not _same(a, b):
+            diffs.append((key, a, b))
+    return diffs
+
+
+def check_config(path: Path, state: dict[str, Any], current: dict[str, Any], allow: Iterable[str]) -> list[dict]:
+    """Refuses (`CheckpointError`) frozen differences not in `allow`; returns the allowed ones as records."""
+    recorded = state.get(CONFIG_KEY)
+    if recorded is None:
+        log.warning("resume=%s: the checkpoint records no config (written before lit-rlvr kept one); the run's "
+                    "config cannot be compared with it", path)
+        return []
+    allow = list(allow)
+    diffs = config_differences(recorded["config"], current)
+    refused = [d for d in diffs if not _under(d[0], allow)]
+    if refused:
+        listed = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, a, b in refused)
+        keys = ",".join(k for k, _, _ in refused)
+        raise CheckpointError(f"resume={str(path)!r}: this run's config differs from the checkpoint's on keys that "
+                              f"change what the run computes: {listed}. Use the checkpoint's values, start a new run "
+                              f"(without resume=), or accept the change deliberately with resume_allow=[{keys}]")
+    step = int(state.get("global_step", 0))
+    for key, a, b in diffs:
+        log.warning("resume=%s: %s changes from %r to %r at step %d (resume_allow)", path, key, a, b, step)
+    return [{"key": k, "checkpoint": a, "new": b, "step": step} for k, a, b in diffs]
+
+
+def check_weights_fit(path: Path, state: dict[str, Any], module: pl.LightningModule, key: str, model: str) -> None:
+    """The checkpoint's policy tensors have this model's names and shapes (another model size is refused)."""
+    if "state_dict" not in state:  # no resume, or a sharded checkpoint (its strategy checks the shards)
+        return
+    saved = state["state_dict"]
+    ours = {k: tuple(v.shape) for k, v in module.state_dict().items() if k.startswith("policy.")}
+    missing = [k for k in ours if k not in saved]
+    wrong = [(k, tuple(saved[k].shape), s) for k, s in ours.items() if k in saved and tuple(saved[k].shape) != s]
+    if missing or wrong:
+        what = (f"{len(wrong)} tensors differ in shape, e.g. {wrong[0][0]} is {list(wrong[0][1])} there and "
+                f"{list(wrong[0][2])} here" if wrong else f"{len(missing)} tensors are missing, e.g. {missing[0]}")
+        raise CheckpointError(f"{key}={str(path)!r}: the checkpoint's weights do not fit model={model!r} ({what}); "
+                              f"pass {key}= a checkpoint of this model, or the model it was trained with")
+
+
+class RunConfig(pl.Callback):
+    """Records the resolved config (and the accepted `resume_allow` differences) in every checkpoint, and applies
+    accepted optimizer settings after Lightning has restored the optimizer (which would put the old ones back)."""
+
+    def __init__(self, config: dict[str, Any], overrides: Optional[list[dict]] = None):
+        self.config, self.overrides = config, list(overrides or [])
+        self._pending = [o for o in self.overrides if o["key"] in OPTIMIZER_KEYS]
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for record in self._pending:
+            apply_optimizer_setting(trainer, OPTIMIZER_KEYS[record["key"]], float(record["new"]))
+        self._pending = []
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        checkpoint[CONFIG_KEY] = {"config": self.config, "overrides": self.overrides}
+
+
+def apply_optimizer_setting(trainer: pl.Trainer, name: str, value: float) -> None:
+    """Sets `name` (lr, weight_decay) in every param group. For lr, scales the schedulers' base values too, so a
+    warm-up or decay schedule continues from the new base value."""
+    for optimizer in trainer.optimizers:
+        for group in optimizer.param_groups:
+            if name == "lr" and group.get("initial_lr"):
+                ratio = value / group["initial_lr"]
+                group["lr"], group["initial_lr"] = group["lr"] * ratio, value
+            else:
+                group[name] = value
+    if name == "lr":
+        for config in trainer.lr_scheduler_configs:
+            config.scheduler.base_lrs = [value for _ in config.scheduler.base_lrs]

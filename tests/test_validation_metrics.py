@@ -1,0 +1,23 @@
+"""`ValidationMetrics` across Lightning's two evaluation contexts: `trainer.validate` (the default
+`eval_before=true`) runs under inference mode, validation inside `fit` (epoch ends, a signal's stop) under
+no_grad. States reset in the first must take updates in the second (issue 19: the run crashed at an epoch end)."""
+
+import torch
+
+from lit_rlvr.validation import ValidationMetrics
+
+
+def test_states_reset_under_inference_mode_take_updates_under_no_grad():
+    metrics = ValidationMetrics(num_samples=2)
+    with torch.inference_mode():  # trainer.validate before training
+        metrics.update(torch.tensor([[True, False], [False, False]]))
+        metrics.compute()
+        metrics.reset()
+    with torch.no_grad():  # validation at an epoch end inside fit
+        metrics.update(torch.tensor([[True, True], [True, False]]))
+    values = metrics.compute()
+    assert values["val/accuracy"].item() == 0.75 and values["val/pass@k"].item() == 1.0
+    with torch.inference_mode():  # and the evaluation after training
+        metrics.reset()
+        metrics.update(torch.tensor([[False, False]]))
+        assert metrics.compute()["val/accuracy"].item() == 0.0
