@@ -37,7 +37,7 @@ def request_rows(prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequen
     if len(prompt_token_ids) != len(n_per_prompt):
         raise ValueError(f"{len(prompt_token_ids)} prompts but {len(n_per_prompt)} sample counts")
     stop = sorted({*params.stop_token_ids, *([] if eos_id is None else [eos_id])})
-    seeds = (row_seeds(prompt_token_ids, n_per_prompt, params.seed) % (1 << 63)).tolist()
+    seeds = (row_seeds(prompt_token_ids, n_per_prompt, params.seed) & ((1 << 63) - 1)).tolist()  # non-negative
     prompts, sampling = [], []
     for b, (prompt, n) in enumerate(zip(prompt_token_ids, n_per_prompt)):
         if n > 0 and len(prompt) == 0:
