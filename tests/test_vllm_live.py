@@ -170,6 +170,36 @@ def test_pushed_weights_change_the_outputs_and_the_prefix_cache_is_not_reused(en
         assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
+KILLED_OWNER = """
+import json, sys, time
+from lit_rlvr.models.tiny import build_tiny
+from lit_rlvr.rollout.vllm import VLLMEngine
+if __name__ == "__main__":
+    engine = VLLMEngine(*build_tiny(0, hidden_size=64, heads=2), kv_cache_memory_bytes=16 << 20, enforce_eager=True)
+    print(json.dumps(engine.engine_pids() + engine.worker_pids()), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_engine_processes_die_when_their_owner_is_killed(tmp_path):
+    """SIGKILL leaves no chance to shut down: the engine core and its worker must still go."""
+    script = tmp_path / "owner.py"
+    script.write_text(KILLED_OWNER)
+    owner = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        pids = json.loads(owner.stdout.readline())
+        assert len(pids) >= 2 and not set(pids) - set(_alive(pids))  # engine core and worker run
+        owner.kill()
+        owner.wait()
+        assert not _alive(pids, grace_s=30)
+    finally:
+        try:
+            os.killpg(owner.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_in_process_mode_is_refused(policy, monkeypatch):
     from lit_rlvr.rollout.vllm import VLLMEngine
 

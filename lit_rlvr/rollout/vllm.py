@@ -11,9 +11,11 @@ cache, whose KV entries were computed with the old weights. Behaviour log-probs 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import os
 import tempfile
+from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
@@ -174,7 +176,7 @@ class VLLMEngine:
                                gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                                enforce_eager=enforce_eager, sleep=sleep_level > 0, llm_args=dict(llm_args or {}))
         self._llm = vllm.LLM(**kwargs)
-        self._llm.collective_rpc("lit_rlvr_die_with_parent")
+        self._llm.collective_rpc("lit_rlvr_die_with", args=(os.getpid(),))
         atexit.register(self.shutdown)
 
     # -- weights ---------------------------------------------------------------------------------------------
@@ -237,6 +239,15 @@ class VLLMEngine:
             return []
         manager = getattr(self._llm.llm_engine.engine_core.resources, "engine_manager", None)
         return [p.pid for p in getattr(manager, "processes", [])]
+
+    def worker_pids(self) -> list[int]:
+        """Process ids of the workers (children of the engine cores; Linux /proc)."""
+        cores, pids = set(self.engine_pids()), []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) in cores:  # field 4: parent pid
+                    pids.append(int(stat.parent.name))
+        return pids
 
     def shutdown(self) -> None:
         """End this engine's core process; other children of this process are left alone."""

@@ -9,8 +9,11 @@ kernels.
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import sys
+import threading
+import time
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -40,10 +43,35 @@ class WeightReceiver:
         head.weight = embed.weight
         head.quant_method.process_weights_after_loading(head)
 
-    def lit_rlvr_die_with_parent(self) -> bool:
-        """Ask Linux to kill this process when the process that started it dies (a killed trainer or test must not
-        leave an engine holding memory). False where prctl is unavailable."""
-        if not sys.platform.startswith("linux"):
+    def lit_rlvr_die_with(self, owner_pid: int) -> bool:
+        """End this worker and its engine core (its parent) when the trainer process `owner_pid` dies, even by
+        SIGKILL: a killed trainer or test must not leave an engine holding memory. Linux's parent-death signal
+        covers a dead engine core; a watcher thread covers the trainer, which is not this process's parent."""
+        if sys.platform.startswith("linux"):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        engine_core = os.getppid()
+
+        def watch() -> None:
+            while _alive(owner_pid):
+                time.sleep(1.0)
+            if engine_core != 1:
+                os.kill(engine_core, signal.SIGKILL)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="lit_rlvr_owner_watch", daemon=True).start()
+        return True
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:  # gone, or no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
             return False
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+        except PermissionError:
+            return True
+        return not os.path.isdir("/proc")  # /proc exists but had no entry: gone
