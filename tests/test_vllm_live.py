@@ -176,7 +176,7 @@ from lit_rlvr.models.tiny import build_tiny
 from lit_rlvr.rollout.vllm import VLLMEngine
 if __name__ == "__main__":
     engine = VLLMEngine(*build_tiny(0, hidden_size=64, heads=2), kv_cache_memory_bytes=16 << 20, enforce_eager=True)
-    print(json.dumps(engine.engine_pids() + engine.worker_pids()), flush=True)
+    print("PIDS", json.dumps(engine.engine_pids() + engine.worker_pids()), flush=True)
     time.sleep(600)
 """
 
@@ -188,7 +188,8 @@ def test_engine_processes_die_when_their_owner_is_killed(tmp_path):
     owner = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, text=True,
                              start_new_session=True)
     try:
-        pids = json.loads(owner.stdout.readline())
+        line = next(line for line in owner.stdout if line.startswith("PIDS "))  # vLLM logs to stdout too
+        pids = json.loads(line.removeprefix("PIDS "))
         assert len(pids) >= 2 and not set(pids) - set(_alive(pids))  # engine core and worker run
         owner.kill()
         owner.wait()
