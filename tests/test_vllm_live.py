@@ -44,10 +44,13 @@ def policy():
 
 
 @pytest.fixture(scope="module")
-def policy_dir(policy, tmp_path_factory) -> Path:
-    from lit_rlvr.models.tiny import save
+def policy_dir() -> str:
+    """The tiny model warmed up like the default (fewer steps) with 2 heads of 32 dims: its rewards vary, so
+    the train runs take real gradient steps and push changed weights."""
+    from lit_rlvr.models import resolve_model_path
 
-    return save(*policy, tmp_path_factory.mktemp("vllm_policy"))
+    return resolve_model_path("tiny", {"steps": 400, "batch_size": 64, "lr": 3e-3, "seed": 0, "levels": [2, 3, 4],
+                                       "heads": 2})
 
 
 @pytest.fixture(scope="module")
@@ -275,6 +278,14 @@ def test_train_with_vllm_writes_summary_metrics_and_checkpoint(runs, name, algor
     assert (runs[name] / "checkpoints" / "last.ckpt").stat().st_size > 0
     rows = _rows(runs[name])
     assert len(rows) == steps and all(r["response/len_mean"] > 0 for r in rows)
+    assert any(r["grad/norm"] > 0 for r in rows)  # rewards varied: the weights changed and were pushed
+
+
+def test_behaviour_logprobs_from_vllm_equal_the_trainers(runs):
+    """Step 1 of GRPO: the engine holds the trainer's weights, so vLLM's log-probs and the trainer's agree and
+    the PPO ratio is 1 (approx KL ~ 0, nothing clipped)."""
+    first = _rows(runs["grpo"])[0]
+    assert abs(first["loss/approx_kl"]) < 1e-6 and first["loss/pg_clipfrac"] == 0.0
 
 
 def test_v05_prior_is_present_after_its_context_fills(runs):
