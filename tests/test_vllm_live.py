@@ -9,6 +9,7 @@ the default tiny model's head_dim 16. Every engine process must be gone when its
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -219,34 +220,34 @@ V05 = ["algorithm=v05", "algorithm.callbacks.value_prior.min_context=4", "algori
 
 
 def _train(run_dir: Path, policy_dir: Path, overrides: list[str], steps: int, ranks: int = 1) -> Path:
-    """`train.py` in its own session; afterwards no process of that session (engine cores, workers) may remain."""
+    """`train.py`, its processes tagged through the environment (torchrun's workers and vLLM's engine cores
+    inherit it, even when they start sessions of their own); afterwards none of them may remain."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else [sys.executable]
     cmd = [*launcher, "train.py", *CPU_ENGINE, f"model.name_or_path={policy_dir}", *COMMON, *overrides,
            f"trainer.max_steps={steps}", f"hydra.run.dir={run_dir}"]
+    tag = f"{run_dir}:{time.monotonic_ns()}"
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            env={**os.environ, "LIT_RLVR_TEST_TAG": tag})
     try:
         out, _ = proc.communicate(timeout=1500)
     finally:
-        leftover = _alive(_session_pids(proc.pid), grace_s=30)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left, also after a failure or a timeout
-        except ProcessLookupError:
-            pass
+        leftover = _alive(_tagged(tag), grace_s=30)
+        for pid in _tagged(tag):  # whatever is left, also after a failure or a timeout
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     assert proc.returncode == 0, out[-5000:]
-    assert not leftover, f"processes of {cmd[-1]} outlived train.py: {leftover}"
+    assert not leftover, f"processes of {run_dir.name} outlived train.py: {leftover}"
     return run_dir
 
 
-def _session_pids(sid: int) -> list[int]:
+def _tagged(tag: str) -> list[int]:
+    """Processes whose environment holds LIT_RLVR_TEST_TAG=tag."""
+    needle = f"LIT_RLVR_TEST_TAG={tag}".encode() + b"\0"
     pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and int(stat.parent.name) != sid:  # fields[3]: session id
-            pids.append(int(stat.parent.name))
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        with contextlib.suppress(OSError):
+            if needle in environ.read_bytes() + b"\0":
+                pids.append(int(environ.parent.name))
     return pids
 
 
