@@ -204,7 +204,8 @@ class VLLMEngine:
         push again). Level 1 keeps a CPU copy of the weights, which the next push overwrites anyway."""
         if self.sleep_level == 0 or self._asleep or self._llm is None:
             return
-        self.end_weight_update() if self._pending else None
+        if self._pending:
+            self.end_weight_update()
         self._llm.sleep(level=self.sleep_level)
         self._asleep = True
         if self.sleep_level == 2:
