@@ -57,7 +57,6 @@ def warm_start_tiny(
     hidden_size: int = 64,
     layers: int = 2,
     split_seed: int = 0,
-    heads: int = 4,
 ) -> Path:
     """Path of the warmed-up tiny model; trains and saves it unless the same settings are cached.
 
@@ -70,8 +69,6 @@ def warm_start_tiny(
     """
     settings = dict(steps=steps, batch_size=batch_size, lr=lr, seed=seed, levels=list(levels),
                     hidden_size=hidden_size, layers=layers, split_seed=split_seed, version=2)
-    if heads != 4:  # keyed only when set, so the caches of the default (4 heads) keep their names
-        settings["heads"] = heads
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     path = Path(cache_dir).expanduser() / f"tiny-{key}"
     if (path / "config.json").exists():
@@ -82,7 +79,7 @@ def warm_start_tiny(
             return path
         log.info("warm-starting the tiny model (%d supervised steps) into %s", steps, path)
         with torch.random.fork_rng(devices=[]):  # the caller's RNG must not depend on whether the cache was warm
-            model, tokenizer = _train(steps, batch_size, lr, seed, levels, hidden_size, layers, split_seed, heads)
+            model, tokenizer = _train(steps, batch_size, lr, seed, levels, hidden_size, layers, split_seed)
         tmp = path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")  # unique on a shared filesystem
         tiny.save(model, tokenizer, tmp)
         try:
@@ -105,9 +102,9 @@ def _locked(lock_path: Path) -> Iterator[None]:
 
 
 def _train(steps: int, batch_size: int, lr: float, seed: int, levels: tuple[int, ...], hidden_size: int,
-           layers: int, split_seed: int, heads: int = 4):
+           layers: int, split_seed: int):
     """The supervised warm-up itself: (model, tokenizer) after `steps` AdamW steps on the train split."""
-    model, tokenizer = tiny.build_tiny(seed, hidden_size=hidden_size, layers=layers, heads=heads)
+    model, tokenizer = tiny.build_tiny(seed, hidden_size=hidden_size, layers=layers)
     task = ArithmeticTask(levels=tuple(levels), seed=split_seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=max(steps, 1), pct_start=0.1)
