@@ -68,19 +68,21 @@ def engine(policy):
 
 
 def _alive(pids, grace_s: float = 0.0) -> list[int]:
+    """Those of `pids` still running (a zombie, dead but not yet reaped, is not), after up to `grace_s`."""
     deadline = time.monotonic() + grace_s
     while True:
-        alive = [p for p in pids if Path(f"/proc/{p}").exists() and "(Z)" not in _state(p)]
+        alive = [p for p in pids if _state(p) not in ("Z", "X", "")]
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.5)
 
 
 def _state(pid: int) -> str:
+    """The process state letter from /proc (R, S, Z, ...); "" when the process is gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1][:4].replace(" ", "(", 1) + ")"
-    except OSError:
-        return "(Z)"
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def _prompts(tokenizer) -> list[list[int]]:
@@ -273,7 +275,8 @@ def runs(policy_dir, tmp_path_factory):
 def test_train_with_vllm_writes_summary_metrics_and_checkpoint(runs, name, algorithm, steps):
     summary = json.loads((runs[name] / "summary.json").read_text())
     assert summary["algorithm"] == algorithm and summary["steps"] == steps
-    assert summary["rollouts_total"] == steps * 8 * 4
+    if algorithm != "v05":  # V0.5's budget rule decides how many rollouts each prompt gets
+        assert summary["rollouts_total"] == steps * 8 * 4
     assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
     assert (runs[name] / "checkpoints" / "last.ckpt").stat().st_size > 0
     rows = _rows(runs[name])
