@@ -83,7 +83,7 @@ class RunCheckpoint(pl.Callback):
         if self.saved_step == trainer.global_step and trainer.strategy.broadcast(self.last_path.exists()):
             return
         tmp = self.last_path.with_name(self.FILE + ".tmp")
-        trainer.save_checkpoint(tmp)
+        trainer.save_checkpoint(tmp, weights_only=False)  # the full state (set: unset logs a line per save)
         if trainer.is_global_zero:
             _replace(tmp, self.last_path)
         trainer.strategy.barrier("RunCheckpoint.save")

@@ -21,6 +21,7 @@ from lit_rlvr.config_check import DEBUG_ENV, ConfigError, check_config
 
 def run(cfg: DictConfig) -> None:
     """Check the config, then train or evaluate as `cfg.mode` says."""
+    from lit_rlvr import quiet
     from lit_rlvr.distributed import shutdown
     from lit_rlvr.recipe import check_run_dir, evaluate, print_summary, train
 
@@ -28,6 +29,7 @@ def run(cfg: DictConfig) -> None:
         check_config(cfg)
         check_run_dir(HydraConfig.get())
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    quiet.install(run_dir, cfg.resume)
     if cfg.mode == "train":
         print_summary(train(cfg, run_dir), f"lit-rlvr {cfg.algorithm.name} run ({run_dir})")
     else:

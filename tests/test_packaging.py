@@ -8,7 +8,7 @@ not activated there, so the import of `lit_rlvr` resolves to the wheel's copy, w
 """
 
 import os
-import site
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -22,7 +22,10 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(REPO)],
+    source = out / "source"  # a copy: setuptools builds in the tree, and a stale build/ would ship removed files
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".git", ".cache", "build", "dist", "outputs", "runs",
+                                                               "*.egg-info", "__pycache__", "wandb", "lightning_logs"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(source)],
                    check=True, capture_output=True, text=True, timeout=600)
     return next(out.glob("lit_rlvr-*.whl"))
 
