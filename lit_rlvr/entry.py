@@ -59,5 +59,12 @@ def main(cfg: DictConfig) -> None:
     run(cfg)
 
 
+def console() -> None:
+    """`lit-rlvr-train`: like `python -m`, the current directory is importable (reward.name=my_module:fn)."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    main()
+
+
 if __name__ == "__main__":
     main()

@@ -164,6 +164,9 @@ class RLVRDataModule(pl.LightningDataModule):
             self.train_set = self._load(hp.path, hp.split, hp.fields)
             eval_fields = hp.fields if hp.eval_fields is None else hp.eval_fields
             self.eval_set = self._load(hp.eval_path, hp.eval_split, eval_fields) if hp.eval_path else self.train_set
+            if not hp.eval_path and (self.trainer is None or self.trainer.global_rank == 0):
+                log.warning("data.eval_path is not set: held-out evaluation uses the training file %s "
+                            "(set data.eval_path=FILE for a separate set)", hp.path)
         else:
             task = ArithmeticTask(levels=tuple(hp.levels), seed=hp.split_seed)
             self.train_set = ArithmeticDataset(task, hp.num_train, "train")
