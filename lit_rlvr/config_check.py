@@ -105,7 +105,8 @@ def _check_types(prefix: str, values: dict[str, Any], types: dict[str, Any]) -> 
     known = {k: _omegaconf_type(t) for k, t in types.items() if k in values}
     if not known:
         return []
-    schema = dataclasses.make_dataclass("Schema", [(k, t, dataclasses.field(default=MISSING)) for k, t in known.items()])
+    fields = [(k, t, dataclasses.field(default=MISSING)) for k, t in known.items()]
+    schema = dataclasses.make_dataclass("Schema", fields)
     node = OmegaConf.structured(schema)
     problems = []
     for key, expected in known.items():

