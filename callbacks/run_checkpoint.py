@@ -96,11 +96,11 @@ class RunCheckpoint(pl.Callback):
             return
         if getattr(trainer.strategy, "_save_distributed_checkpoint", False):  # a folder, one file per rank
             tmp = self.last_path.with_name(self.FILE + ".tmp")
-            trainer.save_checkpoint(tmp)
+            trainer.save_checkpoint(tmp, weights_only=False)
             if trainer.is_global_zero:
                 _replace(tmp, self.last_path)
         else:  # one file, through the strategy's checkpoint IO (AtomicCheckpointIO unless a user set another)
-            trainer.save_checkpoint(self.last_path)
+            trainer.save_checkpoint(self.last_path, weights_only=False)  # the full state (unset logs a line per save)
         trainer.strategy.barrier("RunCheckpoint.save")
         self.saved_step = trainer.global_step
 

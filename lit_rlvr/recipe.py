@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import json
 import logging
 import math
 import os
@@ -20,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lit_rlvr import jsonsafe
 from lit_rlvr.callbacks import RunCheckpoint
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.resume import RunConfig, check_config, check_weights_fit, load_checkpoint, resolved_config
@@ -183,7 +183,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     stats = getattr(datamodule, "load_stats", {}).values()  # file data: rows dropped by on_bad_row=skip
     summary["data_rows_skipped"] = sum(s["skipped"] for s in stats)
     if trainer.is_global_zero:
-        (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+        (run_dir / SUMMARY_FILE).write_text(jsonsafe.dumps(summary, indent=2))  # NaN -> null
     return summary
 
 
@@ -258,7 +258,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
               "samples_per_prompt": module.hparams.eval_samples, "temperature": module.hparams.eval_temperature,
               **metrics}
     if trainer.is_global_zero:
-        (run_dir / "eval.json").write_text(json.dumps(result, indent=2))
+        (run_dir / "eval.json").write_text(jsonsafe.dumps(result, indent=2))
     return result
 
 
@@ -277,7 +277,8 @@ def summarise(cfg, run_dir: Path, module: GRPOModule, before, after, wall_s: flo
     last = rewards[-max(1, len(rewards) // 10) :]
     return {
         "algorithm": cfg.algorithm.name,
-        "steps": module.global_step,
+        "steps": module.trainer.fit_loop.epoch_loop._batches_that_stepped,  # RL steps: metrics.csv's `step`
+        "optimizer_steps": module.global_step,  # what trainer.max_steps counts (more with mini_batches, ppo_epochs)
         "wall_s": round(wall_s, 2),
         "accuracy_before": before.get("val/accuracy", math.nan),
         "accuracy_after": after.get("val/accuracy", math.nan),

@@ -1,6 +1,7 @@
 """Compare runs: one figure and a markdown table of final figures.
 
     python -m lit_rlvr.report RUN_DIR [RUN_DIR ...] --out report.png     (also writes report.md)
+    python -m lit_rlvr.report runs/grpo_s* runs/c3po_s* --group          (seeds of a method: mean ± sd band)
 
 A run dir holds `metrics.csv` (train.py, or the CLI's CSVLogger dir) and, for train.py runs, `summary.json`.
 Each metric is drawn twice: against the RL step and against the rollouts consumed (`rollouts/total`), the
@@ -16,7 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import pandas as pd
+from lit_rlvr.extras import require
+
+pd = require("pandas")
 
 # (column, panel title, y label); the first is the accuracy panel, which also shows validation points
 PANELS = [
@@ -95,8 +98,35 @@ def _cli_model_name(path: Path) -> Optional[str]:
 
 
 def smooth(values: pd.Series) -> pd.Series:
-    window = max(1, len(values) // 15)
+    """Trailing moving average over ~1/15 of the run, at least 3 points (a short run is smoothed too)."""
+    window = max(3, len(values) // 15)
     return values.rolling(window, min_periods=1).mean()
+
+
+SD = "_sd"  # a grouped run's frames hold `<column>_sd` beside each mean column
+
+
+def group_runs(runs: list[Run]) -> list[Run]:
+    """Runs of one algorithm (summary.json's, else the label) merged into one: each metric's mean and sd over
+    the runs at each step (steps some runs lack use the runs that have them), labelled with the run count."""
+    groups: dict[str, list[Run]] = {}
+    for run in runs:
+        groups.setdefault(run.summary.get("algorithm") or run.label, []).append(run)
+    return [_merge(name, members) if len(members) > 1 else members[0] for name, members in groups.items()]
+
+
+def _merge(name: str, runs: list[Run]) -> Run:
+    def stats(frames: list[pd.DataFrame]) -> pd.DataFrame:
+        stacked = pd.concat(frames).groupby("step")
+        mean, sd = stacked.mean(), stacked.std(ddof=1 if len(frames) > 1 else 0)
+        return mean.join(sd.add_suffix(SD)).reset_index()
+
+    summary = {"algorithm": name}
+    for key in ("accuracy_before", "accuracy_after", "wall_s"):
+        values = [r.summary[key] for r in runs if isinstance(r.summary.get(key), (int, float))]
+        summary[key] = sum(values) / len(values) if values else math.nan
+    val = stats([r.val for r in runs]) if all(len(r.val) for r in runs) else runs[0].val.iloc[:0]
+    return Run(runs[0].path, f"{name} · mean ± sd of {len(runs)} runs", stats([r.train for r in runs]), val, summary)
 
 
 def tail_mean(frame: pd.DataFrame, column: str) -> float:
@@ -110,11 +140,10 @@ def tail_mean(frame: pd.DataFrame, column: str) -> float:
 def plot(runs: list[Run], out: Path, *, panels: Optional[list[tuple[str, str, str]]] = None,
          title: str = "lit-rlvr run comparison", dpi: int = 110) -> None:
     """Six panels (default `PANELS`; the first is the accuracy panel), each against steps and rollouts."""
-    import matplotlib
-
+    matplotlib = require("matplotlib")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import EngFormatter, MaxNLocator
 
     fig, axes = plt.subplots(3, 4, figsize=(22, 12.5), constrained_layout=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -127,7 +156,8 @@ def plot(runs: list[Run], out: Path, *, panels: Optional[list[tuple[str, str, st
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))
+            ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 90k, 105k: tick labels that do not run together
             if column in ("reward/accuracy", "groups/zero_adv_frac", "repro/all_zero_adv_frac"):
                 ax.set_ylim(-0.03, 1.03)
     handles = [plt.Line2D([], [], color=colors[k % len(colors)], lw=2.5, label=run.label) for k, run in enumerate(runs)]
@@ -144,6 +174,10 @@ def _draw(ax, run: Run, column: str, xcol: str, color: str, *, is_accuracy: bool
         data = frame[[xcol, column]].dropna()
         ax.plot(data[xcol], data[column], color=color, alpha=0.3, lw=1)
         ax.plot(data[xcol], smooth(data[column]), color=color, lw=2.2)
+        if column + SD in frame:  # a group of runs: ± one sd around the mean
+            band = frame[[xcol, column, column + SD]].dropna()
+            ax.fill_between(band[xcol], band[column] - band[column + SD], band[column] + band[column + SD],
+                            color=color, alpha=0.15, lw=0)
     if is_accuracy and VAL in run.val and len(run.val):
         vx = run.val["step"] if xcol == "step" else run.val.get("rollouts")
         if vx is not None:
@@ -180,8 +214,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lit_rlvr.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="run directories (each with metrics.csv)")
     parser.add_argument("--out", default="report.png", help="figure path; the table goes next to it as .md")
+    parser.add_argument("--group", action="store_true",
+                        help="draw the runs of one algorithm (e.g. seeds) as their mean with a ± sd band")
     args = parser.parse_args(argv)
     runs = [load_run(r) for r in args.runs]
+    if args.group:
+        runs = group_runs(runs)
     out = Path(args.out)
     plot(runs, out)
     text = table(runs)

@@ -171,6 +171,9 @@ class RLVRDataModule(pl.LightningDataModule):
             train = self._load(hp.path, hp.split, hp.fields)
             eval_fields = hp.fields if hp.eval_fields is None else hp.eval_fields
             self._sources = (train, self._load(hp.eval_path, hp.eval_split, eval_fields) if hp.eval_path else train)
+            if not hp.eval_path and (self.trainer is None or self.trainer.global_rank == 0):
+                log.warning("data.eval_path is not set: held-out evaluation uses the training file %s "
+                            "(set data.eval_path=FILE for a separate set)", hp.path)
         else:
             task = ArithmeticTask(levels=tuple(hp.levels), seed=hp.split_seed)
             self._sources = (ArithmeticDataset(task, hp.num_train, "train"), ArithmeticDataset(task, hp.num_test, "test"))

