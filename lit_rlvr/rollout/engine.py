@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol, Sequence, runtime_checkable
 
@@ -58,3 +59,12 @@ class RolloutEngine(Protocol):
     def wake(self) -> None: ...
 
     def shutdown(self) -> None: ...
+
+
+def save_policy_config(model, path: str) -> None:
+    """Write the policy's HF config to `path` for an engine started without weights: `architectures` set, since
+    sglang and vLLM pick their model class from it (FSDP's `fully_shard` renames the module's class)."""
+    config = copy.deepcopy(model.config)
+    if not getattr(config, "architectures", None):
+        config.architectures = [type(model).__name__.removeprefix("FSDP")]
+    config.save_pretrained(path)

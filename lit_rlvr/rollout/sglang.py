@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import copy
 import importlib
 import multiprocessing
 import os
@@ -23,7 +22,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lit_rlvr.rollout.engine import Completion, EngineError, SamplingParams
+from lit_rlvr.rollout.engine import Completion, EngineError, SamplingParams, save_policy_config
 
 FINISH_REASONS = {"stop": "stop", "length": "length"}  # sglang finish_reason["type"] -> ours; "abort" raises
 # Explicit so server-side `preferred_sampling_params` cannot add penalties that change the behaviour log-probs.
@@ -183,7 +182,7 @@ class SGLangEngine:
         self._config_dir = None
         if model_path is None:  # load_format=dummy reads only the config: write the policy's own
             self._config_dir = tempfile.TemporaryDirectory(prefix="lit_rlvr_sglang_")
-            _save_config(model, self._config_dir.name)
+            save_policy_config(model, self._config_dir.name)
             model_path = self._config_dir.name
         rank, local_rank = rank_info()
         weight_dtype = getattr(torch, dtype, None) if dtype else next(model.parameters()).dtype
@@ -264,8 +263,8 @@ class SGLangEngine:
                                   "above") from err
         raise EngineError(f"SGLangEngine cannot {what}: {self._death}; see its traceback in the log above")
 
-    def _watchdog(self):
-        manager = getattr(self._engine, "tokenizer_manager", None)
+    def _watchdog(self, engine=None):
+        manager = getattr(engine or self._engine, "tokenizer_manager", None)
         return getattr(manager, "_subprocess_watchdog", None)
 
     def _any_dead(self) -> bool:
@@ -339,7 +338,7 @@ class SGLangEngine:
         if engine is None:
             return
         atexit.unregister(self.shutdown)
-        watched = list(getattr(self._watchdog(), "_processes", []))  # schedulers and the detokenizer
+        watched = list(getattr(self._watchdog(engine), "_processes", []))  # schedulers and the detokenizer
         own = sorted({*engine.get_all_child_pids(), *(p.pid for p in watched)})  # the former: schedulers only
         with only_own_children(self._module, own):
             if self._death:  # its children are gone or dying: kill what is left, no graceful drain
@@ -350,11 +349,3 @@ class SGLangEngine:
             proc.join(timeout=10)
         if self._config_dir is not None:
             self._config_dir.cleanup()
-
-
-def _save_config(model: nn.Module, path: str) -> None:
-    """The policy's HF config, with `architectures` set (sglang picks its model class from it)."""
-    config = copy.deepcopy(model.config)
-    if not getattr(config, "architectures", None):
-        config.architectures = [type(model).__name__.removeprefix("FSDP")]  # fully_shard renames the class
-    config.save_pretrained(path)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import copy
 import os
 import tempfile
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lit_rlvr.rollout.engine import Completion, SamplingParams
+from lit_rlvr.rollout.engine import Completion, SamplingParams, save_policy_config
 from lit_rlvr.rollout.hf import row_seeds
 
 WORKER_EXTENSION = "lit_rlvr.rollout.vllm_worker.WeightReceiver"
@@ -170,7 +169,7 @@ class VLLMEngine:
         self._config_dir = None
         if model_path is None:  # load_format=dummy reads only the config: write the policy's own
             self._config_dir = tempfile.TemporaryDirectory(prefix="lit_rlvr_vllm_")
-            _save_config(model, self._config_dir.name)
+            save_policy_config(model, self._config_dir.name)
             model_path = self._config_dir.name
         kwargs = engine_kwargs(model_path, weight_dtype, seed=seed, kv_cache_memory_bytes=kv_cache_memory_bytes,
                                gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
@@ -259,11 +258,3 @@ class VLLMEngine:
         llm.llm_engine.engine_core.shutdown()
         if self._config_dir is not None:
             self._config_dir.cleanup()
-
-
-def _save_config(model: nn.Module, path: str) -> None:
-    """The policy's HF config, with `architectures` set (vLLM picks its model class from it)."""
-    config = copy.deepcopy(model.config)
-    if not getattr(config, "architectures", None):
-        config.architectures = [type(model).__name__.removeprefix("FSDP")]  # fully_shard renames the class
-    config.save_pretrained(path)
