@@ -1,15 +1,12 @@
 """The learning-rate warm-up (`algorithm.warmup_steps`, `algorithm.warmup_from_zero`) by hand, and as the module
 configures it."""
 
-import os
-
 import pytest
 
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.optim.schedule import warmup_factor
 
-TINY = {"cache_dir": os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr"), "steps": 450, "batch_size": 64,
-        "lr": 3.0e-3, "seed": 0}  # = conf/model/tiny.yaml
+from tiny_options import TINY
 
 
 def test_warmup_factor_by_hand():
