@@ -102,6 +102,8 @@ class ValuePrior(RLVRCallback):
             when given, the V0 arguments above are not used.
     """
 
+    sets_sample_counts = True  # k_init and OSLA decide how many samples each prompt gets
+
     def __init__(
         self,
         k_init: int = 4,

@@ -18,6 +18,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class RLVRCallback(Callback):
+    # True for a callback that sets each prompt's sample count itself (V0.5): the module's group_size is unused
+    sets_sample_counts = False
+
     def on_rollout_plan(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", plan: RolloutPlan) -> None:
         """Before any rollout: change counts, weight sources or the budget rule of `plan` in place."""
 

@@ -233,6 +233,11 @@ class GRPOModule(pl.LightningModule):
             parallelize(self)
 
     def on_fit_start(self) -> None:
+        if self.hparams.group_size < 2 and not any(cb.sets_sample_counts for cb in self.rl_callbacks()):
+            # reached by the Lightning CLI, which skips the Hydra recipe's config checks
+            raise ValueError(f"algorithm.group_size (model.init_args.group_size in the Lightning CLI) = "
+                             f"{self.hparams.group_size}: advantages compare the completions of one prompt, so a "
+                             "group of one learns nothing; use 2 or more")
         self._engine_to_device()
 
     def configure_callbacks(self) -> list[pl.Callback]:

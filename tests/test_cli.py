@@ -65,3 +65,14 @@ def test_validate_with_ckpt_path(fitted, tmp_path):
     accuracy = column(tmp_path / "metrics.csv", "val/accuracy")
     assert len(accuracy) == 1 and 0.0 <= accuracy[0] <= 1.0
 
+
+
+def test_group_of_one_is_refused_before_training(tmp_path):
+    """The Lightning CLI skips the Hydra recipe's config checks: the module refuses G = 1 itself, naming the key."""
+    exe = shutil.which("lit-rlvr")
+    command = [exe] if exe else [sys.executable, "-m", "lit_rlvr.cli"]
+    env = {**os.environ, "LIT_RLVR_CACHE": os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr")}
+    done = subprocess.run([*command, "fit", "--config", str(CONFIG), "--trainer.max_steps", "1",
+                           "--model.init_args.group_size", "1", "--trainer.logger.init_args.save_dir", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0 and "model.init_args.group_size" in done.stderr, done.stderr[-3000:]
