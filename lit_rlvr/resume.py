@@ -30,7 +30,12 @@ MUTABLE = ("algorithm.eval_samples", "algorithm.eval_temperature", "algorithm.ma
            "algorithm.micro_batch_size", "data.num_test", "data.eval_batch_size", "data.eval_limit",
            "data.eval_path", "data.eval_split", "data.eval_fields", "model.options.cache_dir",
            "engine.options.max_batch", "reward.options.isolation", "reward.options.timeout_s",
-           "reward.options.workers")
+           "reward.options.workers",
+           # where and in how much memory an engine runs, not what it samples (a resumed job gets other ports)
+           "engine.options.base_port", "engine.options.port_stride", "engine.options.bucket_bytes",
+           "engine.options.mem_fraction_static", "engine.options.server_args.max_total_tokens",
+           "engine.options.gpu_memory_utilization", "engine.options.kv_cache_memory_bytes",
+           "engine.options.sleep_level", "engine.options.enforce_eager")
 # optimizer settings that a checkpoint's optimizer state would silently put back: applied after the restore
 OPTIMIZER_KEYS = {"algorithm.lr": "lr", "algorithm.weight_decay": "weight_decay"}
 

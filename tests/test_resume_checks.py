@@ -48,6 +48,16 @@ def test_config_differences_list_frozen_keys_and_pass_mutable_ones():
                                               ("algorithm.name", "grpo", "c3po"), ("seed", 0, 1)]
 
 
+def test_engine_placement_may_change_but_its_sampling_may_not():
+    """A resumed job lands on other ports and memory budgets; the engine's dtype or seed changes what it samples."""
+    saved = {"engine": {"name": "sglang", "options": {"base_port": 31300, "mem_fraction_static": 0.2, "seed": 0,
+                                                      "dtype": None, "server_args": {"max_total_tokens": 65536}}}}
+    new = {"engine": {"name": "sglang", "options": {"base_port": 31400, "mem_fraction_static": 0.5, "seed": 1,
+                                                    "dtype": "bfloat16", "server_args": {"max_total_tokens": 4096}}}}
+    assert config_differences(saved, new) == [("engine.options.dtype", None, "bfloat16"),
+                                              ("engine.options.seed", 0, 1)]
+
+
 def test_check_config_refuses_naming_each_key_and_allows_named_ones(tmp_path):
     state = {"global_step": 3, "lit_rlvr_config": {"config": {"seed": 0, "algorithm": {"lr": 3e-4}}}}
     new = {"seed": 0, "algorithm": {"lr": 0.1}}
