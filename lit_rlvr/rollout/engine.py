@@ -68,3 +68,18 @@ def save_policy_config(model, path: str) -> None:
     if not getattr(config, "architectures", None):
         config.architectures = [type(model).__name__.removeprefix("FSDP")]
     config.save_pretrained(path)
+
+
+def expand_rows(prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int], params: SamplingParams,
+                eos_id, engine: str) -> tuple[list[list[int]], list[int]]:
+    """One row per completion for a request-per-sample engine: prompt b repeated n_b times, in order, as plain
+    ints, and the stop ids (the params' and the tokenizer's eos). Fails on a count mismatch or an empty prompt."""
+    if len(prompt_token_ids) != len(n_per_prompt):
+        raise ValueError(f"{len(prompt_token_ids)} prompts but {len(n_per_prompt)} sample counts")
+    rows = []
+    for b, (prompt, n) in enumerate(zip(prompt_token_ids, n_per_prompt)):
+        if n > 0 and len(prompt) == 0:
+            raise ValueError(f"prompt {b} is empty; {engine} needs at least one prompt token")
+        rows += [[int(t) for t in prompt] for _ in range(n)]
+    stop = sorted({*params.stop_token_ids, *([] if eos_id is None else [eos_id])})
+    return rows, stop

@@ -22,7 +22,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lit_rlvr.rollout.engine import Completion, EngineError, SamplingParams, save_policy_config
+from lit_rlvr.rollout.engine import Completion, EngineError, SamplingParams, expand_rows, save_policy_config
 
 FINISH_REASONS = {"stop": "stop", "length": "length"}  # sglang finish_reason["type"] -> ours; "abort" raises
 # Explicit so server-side `preferred_sampling_params` cannot add penalties that change the behaviour log-probs.
@@ -41,24 +41,16 @@ def build_requests(
     prompt and a seed would draw the same tokens. Temperature 0 is sent as is (sglang turns it into top_k=1 at
     temperature 1, the same greedy convention as HFEngine); top_k 0 ("off") becomes sglang's -1.
     """
-    if len(prompt_token_ids) != len(n_per_prompt):
-        raise ValueError(f"{len(prompt_token_ids)} prompts but {len(n_per_prompt)} sample counts")
-    stop = sorted({*params.stop_token_ids, *([] if eos_id is None else [eos_id])})
-    input_ids, sampling = [], []
-    for b, (prompt, n) in enumerate(zip(prompt_token_ids, n_per_prompt)):
-        if n > 0 and len(prompt) == 0:
-            raise ValueError(f"prompt {b} is empty; sglang needs at least one prompt token")
-        for _ in range(n):
-            input_ids.append([int(t) for t in prompt])
-            sampling.append({
-                "max_new_tokens": params.max_new_tokens,
-                "temperature": params.temperature,
-                "top_p": params.top_p,
-                "top_k": params.top_k if params.top_k > 0 else -1,
-                "stop_token_ids": stop,
-                "sampling_seed": (params.seed * SEED_STRIDE + len(sampling)) % (1 << 63),
-                **NEUTRAL_SAMPLING,
-            })
+    input_ids, stop = expand_rows(prompt_token_ids, n_per_prompt, params, eos_id, "sglang")
+    sampling = [{
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else -1,
+        "stop_token_ids": stop,
+        "sampling_seed": (params.seed * SEED_STRIDE + row) % (1 << 63),
+        **NEUTRAL_SAMPLING,
+    } for row in range(len(input_ids))]
     return input_ids, sampling
 
 

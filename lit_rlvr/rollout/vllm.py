@@ -20,7 +20,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lit_rlvr.rollout.engine import Completion, SamplingParams, save_policy_config
+from lit_rlvr.rollout.engine import Completion, SamplingParams, expand_rows, save_policy_config
 from lit_rlvr.rollout.hf import row_seeds
 
 WORKER_EXTENSION = "lit_rlvr.rollout.vllm_worker.WeightReceiver"
@@ -35,24 +35,16 @@ def request_rows(prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequen
     a completion does not depend on the batch or rank it is drawn in. Temperature 0 is greedy (vLLM's own
     convention: argmax, log-probs at T = 1, like HFEngine); top_k 0 is "off" in both.
     """
-    if len(prompt_token_ids) != len(n_per_prompt):
-        raise ValueError(f"{len(prompt_token_ids)} prompts but {len(n_per_prompt)} sample counts")
-    stop = sorted({*params.stop_token_ids, *([] if eos_id is None else [eos_id])})
+    prompts, stop = expand_rows(prompt_token_ids, n_per_prompt, params, eos_id, "vLLM")
     seeds = (row_seeds(prompt_token_ids, n_per_prompt, params.seed) & ((1 << 63) - 1)).tolist()  # non-negative
-    prompts, sampling = [], []
-    for b, (prompt, n) in enumerate(zip(prompt_token_ids, n_per_prompt)):
-        if n > 0 and len(prompt) == 0:
-            raise ValueError(f"prompt {b} is empty; vLLM needs at least one prompt token")
-        for _ in range(n):
-            prompts.append([int(t) for t in prompt])
-            sampling.append({
-                "n": 1, "max_tokens": params.max_new_tokens, "temperature": params.temperature,
-                "top_p": params.top_p, "top_k": params.top_k, "stop_token_ids": stop, "seed": seeds[len(sampling)],
-                "logprobs": 0,  # the chosen token's log-prob only
-                "detokenize": False, "skip_special_tokens": False, "ignore_eos": False,
-                # explicit, so a model's generation_config cannot add what changes the behaviour log-probs
-                "min_p": 0.0, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-            })
+    sampling = [{
+        "n": 1, "max_tokens": params.max_new_tokens, "temperature": params.temperature,
+        "top_p": params.top_p, "top_k": params.top_k, "stop_token_ids": stop, "seed": seed,
+        "logprobs": 0,  # the chosen token's log-prob only
+        "detokenize": False, "skip_special_tokens": False, "ignore_eos": False,
+        # explicit, so a model's generation_config cannot add what changes the behaviour log-probs
+        "min_p": 0.0, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+    } for seed in seeds]
     return prompts, sampling
 
 
