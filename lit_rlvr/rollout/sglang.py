@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import gc
 import importlib
 import multiprocessing
 import os
 import signal
+import sys
 import tempfile
 import threading
 from typing import Any, Iterable, Optional, Sequence
@@ -134,10 +136,24 @@ def launch_failed(signum, frame):
     raise EngineError("an sglang process died while the engine was starting (its traceback is in the log above)")
 
 
-def _new_children(before: set[int]) -> list[int]:
+def _zmq_contexts() -> dict[int, Any]:
+    """This process's pyzmq contexts by id (none before sglang imports pyzmq)."""
+    zmq = sys.modules.get("zmq")
+    return {} if zmq is None else {id(obj): obj for obj in gc.get_objects() if isinstance(obj, zmq.Context)}
+
+
+def _clean_up_failed_start(engine_module, children_before: set[int], contexts_before: set[int]) -> None:
+    """Kill and reap the processes a failed `sglang.Engine(...)` left, and close its zmq contexts without
+    lingering: garbage-collected, an open context waits forever for its dead peers (the trainer hangs at exit)."""
     import psutil
 
-    return [p.pid for p in psutil.Process().children() if p.pid not in before]
+    children = [p for p in psutil.Process().children() if p.pid not in children_before]
+    for child in children:
+        engine_module.kill_process_tree(child.pid, include_parent=True, wait_timeout=10)
+    psutil.wait_procs(children, timeout=10)  # reap: killed children stay zombies until their parent waits
+    for key, context in _zmq_contexts().items():
+        if key not in contexts_before and not context.closed:
+            context.destroy(linger=0)
 
 
 def _import_engine_module():
@@ -197,14 +213,13 @@ class SGLangEngine:
         main = threading.current_thread() is threading.main_thread()
         if main:
             kwargs.setdefault("custom_sigquit_handler", launch_failed)
-        before = {p.pid for p in psutil.Process().children()}
+        children, contexts = {p.pid for p in psutil.Process().children()}, set(_zmq_contexts())
         start_method = multiprocessing.get_start_method(allow_none=True)
         handler = signal.getsignal(signal.SIGQUIT) if main else None
         try:
             return module.Engine(**kwargs)
         except BaseException as err:
-            for pid in _new_children(before):
-                module.kill_process_tree(pid, include_parent=True, wait_timeout=10)
+            _clean_up_failed_start(module, children, contexts)
             if isinstance(err, EngineError):
                 raise
             if isinstance(err, Exception):
