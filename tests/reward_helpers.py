@@ -59,3 +59,10 @@ def echo_reward(prompt: str, completion: str, answer: Any) -> Any:
         heavy = {"torch", "lightning"} & set(sys.modules)
         return RewardResult(-1.0 if heavy else 1.0, False, ",".join(sorted(heavy)))
     return float(os.getpid())
+
+
+def digit_share(prompt: str, completion: str, answer: Any) -> float:
+    """The share of the completion's characters that are digits: rewards that differ within a group even for an
+    untrained policy, so a short run has advantages and gradients (the arithmetic reward gives such a policy
+    -1 everywhere)."""
+    return sum(c.isdigit() for c in completion) / max(len(completion), 1)
