@@ -42,7 +42,7 @@ from typing_extensions import override
 
 from lit_rlvr.functional import group_mean
 from lit_rlvr.hooks import RLVRCallback
-from lit_rlvr.rollouts import RolloutPlan, Rollouts
+from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl

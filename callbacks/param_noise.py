@@ -31,7 +31,7 @@ from typing_extensions import override
 from lit_rlvr import functional as F
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.optim import IVON, bf16_spacing_warning
-from lit_rlvr.rollouts import RolloutPlan, Rollouts
+from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -132,10 +132,10 @@ class ParamNoise(RLVRCallback):
     @override
     def on_before_advantages(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", rollouts: Rollouts) -> None:
         if self.variant == "m3po":
-            rollouts.adv_group = F.chunk_groups(rollouts.group, rollouts.chunk, self.num_samples)  # [N]
-            rollouts.loss_pass = rollouts.chunk.clone()  # [N]: one loss pass per weight sample
+            rollouts.adv_group = F.chunk_groups(rollouts.group, rollouts.source, self.num_samples)  # [N]
+            rollouts.loss_pass = rollouts.source.clone()  # [N]: one loss pass per weight sample
         rollouts.seq_mask_tau = self.tau
-        _, metrics = F.partial_chunk_success(rollouts.rewards > 0, rollouts.group, rollouts.chunk,
+        _, metrics = F.partial_chunk_success(rollouts.rewards > 0, rollouts.group, rollouts.source,
                                              rollouts.num_groups, self.num_samples)
         pl_module.log_metrics(metrics)
 
@@ -172,10 +172,6 @@ def _gradient_sample(optimizer: IVON, sample_index: int) -> Iterator[None]:
 
 def engine_dtype(pl_module: "pl.LightningModule") -> Optional[torch.dtype]:
     """The dtype the rollout engine generates in: its `dtype` attribute, else its model's, else the policy's."""
-    engine = getattr(pl_module, "engine", None)
-    dtype = getattr(engine, "dtype", None)
-    if dtype is None and isinstance(getattr(engine, "model", None), torch.nn.Module):
-        dtype = next(engine.model.parameters()).dtype
-    if dtype is None:
-        dtype = next(pl_module.policy.parameters()).dtype
-    return getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    engine = pl_module.engine
+    dtype = engine.generation_dtype() if engine is not None else None
+    return dtype if dtype is not None else next(pl_module.policy.parameters()).dtype

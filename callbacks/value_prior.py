@@ -44,7 +44,7 @@ from lit_rlvr.functional.value_prior import (
     shrinkage_fusion_py,
 )
 from lit_rlvr.hooks import RLVRCallback
-from lit_rlvr.rollouts import RolloutPlan, Rollouts
+from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 from lit_rlvr.value import FEATURE_MODES, HEADS, ContextBuffer, ValueModel
 
 if TYPE_CHECKING:  # pragma: no cover

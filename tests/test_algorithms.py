@@ -16,7 +16,7 @@ from lit_rlvr.algorithms import DAPOModule, DrGRPOModule, GSPOModule
 from lit_rlvr.data.datamodule import RLVRDataModule
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.rewards.base import RewardResult, RewardRunner
-from lit_rlvr.rollouts import Rollouts
+from lit_rlvr.rollout.batch import Rollouts
 from tiny_options import TINY as TINY_OPTIONS
 
 CACHE = os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr")
@@ -35,7 +35,7 @@ def batch_of(rewards: list[list[float]], lengths: list[int], width: int = 8) -> 
     return Rollouts(
         prompt_ids=torch.zeros(n, 1, dtype=torch.long), prompt_mask=torch.ones(n, 1, dtype=torch.bool),
         response_ids=torch.zeros(n, width, dtype=torch.long), response_mask=mask, old_logp=torch.zeros(n, width),
-        group=torch.tensor([g for g, group in enumerate(rewards) for _ in group]), chunk=torch.zeros(n, dtype=torch.long),
+        group=torch.tensor([g for g, group in enumerate(rewards) for _ in group]), source=torch.zeros(n, dtype=torch.long),
         num_groups=len(rewards), prompts=[f"p{g}" for g in range(len(rewards))], answers=[0] * len(rewards),
         rewards=torch.tensor(flat), malformed=torch.zeros(n, dtype=torch.bool))
 

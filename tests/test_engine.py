@@ -8,7 +8,7 @@ from lit_rlvr.models import load_policy
 from lit_rlvr.rollout.engine import SamplingParams
 from lit_rlvr.rollout.hf import HFEngine, filter_logits
 from lit_rlvr.rollout.weights import buckets, full_named_weights, push_weights
-from lit_rlvr.rollouts import RolloutPlan, rollouts_from_completions
+from lit_rlvr.rollout.batch import RolloutPlan, rollouts_from_completions
 
 PROMPTS = ["12+34=", "5+5=", "71-18=", "3*4="]
 
@@ -31,7 +31,7 @@ def test_behaviour_logprobs_equal_training_forward(policy, temperature):
     plan = _plan(tokenizer)
     params = SamplingParams(temperature=temperature, max_new_tokens=12, seed=7)
     completions = engine.generate(plan.prompt_token_ids, plan.n_per_prompt, params)
-    rollouts = rollouts_from_completions(plan, completions, chunk=0, pad_id=tokenizer.pad_token_id)
+    rollouts = rollouts_from_completions(plan, completions, source=0, pad_id=tokenizer.pad_token_id)
     ids = torch.cat([rollouts.prompt_ids, rollouts.response_ids], 1)
     mask = torch.cat([rollouts.prompt_mask, rollouts.response_mask], 1)
     with torch.no_grad():
@@ -197,6 +197,6 @@ def test_sampling_stops_at_the_generation_configs_eos_ids_too(tiny_path):
 
     module = GRPOModule(model=tiny_path, group_size=4, max_new_tokens=6)
     eos = module.tokenizer.eos_token_id
-    assert module.sampling_params(0).stop_token_ids == ()  # the tiny model's generation config names only eos
+    assert module.driver.sampling_params(0).stop_token_ids == ()  # the tiny model's generation config names only eos
     module.policy.generation_config.eos_token_id = [eos, 7, 5]
-    assert module.sampling_params(0).stop_token_ids == (5, 7)
+    assert module.driver.sampling_params(0).stop_token_ids == (5, 7)

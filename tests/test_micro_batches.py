@@ -13,7 +13,7 @@ import torch
 from lit_rlvr import functional as F
 from lit_rlvr.functional.losses import AGGREGATIONS
 from lit_rlvr.module import GRPOModule
-from lit_rlvr.rollouts import Rollouts
+from lit_rlvr.rollout.batch import Rollouts
 from tiny_options import TINY as TINY_OPTIONS
 
 TINY = {"cache_dir": os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr"), **TINY_OPTIONS}  # = conf/model/tiny.yaml
@@ -28,7 +28,7 @@ def _rollouts(module: GRPOModule, tau) -> Rollouts:
     rollouts = Rollouts(
         prompt_ids=torch.randint(4, 90, (n, p), generator=g), prompt_mask=torch.ones(n, p, dtype=torch.bool),
         response_ids=torch.randint(4, 90, (n, t), generator=g), response_mask=torch.arange(t) < lengths[:, None],
-        old_logp=torch.zeros(n, t), group=torch.arange(n) // 4, chunk=torch.zeros(n, dtype=torch.long),
+        old_logp=torch.zeros(n, t), group=torch.arange(n) // 4, source=torch.zeros(n, dtype=torch.long),
         num_groups=2, prompts=["a", "b"], answers=[0, 0], advantages=torch.randn(n, generator=g), seq_mask_tau=tau)
     with torch.no_grad():
         logp, _ = module.forward_logprobs(module.policy, rollouts)  # [n, t]

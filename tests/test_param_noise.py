@@ -22,7 +22,7 @@ from lit_rlvr.callbacks import ParamNoise
 from lit_rlvr.data.datamodule import RLVRDataModule
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.optim import IVON, sample_seed
-from lit_rlvr.rollouts import Rollouts
+from lit_rlvr.rollout.batch import Rollouts
 from tiny_options import TINY as TINY_OPTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -200,7 +200,7 @@ def test_m3po_advantages_within_each_chunk():
     rollouts = Rollouts(prompt_ids=torch.zeros(4, 1, dtype=torch.long), prompt_mask=torch.ones(4, 1, dtype=torch.bool),
                         response_ids=torch.zeros(4, 1, dtype=torch.long), response_mask=torch.ones(4, 1, dtype=torch.bool),
                         old_logp=torch.zeros(4, 1), group=torch.zeros(4, dtype=torch.long),
-                        chunk=torch.tensor([0, 0, 1, 1]), num_groups=1, prompts=["p"], answers=["a"],
+                        source=torch.tensor([0, 0, 1, 1]), num_groups=1, prompts=["p"], answers=["a"],
                         rewards=torch.tensor([1.0, -1.0, 1.0, 1.0]))
     logged = {}
     stub = SimpleNamespace(log_metrics=logged.update, hparams=SimpleNamespace(scale_adv_by_std=True))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_rlvr.rollout.engine import SamplingParams
+from lit_rlvr.rollout.engine import RolloutEngine, SamplingParams
 from lit_rlvr.rollout.sglang import NEUTRAL_SAMPLING, build_requests, engine_args, parse_outputs
 from lit_rlvr.rollout.weights import push_weights
 
@@ -98,7 +98,7 @@ def test_parse_rejects_abort_count_mismatch_and_misaligned_logprobs():
 
 # -- push_weights --------------------------------------------------------------------------------------------
 def test_push_weights_ends_the_update_once_when_the_engine_can():
-    class Recorder:
+    class Recorder(RolloutEngine):  # the base class's end_weight_update does nothing
         def __init__(self):
             self.calls = []
 

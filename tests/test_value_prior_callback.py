@@ -19,7 +19,7 @@ from lit_rlvr.data.datamodule import collate
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.rewards.base import RewardResult, RewardRunner
-from lit_rlvr.rollouts import RolloutPlan, Rollouts
+from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 from tiny_options import TINY as TINY_OPTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +67,7 @@ def fake_rollouts(prompts, rewards):
     return Rollouts(
         prompt_ids=torch.ones(n, 1, dtype=torch.long), prompt_mask=torch.ones(n, 1, dtype=torch.bool),
         response_ids=torch.ones(n, 1, dtype=torch.long), response_mask=torch.ones(n, 1, dtype=torch.bool),
-        old_logp=torch.zeros(n, 1), group=group, chunk=torch.zeros(n, dtype=torch.long),
+        old_logp=torch.zeros(n, 1), group=group, source=torch.zeros(n, dtype=torch.long),
         num_groups=len(prompts), prompts=list(prompts), answers=[0] * len(prompts),
         rewards=torch.tensor(flat, dtype=torch.float32), malformed=torch.zeros(n, dtype=torch.bool),
     )
@@ -370,7 +370,7 @@ def test_c3po_v05_spreads_osla_rounds_over_weight_samples(cache_dir):
 
     class ChunkSpy(RLVRCallback):
         def on_before_advantages(self, trainer, pl_module, rollouts):
-            chunks.append(torch.stack([rollouts.group, rollouts.chunk], -1))  # [N, 2]
+            chunks.append(torch.stack([rollouts.group, rollouts.source], -1))  # [N, 2]
 
     fit(module, [*callbacks, ChunkSpy()], DataLoader(records, batch_size=8, collate_fn=collate), steps=1)
     table = torch.zeros(8, 4, dtype=torch.long).index_put_(tuple(chunks[0].T), torch.tensor(1), accumulate=True)

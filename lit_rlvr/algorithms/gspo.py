@@ -9,7 +9,7 @@ from torch import Tensor
 from lit_rlvr import functional as F
 from lit_rlvr.algorithms.common import check_fixed
 from lit_rlvr.module import GRPOModule
-from lit_rlvr.rollouts import Rollouts
+from lit_rlvr.rollout.batch import Rollouts
 
 
 class GSPOModule(GRPOModule):

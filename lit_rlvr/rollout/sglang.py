@@ -22,7 +22,8 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lit_rlvr.rollout.engine import Completion, EngineError, SamplingParams, expand_rows, save_policy_config
+from lit_rlvr.rollout.engine import (Completion, EngineError, RolloutEngine, SamplingParams, expand_rows,
+                                     save_policy_config)
 
 FINISH_REASONS = {"stop": "stop", "length": "length"}  # sglang finish_reason["type"] -> ours; "abort" raises
 # Explicit so server-side `preferred_sampling_params` cannot add penalties that change the behaviour log-probs.
@@ -154,7 +155,7 @@ def _check(result, what: str) -> None:
         raise RuntimeError(f"sglang {what} failed: {message}")
 
 
-class SGLangEngine:
+class SGLangEngine(RolloutEngine):
     """The RolloutEngine protocol on `sglang.Engine`; `version` is -1 while it holds no pushed weights."""
 
     mode = "copy"  # weights arrive only through load_weights

@@ -102,8 +102,7 @@ class FSDPRolloutStrategy(ModelParallelStrategy):
         """Shard the module's `policy` (and `ref_policy`, if any) once; called from `configure_model`."""
         if getattr(module, "_fsdp_sharded", False):
             return
-        engine: Optional[Any] = getattr(module, "engine", None)
-        if getattr(engine, "mode", None) == "shared":
+        if module.engine is not None and module.engine.shares_weights:
             raise ValueError("engine.options.mode=shared samples with the trainer's own weights, which FSDP shards: "
                              "use engine.options.mode=copy (CPU, tests) or engine=sglang (GPUs)")
         mesh = self.device_mesh["data_parallel"]
