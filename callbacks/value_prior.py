@@ -18,7 +18,7 @@ ahead (another sampler, a module that draws extra batches) is embedded in the st
 
 Until the context holds `min_context` records the prior is absent: the baseline is the plain sample mean and
 OSLA asks for samples as for the plain mean (every prompt up to k_max with c ≈ 1/256); `v05/prior_present` = 0.
-The module's `group_size` is not used: k_init and OSLA decide how many samples each prompt gets.
+The first round draws k_init samples per prompt (by default the module's `group_size`), OSLA decides the rest.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class ValuePrior(RLVRCallback):
     """V0.5 for any `GRPOModule` (see the module docstring for the step).
 
     Args:
-        k_init: samples per prompt in the first round (paper: 4).
+        k_init: samples per prompt in the first round (paper: 4); None = the module's `group_size`.
         k_max: never more samples than this per prompt (paper: 16).
         cost: OSLA's price c of one more sample, in baseline MSE on the ±1 reward scale (paper: 0.0039 ≈ 1/256);
             other reward ranges scale it by ((high − low)/2)², so the same c stops at the same count.
@@ -84,7 +84,6 @@ class ValuePrior(RLVRCallback):
         round_size: extra samples per asking prompt per round *(inferred: 1)*.
         reward_range: (low, high) of the reward; the prior and success rates are mapped onto it.
         noise_var: σ² of Eq. 8/12; None = worst case for the range, (high − low)²/4 (= 1 for ±1 rewards).
-        scale_by_std: divide A = r − b by the group's reward std (paper: off).
         context_size, min_context: the context buffer of V0 (records kept; below min_context the prior is absent).
         backbone, head, head_kwargs, features, adapter_path, max_length, device, seed, bandwidth_refit: V0,
             see `lit_rlvr.value.ValueModel.create`; `device` None = the policy's device (the strategy's root
@@ -106,7 +105,7 @@ class ValuePrior(RLVRCallback):
 
     def __init__(
         self,
-        k_init: int = 4,
+        k_init: Optional[int] = None,
         k_max: int = 16,
         cost: float = 0.0039,
         min_active_frac: float = 0.25,
@@ -114,7 +113,6 @@ class ValuePrior(RLVRCallback):
         round_size: int = 1,
         reward_range: Sequence[float] = (-1.0, 1.0),
         noise_var: Optional[float] = None,
-        scale_by_std: bool = False,
         context_size: int = 256,
         min_context: int = 32,
         backbone: str = "minilm",
@@ -132,7 +130,7 @@ class ValuePrior(RLVRCallback):
         value_model: Any = None,
     ) -> None:
         super().__init__()
-        _check_budget(k_init, k_max, cost, min_active_frac, pad_to, round_size)
+        _check_budget(1 if k_init is None else k_init, k_max, cost, min_active_frac, pad_to, round_size)
         self.low, self.high, self.noise_var = _check_rewards(reward_range, noise_var)
         if not 1 <= min_context <= context_size:
             raise ValueError(f"{KEY}.min_context must be in [1, {KEY}.context_size]; got min_context={min_context}, "
@@ -149,11 +147,10 @@ class ValuePrior(RLVRCallback):
         if not 0.0 <= bandwidth_refit <= 1.0:
             raise ValueError(f"{KEY}.bandwidth_refit must be in [0, 1], got {bandwidth_refit}")
         self.precompute, self.precompute_max, self.precompute_batch = precompute, precompute_max, precompute_batch
-        self.k_init, self.k_max, self.cost = k_init, k_max, cost
+        self.k_init, self.k_max, self.cost = k_init, k_max, cost  # k_init None: set in setup
         # c is a price in baseline MSE on the ±1 scale; MSE scales with the square of the reward range
         self._cost_f32 = round_f32(cost * ((self.high - self.low) / 2) ** 2)
         self.min_active_frac, self.pad_to, self.round_size = min_active_frac, pad_to, round_size
-        self.scale_by_std = scale_by_std
         self.context = ContextBuffer(capacity=context_size, min_context=min_context)
         self.value_model_kwargs = dict(backbone=backbone, head=head, head_kwargs=head_kwargs, features=features,
                                        adapter_path=adapter_path, max_length=max_length, device=device, seed=seed,
@@ -177,7 +174,10 @@ class ValuePrior(RLVRCallback):
             kwargs["device"] = kwargs["device"] or str(trainer.strategy.root_device)
             self.value_model = ValueModel.create(**kwargs)
             self._restore_backbone_cache()
-        _warn_unused_module_options(pl_module, self.k_init, self.scale_by_std)
+        if self.k_init is None:
+            self.k_init = int(pl_module.hparams["group_size"])
+            _check_budget(self.k_init, self.k_max, self.cost, self.min_active_frac, self.pad_to, self.round_size)
+        _warn_unused_module_options(pl_module, self.k_init)
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -236,7 +236,7 @@ class ValuePrior(RLVRCallback):
         prior = self.to_reward_scale(p_hat) if p_hat is not None else torch.full((plan.num_prompts,), math.nan)  # [B]
         step.prior.update(zip(plan.prompts, prior.tolist()))
         step.p_hat.update(zip(plan.prompts, p_hat.tolist() if p_hat is not None else [math.nan] * plan.num_prompts))
-        plan.n_per_prompt = [self.k_init] * plan.num_prompts  # the module's group_size is not used
+        plan.n_per_prompt = [self.k_init] * plan.num_prompts
         prior_list = prior.tolist()  # [B] float32 values, once for all rounds
         plan.budget_rule = lambda rollouts: self._next_round(rollouts, prior_list)
         step.prior_s += time.perf_counter() - t0
@@ -249,7 +249,6 @@ class ValuePrior(RLVRCallback):
         prior = [step.prior.get(p, math.nan) for p in rollouts.prompts]  # [B] float32 values
         baseline, step.fusion = shrinkage_fusion_py(mean, prior, counts, self.noise_var)  # [B] = shrinkage_fusion
         rollouts.baseline = torch.tensor(baseline, dtype=torch.float32)
-        rollouts.scale_adv_by_std = self.scale_by_std  # A = r − b: the fused baseline is the whole point
         step.prior_s += time.perf_counter() - t0
 
     @override
@@ -508,12 +507,12 @@ def _check_rewards(reward_range: Sequence[float], noise_var: Optional[float]) ->
     return low, high, float(noise_var) if noise_var is not None else reward_noise_var(low, high)
 
 
-def _warn_unused_module_options(pl_module: "pl.LightningModule", k_init: int, scale_by_std: bool) -> None:
-    """Say so when a module option the user may have set has no effect under V0.5."""
+def _warn_unused_module_options(pl_module: "pl.LightningModule", k_init: int) -> None:
+    """Say so when a module option the user may have set has no effect, or departs from the paper, under V0.5."""
     hp = getattr(pl_module, "hparams", {})
     if hp.get("group_size", k_init) != k_init:
         log.warning("V0.5: algorithm.group_size=%s is not used; %s.k_init=%d samples per prompt start each step "
                     "and OSLA adds more", hp["group_size"], KEY, k_init)
-    if hp.get("scale_adv_by_std", scale_by_std) != scale_by_std:
-        log.warning("V0.5: algorithm.scale_adv_by_std=%s is overridden by %s.scale_by_std=%s",
-                    hp["scale_adv_by_std"], KEY, scale_by_std)
+    if hp.get("scale_adv_by_std", False):
+        log.warning("V0.5 with algorithm.scale_adv_by_std=true divides A = r − b by the group's reward std; the "
+                    "paper uses the fused baseline alone (algorithm.scale_adv_by_std=false)")

@@ -49,7 +49,8 @@ class GRPOModule(pl.LightningModule):
     """GRPO with PPO-clip (Shao et al. 2024) and the usual knobs; see DESIGN §4 for every option.
 
     Args (the ones a user changes most): `group_size` G samples per prompt; `lr`; `eps_low`/`eps_high` clip
-    range; `dual_clip` c (> 1: verl's clip_ratio_c; None = off); `loss_aggregation` (one of
+    range; `dual_clip` c (> 1: verl's clip_ratio_c; None = off); `seq_mask_tau` τ of the sequence-level
+    importance mask (3PO, DESIGN §4; None = off); `loss_aggregation` (one of
     `functional.AGGREGATIONS`); `scale_adv_by_std`; `kl_coef` β (> 0 loads a frozen reference copy) with
     `kl_estimator` (and `kl_k3_cap`: verl caps k3 at 10; None = no cap); `entropy_coef` η; `ppo_epochs` passes
     over each rollout batch; `mini_batches` optimizer steps per epoch; `micro_batch_size` completions per
@@ -85,6 +86,7 @@ class GRPOModule(pl.LightningModule):
         eps_low: float = 0.2,
         eps_high: float = 0.2,
         dual_clip: Optional[float] = None,
+        seq_mask_tau: Optional[float] = None,
         loss_aggregation: str = "seq-mean-token-mean",
         scale_adv_by_std: bool = True,
         kl_coef: float = 0.0,
@@ -136,6 +138,9 @@ class GRPOModule(pl.LightningModule):
         if hp.dual_clip is not None and not hp.dual_clip > 1:
             raise ValueError(f"algorithm.dual_clip={hp.dual_clip}: the dual-clip bound c must be > 1 (verl: 3.0); "
                              "null turns it off")
+        if hp.seq_mask_tau is not None and not hp.seq_mask_tau > 1:
+            raise ValueError(f"algorithm.seq_mask_tau={hp.seq_mask_tau}: the importance mask keeps ratios in "
+                             "[1/τ, τ], so τ must be > 1 (3PO's paper: 2); null turns the mask off")
         if hp.kl_k3_cap is not None and (hp.kl_estimator != "k3" or not hp.kl_k3_cap > 0):
             raise ValueError(f"algorithm.kl_k3_cap={hp.kl_k3_cap} caps the k3 estimator: it needs algorithm."
                              f"kl_estimator=k3 (got {hp.kl_estimator}) and a cap > 0 (verl: 10); null = no cap")
@@ -253,10 +258,10 @@ class GRPOModule(pl.LightningModule):
 
     # -- advantages and loss (subclass points) ----------------------------------------------------------------
     def compute_advantages(self, rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
-        """[N] advantages; uses `rollouts.baseline` and `rollouts.scale_adv_by_std` when a callback set them (V0.5)."""
-        scale = self.hparams.scale_adv_by_std if rollouts.scale_adv_by_std is None else rollouts.scale_adv_by_std
+        """[N] advantages; relative to `rollouts.baseline` when a callback set one (V0.5)."""
         group, num_groups = rollouts.advantage_groups()  # the prompts, or smaller groups set by a callback (M3PO)
-        return F.grpo_advantages(rollouts.rewards, group, num_groups, scale_by_std=scale, baseline=rollouts.baseline)
+        return F.grpo_advantages(rollouts.rewards, group, num_groups, scale_by_std=self.hparams.scale_adv_by_std,
+                                 baseline=rollouts.baseline)
 
     def policy_loss(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
         """Surrogate loss of one micro-batch. logp, old_logp, mask: [n, T]; advantages: [n]."""
@@ -282,10 +287,10 @@ class GRPOModule(pl.LightningModule):
         old = rollouts.old_logp.to(self.device)
         advantages = rollouts.advantages.to(self.device)  # [n]
         keep_metrics = {}
-        if rollouts.seq_mask_tau is not None:
+        if hp.seq_mask_tau is not None:
             # 3PO: a sequence whose ratio left [1/τ, τ] gets no policy gradient. Its terms become 0 but its tokens
             # stay in every normalisation, as the micro-batch weights assume: the loss cannot depend on micro-batching
-            keep, keep_metrics = F.sequence_importance_mask(logp, old, mask, tau=rollouts.seq_mask_tau)  # [n]
+            keep, keep_metrics = F.sequence_importance_mask(logp, old, mask, tau=hp.seq_mask_tau)  # [n]
             advantages = advantages * keep  # [n]
         loss, metrics = self.policy_loss(logp, old, advantages, mask, rollouts)
         metrics.update(keep_metrics)

@@ -29,7 +29,8 @@ def _rollouts(module: GRPOModule, tau) -> Rollouts:
         prompt_ids=torch.randint(4, 90, (n, p), generator=g), prompt_mask=torch.ones(n, p, dtype=torch.bool),
         response_ids=torch.randint(4, 90, (n, t), generator=g), response_mask=torch.arange(t) < lengths[:, None],
         old_logp=torch.zeros(n, t), group=torch.arange(n) // 4, source=torch.zeros(n, dtype=torch.long),
-        num_groups=2, prompts=["a", "b"], answers=[0, 0], advantages=torch.randn(n, generator=g), seq_mask_tau=tau)
+        num_groups=2, prompts=["a", "b"], answers=[0, 0], advantages=torch.randn(n, generator=g))
+    module.hparams.seq_mask_tau = tau
     with torch.no_grad():
         logp, _ = module.forward_logprobs(module.policy, rollouts)  # [n, t]
     shift = torch.full((n, 1), 0.02)

@@ -47,11 +47,9 @@ class Rollouts:
     rewards: Optional[Tensor] = None  # [N] float
     malformed: Optional[Tensor] = None  # [N] bool: no answer could be read, or the reward failed
     baseline: Optional[Tensor] = None  # [B] float: per-group baseline set by a callback (V0.5); None = group mean
-    scale_adv_by_std: Optional[bool] = None  # set by a callback (V0.5: False) to override the module's option
     advantages: Optional[Tensor] = None  # [N] float
     loss_pass: Optional[Tensor] = None  # [N] long: sample index of the loss pass (M3PO); None = one pass
     adv_group: Optional[Tensor] = None  # [N] long: advantage group set by a callback (M3PO: prompt × source); None = group
-    seq_mask_tau: Optional[float] = None  # τ of the sequence-level importance mask (3PO, DESIGN §4); None = off
     extras: dict[str, Any] = field(default_factory=dict)
 
     @property
