@@ -15,7 +15,8 @@ the weights to the engine inside the generation context. Loss contexts use `trai
 that sample's gradient (and noise⊙gradient for the Hessian); the module's single optimizer step per RL step
 is IVON's update from the recorded samples. The loss uses each rollout's behaviour log-probs as `old`, so in
 C3PO the ratio compares θ̂_N with the θ̂_c that generated the sequence; the module's loss option `seq_mask_tau`
-τ drops sequences whose ratio exp(Σ_t(logp − old)) leaves [1/τ, τ] (DESIGN §4). In B3PO and M3PO the loss sample is the generating one,
+τ drops sequences whose ratio exp(Σ_t(logp − old)) leaves [1/τ, τ] (DESIGN §4). In B3PO and M3PO the loss sample is the
+generating one,
 so the ratio is 1 and the mask keeps everything.
 """
 

@@ -196,7 +196,8 @@ class ValuePrior(RLVRCallback):
             log.info("V0.5: features computed ahead %d steps (%d prompts) at a time", steps, steps * source.batch_size)
 
     @override
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                             batch_idx: int) -> None:
         self._step, self._stats = None, None  # a step that raised half-way must not leak its prior into this one
         if self._ahead is not None:
             prompts = self._ahead.chunk_for(trainer.current_epoch, batch_idx)  # None: this chunk is held already
@@ -357,7 +358,8 @@ class ValuePrior(RLVRCallback):
         group tensors themselves, their in-place version counters and B, so any change recomputes. The lists are
         shared: read them, never write."""
         rewards, group = rollouts.rewards, rollouts.group
-        key = (rewards, group, getattr(rewards, "_version", None), getattr(group, "_version", None), rollouts.num_groups)
+        key = (rewards, group, getattr(rewards, "_version", None), getattr(group, "_version", None),
+               rollouts.num_groups)
         held = self._stats
         if held is not None and held[0][0] is key[0] and held[0][1] is key[1] and held[0][2:] == key[2:]:
             return held[1]
@@ -385,7 +387,8 @@ class ValuePrior(RLVRCallback):
             # prior-vs-outcome metrics only exist where there was a prior (NaN in the absent phase)
             "v05/prior_rejected_frac": _mean(where_prior(fusion["prior_rejected"])) if any_prior else nan,
             "v05/prior_abs_err": _mean(where_prior([abs(p - s) for p, s in zip(p_hat, success)])) if any_prior else nan,
-            "v05/prior_auc": binary_auroc_py([p_hat[g] for g in group], [r > mid for r in rewards]) if all_prior else nan,
+            "v05/prior_auc": binary_auroc_py([p_hat[g] for g in group],
+                                             [r > mid for r in rewards]) if all_prior else nan,
             "v05/p_hat_mean": _mean(where_prior(p_hat)) if any_prior else nan,
         }
         values = torch.tensor(list(metrics.values()), dtype=torch.float32)  # one tensor, not nine

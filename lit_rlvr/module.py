@@ -263,7 +263,8 @@ class GRPOModule(pl.LightningModule):
         return F.grpo_advantages(rollouts.rewards, group, num_groups, scale_by_std=self.hparams.scale_adv_by_std,
                                  baseline=rollouts.baseline)
 
-    def policy_loss(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
+    def policy_loss(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+                    rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
         """Surrogate loss of one micro-batch. logp, old_logp, mask: [n, T]; advantages: [n]."""
         hp = self.hparams
         return F.ppo_clip_loss(logp, old_logp, advantages, mask, eps_low=hp.eps_low, eps_high=hp.eps_high,
@@ -275,7 +276,8 @@ class GRPOModule(pl.LightningModule):
         mask = torch.cat([rollouts.prompt_mask, rollouts.response_mask], dim=1).to(self.device)  # [n, P+T]
         position_ids = (mask.long().cumsum(-1) - 1).clamp_min(0)
         width = rollouts.response_ids.shape[1]
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, logits_to_keep=width + 1).logits[:, :-1]
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
+                       logits_to_keep=width + 1).logits[:, :-1]
         temperature = self.hparams.temperature or 1.0
         return F.token_logprobs(logits, rollouts.response_ids.to(self.device), temperature=temperature), logits
 
@@ -406,16 +408,19 @@ class GRPOModule(pl.LightningModule):
         discard = getattr(optimizer, "discard_samples", None)  # IVON: this step's gradient samples must not leak
         if discard is not None:
             discard()
-        log.warning("non-finite %s at step %d: step skipped (%d in a row)", what, self.global_step, self.counters["bad_steps_in_row"])
+        log.warning("non-finite %s at step %d: step skipped (%d in a row)", what, self.global_step,
+                    self.counters["bad_steps_in_row"])
         if self.counters["bad_steps_in_row"] >= self.hparams.max_bad_steps:
             raise NonFiniteError(
                 f"{self.counters['bad_steps_in_row']} non-finite steps in a row (algorithm.max_bad_steps="
-                f"{self.hparams.max_bad_steps}); lower algorithm.lr or check the reward; {checkpoint_hint(self._trainer)}")
+                f"{self.hparams.max_bad_steps}); lower algorithm.lr or check the reward; "
+                f"{checkpoint_hint(self._trainer)}")
 
     # -- metrics ----------------------------------------------------------------------------------------------
     def log_metrics(self, metrics: dict[str, Tensor]) -> None:
         """Add metrics to this step's row (callbacks call this too)."""
-        self.step_metrics.update({k: v.detach().float() if isinstance(v, Tensor) else torch.tensor(float(v)) for k, v in metrics.items()})
+        self.step_metrics.update({k: v.detach().float() if isinstance(v, Tensor) else torch.tensor(float(v))
+                                  for k, v in metrics.items()})
 
     def _log_step(self, rollouts: Rollouts, step_s: float) -> None:
         lengths = rollouts.response_mask.sum(-1).float()  # [N]

@@ -199,7 +199,8 @@ def test_bad_arguments(kwargs):
 def test_m3po_advantages_within_each_chunk():
     # one prompt, G = 4 from M = 2 samples: chunk 0 rewards (+1, −1), chunk 1 (+1, +1)
     rollouts = Rollouts(prompt_ids=torch.zeros(4, 1, dtype=torch.long), prompt_mask=torch.ones(4, 1, dtype=torch.bool),
-                        response_ids=torch.zeros(4, 1, dtype=torch.long), response_mask=torch.ones(4, 1, dtype=torch.bool),
+                        response_ids=torch.zeros(4, 1, dtype=torch.long), response_mask=torch.ones(4, 1,
+                                                                                                   dtype=torch.bool),
                         old_logp=torch.zeros(4, 1), group=torch.zeros(4, dtype=torch.long),
                         source=torch.tensor([0, 0, 1, 1]), num_groups=1, prompts=["p"], answers=["a"],
                         rewards=torch.tensor([1.0, -1.0, 1.0, 1.0]))

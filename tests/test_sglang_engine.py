@@ -354,7 +354,8 @@ def test_real_sglang_greedy_equals_hf_engine(tiny_path):
         again = engine.generate(prompts, [1, 1, 1, 1], params)
     finally:
         engine.shutdown()
-    want = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id).generate(prompts, [2, 1, 1, 1], params)
+    want = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id).generate(prompts, [2, 1, 1, 1],
+                                                                                                  params)
     for got_group, want_group in zip(got, want):
         for g, w in zip(got_group, want_group):
             assert g.token_ids.tolist() == w.token_ids.tolist() and g.finish_reason == w.finish_reason

@@ -164,7 +164,8 @@ def test_sliding_columns_hold_the_records_columns_and_give_a_copys_matmul_bits()
         assert torch.equal(view, expected)
         z = torch.randn(8, 384, dtype=torch.float64, generator=g)
         bias = torch.randn(40, dtype=torch.float64, generator=g)
-        assert torch.equal(torch.addmm(bias, z, view, beta=-1, alpha=2), torch.addmm(bias, z, expected, beta=-1, alpha=2))
+        assert torch.equal(torch.addmm(bias, z, view, beta=-1, alpha=2), torch.addmm(bias, z, expected, beta=-1,
+                                                                                     alpha=2))
     assert moved >= 2
 
 

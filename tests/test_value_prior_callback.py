@@ -220,7 +220,8 @@ def test_prior_absent_below_min_context_gives_the_sample_mean():
 
 
 def test_config_errors_name_the_keys():
-    with pytest.raises(ValueError, match=r"algorithm\.callbacks\.value_prior\.k_init=17.*algorithm\.callbacks\.value_prior\.k_max=16"):
+    with pytest.raises(ValueError, match=r"algorithm\.callbacks\.value_prior\.k_init=17.*"
+                                         r"algorithm\.callbacks\.value_prior\.k_max=16"):
         ValuePrior(k_init=17, k_max=16)
     with pytest.raises(ValueError, match=r"value_prior\.min_context"):
         ValuePrior(min_context=300, context_size=256)

@@ -88,7 +88,8 @@ class DAPOModule(GRPOModule):
             out = Rollouts.stack_groups(kept, self.tokenizer.pad_token_id)
             out = out.select_groups(torch.arange(out.num_groups) < target)
         self.log_metrics({"dapo/kept_groups": float(min(have, target)), "dapo/refill_rounds": float(self._refill),
-                          "dapo/cap_hit": float(have < target), "reward/accuracy_generated": correct / max(generated, 1),
+                          "dapo/cap_hit": float(have < target), "reward/accuracy_generated": correct / max(generated,
+                                                                                                           1),
                           "reward/mean_generated": total / max(generated, 1)})
         return out
 

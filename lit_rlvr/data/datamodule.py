@@ -105,13 +105,14 @@ class RLVRDataModule(pl.LightningDataModule):
 
     Args: `batch_size` prompts per RL step over all ranks (each of W data-parallel ranks loads batch_size / W);
     `seed` the order of training prompts; `split_seed` the arithmetic train/test split (keep it equal to the tiny
-    model's warm-up split, 0, so held-out problems are unseen); `eval_batch_size` prompts per validation batch; `num_train`/`num_test`
-    arithmetic problems per split; `path`/`eval_path` training/evaluation files; `fields` a field mapping or
-    preset name (`eval_fields` for the `eval_path` file when its columns differ); `max_prompt_chars` length
-    filter; `max_prompt_tokens` token limit of a file's prompts (null: the model's context minus
-    `max_new_tokens`; checked by `check_prompt_tokens`); `on_bad_row` "error" | "skip"; `eval_limit` first N evaluation prompts; `instruction` text appended
-    to every prompt's last user turn (e.g. `formats.MATH_INSTRUCTION`) and `system_prompt` a system message
-    added to prompts without one (both for training and evaluation).
+    model's warm-up split, 0, so held-out problems are unseen); `eval_batch_size` prompts per validation batch;
+    `num_train`/`num_test` arithmetic problems per split; `path`/`eval_path` training/evaluation files; `fields` a
+    field mapping or preset name (`eval_fields` for the `eval_path` file when its columns differ);
+    `max_prompt_chars` length filter; `max_prompt_tokens` token limit of a file's prompts (null: the model's context
+    minus `max_new_tokens`; checked by `check_prompt_tokens`); `on_bad_row` "error" | "skip"; `eval_limit` first N
+    evaluation prompts; `instruction` text appended to every prompt's last user turn (e.g.
+    `formats.MATH_INSTRUCTION`) and `system_prompt` a system message added to prompts without one (both for
+    training and evaluation).
     """
 
     def __init__(
@@ -176,7 +177,8 @@ class RLVRDataModule(pl.LightningDataModule):
                             "(set data.eval_path=FILE for a separate set)", hp.path)
         else:
             task = ArithmeticTask(levels=tuple(hp.levels), seed=hp.split_seed)
-            self._sources = (ArithmeticDataset(task, hp.num_train, "train"), ArithmeticDataset(task, hp.num_test, "test"))
+            self._sources = (ArithmeticDataset(task, hp.num_train, "train"),
+                             ArithmeticDataset(task, hp.num_test, "test"))
         self._wrap()
 
     def _wrap(self) -> None:

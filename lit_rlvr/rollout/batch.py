@@ -49,7 +49,8 @@ class Rollouts:
     baseline: Optional[Tensor] = None  # [B] float: per-group baseline set by a callback (V0.5); None = group mean
     advantages: Optional[Tensor] = None  # [N] float
     loss_pass: Optional[Tensor] = None  # [N] long: sample index of the loss pass (M3PO); None = one pass
-    adv_group: Optional[Tensor] = None  # [N] long: advantage group set by a callback (M3PO: prompt × source); None = group
+    # [N] long: advantage group set by a callback (M3PO: prompt × source); None = group
+    adv_group: Optional[Tensor] = None
     extras: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -78,7 +79,8 @@ class Rollouts:
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == self.num_samples and f.name != "baseline":
+            per_sample = isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == self.num_samples
+            if per_sample and f.name != "baseline":
                 value = value[index]
             elif f.name in ("completions", "finish_reason") and value:
                 value = [value[i] for i in index.tolist()]

@@ -62,7 +62,8 @@ class RolloutEngine:
         raise NotImplementedError
 
     def generate_stacked(self, prompt_token_ids: Sequence[Sequence[int]], per_source: Sequence[Sequence[int]],
-                         params: Sequence[SamplingParams], stacks: dict[Tensor, Tensor]) -> list[list[list[Completion]]]:
+                         params: Sequence[SamplingParams],
+                         stacks: dict[Tensor, Tensor]) -> list[list[list[Completion]]]:
         """Completions per weight source s (counts `per_source[s]`, weights `stacks[·][s]`); when
         `can_generate_stacked`."""
         raise NotImplementedError(f"{type(self).__name__} has no stacked generation")

@@ -153,7 +153,8 @@ class HFEngine(RolloutEngine):
         seeds = row_seeds(prompt_token_ids, n_per_prompt, params.seed)  # [R]
         done: list[Completion] = []
         for start in range(0, len(rows), self.max_batch):
-            done.extend(self._sample(rows[start : start + self.max_batch], params, seeds[start : start + self.max_batch]))
+            done.extend(self._sample(rows[start : start + self.max_batch], params,
+                                     seeds[start : start + self.max_batch]))
         return _per_prompt(done, n_per_prompt)
 
     @torch.inference_mode()
@@ -268,6 +269,7 @@ class HFEngine(RolloutEngine):
         scaled = logits / params.temperature  # [R, V]
         probs = torch.softmax(filter_logits(scaled, top_k=params.top_k, top_p=params.top_p), dim=-1)
         cdf = probs.double().cumsum(-1)  # [R, V]
-        token = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(-1)  # [R]; p = 0 never drawn
+        # [R]; p = 0 never drawn
+        token = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(-1)
         token = token.clamp_max(probs.shape[-1] - 1)
         return token, torch.log_softmax(scaled, -1).gather(-1, token[:, None]).squeeze(-1)

@@ -34,7 +34,8 @@ IDLE_TIMEOUT_S = 60.0  # bound on each pass: a scheduler that does not answer is
 
 
 def build_requests(
-    prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int], params: SamplingParams, eos_id: Optional[int]
+    prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int], params: SamplingParams,
+    eos_id: Optional[int],
 ) -> tuple[list[list[int]], list[dict[str, Any]]]:
     """One sglang request per sample (prompt b repeated n_b times, in order) -> (input_ids, sampling_params).
 

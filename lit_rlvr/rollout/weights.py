@@ -36,7 +36,8 @@ def buckets(named: Iterator[tuple[str, Tensor]], max_bytes: int) -> Iterator[lis
         yield bucket
 
 
-def push_weights(engine: RolloutEngine, model: nn.Module, *, bucket_bytes: int = 256 << 20, dtype: Optional[torch.dtype] = None) -> int:
+def push_weights(engine: RolloutEngine, model: nn.Module, *, bucket_bytes: int = 256 << 20,
+                 dtype: Optional[torch.dtype] = None) -> int:
     """Send the model's weights to `engine.load_weights` bucket by bucket; returns the bytes pushed.
 
     `engine.end_weight_update` is called after the last bucket (SGLang flushes its cache once there).

@@ -124,7 +124,8 @@ class FSDPRolloutStrategy(ModelParallelStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         # kept beside the model state (not in the distributed-checkpoint tensors), in both checkpoint layouts
-        flat = [s.pop(FLAT_OPTIMIZER_STATES) for s in checkpoint.get("optimizer_states", []) if FLAT_OPTIMIZER_STATES in s]
+        states = checkpoint.get("optimizer_states", [])
+        flat = [s.pop(FLAT_OPTIMIZER_STATES) for s in states if FLAT_OPTIMIZER_STATES in s]
         if flat:
             checkpoint["optimizer_states"] = [s for s in checkpoint["optimizer_states"] if s]
             checkpoint[FLAT_OPTIMIZER_STATES] = flat
@@ -139,7 +140,8 @@ class FSDPRolloutStrategy(ModelParallelStrategy):
         from lightning.fabric.strategies.model_parallel import _load_checkpoint
 
         path = Path(self.broadcast(checkpoint_path))
-        checkpoint = _load_checkpoint(path=path, state={"state_dict": self.model}, strict=self.lightning_module.strict_loading,
+        checkpoint = _load_checkpoint(path=path, state={"state_dict": self.model},
+                                      strict=self.lightning_module.strict_loading,
                                       optimizer_states_from_list=True, weights_only=weights_only)
         for optimizer, per_rank in zip(self.optimizers, checkpoint.pop(FLAT_OPTIMIZER_STATES, [])):
             if len(per_rank) != self.world_size:
