@@ -154,7 +154,7 @@ class GRPOModule(pl.LightningModule):
             self.engine = build_engine(self.hparams.engine, self.policy, self.tokenizer, self.hparams.engine_options)
 
     def configure_model(self) -> None:
-        """Lightning's parallelism hook: a sharding strategy (`FSDPRolloutStrategy.parallelize`) shards here."""
+        """Lightning's parallelism hook: a sharding strategy (`FSDP2Strategy.parallelize`) shards here."""
         parallelize = getattr(self.trainer.strategy, "parallelize", None)
         if parallelize is not None:
             parallelize(self)

@@ -61,7 +61,7 @@ def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], *, lr: floa
                     weight_decay: float, options: Optional[dict[str, Any]], seed: int, rank: int, world_size: int,
                     strategy: str) -> torch.optim.Optimizer:
     """AdamW, or IVON seeded by the run seed and the rank. `strategy`: the trainer's strategy class name (IVON
-    on several ranks needs FSDP2's sharded parameters: `FSDPRolloutStrategy` or its alias)."""
+    on several ranks needs FSDP2's sharded parameters: `FSDP2Strategy`)."""
     options = dict(options or {})
     params = list(params)
     if name == "ivon":

@@ -1,4 +1,5 @@
-"""`FSDPRolloutStrategy`: FSDP2 training with one colocated rollout engine per rank (DESIGN §7).
+"""`FSDP2Strategy` (was `FSDPRolloutStrategy`, still an alias): FSDP2 training; the rollout engine beside each
+rank is the module's, this strategy shards the policy and saves sharded optimizer state (DESIGN §7).
 
 Lightning's `ModelParallelStrategy` runs the processes, the device mesh and the (full or sharded) checkpoints;
 this subclass shards the policy and the frozen reference with `fully_shard` per decoder block, all on one
@@ -41,7 +42,7 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     if not blocks:
         raise ValueError(f"{type(model).__name__}: no decoder blocks to shard (its _no_split_modules is "
-                         f"{sorted(names) or 'empty'}); FSDPRolloutStrategy shards a transformers causal LM per block")
+                         f"{sorted(names) or 'empty'}); FSDP2Strategy shards a transformers causal LM per block")
     return blocks
 
 
@@ -55,7 +56,7 @@ def shard_model(model: nn.Module, mesh, *, param_dtype: torch.dtype, reduce_dtyp
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if any(p.dtype != torch.float32 for p in model.parameters()):
-        log.info("FSDPRolloutStrategy: keeping fp32 master weights (the model was loaded in another dtype)")
+        log.info("FSDP2Strategy: keeping fp32 master weights (the model was loaded in another dtype)")
         model.float()
     if activation_checkpointing:
         # transformers' own switch recomputes each block in backward and keeps parameter names unchanged
@@ -71,7 +72,7 @@ def shard_model(model: nn.Module, mesh, *, param_dtype: torch.dtype, reduce_dtyp
     fully_shard(model, **options)
 
 
-class FSDPRolloutStrategy(ModelParallelStrategy):
+class FSDP2Strategy(ModelParallelStrategy):
     """FSDP2 over all ranks (pure data parallelism with sharded parameters, gradients and optimizer state).
 
     Args: `param_dtype` compute dtype (`bfloat16` on GPUs; `float32` for exact CPU tests); `reduce_dtype` of
@@ -149,3 +150,6 @@ class FSDPRolloutStrategy(ModelParallelStrategy):
                                  f"resumes only on the same number of ranks (this run has {self.world_size})")
             optimizer.load_state_dict(per_rank[self.global_rank])
         return checkpoint
+
+
+FSDPRolloutStrategy = FSDP2Strategy  # the old name: configs and checkpoints that name it keep working
