@@ -27,7 +27,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -46,6 +46,7 @@ from lit_rlvr.functional.value_prior import (
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 from lit_rlvr.value import FEATURE_MODES, HEADS, ContextBuffer, ValueModel
+from lit_rlvr.value.prefetch import Ahead, TrainPrompts
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -161,7 +162,7 @@ class ValuePrior(RLVRCallback):
         self._restored_cache_keys: list[str] = []
         self._restored_features: dict[str, Tensor] = {}
         self._restored_head: dict[str, Any] = {}
-        self._ahead: Optional[_Ahead] = None  # "next": where the coming prompts come from
+        self._ahead: Optional[Ahead] = None  # "next": where the coming prompts come from
         self._ahead_s = {"setup": 0.0, "prefetch": 0.0}  # seconds computing features ahead, not yet logged
 
     # -- Lightning hooks -------------------------------------------------------------------------------------
@@ -183,7 +184,7 @@ class ValuePrior(RLVRCallback):
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if not hasattr(self.value_model, "precompute") or self.precompute == "off":
             return
-        source = _TrainPrompts.of(trainer, pl_module)
+        source = TrainPrompts.of(trainer, pl_module)
         mode = self._resolve_precompute(source, trainer.max_steps)
         if mode == "all":
             seconds = self.value_model.precompute(source.prompts(range(len(source))), self.precompute_batch)
@@ -192,7 +193,7 @@ class ValuePrior(RLVRCallback):
         elif mode == "next":
             steps = self.precompute_max // source.batch_size
             steps = max(1, min(steps, trainer.max_steps) if trainer.max_steps and trainer.max_steps > 0 else steps)
-            self._ahead = _Ahead(source, steps)
+            self._ahead = Ahead(source, steps)
             log.info("V0.5: features computed ahead %d steps (%d prompts) at a time", steps, steps * source.batch_size)
 
     @override
@@ -204,7 +205,7 @@ class ValuePrior(RLVRCallback):
             if prompts is not None:
                 self._ahead_s["prefetch"] += self.value_model.precompute(prompts, self.precompute_batch)
 
-    def _resolve_precompute(self, source: Optional["_TrainPrompts"], max_steps: int) -> str:
+    def _resolve_precompute(self, source: Optional["TrainPrompts"], max_steps: int) -> str:
         """"auto" → "all" | "next" | "off" for this training set (see the class docstring)."""
         if source is None:
             if self.precompute != "auto":
@@ -399,69 +400,6 @@ class ValuePrior(RLVRCallback):
             raise RuntimeError("ValuePrior: on_rollout_plan was not called for this step (the module must call "
                                "the RLVRCallback hooks in order: plan, advantages, step end)")
         return self._step
-
-
-class _TrainPrompts:
-    """The training prompts as the module renders them: `prompts(indices)`, and each epoch's sample order
-    (`order(epoch)`, None when the sampler's order cannot be known ahead)."""
-
-    def __init__(self, dataset: Any, batch_size: int, render: Callable[[Any], str], sampler: Any) -> None:
-        self.dataset, self.batch_size, self.render, self.sampler = dataset, batch_size, render, sampler
-        from torch.utils.data import SequentialSampler
-
-        from lit_rlvr.data.datamodule import ResumableSampler
-
-        if isinstance(sampler, ResumableSampler):  # a pure function of (seed, epoch): a fresh one from the start
-            self.order: Optional[Callable[[int], list[int]]] = self._resumable_order
-        elif isinstance(sampler, SequentialSampler):
-            self.order = lambda epoch: list(range(len(dataset)))
-        else:
-            self.order = None
-
-    @classmethod
-    def of(cls, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Optional["_TrainPrompts"]:
-        loader = getattr(trainer, "train_dataloader", None)
-        dataset, batch_size = getattr(loader, "dataset", None), getattr(loader, "batch_size", None)
-        if dataset is None or not batch_size or not hasattr(dataset, "__len__"):
-            return None
-        render = getattr(pl_module, "render_prompt", None) or str
-        return cls(dataset, batch_size, render, getattr(loader, "sampler", None))
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def prompts(self, indices: Sequence[int]) -> list[str]:
-        rows = (self.dataset[i] for i in indices)
-        return [self.render(row["prompt"] if isinstance(row, dict) else row) for row in rows]
-
-    def _resumable_order(self, epoch: int) -> list[int]:
-        from lit_rlvr.data.datamodule import ResumableSampler
-
-        # this rank's order (the original may be skipping: resume)
-        fresh = ResumableSampler(self.sampler.size, self.sampler.seed, self.sampler.rank, self.sampler.world)
-        fresh.set_epoch(epoch)
-        return list(fresh)
-
-
-class _Ahead:
-    """"next": the prompts of `steps` batches at a time, chunks aligned to multiples of `steps` batches in the
-    epoch, so a resumed run computes the very chunks (and numbers) of the uninterrupted one."""
-
-    def __init__(self, source: _TrainPrompts, steps: int) -> None:
-        self.source, self.steps = source, steps
-        self.held: Optional[tuple[int, int]] = None  # (epoch, chunk) now held
-        self._order: tuple[int, list[int]] = (-1, [])
-
-    def chunk_for(self, epoch: int, batch_idx: int) -> Optional[list[str]]:
-        """The prompts of the chunk holding batch `batch_idx` of `epoch`, or None when it is held already."""
-        key = (epoch, batch_idx // self.steps)
-        if key == self.held:
-            return None
-        if self._order[0] != epoch:
-            self._order = (epoch, self.source.order(epoch))
-        size = self.steps * self.source.batch_size
-        self.held = key
-        return self.source.prompts(self._order[1][key[1] * size : (key[1] + 1) * size])
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -183,11 +183,11 @@ class GRPOModule(pl.LightningModule):
             self.engine.sleep()
 
     def configure_optimizers(self):
-        hp, trainer = self.hparams, self.trainer
+        hp, trainer = self.hparams, self._trainer  # None when called outside a fit (tests, notebooks)
         optimizer = build_optimizer(hp.optimizer, self.policy.parameters(), lr=hp.lr, betas=hp.betas,
                                     weight_decay=hp.weight_decay, options=hp.optimizer_options, seed=hp.seed,
-                                    rank=self.global_rank, world_size=trainer.world_size,
-                                    strategy=type(trainer.strategy).__name__)
+                                    rank=self.global_rank, world_size=trainer.world_size if trainer else 1,
+                                    strategy=type(trainer.strategy).__name__ if trainer else "none")
         factor = functools.partial(warmup_factor, warmup_steps=hp.warmup_steps, from_zero=hp.warmup_from_zero)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

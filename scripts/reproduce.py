@@ -57,10 +57,10 @@ IVON = ["algorithm.optimizer=ivon", "algorithm.lr=0.03", "algorithm.grad_clip=0.
         "algorithm.optimizer_options.beta2=0.9999", "algorithm.optimizer_options.clip_radius=1.0",
         "algorithm.optimizer_options.hess_approx=price", "algorithm.optimizer_options.rescale_lr=true",
         "algorithm.callbacks.param_noise.variant=c3po", "algorithm.callbacks.param_noise.num_samples=4",
-        "algorithm.callbacks.param_noise.tau=2.0"]
+        "algorithm.seq_mask_tau=2.0"]
 VP = "algorithm.callbacks.value_prior"
 V05 = [f"{VP}.k_init=4", f"{VP}.k_max=16", f"{VP}.cost=0.0039", f"{VP}.min_active_frac=0.25", f"{VP}.pad_to=32",
-       f"{VP}.round_size=1", f"{VP}.scale_by_std=false", f"{VP}.context_size=256", f"{VP}.min_context=32",
+       f"{VP}.round_size=1", f"{VP}.context_size=256", f"{VP}.min_context=32",
        f"{VP}.backbone=minilm", f"{VP}.head=kernel", f"{VP}.features=auto", f"{VP}.max_length=128"]
 
 # key -> (label, overrides); the group sizes, k and N are the issue's

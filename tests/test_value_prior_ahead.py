@@ -5,7 +5,7 @@ matrix equals a fresh stack."""
 import pytest
 import torch
 
-from lit_rlvr.callbacks.value_prior import _Ahead, _TrainPrompts
+from lit_rlvr.value.prefetch import Ahead, TrainPrompts
 from lit_rlvr.data.datamodule import RLVRDataModule
 from lit_rlvr.value import ContextBuffer, KernelHead, ValueModel
 from lit_rlvr.value.backbone import EmbeddingBackbone, PolicyHiddenStates
@@ -105,8 +105,8 @@ def test_next_chunks_hold_the_prompts_of_the_coming_batches():
     dm = RLVRDataModule(num_train=200, batch_size=4, seed=3)
     dm.setup()
     loader = dm.train_dataloader()
-    source = _TrainPrompts(loader.dataset, loader.batch_size, str, loader.sampler)
-    ahead = _Ahead(source, steps=5)
+    source = TrainPrompts(loader.dataset, loader.batch_size, str, loader.sampler)
+    ahead = Ahead(source, steps=5)
     batches = [b["prompt"] for _, b in zip(range(12), loader)]
     chunk = None
     for i, batch in enumerate(batches):

@@ -89,11 +89,19 @@ class ResumableSampler(Sampler[int]):
     def skip_next(self, epoch: int, count: int) -> None:
         self._skip = {epoch: count}
 
+    def order(self, epoch: int) -> list[int]:
+        """This rank's indices of `epoch` from its start, whatever was skipped: what a fresh sampler yields."""
+        return self._this_rank(self._global_order(epoch))
+
     def __iter__(self):
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        order = torch.randperm(self.size, generator=generator).tolist()
-        order = order[self._skip.pop(self.epoch, 0):]
-        yield from order[self.rank : len(order) - len(order) % self.world : self.world]
+        yield from self._this_rank(self._global_order(self.epoch)[self._skip.pop(self.epoch, 0):])
+
+    def _global_order(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.size, generator=generator).tolist()
+
+    def _this_rank(self, order: list[int]) -> list[int]:
+        return order[self.rank : len(order) - len(order) % self.world : self.world]
 
 
 def collate(rows: list[dict[str, Any]]) -> dict[str, list]:
