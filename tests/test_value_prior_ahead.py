@@ -143,14 +143,14 @@ def test_incremental_standardized_columns_give_a_fresh_builds_bits(dim):
 
 
 def test_sliding_columns_hold_the_records_columns_and_give_a_copys_matmul_bits():
-    """`_SlidingColumns` through drops, appends and moves back to its buffers' start holds what a fresh stack of
+    """`SlidingColumns` through drops, appends and moves back to its buffers' start holds what a fresh stack of
     the records' columns holds, and a matmul over its window view has a contiguous copy's bits (what makes the
     kept columns' p̂ equal a rebuilt one's)."""
-    from lit_rlvr.value import _SlidingColumns
+    from lit_rlvr.value.head_cache import SlidingColumns
 
     g = torch.Generator().manual_seed(5)
     records = [torch.randn(384, dtype=torch.float64, generator=g) for _ in range(40)]  # record i's column
-    columns, first, moved = _SlidingColumns((torch.stack(records, 1),), capacity=40), 0, 0
+    columns, first, moved = SlidingColumns((torch.stack(records, 1),), capacity=40), 0, 0
     for step in range(60):
         k = step % 9 + 1
         new = [torch.randn(384, dtype=torch.float64, generator=g) for _ in range(k)]
