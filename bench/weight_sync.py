@@ -1,7 +1,7 @@
 """Weight push into an `HFEngine` in `copy` mode against this machine's memcpy bandwidth (DESIGN §9).
 
     python bench/weight_sync.py [--json] [--repeats 20] [--mb 100]
-    python bench/weight_sync.py --engine sglang [--json]     # a live sglang.Engine on a CPU: bench/weight_sync_sglang.py
+    python bench/weight_sync.py --engine sglang [--json]   # a live sglang.Engine on a CPU: weight_sync_sglang.py
 
 Two models: the cached tiny model (~0.4 MB) and a synthetic Qwen3 of about `--mb` MB (random weights, built in
 code). For each, `lit_rlvr.rollout.weights.push_weights` sends the weights to a `copy`-mode engine with several

@@ -1,6 +1,7 @@
 """`bench/weight_sync.py --engine sglang`: weight pushes into a live `sglang.Engine` on this CPU.
 
-    SGLANG_USE_CPU_ENGINE=1 VENV/bin/python bench/weight_sync.py --engine sglang [--json] [--repeats 20] [--mb 100] [--steps 6]
+    SGLANG_USE_CPU_ENGINE=1 VENV/bin/python bench/weight_sync.py --engine sglang [--json] [--repeats 20] [--mb 100] \
+        [--steps 6]
 
 VENV is the environment of scripts/sglang_cpu_env.sh. Two figures:
 - `push_bytes_per_s`: `push_weights` of the synthetic Qwen3 (`--mb` MB, fp32, 256 MiB buckets) into an

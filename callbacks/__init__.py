@@ -2,7 +2,7 @@
 
 from .completions_log import CompletionsLog
 from .param_noise import ParamNoise
-from .run_checkpoint import RunCheckpoint
 from .value_prior import ValuePrior
+from lit_rlvr.run_checkpoint import RunCheckpoint  # run infrastructure (lit_rlvr/), importable here too
 
 __all__ = ["CompletionsLog", "ParamNoise", "RunCheckpoint", "ValuePrior"]

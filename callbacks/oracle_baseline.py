@@ -12,7 +12,8 @@ At the step's end (when every callback has set its baseline) it compares with th
 used: `rollouts.baseline` when a callback set it (V0.5's fused baseline), else the group mean of the method's
 own rollouts (GRPO, C3PO). The oracle mean has its own noise, so the logged MSE is debiased:
 
-    baseline_mse = mean_b (b_b − μ̂_b)²  −  mean_b s²_b / M       (s²_b: unbiased sample variance of the M oracle rewards)
+    baseline_mse = mean_b (b_b − μ̂_b)²  −  mean_b s²_b / M
+    (s²_b: unbiased sample variance of the M oracle rewards)
 
 which estimates mean_b (b_b − μ_b)² without bias (the oracle draws are independent of the method's, given the
 weights). One sampled step of 16 prompts is noisy (it may even be negative): average over sampled steps.
@@ -22,11 +23,11 @@ The extra completions never enter the method: they are not in `rollouts`, not co
 seeded from ("oracle", run seed, step, source)), so the method's random stream is unchanged. They do take
 time: `time/step_s` of a sampled step includes `repro/oracle_s`.
 
-Logged on sampled steps (NaN on the others): `repro/baseline_mse`, `repro/baseline_mse_raw`, `repro/oracle_noise` (the subtracted
-term), `repro/group_mean_mse` (debiased MSE of the plain mean of the method's own rollouts, for comparison with
-a callback's baseline), `repro/oracle_reward_mean`, `repro/oracle_s`. On every step: `repro/all_zero_adv_frac`,
-the fraction of prompts whose advantages are all zero (V0.5's fused baseline gives a group of equal rewards a
-nonzero advantage, which `groups/zero_adv_frac`, "all rewards equal", does not see).
+Logged on sampled steps (NaN on the others): `repro/baseline_mse`, `repro/baseline_mse_raw`, `repro/oracle_noise`
+(the subtracted term), `repro/group_mean_mse` (debiased MSE of the plain mean of the method's own rollouts, for
+comparison with a callback's baseline), `repro/oracle_reward_mean`, `repro/oracle_s`. On every step:
+`repro/all_zero_adv_frac`, the fraction of prompts whose advantages are all zero (V0.5's fused baseline gives a group of
+equal rewards a nonzero advantage, which `groups/zero_adv_frac`, "all rewards equal", does not see).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from typing_extensions import override
 
 from lit_rlvr.functional import group_mean
 from lit_rlvr.hooks import RLVRCallback
-from lit_rlvr.rollouts import RolloutPlan, Rollouts
+from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -50,7 +51,8 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 
-def debiased_mse(baseline: Tensor, oracle_mean: Tensor, oracle_var: Tensor, oracle_n: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+def debiased_mse(baseline: Tensor, oracle_mean: Tensor, oracle_var: Tensor,
+                 oracle_n: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
     """Unbiased estimate of mean_b (baseline_b − μ_b)² from a noisy oracle mean μ̂_b of `oracle_n` draws.
 
     baseline, oracle_mean, oracle_var (unbiased sample variance of the draws), oracle_n: [B].
@@ -95,7 +97,8 @@ class OracleBaseline(RLVRCallback):
         self._oracle: Optional[dict[str, Any]] = None
 
     @override
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                             batch_idx: int) -> None:
         self._plan, self._plans_this_step, self._oracle = None, 0, None
 
     @override
@@ -136,7 +139,8 @@ class OracleBaseline(RLVRCallback):
             with plan.weight_context(source):
                 pl_module.push_to_engine(holds_mean=mean_weights)  # no copy in shared mode; copy mode needs it
                 completions = pl_module.engine.generate(plan.prompt_token_ids, counts, params)
-            texts = [pl_module.tokenizer.decode(c.token_ids, skip_special_tokens=True) for per in completions for c in per]
+            texts = [pl_module.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                     for per in completions for c in per]
             who = [b for b, per in enumerate(completions) for _ in per]
             scored = pl_module.reward_runner([plan.prompts[b] for b in who], texts, [plan.answers[b] for b in who])
             rewards.append(scored.scores.float())
@@ -149,7 +153,8 @@ class OracleBaseline(RLVRCallback):
         group = rollouts.group.cpu()  # [N]
         metrics: dict[str, Tensor] = {}
         if rollouts.advantages is not None:
-            nonzero = torch.zeros(rollouts.num_groups).index_add_(0, group, (rollouts.advantages.detach().cpu().abs() > 1e-6).float())
+            moved = (rollouts.advantages.detach().cpu().abs() > 1e-6).float()  # [N]
+            nonzero = torch.zeros(rollouts.num_groups).index_add_(0, group, moved)
             metrics["repro/all_zero_adv_frac"] = (nonzero == 0).float().mean()
         # every key on every step (NaN when not sampled): Lightning re-logs a key's last value on steps that do
         # not log it, which would repeat one sampled step's figures over the next n − 1 rows of metrics.csv

@@ -14,8 +14,9 @@ index j gives the same θ̂_j everywhere within one RL step. Per step, G complet
 the weights to the engine inside the generation context. Loss contexts use `train=True`: on exit IVON records
 that sample's gradient (and noise⊙gradient for the Hessian); the module's single optimizer step per RL step
 is IVON's update from the recorded samples. The loss uses each rollout's behaviour log-probs as `old`, so in
-C3PO the ratio compares θ̂_N with the θ̂_c that generated the sequence; `tau` drops sequences whose ratio
-exp(Σ_t(logp − old)) leaves [1/τ, τ] (DESIGN §4). In B3PO and M3PO the loss sample is the generating one,
+C3PO the ratio compares θ̂_N with the θ̂_c that generated the sequence; the module's loss option `seq_mask_tau`
+τ drops sequences whose ratio exp(Σ_t(logp − old)) leaves [1/τ, τ] (DESIGN §4). In B3PO and M3PO the loss sample is the
+generating one,
 so the ratio is 1 and the mask keeps everything.
 """
 
@@ -31,7 +32,7 @@ from typing_extensions import override
 from lit_rlvr import functional as F
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.optim import IVON, bf16_spacing_warning
-from lit_rlvr.rollouts import RolloutPlan, Rollouts
+from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -51,14 +52,13 @@ class ParamNoise(RLVRCallback):
         num_samples: N, the weight samples the G completions of a prompt are split over; None = 1 for b3po
             (its only valid value), 4 otherwise (paper). `group_size` must be a multiple of it
             (for m3po at least twice it: advantages are taken within each sample's G/N completions).
-        tau: bound τ of the sequence-level importance mask (paper: 2); None = no mask.
         group_size: the module's G, when known at construction (the configs pass `${algorithm.group_size}`), so
             that a G not divisible by N fails before the model loads; `setup` checks the module's G anyway.
         bf16_check_every: steps between checks that σ is above the bf16 spacing of the weights (only with a
             bf16 engine; warns once).
     """
 
-    def __init__(self, variant: str = "c3po", num_samples: Optional[int] = None, tau: Optional[float] = 2.0,
+    def __init__(self, variant: str = "c3po", num_samples: Optional[int] = None,
                  group_size: Optional[int] = None, bf16_check_every: int = 100):
         super().__init__()
         if variant not in VARIANTS:
@@ -66,12 +66,9 @@ class ParamNoise(RLVRCallback):
         num_samples = (1 if variant == "b3po" else 4) if num_samples is None else int(num_samples)
         if num_samples < 1 or (variant == "b3po" and num_samples != 1):
             raise ValueError(f"{KEY}.num_samples={num_samples}: must be >= 1 (b3po uses exactly 1 sample)")
-        if tau is not None and not tau > 1.0:
-            raise ValueError(f"{KEY}.tau={tau}: the importance mask keeps ratios in [1/τ, τ], so τ must be > 1 "
-                             f"(null turns the mask off)")
         if bf16_check_every < 1:
             raise ValueError(f"{KEY}.bf16_check_every={bf16_check_every} must be >= 1")
-        self.variant, self.num_samples, self.tau = variant, num_samples, tau
+        self.variant, self.num_samples = variant, num_samples
         self.bf16_check_every = bf16_check_every
         self._bf16_warned = False
         if group_size is not None:
@@ -104,6 +101,8 @@ class ParamNoise(RLVRCallback):
             # a second IVON step inside one RL step would move m and re-seed the samples the rollouts came from
             raise ValueError(f"3PO takes one IVON step per RL step: set algorithm.ppo_epochs=1 and "
                              f"algorithm.mini_batches=1 (got {hp.ppo_epochs} and {hp.mini_batches})")
+        if hp.get("seq_mask_tau") is None:
+            log.warning("3PO without the sequence importance mask (algorithm.seq_mask_tau=null); the paper uses 2.0")
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -132,10 +131,9 @@ class ParamNoise(RLVRCallback):
     @override
     def on_before_advantages(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", rollouts: Rollouts) -> None:
         if self.variant == "m3po":
-            rollouts.adv_group = F.chunk_groups(rollouts.group, rollouts.chunk, self.num_samples)  # [N]
-            rollouts.loss_pass = rollouts.chunk.clone()  # [N]: one loss pass per weight sample
-        rollouts.seq_mask_tau = self.tau
-        _, metrics = F.partial_chunk_success(rollouts.rewards > 0, rollouts.group, rollouts.chunk,
+            rollouts.adv_group = F.chunk_groups(rollouts.group, rollouts.source, self.num_samples)  # [N]
+            rollouts.loss_pass = rollouts.source.clone()  # [N]: one loss pass per weight sample
+        _, metrics = F.partial_chunk_success(rollouts.rewards > 0, rollouts.group, rollouts.source,
                                              rollouts.num_groups, self.num_samples)
         pl_module.log_metrics(metrics)
 
@@ -172,10 +170,6 @@ def _gradient_sample(optimizer: IVON, sample_index: int) -> Iterator[None]:
 
 def engine_dtype(pl_module: "pl.LightningModule") -> Optional[torch.dtype]:
     """The dtype the rollout engine generates in: its `dtype` attribute, else its model's, else the policy's."""
-    engine = getattr(pl_module, "engine", None)
-    dtype = getattr(engine, "dtype", None)
-    if dtype is None and isinstance(getattr(engine, "model", None), torch.nn.Module):
-        dtype = next(engine.model.parameters()).dtype
-    if dtype is None:
-        dtype = next(pl_module.policy.parameters()).dtype
-    return getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    engine = pl_module.engine
+    dtype = engine.generation_dtype() if engine is not None else None
+    return dtype if dtype is not None else next(pl_module.policy.parameters()).dtype

@@ -18,7 +18,7 @@ ahead (another sampler, a module that draws extra batches) is embedded in the st
 
 Until the context holds `min_context` records the prior is absent: the baseline is the plain sample mean and
 OSLA asks for samples as for the plain mean (every prompt up to k_max with c ≈ 1/256); `v05/prior_present` = 0.
-The module's `group_size` is not used: k_init and OSLA decide how many samples each prompt gets.
+The first round draws k_init samples per prompt (by default the module's `group_size`), OSLA decides the rest.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -44,8 +44,9 @@ from lit_rlvr.functional.value_prior import (
     shrinkage_fusion_py,
 )
 from lit_rlvr.hooks import RLVRCallback
-from lit_rlvr.rollouts import RolloutPlan, Rollouts
+from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 from lit_rlvr.value import FEATURE_MODES, HEADS, ContextBuffer, ValueModel
+from lit_rlvr.value.prefetch import Ahead, TrainPrompts
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -74,7 +75,7 @@ class ValuePrior(RLVRCallback):
     """V0.5 for any `GRPOModule` (see the module docstring for the step).
 
     Args:
-        k_init: samples per prompt in the first round (paper: 4).
+        k_init: samples per prompt in the first round (paper: 4); None = the module's `group_size`.
         k_max: never more samples than this per prompt (paper: 16).
         cost: OSLA's price c of one more sample, in baseline MSE on the ±1 reward scale (paper: 0.0039 ≈ 1/256);
             other reward ranges scale it by ((high − low)/2)², so the same c stops at the same count.
@@ -84,7 +85,6 @@ class ValuePrior(RLVRCallback):
         round_size: extra samples per asking prompt per round *(inferred: 1)*.
         reward_range: (low, high) of the reward; the prior and success rates are mapped onto it.
         noise_var: σ² of Eq. 8/12; None = worst case for the range, (high − low)²/4 (= 1 for ±1 rewards).
-        scale_by_std: divide A = r − b by the group's reward std (paper: off).
         context_size, min_context: the context buffer of V0 (records kept; below min_context the prior is absent).
         backbone, head, head_kwargs, features, adapter_path, max_length, device, seed, bandwidth_refit: V0,
             see `lit_rlvr.value.ValueModel.create`; `device` None = the policy's device (the strategy's root
@@ -106,7 +106,7 @@ class ValuePrior(RLVRCallback):
 
     def __init__(
         self,
-        k_init: int = 4,
+        k_init: Optional[int] = None,
         k_max: int = 16,
         cost: float = 0.0039,
         min_active_frac: float = 0.25,
@@ -114,7 +114,6 @@ class ValuePrior(RLVRCallback):
         round_size: int = 1,
         reward_range: Sequence[float] = (-1.0, 1.0),
         noise_var: Optional[float] = None,
-        scale_by_std: bool = False,
         context_size: int = 256,
         min_context: int = 32,
         backbone: str = "minilm",
@@ -132,7 +131,7 @@ class ValuePrior(RLVRCallback):
         value_model: Any = None,
     ) -> None:
         super().__init__()
-        _check_budget(k_init, k_max, cost, min_active_frac, pad_to, round_size)
+        _check_budget(1 if k_init is None else k_init, k_max, cost, min_active_frac, pad_to, round_size)
         self.low, self.high, self.noise_var = _check_rewards(reward_range, noise_var)
         if not 1 <= min_context <= context_size:
             raise ValueError(f"{KEY}.min_context must be in [1, {KEY}.context_size]; got min_context={min_context}, "
@@ -149,11 +148,10 @@ class ValuePrior(RLVRCallback):
         if not 0.0 <= bandwidth_refit <= 1.0:
             raise ValueError(f"{KEY}.bandwidth_refit must be in [0, 1], got {bandwidth_refit}")
         self.precompute, self.precompute_max, self.precompute_batch = precompute, precompute_max, precompute_batch
-        self.k_init, self.k_max, self.cost = k_init, k_max, cost
+        self.k_init, self.k_max, self.cost = k_init, k_max, cost  # k_init None: set in setup
         # c is a price in baseline MSE on the ±1 scale; MSE scales with the square of the reward range
         self._cost_f32 = round_f32(cost * ((self.high - self.low) / 2) ** 2)
         self.min_active_frac, self.pad_to, self.round_size = min_active_frac, pad_to, round_size
-        self.scale_by_std = scale_by_std
         self.context = ContextBuffer(capacity=context_size, min_context=min_context)
         self.value_model_kwargs = dict(backbone=backbone, head=head, head_kwargs=head_kwargs, features=features,
                                        adapter_path=adapter_path, max_length=max_length, device=device, seed=seed,
@@ -164,7 +162,7 @@ class ValuePrior(RLVRCallback):
         self._restored_cache_keys: list[str] = []
         self._restored_features: dict[str, Tensor] = {}
         self._restored_head: dict[str, Any] = {}
-        self._ahead: Optional[_Ahead] = None  # "next": where the coming prompts come from
+        self._ahead: Optional[Ahead] = None  # "next": where the coming prompts come from
         self._ahead_s = {"setup": 0.0, "prefetch": 0.0}  # seconds computing features ahead, not yet logged
 
     # -- Lightning hooks -------------------------------------------------------------------------------------
@@ -177,13 +175,16 @@ class ValuePrior(RLVRCallback):
             kwargs["device"] = kwargs["device"] or str(trainer.strategy.root_device)
             self.value_model = ValueModel.create(**kwargs)
             self._restore_backbone_cache()
-        _warn_unused_module_options(pl_module, self.k_init, self.scale_by_std)
+        if self.k_init is None:
+            self.k_init = int(pl_module.hparams["group_size"])
+            _check_budget(self.k_init, self.k_max, self.cost, self.min_active_frac, self.pad_to, self.round_size)
+        _warn_unused_module_options(pl_module, self.k_init)
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if not hasattr(self.value_model, "precompute") or self.precompute == "off":
             return
-        source = _TrainPrompts.of(trainer, pl_module)
+        source = TrainPrompts.of(trainer, pl_module)
         mode = self._resolve_precompute(source, trainer.max_steps)
         if mode == "all":
             seconds = self.value_model.precompute(source.prompts(range(len(source))), self.precompute_batch)
@@ -192,18 +193,19 @@ class ValuePrior(RLVRCallback):
         elif mode == "next":
             steps = self.precompute_max // source.batch_size
             steps = max(1, min(steps, trainer.max_steps) if trainer.max_steps and trainer.max_steps > 0 else steps)
-            self._ahead = _Ahead(source, steps)
+            self._ahead = Ahead(source, steps)
             log.info("V0.5: features computed ahead %d steps (%d prompts) at a time", steps, steps * source.batch_size)
 
     @override
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                             batch_idx: int) -> None:
         self._step, self._stats = None, None  # a step that raised half-way must not leak its prior into this one
         if self._ahead is not None:
             prompts = self._ahead.chunk_for(trainer.current_epoch, batch_idx)  # None: this chunk is held already
             if prompts is not None:
                 self._ahead_s["prefetch"] += self.value_model.precompute(prompts, self.precompute_batch)
 
-    def _resolve_precompute(self, source: Optional["_TrainPrompts"], max_steps: int) -> str:
+    def _resolve_precompute(self, source: Optional["TrainPrompts"], max_steps: int) -> str:
         """"auto" → "all" | "next" | "off" for this training set (see the class docstring)."""
         if source is None:
             if self.precompute != "auto":
@@ -236,7 +238,7 @@ class ValuePrior(RLVRCallback):
         prior = self.to_reward_scale(p_hat) if p_hat is not None else torch.full((plan.num_prompts,), math.nan)  # [B]
         step.prior.update(zip(plan.prompts, prior.tolist()))
         step.p_hat.update(zip(plan.prompts, p_hat.tolist() if p_hat is not None else [math.nan] * plan.num_prompts))
-        plan.n_per_prompt = [self.k_init] * plan.num_prompts  # the module's group_size is not used
+        plan.n_per_prompt = [self.k_init] * plan.num_prompts
         prior_list = prior.tolist()  # [B] float32 values, once for all rounds
         plan.budget_rule = lambda rollouts: self._next_round(rollouts, prior_list)
         step.prior_s += time.perf_counter() - t0
@@ -249,7 +251,6 @@ class ValuePrior(RLVRCallback):
         prior = [step.prior.get(p, math.nan) for p in rollouts.prompts]  # [B] float32 values
         baseline, step.fusion = shrinkage_fusion_py(mean, prior, counts, self.noise_var)  # [B] = shrinkage_fusion
         rollouts.baseline = torch.tensor(baseline, dtype=torch.float32)
-        rollouts.scale_adv_by_std = self.scale_by_std  # A = r − b: the fused baseline is the whole point
         step.prior_s += time.perf_counter() - t0
 
     @override
@@ -358,7 +359,8 @@ class ValuePrior(RLVRCallback):
         group tensors themselves, their in-place version counters and B, so any change recomputes. The lists are
         shared: read them, never write."""
         rewards, group = rollouts.rewards, rollouts.group
-        key = (rewards, group, getattr(rewards, "_version", None), getattr(group, "_version", None), rollouts.num_groups)
+        key = (rewards, group, getattr(rewards, "_version", None), getattr(group, "_version", None),
+               rollouts.num_groups)
         held = self._stats
         if held is not None and held[0][0] is key[0] and held[0][1] is key[1] and held[0][2:] == key[2:]:
             return held[1]
@@ -386,7 +388,8 @@ class ValuePrior(RLVRCallback):
             # prior-vs-outcome metrics only exist where there was a prior (NaN in the absent phase)
             "v05/prior_rejected_frac": _mean(where_prior(fusion["prior_rejected"])) if any_prior else nan,
             "v05/prior_abs_err": _mean(where_prior([abs(p - s) for p, s in zip(p_hat, success)])) if any_prior else nan,
-            "v05/prior_auc": binary_auroc_py([p_hat[g] for g in group], [r > mid for r in rewards]) if all_prior else nan,
+            "v05/prior_auc": binary_auroc_py([p_hat[g] for g in group],
+                                             [r > mid for r in rewards]) if all_prior else nan,
             "v05/p_hat_mean": _mean(where_prior(p_hat)) if any_prior else nan,
         }
         values = torch.tensor(list(metrics.values()), dtype=torch.float32)  # one tensor, not nine
@@ -397,69 +400,6 @@ class ValuePrior(RLVRCallback):
             raise RuntimeError("ValuePrior: on_rollout_plan was not called for this step (the module must call "
                                "the RLVRCallback hooks in order: plan, advantages, step end)")
         return self._step
-
-
-class _TrainPrompts:
-    """The training prompts as the module renders them: `prompts(indices)`, and each epoch's sample order
-    (`order(epoch)`, None when the sampler's order cannot be known ahead)."""
-
-    def __init__(self, dataset: Any, batch_size: int, render: Callable[[Any], str], sampler: Any) -> None:
-        self.dataset, self.batch_size, self.render, self.sampler = dataset, batch_size, render, sampler
-        from torch.utils.data import SequentialSampler
-
-        from lit_rlvr.data.datamodule import ResumableSampler
-
-        if isinstance(sampler, ResumableSampler):  # a pure function of (seed, epoch): a fresh one from the start
-            self.order: Optional[Callable[[int], list[int]]] = self._resumable_order
-        elif isinstance(sampler, SequentialSampler):
-            self.order = lambda epoch: list(range(len(dataset)))
-        else:
-            self.order = None
-
-    @classmethod
-    def of(cls, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Optional["_TrainPrompts"]:
-        loader = getattr(trainer, "train_dataloader", None)
-        dataset, batch_size = getattr(loader, "dataset", None), getattr(loader, "batch_size", None)
-        if dataset is None or not batch_size or not hasattr(dataset, "__len__"):
-            return None
-        render = getattr(pl_module, "render_prompt", None) or str
-        return cls(dataset, batch_size, render, getattr(loader, "sampler", None))
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def prompts(self, indices: Sequence[int]) -> list[str]:
-        rows = (self.dataset[i] for i in indices)
-        return [self.render(row["prompt"] if isinstance(row, dict) else row) for row in rows]
-
-    def _resumable_order(self, epoch: int) -> list[int]:
-        from lit_rlvr.data.datamodule import ResumableSampler
-
-        # this rank's order (the original may be skipping: resume)
-        fresh = ResumableSampler(self.sampler.size, self.sampler.seed, self.sampler.rank, self.sampler.world)
-        fresh.set_epoch(epoch)
-        return list(fresh)
-
-
-class _Ahead:
-    """"next": the prompts of `steps` batches at a time, chunks aligned to multiples of `steps` batches in the
-    epoch, so a resumed run computes the very chunks (and numbers) of the uninterrupted one."""
-
-    def __init__(self, source: _TrainPrompts, steps: int) -> None:
-        self.source, self.steps = source, steps
-        self.held: Optional[tuple[int, int]] = None  # (epoch, chunk) now held
-        self._order: tuple[int, list[int]] = (-1, [])
-
-    def chunk_for(self, epoch: int, batch_idx: int) -> Optional[list[str]]:
-        """The prompts of the chunk holding batch `batch_idx` of `epoch`, or None when it is held already."""
-        key = (epoch, batch_idx // self.steps)
-        if key == self.held:
-            return None
-        if self._order[0] != epoch:
-            self._order = (epoch, self.source.order(epoch))
-        size = self.steps * self.source.batch_size
-        self.held = key
-        return self.source.prompts(self._order[1][key[1] * size : (key[1] + 1) * size])
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -508,12 +448,12 @@ def _check_rewards(reward_range: Sequence[float], noise_var: Optional[float]) ->
     return low, high, float(noise_var) if noise_var is not None else reward_noise_var(low, high)
 
 
-def _warn_unused_module_options(pl_module: "pl.LightningModule", k_init: int, scale_by_std: bool) -> None:
-    """Say so when a module option the user may have set has no effect under V0.5."""
+def _warn_unused_module_options(pl_module: "pl.LightningModule", k_init: int) -> None:
+    """Say so when a module option the user may have set has no effect, or departs from the paper, under V0.5."""
     hp = getattr(pl_module, "hparams", {})
     if hp.get("group_size", k_init) != k_init:
         log.warning("V0.5: algorithm.group_size=%s is not used; %s.k_init=%d samples per prompt start each step "
                     "and OSLA adds more", hp["group_size"], KEY, k_init)
-    if hp.get("scale_adv_by_std", scale_by_std) != scale_by_std:
-        log.warning("V0.5: algorithm.scale_adv_by_std=%s is overridden by %s.scale_by_std=%s",
-                    hp["scale_adv_by_std"], KEY, scale_by_std)
+    if hp.get("scale_adv_by_std", False):
+        log.warning("V0.5 with algorithm.scale_adv_by_std=true divides A = r − b by the group's reward std; the "
+                    "paper uses the fused baseline alone (algorithm.scale_adv_by_std=false)")

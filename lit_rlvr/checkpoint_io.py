@@ -94,3 +94,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
         atomic_save(checkpoint, Path(path))
+
+
+def checkpoint_hint(trainer: Any) -> str:
+    """What a stopped run keeps: the last checkpoint, if one was written (never claim one that is not there)."""
+    callbacks = trainer.callbacks if trainer is not None else []
+    path = next((cb.last_path for cb in callbacks if hasattr(cb, "last_path")), None)
+    if path is not None and Path(path).exists():
+        return f"the last checkpoint {path} is intact: fix the cause and continue with resume={path}"
+    return "no checkpoint was written yet (the run stopped before its first save): fix the cause and start again"

@@ -65,7 +65,8 @@ def reduce_metrics(metrics: dict[str, Tensor]) -> dict[str, Tensor]:
         return metrics
     keys = sorted(metrics)
     key_hash = float(zlib.crc32("\n".join(keys).encode()))
-    values = torch.stack([metrics[k].detach().double().cpu().reshape(()) for k in keys] + [torch.tensor(key_hash, dtype=torch.float64)])
+    values = torch.stack([metrics[k].detach().double().cpu().reshape(()) for k in keys]
+                         + [torch.tensor(key_hash, dtype=torch.float64)])
     summed = all_reduce(values)  # [K + 1]
     if summed[-1].item() != key_hash * world:
         raise RuntimeError(f"ranks logged different metric names this step (this rank: {keys})")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from lightning.pytorch.callbacks import Callback
 
-from lit_rlvr.rollouts import RolloutPlan, Rollouts
+from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl

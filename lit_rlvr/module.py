@@ -1,22 +1,20 @@
 """`GRPOModule`: the LightningModule of one RL step (DESIGN §3).
 
 rollout → reward → advantages → PPO-clip loss over micro-batches → optimizer step → engine weight sync.
-Subclass points: `compute_advantages`, `policy_loss`, `configure_optimizers`. Methods that change the plan,
-the baseline or the weights the gradient is taken at are `RLVRCallback`s (lit_rlvr.hooks).
+Generation (engine calls, rounds, weight pushes, scoring) is the `RolloutDriver`'s (lit_rlvr.rollout.driver); the
+optimizer is built in lit_rlvr.optim. Subclass points: `compute_advantages`, `policy_loss`, `configure_optimizers`.
+Methods that change the plan, the baseline or the weights the gradient is taken at are `RLVRCallback`s
+(lit_rlvr.hooks).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import gc
-import inspect
 import logging
-import time
 import zlib
-from contextlib import ExitStack, contextmanager
-from pathlib import Path
-from typing import Any, Iterator, Optional
+from contextlib import ExitStack
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -24,76 +22,35 @@ from torch import Tensor
 
 from lit_rlvr import distributed as D
 from lit_rlvr import functional as F
+from lit_rlvr.checkpoint_io import checkpoint_hint
+from lit_rlvr.freeze import FreezeSetupObjects
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.models import load_policy, resolve_model_path
+from lit_rlvr.optim.build import build_optimizer, check_optimizer_options
 from lit_rlvr.optim.schedule import warmup_factor
 from lit_rlvr.rewards import build_reward_runner
 from lit_rlvr.rewards.base import RewardHangError
+from lit_rlvr.rng import rng_states, set_rng_states
 from lit_rlvr.rollout import build_engine
-from lit_rlvr.rollout.engine import EngineError, SamplingParams  # EngineError: also lit_rlvr.module.EngineError
-from lit_rlvr.rollout.weights import push_weights
-from lit_rlvr.rollouts import RolloutPlan, Rollouts, rollouts_from_completions
+from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
+from lit_rlvr.rollout.driver import RolloutDriver
+from lit_rlvr.rollout.engine import EngineError  # noqa: F401  also lit_rlvr.module.EngineError
+from lit_rlvr.step_log import StepTimer, write_step_metrics
 from lit_rlvr.validation import ValidationMetrics
 
 log = logging.getLogger(__name__)
-
-OPTIMIZERS = ("adamw", "ivon")
 
 
 class NonFiniteError(RuntimeError):
     pass
 
 
-def rng_states() -> dict[str, Any]:
-    """The global RNG states (python, numpy, torch CPU and CUDA) for a checkpoint; Lightning does not save them."""
-    import random
-
-    import numpy as np
-
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    # plain types and tensors only, so checkpoints load with torch.load(weights_only=True) (Lightning's default)
-    numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss))
-    states = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def set_rng_states(states: dict[str, Any]) -> None:
-    import random
-
-    import numpy as np
-
-    random.setstate(states["python"])
-    kind, keys, pos, has_gauss, gauss = states["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.cuda.is_available() and len(states["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(states["cuda"])
-
-
-class FreezeSetupObjects(pl.Callback):
-    """`gc.freeze()` for the length of `fit`: what exists at its start (imported modules, the model, configs: ~500k
-    objects on the tiny workload) lives for the whole run, and Python's periodic full collection rescanned all of
-    it — 0.33 s every ~30 steps, ~1/3 of the mean step. Unfrozen when fit ends, also by an exception (garbage
-    frozen with the rest is collected then). `GRPOModule.configure_callbacks` adds it."""
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        gc.freeze()
-
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            gc.unfreeze()
-
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        gc.unfreeze()
-
-
 class GRPOModule(pl.LightningModule):
     """GRPO with PPO-clip (Shao et al. 2024) and the usual knobs; see DESIGN §4 for every option.
 
     Args (the ones a user changes most): `group_size` G samples per prompt; `lr`; `eps_low`/`eps_high` clip
-    range; `dual_clip` c (> 1: verl's clip_ratio_c; None = off); `loss_aggregation` (one of
+    range; `dual_clip` c (> 1: verl's clip_ratio_c; None = off); `seq_mask_tau` τ of the sequence-level
+    importance mask (3PO, DESIGN §4; None = off); `loss_aggregation` (one of
     `functional.AGGREGATIONS`); `scale_adv_by_std`; `kl_coef` β (> 0 loads a frozen reference copy) with
     `kl_estimator` (and `kl_k3_cap`: verl caps k3 at 10; None = no cap); `entropy_coef` η; `ppo_epochs` passes
     over each rollout batch; `mini_batches` optimizer steps per epoch; `micro_batch_size` completions per
@@ -129,6 +86,7 @@ class GRPOModule(pl.LightningModule):
         eps_low: float = 0.2,
         eps_high: float = 0.2,
         dual_clip: Optional[float] = None,
+        seq_mask_tau: Optional[float] = None,
         loss_aggregation: str = "seq-mean-token-mean",
         scale_adv_by_std: bool = True,
         kl_coef: float = 0.0,
@@ -151,6 +109,7 @@ class GRPOModule(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = False
+        self.driver = RolloutDriver(self)
         self._check_options()
         path = resolve_model_path(model, model_options)
         self.policy, self.tokenizer = load_policy(path, dtype)
@@ -160,8 +119,10 @@ class GRPOModule(pl.LightningModule):
         self.reward_runner = build_reward_runner(reward, reward_options)
         self.engine = None  # built in setup(): after the strategy has placed (and maybe sharded) the policy
         self.val_metrics = ValidationMetrics(eval_samples)
-        self.counters = {"rollouts_total": 0, "tokens_generated": 0, "skipped_steps": 0, "bad_steps_in_row": 0, "reward_failures": 0}
-        self._engine_holds_mean = False
+        self.counters = {"rollouts_total": 0, "tokens_generated": 0, "skipped_steps": 0, "bad_steps_in_row": 0,
+                         "reward_failures": 0}
+        self.timer = StepTimer()
+        self.step_metrics: dict[str, Tensor] = {}
 
     def _check_options(self) -> None:
         hp = self.hparams
@@ -177,49 +138,15 @@ class GRPOModule(pl.LightningModule):
         if hp.dual_clip is not None and not hp.dual_clip > 1:
             raise ValueError(f"algorithm.dual_clip={hp.dual_clip}: the dual-clip bound c must be > 1 (verl: 3.0); "
                              "null turns it off")
+        if hp.seq_mask_tau is not None and not hp.seq_mask_tau > 1:
+            raise ValueError(f"algorithm.seq_mask_tau={hp.seq_mask_tau}: the importance mask keeps ratios in "
+                             "[1/τ, τ], so τ must be > 1 (3PO's paper: 2); null turns the mask off")
         if hp.kl_k3_cap is not None and (hp.kl_estimator != "k3" or not hp.kl_k3_cap > 0):
             raise ValueError(f"algorithm.kl_k3_cap={hp.kl_k3_cap} caps the k3 estimator: it needs algorithm."
                              f"kl_estimator=k3 (got {hp.kl_estimator}) and a cap > 0 (verl: 10); null = no cap")
-        self.sampling_params(0)  # SamplingParams validates temperature, top_p, max_new_tokens
-        self._check_optimizer_options()
-
-    def _check_optimizer_options(self) -> None:
-        hp = self.hparams
-        if hp.optimizer not in OPTIMIZERS:
-            raise ValueError(f"algorithm.optimizer={hp.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
-        if hp.optimizer != "ivon":
-            return
-        if hp.grad_clip or hp.weight_decay:
-            # IVON records each sample's gradient before the module could clip it, and its δ sets σ
-            raise ValueError("with algorithm.optimizer=ivon set algorithm.grad_clip=0 and algorithm.weight_decay=0; "
-                             "IVON bounds its step by optimizer_options.clip_radius and takes δ from "
-                             "optimizer_options.weight_decay")
-        from lit_rlvr.optim import IVON
-
-        valid = set(inspect.signature(IVON.__init__).parameters) - {"self", "params", "lr", "seed", "rank", "kwargs"}
-        options = dict(hp.optimizer_options or {})
-        unknown = set(options) - valid - {"sync", "debias"}
-        if unknown or "ess" not in options:
-            raise ValueError(f"algorithm.optimizer_options for ivon: ess (λ) is required; unknown keys "
-                             f"{sorted(unknown)}; valid: {', '.join(sorted(valid | {'sync', 'debias'}))}")
-        if not float(options["ess"]) > 0 or not hp.lr > 0:
-            raise ValueError(f"algorithm.optimizer_options.ess and algorithm.lr must be > 0 for ivon, got "
-                             f"{options['ess']} and {hp.lr}")
-        if options.get("hess_approx", "price") not in IVON.hessian_approx_methods:
-            raise ValueError(f"algorithm.optimizer_options.hess_approx={options['hess_approx']!r}; valid: "
-                             f"{', '.join(IVON.hessian_approx_methods)}")
-        if options.get("mc_samples", 1) != 1:
-            # ivon-opt repeats a closure that returns the loss; Lightning's manual optimization passes none
-            raise ValueError(f"algorithm.optimizer_options.mc_samples={options['mc_samples']}: one gradient sample "
-                             "is recorded per loss pass; for several weight samples per step use algorithm=m3po "
-                             "(algorithm.callbacks.param_noise.num_samples)")
-        if hp.dtype != "float32":
-            # the mean moves by at most lr·(h0 + δ)·clip_radius per step (1e-6 at c3po_paper's settings), far below
-            # the spacing of bf16 numbers near typical weights (~1e-4): bf16 weights would round every update away
-            raise ValueError(f"algorithm.optimizer=ivon needs model.dtype=float32 (got {hp.dtype!r}): IVON's mean "
-                             "updates are smaller than the spacing of half-precision weights, which would never "
-                             "change. Compute can still run in bf16: trainer=gpu (bf16-mixed) or trainer=fsdp "
-                             "(trainer.strategy.param_dtype=bfloat16)")
+        self.driver.sampling_params(0)  # SamplingParams validates temperature, top_p, max_new_tokens
+        check_optimizer_options(hp.optimizer, hp.optimizer_options, lr=hp.lr, grad_clip=hp.grad_clip,
+                                weight_decay=hp.weight_decay, dtype=hp.dtype)
 
     # -- Lightning plumbing ----------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -227,7 +154,7 @@ class GRPOModule(pl.LightningModule):
             self.engine = build_engine(self.hparams.engine, self.policy, self.tokenizer, self.hparams.engine_options)
 
     def configure_model(self) -> None:
-        """Lightning's parallelism hook: a sharding strategy (`FSDPRolloutStrategy.parallelize`) shards here."""
+        """Lightning's parallelism hook: a sharding strategy (`FSDP2Strategy.parallelize`) shards here."""
         parallelize = getattr(self.trainer.strategy, "parallelize", None)
         if parallelize is not None:
             parallelize(self)
@@ -248,7 +175,7 @@ class GRPOModule(pl.LightningModule):
 
     def _engine_to_device(self) -> None:
         """A `copy` engine was built before the strategy placed the policy: put it on the trainer's device."""
-        if self.engine is not None and hasattr(self.engine, "to"):
+        if self.engine is not None:
             self.engine.to(self.device)
 
     def teardown(self, stage: str) -> None:
@@ -256,27 +183,11 @@ class GRPOModule(pl.LightningModule):
             self.engine.sleep()
 
     def configure_optimizers(self):
-        hp = self.hparams
-        options = dict(hp.optimizer_options or {})
-        if hp.optimizer == "ivon":
-            from lit_rlvr.optim import IVON
-
-            from lit_rlvr.strategies import FSDPRolloutStrategy
-
-            if self.trainer.world_size > 1 and not isinstance(self.trainer.strategy, FSDPRolloutStrategy):
-                # each DDP rank would pair its own noise with the averaged gradient: their Hessians, then their
-                # weights, drift apart; FSDP2 perturbs each shard once, on the rank that holds it
-                raise ValueError(f"algorithm.optimizer=ivon on {self.trainer.world_size} ranks needs trainer=fsdp "
-                                 f"(or fsdp32); this run's strategy is {type(self.trainer.strategy).__name__}")
-            # run seed and rank seed the weight samples: reproducible, resumable, different per data-parallel rank
-            optimizer = IVON(self.policy.parameters(), lr=hp.lr, seed=hp.seed, rank=self.global_rank, **options)
-        else:
-            params = list(self.policy.parameters())
-            # the fused kernel: one call for all tensors (~3x faster than the per-tensor loop on a small model);
-            # sharded (DTensor) parameters keep torch's own choice
-            options.setdefault("fused", not any(hasattr(p, "full_tensor") for p in params) or None)
-            optimizer = torch.optim.AdamW(params, lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay,
-                                          **options)
+        hp, trainer = self.hparams, self._trainer  # None when called outside a fit (tests, notebooks)
+        optimizer = build_optimizer(hp.optimizer, self.policy.parameters(), lr=hp.lr, betas=hp.betas,
+                                    weight_decay=hp.weight_decay, options=hp.optimizer_options, seed=hp.seed,
+                                    rank=self.global_rank, world_size=trainer.world_size if trainer else 1,
+                                    strategy=type(trainer.strategy).__name__ if trainer else "none")
         factor = functools.partial(warmup_factor, warmup_steps=hp.warmup_steps, from_zero=hp.warmup_from_zero)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
@@ -285,33 +196,33 @@ class GRPOModule(pl.LightningModule):
         trainer = self._trainer
         return [cb for cb in (trainer.callbacks if trainer else []) if isinstance(cb, RLVRCallback)]
 
+    def call_rl_hooks(self, hook: str, *args: Any) -> None:
+        """`hook(trainer, module, *args)` on every `RLVRCallback`, in the trainer's order."""
+        for cb in self.rl_callbacks():
+            getattr(cb, hook)(self.trainer, self, *args)
+
     # -- one RL step -----------------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, list], batch_idx: int):
-        t_start = time.perf_counter()
-        self.step_metrics: dict[str, Tensor] = {}
-        self.step_times = {"gen_s": 0.0, "reward_s": 0.0, "train_s": 0.0, "sync_s": 0.0}
+        self.timer.reset()
+        self.step_metrics = {}
         self.step_rollouts_start = self.counters["rollouts_total"]
-        rollouts = self.collect_rollouts(batch)
+        rollouts = self.collect_rollouts(batch)  # plan → callbacks edit it → generate and score
         self.engine.sleep()  # SGLang frees its KV cache and weights while the trainer needs the memory
-        for cb in self.rl_callbacks():
-            cb.on_before_advantages(self.trainer, self, rollouts)
+        self.call_rl_hooks("on_before_advantages", rollouts)  # V0.5: the fused baselines
         rollouts.advantages, adv_metrics = self.compute_advantages(rollouts)
         self.log_metrics(adv_metrics)
-        t0 = time.perf_counter()
-        self.update(rollouts)
-        self.step_times["train_s"] += time.perf_counter() - t0
+        with self.timer("train_s"):
+            self.update(rollouts)
         self.sync_engine()
-        for cb in self.rl_callbacks():
-            cb.on_rl_step_end(self.trainer, self, rollouts)
-        self._log_step(rollouts, time.perf_counter() - t_start)
+        self.call_rl_hooks("on_rl_step_end", rollouts)
+        self._log_step(rollouts, self.timer.elapsed())
         return None
 
     def collect_rollouts(self, batch: dict[str, list]) -> Rollouts:
         """Plan the batch, let the callbacks edit the plan, generate and score. Subclasses that need more
         prompts than one batch (DAPO's dynamic sampling) override this and call it once per batch."""
         plan = self.make_plan(batch)
-        for cb in self.rl_callbacks():
-            cb.on_rollout_plan(self.trainer, self, plan)
+        self.call_rl_hooks("on_rollout_plan", plan)
         return self.rollout(plan)
 
     def make_plan(self, batch: dict[str, list]) -> RolloutPlan:
@@ -326,171 +237,34 @@ class GRPOModule(pl.LightningModule):
 
         return render_prompt(prompt, self.tokenizer, chat_template=self.hparams.chat_template)
 
-    def sampling_params(self, seed: int, *, evaluation: bool = False) -> SamplingParams:
-        hp = self.hparams
-        temperature = hp.eval_temperature if evaluation else hp.temperature
-        return SamplingParams(temperature=temperature, top_p=hp.top_p, top_k=hp.top_k,
-                              max_new_tokens=hp.max_new_tokens, seed=seed, stop_token_ids=self.stop_token_ids())
-
-    def stop_token_ids(self) -> tuple[int, ...]:
-        """Where sampling stops besides the tokenizer's eos: the eos ids of the model's generation config (e.g. a
-        chat model that ends a turn with one token and a document with another)."""
-        eos = getattr(getattr(getattr(self, "policy", None), "generation_config", None), "eos_token_id", None)
-        if eos is None:  # also while __init__ checks the options, before the model loads
-            return ()
-        ids = eos if isinstance(eos, (list, tuple)) else [eos]
-        return tuple(sorted({int(i) for i in ids} - {self.tokenizer.eos_token_id}))
-
-    def sample_seed(self, *parts: int) -> int:
-        """Seed of one engine call: a function of the run seed, the step and the call's place in it. Not of the
-        rank: the engine keys each completion by its prompt, so any world size samples the same completions."""
-        key = ":".join(str(p) for p in (self.hparams.seed, self.global_step, *parts))
-        return zlib.crc32(key.encode())
-
     def rollout(self, plan: RolloutPlan) -> Rollouts:
-        """Generate and score the plan's samples, round after round while its budget rule asks for more."""
-        parts: list[Rollouts] = []
-        counts: Optional[list[int]] = plan.n_per_prompt
-        have = [0] * plan.num_prompts
-        round_index = 0
-        while self._another_round(counts):
-            counts = counts or [0] * plan.num_prompts  # this rank is done but takes part in the others' pushes
-            if any(c < 0 for c in counts):
-                raise ValueError(f"budget rule asked for negative sample counts: {counts}")
-            per_source = plan.split_over_sources(counts, have)
-            if self._can_stack(plan, per_source):
-                parts += self._generate_stacked(plan, per_source, round_index)
-            else:
-                for source, source_counts in enumerate(per_source):
-                    part = self._generate(plan, source_counts, source, round_index)
-                    if part is not None:
-                        parts.append(part)
-            have = [h + c for h, c in zip(have, counts)]
-            rollouts = Rollouts.concat(parts, self.tokenizer.pad_token_id)
-            round_index += 1
-            counts = plan.budget_rule(rollouts) if plan.budget_rule is not None else None
-        self.counters["rollouts_total"] += rollouts.num_samples
-        self.counters["tokens_generated"] += rollouts.num_tokens()
-        return rollouts
-
-    @staticmethod
-    def _another_round(counts: Optional[list[int]]) -> bool:
-        """Whether any rank asks for more samples: weight pushes are collectives, so all ranks run every round."""
-        return D.global_max(int(counts is not None and sum(counts) > 0)) > 0
-
-    def _generate(self, plan: RolloutPlan, counts: list[int], source: int, round_index: int) -> Optional[Rollouts]:
-        """Samples of one weight source in one round (None when `counts` are all 0; the push still happens)."""
-        t0 = time.perf_counter()
-        with plan.weight_context(source):
-            mean = plan.uses_mean_weights and plan.num_weight_sources == 1
-            if not mean or not self._engine_holds_mean or self.engine.version != self.global_step:
-                self.push_to_engine(holds_mean=mean)
-            if sum(counts) == 0:
-                return None
-            completions = self._engine_generate(plan.prompt_token_ids, counts, self.sampling_params(self.sample_seed(round_index, source)))
-        self.step_times["gen_s"] += time.perf_counter() - t0
-        pad = self.tokenizer.pad_token_id
-        return self._score(plan, rollouts_from_completions(plan, completions, chunk=source, pad_id=pad))
-
-    def _can_stack(self, plan: RolloutPlan, per_source: list[list[int]]) -> bool:
-        """One stacked engine call for all weight sources: an engine that has one, sharing the model, and
-        equal totals per source (C3PO: G/N per prompt each)."""
-        totals = {sum(c) for c in per_source}
-        return (plan.num_weight_sources > 1 and hasattr(self.engine, "generate_stacked")
-                and getattr(self.engine, "mode", None) == "shared" and len(totals) == 1 and totals != {0})
-
-    def _generate_stacked(self, plan: RolloutPlan, per_source: list[list[int]], round_index: int) -> list[Rollouts]:
-        """What `_generate` gives for every source, from one engine call: per-token overhead, not FLOPs, sets
-        the cost of a small model's generation, so S calls cost ~S times one (lit_rlvr.rollout.multi_weight)."""
-        t0 = time.perf_counter()
-        num = plan.num_weight_sources
-        stacks = plan.weight_stacks(num) if plan.weight_stacks is not None else self._stacks_from_contexts(plan)
-        self.push_to_engine(holds_mean=False)  # shared mode: no copy; the version bookkeeping of `_generate`
-        sampling = [self.sampling_params(self.sample_seed(round_index, s)) for s in range(num)]
-        with self._engine_errors():
-            completions = self.engine.generate_stacked(plan.prompt_token_ids, per_source, sampling, stacks)
-        self.step_times["gen_s"] += time.perf_counter() - t0
-        pad = self.tokenizer.pad_token_id
-        packed = [rollouts_from_completions(plan, c, chunk=source, pad_id=pad) for source, c in enumerate(completions)]
-        return [self._score(plan, Rollouts.concat(packed, pad))]  # one decode and one reward call for all sources
-
-    @torch.no_grad()
-    def _stacks_from_contexts(self, plan: RolloutPlan) -> dict[Tensor, Tensor]:
-        """{param: [S, *shape]}: row c copied from the params inside `plan.weight_context(c)`."""
-        params = list(self.engine.model.parameters())
-        stacks = {p: p.new_empty((plan.num_weight_sources, *p.shape)) for p in params}
-        for source in range(plan.num_weight_sources):
-            with plan.weight_context(source):  # 3PO writes θ̂_source into the params; m is back on exit
-                for p in params:
-                    stacks[p][source].copy_(p)
-        return stacks
-
-    def _score(self, plan: RolloutPlan, part: Rollouts) -> Rollouts:
-        """Decode the packed completions and score their rewards."""
-        pad = self.tokenizer.pad_token_id
-        part.completions = self.tokenizer.batch_decode(part.response_ids.masked_fill(~part.response_mask, pad),
-                                                       skip_special_tokens=True)
-        t0 = time.perf_counter()
-        owners = part.group.tolist()  # [N] prompt of each completion
-        scored = self.reward_runner([plan.prompts[g] for g in owners], part.completions,
-                                    [plan.answers[g] for g in owners])
-        if getattr(self.reward_runner, "stop_reason", None):  # a hung call is left running: finish, save, stop
-            self.trainer.should_stop = True
-        part.rewards, part.malformed = scored.scores, scored.malformed
-        self.counters["reward_failures"] += scored.failures
-        self.step_times["reward_s"] += time.perf_counter() - t0
-        return part
-
-    def _engine_generate(self, prompt_token_ids: list[list[int]], counts: list[int], params: SamplingParams):
-        with self._engine_errors():
-            return self.engine.generate(prompt_token_ids, counts, params)
-
-    @contextmanager
-    def _engine_errors(self) -> Iterator[None]:
-        """An engine failure becomes an `EngineError` that says what survives and what to do."""
-        try:
-            yield
-        except Exception as err:
-            raise EngineError(f"engine {self.hparams.engine!r} failed at step {self.global_step + 1}: {err!r}; "
-                              f"{self._checkpoint_hint()}") from err
-
-    def _checkpoint_hint(self) -> str:
-        """What a stopped run keeps: the last checkpoint, if one was written (never claim one that is not there)."""
-        callbacks = self._trainer.callbacks if self._trainer is not None else []
-        path = next((cb.last_path for cb in callbacks if hasattr(cb, "last_path")), None)
-        if path is not None and Path(path).exists():
-            return f"the last checkpoint {path} is intact: fix the cause and continue with resume={path}"
-        return "no checkpoint was written yet (the run stopped before its first save): fix the cause and start again"
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        # after the callbacks' hook: RunCheckpoint has saved this step (should_stop was set in `_score`)
-        reason = getattr(self.reward_runner, "stop_reason", None)
-        if reason:
-            raise RewardHangError(f"{reason}; {self._checkpoint_hint()}")
+        """The plan's samples, generated and scored (`RolloutDriver.rollout`)."""
+        return self.driver.rollout(plan)
 
     def push_to_engine(self, *, holds_mean: bool = True) -> None:
-        """Send the policy's current weights to the engine (no copy in `shared` mode); wakes a sleeping engine."""
-        t0 = time.perf_counter()
-        self.engine.wake()
-        if getattr(self.engine, "mode", None) != "shared":
-            push_weights(self.engine, self.policy, bucket_bytes=getattr(self.engine, "bucket_bytes", 256 << 20),
-                         dtype=getattr(self.engine, "weight_dtype", None))
-        self.engine.version = self.global_step
-        self._engine_holds_mean = holds_mean
-        self.step_times["sync_s"] = self.step_times.get("sync_s", 0.0) + time.perf_counter() - t0
+        """Send the policy's weights to the engine. Every push of the run goes through here (the driver's too),
+        so a callback or a test can wrap it."""
+        self.driver.push(holds_mean=holds_mean)
 
     def sync_engine(self) -> None:
         """After the optimizer step: the engine must hold the new mean weights (version = global step)."""
         self.push_to_engine(holds_mean=True)
 
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # after the callbacks' hook: RunCheckpoint has saved this step (the driver set should_stop)
+        reason = self.reward_runner.stop_reason
+        if reason:
+            raise RewardHangError(f"{reason}; {checkpoint_hint(self._trainer)}")
+
     # -- advantages and loss (subclass points) ----------------------------------------------------------------
     def compute_advantages(self, rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
-        """[N] advantages; uses `rollouts.baseline` and `rollouts.scale_adv_by_std` when a callback set them (V0.5)."""
-        scale = self.hparams.scale_adv_by_std if rollouts.scale_adv_by_std is None else rollouts.scale_adv_by_std
+        """[N] advantages; relative to `rollouts.baseline` when a callback set one (V0.5)."""
         group, num_groups = rollouts.advantage_groups()  # the prompts, or smaller groups set by a callback (M3PO)
-        return F.grpo_advantages(rollouts.rewards, group, num_groups, scale_by_std=scale, baseline=rollouts.baseline)
+        return F.grpo_advantages(rollouts.rewards, group, num_groups, scale_by_std=self.hparams.scale_adv_by_std,
+                                 baseline=rollouts.baseline)
 
-    def policy_loss(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
+    def policy_loss(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+                    rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
         """Surrogate loss of one micro-batch. logp, old_logp, mask: [n, T]; advantages: [n]."""
         hp = self.hparams
         return F.ppo_clip_loss(logp, old_logp, advantages, mask, eps_low=hp.eps_low, eps_high=hp.eps_high,
@@ -502,7 +276,8 @@ class GRPOModule(pl.LightningModule):
         mask = torch.cat([rollouts.prompt_mask, rollouts.response_mask], dim=1).to(self.device)  # [n, P+T]
         position_ids = (mask.long().cumsum(-1) - 1).clamp_min(0)
         width = rollouts.response_ids.shape[1]
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, logits_to_keep=width + 1).logits[:, :-1]
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
+                       logits_to_keep=width + 1).logits[:, :-1]
         temperature = self.hparams.temperature or 1.0
         return F.token_logprobs(logits, rollouts.response_ids.to(self.device), temperature=temperature), logits
 
@@ -514,10 +289,10 @@ class GRPOModule(pl.LightningModule):
         old = rollouts.old_logp.to(self.device)
         advantages = rollouts.advantages.to(self.device)  # [n]
         keep_metrics = {}
-        if rollouts.seq_mask_tau is not None:
+        if hp.seq_mask_tau is not None:
             # 3PO: a sequence whose ratio left [1/τ, τ] gets no policy gradient. Its terms become 0 but its tokens
             # stay in every normalisation, as the micro-batch weights assume: the loss cannot depend on micro-batching
-            keep, keep_metrics = F.sequence_importance_mask(logp, old, mask, tau=rollouts.seq_mask_tau)  # [n]
+            keep, keep_metrics = F.sequence_importance_mask(logp, old, mask, tau=hp.seq_mask_tau)  # [n]
             advantages = advantages * keep  # [n]
         loss, metrics = self.policy_loss(logp, old, advantages, mask, rollouts)
         metrics.update(keep_metrics)
@@ -633,16 +408,19 @@ class GRPOModule(pl.LightningModule):
         discard = getattr(optimizer, "discard_samples", None)  # IVON: this step's gradient samples must not leak
         if discard is not None:
             discard()
-        log.warning("non-finite %s at step %d: step skipped (%d in a row)", what, self.global_step, self.counters["bad_steps_in_row"])
+        log.warning("non-finite %s at step %d: step skipped (%d in a row)", what, self.global_step,
+                    self.counters["bad_steps_in_row"])
         if self.counters["bad_steps_in_row"] >= self.hparams.max_bad_steps:
             raise NonFiniteError(
                 f"{self.counters['bad_steps_in_row']} non-finite steps in a row (algorithm.max_bad_steps="
-                f"{self.hparams.max_bad_steps}); lower algorithm.lr or check the reward; {self._checkpoint_hint()}")
+                f"{self.hparams.max_bad_steps}); lower algorithm.lr or check the reward; "
+                f"{checkpoint_hint(self._trainer)}")
 
     # -- metrics ----------------------------------------------------------------------------------------------
     def log_metrics(self, metrics: dict[str, Tensor]) -> None:
         """Add metrics to this step's row (callbacks call this too)."""
-        self.step_metrics.update({k: v.detach().float() if isinstance(v, Tensor) else torch.tensor(float(v)) for k, v in metrics.items()})
+        self.step_metrics.update({k: v.detach().float() if isinstance(v, Tensor) else torch.tensor(float(v))
+                                  for k, v in metrics.items()})
 
     def _log_step(self, rollouts: Rollouts, step_s: float) -> None:
         lengths = rollouts.response_mask.sum(-1).float()  # [N]
@@ -659,43 +437,18 @@ class GRPOModule(pl.LightningModule):
             "train/skipped_steps": torch.tensor(float(self.counters["skipped_steps"])),
             "perf/tokens_per_s": torch.tensor(rollouts.num_tokens() / max(step_s, 1e-9)),
             "time/step_s": torch.tensor(step_s),
-            **{f"time/{k}": torch.tensor(v) for k, v in self.step_times.items()},
+            **{f"time/{k}": torch.tensor(v) for k, v in self.timer.times.items()},
         }
         self.log_metrics(metrics)
         self.step_metrics = D.reduce_metrics(self.step_metrics)  # the global batch's figures, on every rank
-        self._write_step_metrics(self.step_metrics, progress_bar=("reward/mean", "reward/accuracy"))
-
-    def _write_step_metrics(self, metrics: dict[str, Tensor], progress_bar: tuple[str, ...] = ()) -> None:
-        """One row per step to every logger, the values to `trainer.callback_metrics` (for monitors) and the
-        `progress_bar` keys to the progress bar.
-
-        Not through `self.log`: Lightning's per-key bookkeeping costs ~1-2 ms per metric and call, about a third
-        of a tiny-model step with ~25 metrics (measured with cProfile on the reference workload). This is what
-        its logger connector does with on-step metrics, in one call."""
-        connector = self.trainer._logger_connector
-        connector._callback_metrics.update(metrics)
-        connector._progress_bar_metrics.update({k: float(metrics[k]) for k in progress_bar})
-        if connector.should_update_logs or self.trainer.should_stop:
-            connector.log_metrics(dict(metrics))
+        write_step_metrics(self.trainer, self.step_metrics, progress_bar=("reward/mean", "reward/accuracy"))
 
     # -- evaluation --------------------------------------------------------------------------------------------
     def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:
         if self.engine is None:
             self.setup("validate")
-        plan = self.make_plan(batch)
-        if not self._engine_holds_mean or self.engine.version != self.global_step:
-            self.step_times = {}
-            self.push_to_engine()
-        n = self.hparams.eval_samples
-        params = self.sampling_params(zlib.crc32(f"eval:{self.hparams.seed}".encode()), evaluation=True)  # keyed per prompt by the engine
-        completions = self.engine.generate(plan.prompt_token_ids, [n] * plan.num_prompts, params)
-        texts = [[self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in per] for per in completions]
-        flat = [t for per in texts for t in per]
-        owners = [b for b, per in enumerate(texts) for _ in per]
-        scored = self.reward_runner([plan.prompts[b] for b in owners], flat, [plan.answers[b] for b in owners])
-        if getattr(self.reward_runner, "stop_reason", None):
-            raise RewardHangError(f"{self.reward_runner.stop_reason} (in validation)")
-        correct = (scored.scores > 0).view(plan.num_prompts, n)  # [B, n]
+        seed = zlib.crc32(f"eval:{self.hparams.seed}".encode())  # keyed per prompt by the engine
+        correct = self.driver.evaluate(self.make_plan(batch), self.hparams.eval_samples, seed)  # [B, n]
         self.val_metrics.update(correct)
 
     def on_validation_epoch_end(self) -> None:
@@ -722,4 +475,4 @@ class GRPOModule(pl.LightningModule):
             self.counters.update(dict.fromkeys(self.SUMMED_COUNTERS, 0))
         if "rng" in state:  # a resumed run draws the random numbers the uninterrupted run would have drawn
             set_rng_states(state["rng"])
-        self._engine_holds_mean = False  # the engine must receive the restored weights before the next rollout
+        self.driver.holds_mean = False  # the engine must receive the restored weights before the next rollout

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_rlvr import jsonsafe
-from lit_rlvr.callbacks import RunCheckpoint
+from lit_rlvr.run_checkpoint import RunCheckpoint
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.resume import RunConfig, check_config, check_weights_fit, load_checkpoint, resolved_config
 
@@ -234,13 +234,13 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """`mode=eval checkpoint=PATH`: held-out metrics of a checkpoint, written to eval.json."""
     if not cfg.checkpoint or not Path(cfg.checkpoint).exists():
         raise FileNotFoundError(f"checkpoint={cfg.checkpoint!r}: mode=eval needs an existing checkpoint file")
-    from lit_rlvr.strategies import FSDPRolloutStrategy
+    from lit_rlvr.strategies import FSDP2Strategy
 
     state = load_checkpoint(Path(cfg.checkpoint), "checkpoint")  # a corrupt file fails before any work
     datamodule = _instantiate(cfg.data)
     trainer = build_trainer(cfg, run_dir)
     sharded = Path(cfg.checkpoint).is_dir()  # trainer.strategy.save_distributed_checkpoint=true: a shard per rank
-    if sharded and not isinstance(trainer.strategy, FSDPRolloutStrategy):
+    if sharded and not isinstance(trainer.strategy, FSDP2Strategy):
         raise ValueError(f"checkpoint={cfg.checkpoint!r} is a sharded checkpoint (a folder, one file per rank): "
                          "evaluate it with the FSDP trainer that wrote it, e.g. torchrun --nproc_per_node N "
                          "train.py mode=eval checkpoint=... trainer=fsdp32 (the run's trainer, model and engine)")

@@ -57,19 +57,23 @@ IVON = ["algorithm.optimizer=ivon", "algorithm.lr=0.03", "algorithm.grad_clip=0.
         "algorithm.optimizer_options.beta2=0.9999", "algorithm.optimizer_options.clip_radius=1.0",
         "algorithm.optimizer_options.hess_approx=price", "algorithm.optimizer_options.rescale_lr=true",
         "algorithm.callbacks.param_noise.variant=c3po", "algorithm.callbacks.param_noise.num_samples=4",
-        "algorithm.callbacks.param_noise.tau=2.0"]
+        "algorithm.seq_mask_tau=2.0"]
 VP = "algorithm.callbacks.value_prior"
 V05 = [f"{VP}.k_init=4", f"{VP}.k_max=16", f"{VP}.cost=0.0039", f"{VP}.min_active_frac=0.25", f"{VP}.pad_to=32",
-       f"{VP}.round_size=1", f"{VP}.scale_by_std=false", f"{VP}.context_size=256", f"{VP}.min_context=32",
+       f"{VP}.round_size=1", f"{VP}.context_size=256", f"{VP}.min_context=32",
        f"{VP}.backbone=minilm", f"{VP}.head=kernel", f"{VP}.features=auto", f"{VP}.max_length=128"]
 
 # key -> (label, overrides); the group sizes, k and N are the issue's
 METHODS: dict[str, tuple[str, list[str]]] = {
-    "grpo_g16": ("GRPO (G = 16)", ["algorithm=grpo", "algorithm.group_size=16", "algorithm.scale_adv_by_std=true", *ADAMW]),
-    "grpo_g4": ("GRPO (G = 4)", ["algorithm=grpo", "algorithm.group_size=4", "algorithm.scale_adv_by_std=true", *ADAMW]),
+    "grpo_g16": ("GRPO (G = 16)", ["algorithm=grpo", "algorithm.group_size=16", "algorithm.scale_adv_by_std=true",
+                                   *ADAMW]),
+    "grpo_g4": ("GRPO (G = 4)", ["algorithm=grpo", "algorithm.group_size=4", "algorithm.scale_adv_by_std=true",
+                                 *ADAMW]),
     "v05": ("V0.5 (k_init = 4, OSLA ≤ 16)", ["algorithm=v05", "algorithm.scale_adv_by_std=false", *ADAMW, *V05]),
-    "c3po": ("C3PO (N = 4, G = 16)", ["algorithm=c3po", "algorithm.group_size=16", "algorithm.scale_adv_by_std=true", *IVON]),
-    "c3po_v05": ("C3PO + V0.5 (N = 4, k_init = 4, OSLA ≤ 16)", ["algorithm=c3po_v05", "algorithm.scale_adv_by_std=false",
+    "c3po": ("C3PO (N = 4, G = 16)", ["algorithm=c3po", "algorithm.group_size=16", "algorithm.scale_adv_by_std=true",
+                                      *IVON]),
+    "c3po_v05": ("C3PO + V0.5 (N = 4, k_init = 4, OSLA ≤ 16)", ["algorithm=c3po_v05",
+                                                                "algorithm.scale_adv_by_std=false",
                                                               *IVON, *V05]),
 }
 ORACLE = "callbacks.oracle"
@@ -173,10 +177,12 @@ def run_one(method: str, seed: int, args: argparse.Namespace) -> tuple[Path, boo
            "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
     t0 = time.perf_counter()
     with (run_dir / "train.log").open("w") as log:
-        proc = subprocess.run([sys.executable, "train.py", *ovr], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.run([sys.executable, "train.py", *ovr], cwd=ROOT, env=env, stdout=log,
+                              stderr=subprocess.STDOUT)
     if proc.returncode != 0:
         tail = (run_dir / "train.log").read_text()[-3000:]
-        raise RuntimeError(f"{method} seed {seed} failed (exit {proc.returncode}); log {run_dir / 'train.log'}:\n{tail}")
+        raise RuntimeError(f"{method} seed {seed} failed (exit {proc.returncode}); "
+                           f"log {run_dir / 'train.log'}:\n{tail}")
     print(f"[done] {method} seed {seed}: {time.perf_counter() - t0:.0f} s", flush=True)
     return run_dir, False
 
@@ -331,7 +337,8 @@ def machine() -> dict[str, Any]:
 
 def git_commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=10)
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -357,7 +364,8 @@ def timing_lines(info: dict[str, Any]) -> str:
              f"of the runs' own wall times (model load, held-out evaluations and training, without process start) is "
              f"{info['sum_run_s'] / 60:.1f} min"]
     for r in records:
-        lines.append(f"  * {r['when']}: {r['wall_s'] / 60:.1f} min, {r['runs_trained']} runs trained, {r['runs_reused']} "
+        lines.append(f"  * {r['when']}: {r['wall_s'] / 60:.1f} min, {r['runs_trained']} runs trained, "
+                     f"{r['runs_reused']} "
                      f"reused (commit {r['commit']}; load average {r['load_start']} → {r['load_end']})"
                      + (f"; {r['note']}" if r.get("note") else ""))
     return "\n".join(lines)
@@ -387,7 +395,8 @@ hand and kept when the script writes this file again).
 {command}
 ```
 
-* commit `{info['commit']}`; {info['machine']['cpu']}, {info['machine']['cores']} cores, Python {info['machine']['python']}, torch {info['machine']['torch']}
+* commit `{info['commit']}`; {info['machine']['cpu']}, {info['machine']['cores']} cores, Python
+{info['machine']['python']}, torch {info['machine']['torch']}
 * {args.jobs} runs at once, {max(1, args.threads // args.jobs)} torch thread(s) each
 {timing_lines(info)}
 
@@ -400,7 +409,8 @@ GRPO-family runs: AdamW, lr 3e-4, grad clip 1.0. C3PO runs: the tiny IVON preset
 (λ = 1e8, lr 0.03, clip radius 1, N = 4, τ = 2). V0.5: `conf/algorithm/callbacks/value_prior.yaml` (k_init 4,
 k_max 16, c = 0.0039, pad to 32, 25% rule, MiniLM backbone + kernel head, context 256, prior from 32 records on).
 Seeds 0..{args.seeds - 1}: a seed fixes the data order and the sampling, the same for every method; the held-out
-split is fixed (`data.split_seed=0`, the tiny model's warm-up split), so every seed scores the same held-out prompts. Every override is in each run's `repro_overrides.json`; `scripts/reproduce.py` lists them.
+split is fixed (`data.split_seed=0`, the tiny model's warm-up split), so every seed scores the same held-out prompts.
+Every override is in each run's `repro_overrides.json`; `scripts/reproduce.py` lists them.
 
 Figures per run: held-out accuracy = `val/accuracy` after training (gain = after − before); train rollout acc =
 accuracy of the training rollouts over the last 10% of steps; rollouts consumed = `rollouts_total` (the oracle's

@@ -39,10 +39,10 @@ class FaultyModule(GRPOModule):
             loss = _NaNGradient.apply(loss)
         return loss, metrics
 
-    def _engine_generate(self, prompt_token_ids, counts, params):
+    def rollout(self, plan):
         if self.calls == self.engine_fail_call:
             self.engine.generate = _broken_generate
-        return super()._engine_generate(prompt_token_ids, counts, params)
+        return super().rollout(plan)
 
 
 class _NaNGradient(torch.autograd.Function):

@@ -76,7 +76,8 @@ class PushCheck(RLVRCallback):
                                                             optimizer._shard_key(param), index))
             noise = sigma * torch.randn(local.numel(), generator=gen).view(local.shape)
             if isinstance(param, DTensor):
-                noise = DTensor.from_local(noise, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()).full_tensor()
+                noise = DTensor.from_local(noise, param.device_mesh, param.placements, shape=param.shape,
+                                           stride=param.stride()).full_tensor()
             name = names[id(param)]
             worst = max(worst, float((engine_params[name].detach() - (self.means[name] + noise)).abs().max()))
         return worst

@@ -16,7 +16,7 @@ from lit_rlvr.algorithms import DAPOModule, DrGRPOModule, GSPOModule
 from lit_rlvr.data.datamodule import RLVRDataModule
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.rewards.base import RewardResult, RewardRunner
-from lit_rlvr.rollouts import Rollouts
+from lit_rlvr.rollout.batch import Rollouts
 from tiny_options import TINY as TINY_OPTIONS
 
 CACHE = os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr")
@@ -35,7 +35,8 @@ def batch_of(rewards: list[list[float]], lengths: list[int], width: int = 8) -> 
     return Rollouts(
         prompt_ids=torch.zeros(n, 1, dtype=torch.long), prompt_mask=torch.ones(n, 1, dtype=torch.bool),
         response_ids=torch.zeros(n, width, dtype=torch.long), response_mask=mask, old_logp=torch.zeros(n, width),
-        group=torch.tensor([g for g, group in enumerate(rewards) for _ in group]), chunk=torch.zeros(n, dtype=torch.long),
+        group=torch.tensor([g for g, group in enumerate(rewards) for _ in group]),
+        source=torch.zeros(n, dtype=torch.long),
         num_groups=len(rewards), prompts=[f"p{g}" for g in range(len(rewards))], answers=[0] * len(rewards),
         rewards=torch.tensor(flat), malformed=torch.zeros(n, dtype=torch.bool))
 
@@ -49,16 +50,19 @@ ADV = torch.tensor([1.0, -1.0])
 
 def test_dapo_loss_token_mean_with_clip_higher():
     module = tiny(DAPOModule)
-    assert (module.hparams.eps_low, module.hparams.eps_high, module.hparams.loss_aggregation) == (0.2, 0.28, "token-mean")
+    assert (module.hparams.eps_low, module.hparams.eps_high, module.hparams.loss_aggregation) == (
+        0.2, 0.28, "token-mean")
     logp = torch.log(RATIOS)
     loss, metrics = module.policy_loss(logp, torch.zeros_like(logp), ADV, MASK, None)
     # surrogates min(rA, clip(r, 0.8, 1.28)A): 1.28, 0.5 | −1.25, −0.8, −1.0; token mean over 5 tokens
     assert loss.item() == pytest.approx(-(1.28 + 0.5 - 1.25 - 0.8 - 1.0) / 5)  # 0.254
     assert metrics["loss/pg_clipfrac"].item() == pytest.approx(2 / 5)  # (seq 0, tok 0) and (seq 1, tok 1)
     # the symmetric clip (1.2) and the per-sequence mean give other numbers: the test can tell them apart
-    sym, _ = F.ppo_clip_loss(logp, torch.zeros_like(logp), ADV, MASK, eps_low=0.2, eps_high=0.2, aggregation="token-mean")
+    sym, _ = F.ppo_clip_loss(logp, torch.zeros_like(logp), ADV, MASK, eps_low=0.2, eps_high=0.2,
+                             aggregation="token-mean")
     assert sym.item() == pytest.approx(-(1.2 + 0.5 - 1.25 - 0.8 - 1.0) / 5)  # 0.27
-    seq, _ = F.ppo_clip_loss(logp, torch.zeros_like(logp), ADV, MASK, eps_low=0.2, eps_high=0.28, aggregation="seq-mean-token-mean")
+    seq, _ = F.ppo_clip_loss(logp, torch.zeros_like(logp), ADV, MASK, eps_low=0.2, eps_high=0.28,
+                             aggregation="seq-mean-token-mean")
     assert seq.item() == pytest.approx(-((1.28 + 0.5) / 2 + (-1.25 - 0.8 - 1.0) / 3) / 2)
 
 

@@ -114,7 +114,8 @@ def test_with_instruction_appends_to_last_user_turn_and_adds_system_prompt():
     assert with_instruction(messages, "Think.", "other") == [{"role": "system", "content": "S"},
                                                                {"role": "user", "content": "Q\nThink."}]
     assert messages[1]["content"] == "Q "  # the record itself is not changed
-    assert with_instruction("Q", None, "Sys") == [{"role": "system", "content": "Sys"}, {"role": "user", "content": "Q"}]
+    assert with_instruction("Q", None, "Sys") == [{"role": "system", "content": "Sys"}, {"role": "user",
+                                                                                         "content": "Q"}]
 
 
 def _compose(*overrides: str):
@@ -141,7 +142,8 @@ SCHEMAS = {
     "code_r1": ("f.parquet", [_verl([{"role": "system", "content": "Think, then answer."},
                                      {"role": "user", "content": "Double the number on stdin."}], _STDIN_TESTS)] * 2,
                 "code", "messages"),
-    "livecodebench": ("f.jsonl", [{"prompt": "### Question:\nDouble it.", "tests": _STDIN_TESTS}] * 2, "code", "system"),
+    "livecodebench": ("f.jsonl", [{"prompt": "### Question:\nDouble it.", "tests": _STDIN_TESTS}] * 2, "code",
+                      "system"),
     **{name: ("f.jsonl", [{"problem": q, "answer": a} for q, a in _MATH], "math", "boxed")
        for name in ("math_eval", "aime24", "aime25", "math500")},
     **{name: ("f.jsonl", [{"question": q, "answer": a} for q, a in _MATH], "math", "boxed")
@@ -283,7 +285,8 @@ def test_docs_livecodebench_converter_gives_tests_the_code_reward_runs(tmp_path)
     assert json.loads(call_rec["answer"])["fn_name"] == "addTwo"
     assert check_tests("a, b = map(int, input().split())\nprint(a + b)", stdin_rec["answer"])[0]
     assert check_tests("class Solution:\n    def addTwo(self, a, b):\n        return a + b", call_rec["answer"])[0]
-    passed, details = check_tests("class Solution:\n    def addTwo(self, a, b):\n        return a - b", call_rec["answer"])
+    passed, details = check_tests("class Solution:\n    def addTwo(self, a, b):\n        return a - b",
+                                  call_rec["answer"])
     assert not passed and details["status"] == "wrong_answer"
 
 

@@ -8,7 +8,7 @@ from lit_rlvr.models import load_policy
 from lit_rlvr.rollout.engine import SamplingParams
 from lit_rlvr.rollout.hf import HFEngine, filter_logits
 from lit_rlvr.rollout.weights import buckets, full_named_weights, push_weights
-from lit_rlvr.rollouts import RolloutPlan, rollouts_from_completions
+from lit_rlvr.rollout.batch import RolloutPlan, rollouts_from_completions
 
 PROMPTS = ["12+34=", "5+5=", "71-18=", "3*4="]
 
@@ -31,11 +31,12 @@ def test_behaviour_logprobs_equal_training_forward(policy, temperature):
     plan = _plan(tokenizer)
     params = SamplingParams(temperature=temperature, max_new_tokens=12, seed=7)
     completions = engine.generate(plan.prompt_token_ids, plan.n_per_prompt, params)
-    rollouts = rollouts_from_completions(plan, completions, chunk=0, pad_id=tokenizer.pad_token_id)
+    rollouts = rollouts_from_completions(plan, completions, source=0, pad_id=tokenizer.pad_token_id)
     ids = torch.cat([rollouts.prompt_ids, rollouts.response_ids], 1)
     mask = torch.cat([rollouts.prompt_mask, rollouts.response_mask], 1)
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.long().cumsum(-1) - 1).clamp_min(0)).logits
+        logits = model(input_ids=ids, attention_mask=mask,
+                       position_ids=(mask.long().cumsum(-1) - 1).clamp_min(0)).logits
     width = rollouts.response_ids.shape[1]
     logp = F.token_logprobs(logits[:, -width - 1 : -1], rollouts.response_ids, temperature=temperature)
     diff = ((logp - rollouts.old_logp) * rollouts.response_mask).abs().max().item()
@@ -47,7 +48,8 @@ def test_cached_and_uncached_generation_agree(policy):
     model, tokenizer = policy
     plan = _plan(tokenizer)
     params = SamplingParams(temperature=1.0, max_new_tokens=10, seed=3)
-    outs = [HFEngine(model, pad_id=0, eos_id=2, use_cache=c).generate(plan.prompt_token_ids, plan.n_per_prompt, params) for c in (True, False)]
+    outs = [HFEngine(model, pad_id=0, eos_id=2, use_cache=c).generate(plan.prompt_token_ids, plan.n_per_prompt,
+                                                                      params) for c in (True, False)]
     for a_group, b_group in zip(*outs):
         for a, b in zip(a_group, b_group):
             assert torch.equal(a.token_ids, b.token_ids)
@@ -75,7 +77,8 @@ def test_seed_determinism_and_finish_reasons(policy):
     model, tokenizer = policy
     engine = HFEngine(model, pad_id=0, eos_id=2)
     plan = _plan(tokenizer)
-    run = lambda seed, n: engine.generate(plan.prompt_token_ids, plan.n_per_prompt, SamplingParams(max_new_tokens=n, seed=seed))
+    run = lambda seed, n: engine.generate(plan.prompt_token_ids, plan.n_per_prompt, SamplingParams(max_new_tokens=n,
+                                                                                                   seed=seed))
     first, again, other = run(1, 12), run(1, 12), run(2, 12)
     flat = lambda out: [c.token_ids.tolist() for group in out for c in group]
     assert flat(first) == flat(again)
@@ -173,9 +176,12 @@ def test_sampling_does_not_depend_on_the_batch_a_prompt_shares(policy):
         alone = engine.generate([ids[b]], [3], params)[0]
         assert [c.token_ids.tolist() for c in alone] == [c.token_ids.tolist() for c in together[b]]
     reversed_order = engine.generate(ids[::-1], [3] * len(ids), params)[::-1]
-    assert [[c.token_ids.tolist() for c in per] for per in reversed_order] == [[c.token_ids.tolist() for c in per] for per in together]
+    def ids_of(completions):
+        return [[c.token_ids.tolist() for c in per] for per in completions]
+
+    assert ids_of(reversed_order) == ids_of(together)
     other_seed = engine.generate(ids, [3] * len(ids), SamplingParams(temperature=1.0, max_new_tokens=8, seed=12))
-    assert [[c.token_ids.tolist() for c in per] for per in other_seed] != [[c.token_ids.tolist() for c in per] for per in together]
+    assert ids_of(other_seed) != ids_of(together)
 
 
 def test_inverse_cdf_sampling_matches_the_distribution():
@@ -197,6 +203,6 @@ def test_sampling_stops_at_the_generation_configs_eos_ids_too(tiny_path):
 
     module = GRPOModule(model=tiny_path, group_size=4, max_new_tokens=6)
     eos = module.tokenizer.eos_token_id
-    assert module.sampling_params(0).stop_token_ids == ()  # the tiny model's generation config names only eos
+    assert module.driver.sampling_params(0).stop_token_ids == ()  # the tiny model's generation config names only eos
     module.policy.generation_config.eos_token_id = [eos, 7, 5]
-    assert module.sampling_params(0).stop_token_ids == (5, 7)
+    assert module.driver.sampling_params(0).stop_token_ids == (5, 7)

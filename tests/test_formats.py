@@ -95,7 +95,8 @@ def test_row_numbers_count_blank_lines_as_lines(tmp_path):
 
 
 def test_gsm8k_preset(tmp_path):
-    rows = [{"question": "Tom has 3 apples...", "answer": "3 + 4 = 7\n#### 7"}, {"question": "q", "answer": "no hashes"}]
+    rows = [{"question": "Tom has 3 apples...", "answer": "3 + 4 = 7\n#### 7"}, {"question": "q",
+                                                                                 "answer": "no hashes"}]
     records, stats = load_records(write_jsonl(tmp_path / "gsm8k.jsonl", rows), fields="gsm8k", on_bad_row="skip")
     assert records == [{"prompt": "Tom has 3 apples...", "answer": "7"}]
     assert stats["skipped_by_reason"] == {"no_answer": 1}
@@ -249,7 +250,8 @@ def test_too_few_usable_training_rows_fail_naming_the_file_and_keys(tmp_path):
     path = tmp_path / "data.jsonl"
     write_jsonl(path, [{"question": f"{i}+1", "solution": str(i + 1)} for i in range(5)])
     data = RLVRDataModule(path=str(path), batch_size=8, on_bad_row="skip")
-    with pytest.raises(DataError, match=r"data\.jsonl: 0 usable training rows \(5 skipped\).*data\.batch_size=8.*data\.fields"):
+    with pytest.raises(DataError,
+                       match=r"data\.jsonl: 0 usable training rows \(5 skipped\).*data\.batch_size=8.*data\.fields"):
         data.setup("fit")
         data.train_dataloader()
 
@@ -269,6 +271,7 @@ def test_held_out_shards_are_equal_on_every_rank(caplog):
             shards.append([p for batch in data.val_dataloader() for p in batch["prompt"]])
     assert len(shards[0]) == len(shards[1]) == 2 and not set(shards[0]) & set(shards[1])
     assert "the last 1 of 5 prompts are not scored" in caplog.text
-    data.eval_set = data.eval_set[:1] if isinstance(data.eval_set, list) else torch.utils.data.Subset(data.eval_set, [0])
+    data.eval_set = data.eval_set[:1] if isinstance(data.eval_set, list) else torch.utils.data.Subset(data.eval_set,
+                                                                                                      [0])
     with pytest.raises(ValueError, match=r"held-out set has 1 prompts, fewer than the 2 ranks.*data\.num_test"):
         data.val_dataloader()

@@ -32,12 +32,14 @@ V05 = ["algorithm=v05", "algorithm.callbacks.value_prior.min_context=4", "algori
 def _run(run_dir: Path, overrides: list[str], ranks: int, steps: int = 3, push_check: bool = True) -> Path:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     # --standalone: torchrun picks a free rendezvous port itself (no race between choosing a port and binding it)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else [sys.executable]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={ranks}"] if ranks > 1 else [sys.executable]
     common = [o for o in COMMON if o.split("=")[0] not in {o.split("=")[0] for o in overrides}]  # overrides win
     checks = [f"+callbacks.push_check.out_dir={run_dir}"] if push_check else []
     if not push_check:
         common = [o for o in common if "push_check" not in o]
-    cmd = [*launcher, "train.py", *common, *overrides, f"trainer.max_steps={steps}", *checks, f"hydra.run.dir={run_dir}"]
+    cmd = [*launcher, "train.py", *common, *overrides, f"trainer.max_steps={steps}", *checks,
+           f"hydra.run.dir={run_dir}"]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return run_dir
@@ -61,7 +63,8 @@ def runs(tiny_path, tmp_path_factory):
     grpo = ["algorithm.group_size=4"]
     return {
         "two_ranks": _run(base / "two_ranks", FSDP_CPU + grpo, ranks=2),
-        "two_ranks_1kb_buckets": _run(base / "small_buckets", FSDP_CPU + grpo + ["+engine.options.bucket_bytes=1024"], ranks=2),
+        "two_ranks_1kb_buckets": _run(base / "small_buckets", FSDP_CPU + grpo + ["+engine.options.bucket_bytes=1024"],
+                                      ranks=2),
         "one_rank": _run(base / "one_rank", grpo, ranks=1),
         "c3po_two_ranks": _run(base / "c3po", FSDP_CPU + ["algorithm=c3po"], ranks=2),
         "v05_two_ranks": _run(base / "v05", FSDP_CPU + V05, ranks=2),

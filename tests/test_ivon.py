@@ -91,7 +91,8 @@ def test_sigma_follows_every_change_of_h_lambda_and_delta():
     for change in (lambda: group["hess"].mul_(4.0), lambda: group.update(hess=group["hess"] * 4.0),
                    lambda: group.update(ess=group["ess"] * 4.0), lambda: group.update(weight_decay=0.5)):
         change()
-        torch.testing.assert_close(_delta(opt, model, sample_index=1), eps / scale(), rtol=1e-4, atol=1e-7)  # θ − m rounds at |m|
+        # θ − m rounds at |m|
+        torch.testing.assert_close(_delta(opt, model, sample_index=1), eps / scale(), rtol=1e-4, atol=1e-7)
 
 
 def _stock_enter(stock: ivon.IVON, eps_groups: list[torch.Tensor], monkeypatch):

@@ -13,7 +13,7 @@ import torch
 from lit_rlvr import functional as F
 from lit_rlvr.functional.losses import AGGREGATIONS
 from lit_rlvr.module import GRPOModule
-from lit_rlvr.rollouts import Rollouts
+from lit_rlvr.rollout.batch import Rollouts
 from tiny_options import TINY as TINY_OPTIONS
 
 TINY = {"cache_dir": os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr"), **TINY_OPTIONS}  # = conf/model/tiny.yaml
@@ -28,8 +28,9 @@ def _rollouts(module: GRPOModule, tau) -> Rollouts:
     rollouts = Rollouts(
         prompt_ids=torch.randint(4, 90, (n, p), generator=g), prompt_mask=torch.ones(n, p, dtype=torch.bool),
         response_ids=torch.randint(4, 90, (n, t), generator=g), response_mask=torch.arange(t) < lengths[:, None],
-        old_logp=torch.zeros(n, t), group=torch.arange(n) // 4, chunk=torch.zeros(n, dtype=torch.long),
-        num_groups=2, prompts=["a", "b"], answers=[0, 0], advantages=torch.randn(n, generator=g), seq_mask_tau=tau)
+        old_logp=torch.zeros(n, t), group=torch.arange(n) // 4, source=torch.zeros(n, dtype=torch.long),
+        num_groups=2, prompts=["a", "b"], answers=[0, 0], advantages=torch.randn(n, generator=g))
+    module.hparams.seq_mask_tau = tau
     with torch.no_grad():
         logp, _ = module.forward_logprobs(module.policy, rollouts)  # [n, t]
     shift = torch.full((n, 1), 0.02)
@@ -62,7 +63,8 @@ def test_gradient_does_not_depend_on_micro_batch_size(aggregation, tau):
     grads, metrics = _grads_and_metrics(module, tau)
     for grad, got in zip(grads[1:], metrics[1:]):
         # float32 sums in another order; token-sum gradients are up to T times larger, so their rounding is too
-        torch.testing.assert_close(grad, grads[0], rtol=1e-5, atol=1e-6 if aggregation == "seq-mean-token-sum" else 1e-7)
+        torch.testing.assert_close(grad, grads[0], rtol=1e-5,
+                                   atol=1e-6 if aggregation == "seq-mean-token-sum" else 1e-7)
         assert got == pytest.approx(metrics[0], rel=1e-5, abs=1e-7)
     if tau is not None:
         assert metrics[0]["loss/seq_mask_frac"] == pytest.approx(2 / 8)

@@ -143,7 +143,7 @@ def test_c3po_shared_engine_stacked_equals_per_source(monkeypatch):
         real = module.rollout
         monkeypatch.setattr(module, "rollout", lambda plan: seen.append(real(plan)) or seen[-1])
         if not stacked:
-            monkeypatch.setattr(module, "_can_stack", lambda plan, per_source: False)
+            monkeypatch.setattr(module.driver, "_can_stack", lambda plan, per_source: False)
         calls = []
         real_setup = module.setup
 
@@ -160,7 +160,7 @@ def test_c3po_shared_engine_stacked_equals_per_source(monkeypatch):
     plain, plain_rollouts, plain_calls = run(False)
     assert (stacked_calls, plain_calls) == (2, 0)  # one engine call per step for both weight samples
     for a, b in zip(stacked_rollouts, plain_rollouts):
-        for name in ("response_ids", "response_mask", "group", "chunk", "rewards"):
+        for name in ("response_ids", "response_mask", "group", "source", "rewards"):
             assert torch.equal(getattr(a, name), getattr(b, name)), name
         torch.testing.assert_close(a.old_logp, b.old_logp, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(list(stacked.policy.parameters()), list(plain.policy.parameters()), rtol=1e-4, atol=1e-6)

@@ -46,7 +46,8 @@ def two_runs(tmp_path_factory) -> list[Path]:
     base = tmp_path_factory.mktemp("report")
     runs = [base / "run_grpo", base / "run_dr_grpo"]
     env = {**os.environ, "LIT_RLVR_CACHE": os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr")}
-    procs = [subprocess.Popen([sys.executable, "train.py", f"algorithm={name}", "trainer.max_steps=3", "eval_before=false", "data.batch_size=8",
+    procs = [subprocess.Popen([sys.executable, "train.py", f"algorithm={name}", "trainer.max_steps=3",
+                               "eval_before=false", "data.batch_size=8",
                                "callbacks.progress=null", "data.num_test=64", f"hydra.run.dir={run}"],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for name, run in zip(["grpo", "dr_grpo"], runs)]

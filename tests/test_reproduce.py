@@ -17,7 +17,7 @@ import torch
 from lit_rlvr.callbacks.oracle_baseline import OracleBaseline, debiased_mse, group_moments
 from lit_rlvr.rewards.base import RewardBatch
 from lit_rlvr.rollout.engine import Completion
-from lit_rlvr.rollouts import RolloutPlan, Rollouts
+from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,7 +89,7 @@ def rollouts_of(rewards_per_prompt, baseline=None, advantages=None):
     n, b = len(rewards), len(rewards_per_prompt)
     return Rollouts(prompt_ids=torch.zeros(n, 1, dtype=torch.long), prompt_mask=torch.ones(n, 1, dtype=torch.bool),
                     response_ids=torch.zeros(n, 1, dtype=torch.long), response_mask=torch.ones(n, 1, dtype=torch.bool),
-                    old_logp=torch.zeros(n, 1), group=group, chunk=torch.zeros(n, dtype=torch.long), num_groups=b,
+                    old_logp=torch.zeros(n, 1), group=group, source=torch.zeros(n, dtype=torch.long), num_groups=b,
                     prompts=[f"q{i}" for i in range(b)], answers=[0] * b, rewards=rewards, baseline=baseline,
                     advantages=advantages)
 

@@ -51,7 +51,8 @@ def split_runs(tmp_path_factory):
     for proc in first:
         _wait(proc)
     resumes = {algo: root / (f"{algo}_part" if same_dir else f"{algo}_resumed") for algo, same_dir in plans.items()}
-    second = [_start(run_dir, f"algorithm={algo}", "trainer.max_steps=6", f"resume={root}/{algo}_part/checkpoints/last.ckpt",
+    second = [_start(run_dir, f"algorithm={algo}", "trainer.max_steps=6",
+                     f"resume={root}/{algo}_part/checkpoints/last.ckpt",
                      *extra.get(algo, [])) for algo, run_dir in resumes.items()]
     for proc in second:
         _wait(proc)

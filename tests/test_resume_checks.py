@@ -61,7 +61,8 @@ def test_engine_placement_may_change_but_its_sampling_may_not():
 def test_check_config_refuses_naming_each_key_and_allows_named_ones(tmp_path):
     state = {"global_step": 3, "lit_rlvr_config": {"config": {"seed": 0, "algorithm": {"lr": 3e-4}}}}
     new = {"seed": 0, "algorithm": {"lr": 0.1}}
-    with pytest.raises(CheckpointError, match=r"algorithm\.lr: checkpoint 0\.0003, now 0\.1.*resume_allow=\[algorithm\.lr\]"):
+    with pytest.raises(CheckpointError,
+                       match=r"algorithm\.lr: checkpoint 0\.0003, now 0\.1.*resume_allow=\[algorithm\.lr\]"):
         check_config(tmp_path / "last.ckpt", state, new, allow=[])
     assert check_config(tmp_path / "last.ckpt", state, new, allow=["algorithm.lr"]) == [
         {"key": "algorithm.lr", "checkpoint": 3e-4, "new": 0.1, "step": 3}]
@@ -103,7 +104,8 @@ def test_weights_of_another_model_size_are_refused_naming_the_tensor(tmp_path):
 
     state = {"state_dict": Module(4).state_dict(), "global_step": 1}
     check_weights_fit(tmp_path / "a.ckpt", state, Module(4), "resume", "tiny")
-    with pytest.raises(CheckpointError, match=r"resume=.*a\.ckpt.*do not fit model='tiny'.*policy\.weight is \[4, 4\] there and \[8, 8\] here"):
+    with pytest.raises(CheckpointError, match=r"resume=.*a\.ckpt.*do not fit model='tiny'.*"
+                                              r"policy\.weight is \[4, 4\] there and \[8, 8\] here"):
         check_weights_fit(tmp_path / "a.ckpt", state, Module(8), "resume", "tiny")
     report(fault="checkpoint of another model size", bad_inputs=1, survived=False, stopped_cleanly=True, data_lost=0)
 

@@ -19,7 +19,7 @@ import torch
 
 from lit_rlvr.rewards import build_reward_runner
 from lit_rlvr.rewards.base import ProcessRewardRunner, RewardRunner
-from tests.test_faults import SMALL, Run, report
+from tests.test_faults import Run, report
 from tests import reward_helpers as H
 
 REPO = Path(__file__).resolve().parents[1]
@@ -232,7 +232,8 @@ libc.shmget.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_int]
 shm = libc.shmget({key}, 64 << 20, 0o1000 | 0o666)   # IPC_CREAT, left behind on purpose
 msg = libc.msgget({key} + 1, 0o1000 | 0o666)
 host = libc.shmget({host_key}, 0, 0)                   # the host's 0666 segment
-print("created" if shm >= 0 and msg >= 0 else "not created", "PWNED" if host >= 0 else "host segment hidden", flush=True)
+print("created" if shm >= 0 and msg >= 0 else "not created", "PWNED" if host >= 0 else "host segment hidden",
+flush=True)
 if {hang}:
     time.sleep(60)                                      # killed at its timeout
 """

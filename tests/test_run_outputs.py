@@ -79,13 +79,13 @@ def test_completions_in_tensorboard(resumed):
 
 
 def _rollouts():
-    from lit_rlvr.rollouts import Rollouts
+    from lit_rlvr.rollout.batch import Rollouts
 
     n = 4
     return Rollouts(prompt_ids=torch.zeros(n, 2, dtype=torch.long), prompt_mask=torch.ones(n, 2, dtype=torch.bool),
                     response_ids=torch.zeros(n, 3, dtype=torch.long),
                     response_mask=torch.tensor([[1, 1, 0]] * n, dtype=torch.bool), old_logp=torch.zeros(n, 3),
-                    group=torch.tensor([0, 0, 1, 1]), chunk=torch.zeros(n, dtype=torch.long), num_groups=2,
+                    group=torch.tensor([0, 0, 1, 1]), source=torch.zeros(n, dtype=torch.long), num_groups=2,
                     prompts=["1+1=", "2+2="], answers=["2", "4"], completions=["2", "3", "4", "4|x"],
                     finish_reason=["stop"] * n, rewards=torch.tensor([1.0, -1.0, 1.0, 1.0]),
                     malformed=torch.zeros(n, dtype=torch.bool), advantages=torch.tensor([0.7, -0.7, 0.0, 0.0]))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_rlvr.rollout.engine import SamplingParams
+from lit_rlvr.rollout.engine import RolloutEngine, SamplingParams
 from lit_rlvr.rollout.sglang import NEUTRAL_SAMPLING, build_requests, engine_args, parse_outputs
 from lit_rlvr.rollout.weights import push_weights
 
@@ -98,7 +98,7 @@ def test_parse_rejects_abort_count_mismatch_and_misaligned_logprobs():
 
 # -- push_weights --------------------------------------------------------------------------------------------
 def test_push_weights_ends_the_update_once_when_the_engine_can():
-    class Recorder:
+    class Recorder(RolloutEngine):  # the base class's end_weight_update does nothing
         def __init__(self):
             self.calls = []
 
@@ -354,7 +354,8 @@ def test_real_sglang_greedy_equals_hf_engine(tiny_path):
         again = engine.generate(prompts, [1, 1, 1, 1], params)
     finally:
         engine.shutdown()
-    want = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id).generate(prompts, [2, 1, 1, 1], params)
+    want = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id).generate(prompts, [2, 1, 1, 1],
+                                                                                                  params)
     for got_group, want_group in zip(got, want):
         for g, w in zip(got_group, want_group):
             assert g.token_ids.tolist() == w.token_ids.tolist() and g.finish_reason == w.finish_reason

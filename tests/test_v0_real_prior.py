@@ -27,7 +27,8 @@ def outcomes(tmp_path_factory):
     problems = ArithmeticTask(seed=0).problems(CONTEXT + HELD_OUT, "train")
     ids = [tokenizer(p["prompt"], add_special_tokens=False)["input_ids"] for p in problems]
     completions = engine.generate(ids, [N] * len(ids), SamplingParams(temperature=1.0, max_new_tokens=8, seed=0))
-    correct = [[arithmetic_reward(p["prompt"], tokenizer.decode(c.token_ids, skip_special_tokens=True), p["answer"]).score > 0
+    correct = [[arithmetic_reward(p["prompt"], tokenizer.decode(c.token_ids, skip_special_tokens=True),
+                                  p["answer"]).score > 0
                 for c in per] for p, per in zip(problems, completions)]
     return [p["prompt"] for p in problems], torch.tensor(correct)  # [P], [P, N]
 

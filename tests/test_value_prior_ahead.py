@@ -5,7 +5,7 @@ matrix equals a fresh stack."""
 import pytest
 import torch
 
-from lit_rlvr.callbacks.value_prior import _Ahead, _TrainPrompts
+from lit_rlvr.value.prefetch import Ahead, TrainPrompts
 from lit_rlvr.data.datamodule import RLVRDataModule
 from lit_rlvr.value import ContextBuffer, KernelHead, ValueModel
 from lit_rlvr.value.backbone import EmbeddingBackbone, PolicyHiddenStates
@@ -105,8 +105,8 @@ def test_next_chunks_hold_the_prompts_of_the_coming_batches():
     dm = RLVRDataModule(num_train=200, batch_size=4, seed=3)
     dm.setup()
     loader = dm.train_dataloader()
-    source = _TrainPrompts(loader.dataset, loader.batch_size, str, loader.sampler)
-    ahead = _Ahead(source, steps=5)
+    source = TrainPrompts(loader.dataset, loader.batch_size, str, loader.sampler)
+    ahead = Ahead(source, steps=5)
     batches = [b["prompt"] for _, b in zip(range(12), loader)]
     chunk = None
     for i, batch in enumerate(batches):
@@ -143,14 +143,14 @@ def test_incremental_standardized_columns_give_a_fresh_builds_bits(dim):
 
 
 def test_sliding_columns_hold_the_records_columns_and_give_a_copys_matmul_bits():
-    """`_SlidingColumns` through drops, appends and moves back to its buffers' start holds what a fresh stack of
+    """`SlidingColumns` through drops, appends and moves back to its buffers' start holds what a fresh stack of
     the records' columns holds, and a matmul over its window view has a contiguous copy's bits (what makes the
     kept columns' p̂ equal a rebuilt one's)."""
-    from lit_rlvr.value import _SlidingColumns
+    from lit_rlvr.value.head_cache import SlidingColumns
 
     g = torch.Generator().manual_seed(5)
     records = [torch.randn(384, dtype=torch.float64, generator=g) for _ in range(40)]  # record i's column
-    columns, first, moved = _SlidingColumns((torch.stack(records, 1),), capacity=40), 0, 0
+    columns, first, moved = SlidingColumns((torch.stack(records, 1),), capacity=40), 0, 0
     for step in range(60):
         k = step % 9 + 1
         new = [torch.randn(384, dtype=torch.float64, generator=g) for _ in range(k)]
@@ -164,7 +164,8 @@ def test_sliding_columns_hold_the_records_columns_and_give_a_copys_matmul_bits()
         assert torch.equal(view, expected)
         z = torch.randn(8, 384, dtype=torch.float64, generator=g)
         bias = torch.randn(40, dtype=torch.float64, generator=g)
-        assert torch.equal(torch.addmm(bias, z, view, beta=-1, alpha=2), torch.addmm(bias, z, expected, beta=-1, alpha=2))
+        assert torch.equal(torch.addmm(bias, z, view, beta=-1, alpha=2), torch.addmm(bias, z, expected, beta=-1,
+                                                                                     alpha=2))
     assert moved >= 2
 
 

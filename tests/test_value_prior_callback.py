@@ -19,7 +19,7 @@ from lit_rlvr.data.datamodule import collate
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.rewards.base import RewardResult, RewardRunner
-from lit_rlvr.rollouts import RolloutPlan, Rollouts
+from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 from tiny_options import TINY as TINY_OPTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +67,7 @@ def fake_rollouts(prompts, rewards):
     return Rollouts(
         prompt_ids=torch.ones(n, 1, dtype=torch.long), prompt_mask=torch.ones(n, 1, dtype=torch.bool),
         response_ids=torch.ones(n, 1, dtype=torch.long), response_mask=torch.ones(n, 1, dtype=torch.bool),
-        old_logp=torch.zeros(n, 1), group=group, chunk=torch.zeros(n, dtype=torch.long),
+        old_logp=torch.zeros(n, 1), group=group, source=torch.zeros(n, dtype=torch.long),
         num_groups=len(prompts), prompts=list(prompts), answers=[0] * len(prompts),
         rewards=torch.tensor(flat, dtype=torch.float32), malformed=torch.zeros(n, dtype=torch.bool),
     )
@@ -75,7 +75,7 @@ def fake_rollouts(prompts, rewards):
 
 def ready_callback(p_hat: dict, **kwargs) -> ValuePrior:
     """A ValuePrior whose context is already past min_context, with a stub V0."""
-    cb = ValuePrior(value_model=StubV0(p_hat), min_context=1, context_size=8, **kwargs)
+    cb = ValuePrior(value_model=StubV0(p_hat), min_context=1, context_size=8, **{"k_init": 4, **kwargs})
     cb.context.add(["old"], [0.5], [4])
     return cb
 
@@ -96,9 +96,7 @@ def test_baseline_is_eq8_and_advantages_are_r_minus_b():
     rollouts = fake_rollouts(prompts, [[1, 1, 1, -1], [-1, -1, -1, -1], [1, -1]])
     cb.on_before_advantages(None, None, rollouts)
     torch.testing.assert_close(rollouts.baseline, torch.tensor([0.0, -0.861111, -0.5]), atol=1e-5, rtol=0)
-    assert rollouts.scale_adv_by_std is False
-    # the module honours the callback's "no std scaling" even when its own option says otherwise
-    module = types.SimpleNamespace(hparams=types.SimpleNamespace(scale_adv_by_std=True))
+    module = types.SimpleNamespace(hparams=types.SimpleNamespace(scale_adv_by_std=False))  # conf/algorithm/v05.yaml
     adv, _ = GRPOModule.compute_advantages(module, rollouts)
     expected = rollouts.rewards - rollouts.baseline[rollouts.group]
     torch.testing.assert_close(adv, expected)
@@ -121,16 +119,15 @@ def test_baseline_is_eq8_and_advantages_are_r_minus_b():
     assert state["success_rate"] == [0.5, 0.75, 0.0, 0.5] and state["counts"] == [4, 4, 4, 2]
 
 
-def test_scale_by_std_and_reward_range_options():
+def test_reward_range_option():
     # rewards in {0, 1}: V = p̂, σ² = (1 − 0)²/4 = 0.25; v̄ = 0.25 (k = 4), V = 0.9: Δ̂² = 0.4225 − 0.0625 = 0.36,
     # w = 0.36 / 0.4225 = 0.852071, b = 0.852071·0.25 + 0.147929·0.9 = 0.346154
-    cb = ready_callback({"a": 0.9}, reward_range=(0.0, 1.0), scale_by_std=True)
+    cb = ready_callback({"a": 0.9}, reward_range=(0.0, 1.0))
     assert cb.noise_var == 0.25
     cb.on_rollout_plan(None, None, plan_for(["a"]))
     rollouts = fake_rollouts(["a"], [[1, 0, 0, 0]])
     cb.on_before_advantages(None, None, rollouts)
     torch.testing.assert_close(rollouts.baseline, torch.tensor([0.346154]), atol=1e-5, rtol=0)
-    assert rollouts.scale_adv_by_std is True
     cb.on_rl_step_end(None, MetricSink(), rollouts)
     assert cb.context.state_dict()["success_rate"][-1] == 0.25
 
@@ -198,7 +195,7 @@ def test_noisy_outcomes_near_the_prior_stop_early():
 
 def test_prior_absent_below_min_context_gives_the_sample_mean():
     stub = StubV0({"a": 0.99, "b": 0.99})
-    cb = ValuePrior(value_model=stub, min_context=4, pad_to=1)
+    cb = ValuePrior(value_model=stub, min_context=4, pad_to=1, k_init=4)
     prompts = ["a", "b"]
     plan = plan_for(prompts)
     cb.on_rollout_plan(None, None, plan)
@@ -223,7 +220,8 @@ def test_prior_absent_below_min_context_gives_the_sample_mean():
 
 
 def test_config_errors_name_the_keys():
-    with pytest.raises(ValueError, match=r"algorithm\.callbacks\.value_prior\.k_init=17.*algorithm\.callbacks\.value_prior\.k_max=16"):
+    with pytest.raises(ValueError, match=r"algorithm\.callbacks\.value_prior\.k_init=17.*"
+                                         r"algorithm\.callbacks\.value_prior\.k_max=16"):
         ValuePrior(k_init=17, k_max=16)
     with pytest.raises(ValueError, match=r"value_prior\.min_context"):
         ValuePrior(min_context=300, context_size=256)
@@ -298,7 +296,8 @@ def test_end_to_end_step_wrong_prior_gets_more_samples(cache_dir):
     records = [{"prompt": f"{a}+{a}=", "answer": 2 * a} for a in range(8)]
     prompts = [r["prompt"] for r in records]
     succeed = set(prompts[:5])  # the reward ignores the completion: known outcomes per prompt
-    module = GRPOModule(model="tiny", model_options={"cache_dir": cache_dir, **TINY}, group_size=8, lr=1e-4)
+    module = GRPOModule(model="tiny", model_options={"cache_dir": cache_dir, **TINY}, group_size=4, lr=1e-4,
+                        scale_adv_by_std=False)  # k_init follows group_size
     module.reward_runner = RewardRunner(lambda p, c, a: RewardResult(1.0 if p in succeed else -1.0, False))
     # V0 is right about p0..p4 (easy) and p5 (hard), wrong about p6, p7 (says easy, they always fail)
     stub = StubV0({p: (0.05 if p == prompts[5] else 0.95) for p in prompts})
@@ -370,7 +369,7 @@ def test_c3po_v05_spreads_osla_rounds_over_weight_samples(cache_dir):
 
     class ChunkSpy(RLVRCallback):
         def on_before_advantages(self, trainer, pl_module, rollouts):
-            chunks.append(torch.stack([rollouts.group, rollouts.chunk], -1))  # [N, 2]
+            chunks.append(torch.stack([rollouts.group, rollouts.source], -1))  # [N, 2]
 
     fit(module, [*callbacks, ChunkSpy()], DataLoader(records, batch_size=8, collate_fn=collate), steps=1)
     table = torch.zeros(8, 4, dtype=torch.long).index_put_(tuple(chunks[0].T), torch.tensor(1), accumulate=True)

@@ -226,7 +226,8 @@ V05 = ["algorithm=v05", "algorithm.callbacks.value_prior.min_context=4", "algori
 def _train(run_dir: Path, policy_dir: Path, overrides: list[str], steps: int, ranks: int = 1) -> Path:
     """`train.py`, its processes tagged through the environment (torchrun's workers and vLLM's engine cores
     inherit it, even when they start sessions of their own); afterwards none of them may remain."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else [sys.executable]
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+                if ranks > 1 else [sys.executable])
     cmd = [*launcher, "train.py", *CPU_ENGINE, f"model.name_or_path={policy_dir}", *COMMON, *overrides,
            f"trainer.max_steps={steps}", f"hydra.run.dir={run_dir}"]
     tag = f"{run_dir}:{time.monotonic_ns()}"

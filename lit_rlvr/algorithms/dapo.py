@@ -10,7 +10,7 @@ from torch import Tensor
 
 from lit_rlvr import functional as F
 from lit_rlvr.module import GRPOModule
-from lit_rlvr.rollouts import Rollouts
+from lit_rlvr.rollout.batch import Rollouts
 
 
 class DAPOModule(GRPOModule):
@@ -46,7 +46,7 @@ class DAPOModule(GRPOModule):
             raise ValueError(f"algorithm.overlong_cache_len must be in [0, max_new_tokens="
                              f"{self.hparams.max_new_tokens}], got {overlong_cache_len}")
         self._data_iter: Optional[Iterator] = None
-        self._refill = 0
+        self._refill = 0  # refill batches drawn this step; they sample from their own seeds (`_count_refill`)
 
     def training_step(self, dataloader_iter: Iterator) -> Any:
         """Lightning passes the data iterator (it sees the `dataloader_iter` argument) so that dynamic
@@ -57,7 +57,8 @@ class DAPOModule(GRPOModule):
         try:
             return super().training_step(batch, batch_idx)
         finally:
-            self._data_iter, self._refill = None, 0
+            self._data_iter = None
+            self._count_refill(0)
 
     def collect_rollouts(self, batch: dict[str, list]) -> Rollouts:
         """Rollouts of `len(batch)` non-constant groups, drawn from this batch and up to `max_refill_batches`
@@ -80,14 +81,15 @@ class DAPOModule(GRPOModule):
             batch = self._next_batch()
             if batch is None:  # the epoch's data ran out: train on what we have
                 break
-            self._refill += 1
+            self._count_refill(self._refill + 1)
         if have == 0:  # every group constant even after the refills: all advantages are 0 this step
             out = rollouts
         else:
             out = Rollouts.stack_groups(kept, self.tokenizer.pad_token_id)
             out = out.select_groups(torch.arange(out.num_groups) < target)
         self.log_metrics({"dapo/kept_groups": float(min(have, target)), "dapo/refill_rounds": float(self._refill),
-                          "dapo/cap_hit": float(have < target), "reward/accuracy_generated": correct / max(generated, 1),
+                          "dapo/cap_hit": float(have < target), "reward/accuracy_generated": correct / max(generated,
+                                                                                                           1),
                           "reward/mean_generated": total / max(generated, 1)})
         return out
 
@@ -108,9 +110,10 @@ class DAPOModule(GRPOModule):
         if hasattr(datamodule, "note_batches"):
             datamodule.note_batches(1)
 
-    def sample_seed(self, *parts: int) -> int:
+    def _count_refill(self, refill: int) -> None:
         """Refill batches draw from their own random stream (rounds restart at 0 for each batch)."""
-        return super().sample_seed(*parts) if self._refill == 0 else super().sample_seed(*parts, -self._refill)
+        self._refill = refill
+        self.driver.seed_suffix = (-refill,) if refill else ()
 
     def compute_advantages(self, rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
         """GRPO advantages of the reward plus the overlong penalty (Eq. 13); `rollouts.rewards` stays the task

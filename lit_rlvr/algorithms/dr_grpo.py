@@ -8,7 +8,7 @@ from torch import Tensor
 from lit_rlvr import functional as F
 from lit_rlvr.algorithms.common import check_fixed
 from lit_rlvr.module import GRPOModule
-from lit_rlvr.rollouts import Rollouts
+from lit_rlvr.rollout.batch import Rollouts
 
 
 class DrGRPOModule(GRPOModule):
@@ -34,7 +34,8 @@ class DrGRPOModule(GRPOModule):
         group, num_groups = rollouts.advantage_groups()  # the prompts, or smaller groups set by a callback (M3PO)
         return F.grpo_advantages(rollouts.rewards, group, num_groups, scale_by_std=False, baseline=rollouts.baseline)
 
-    def policy_loss(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
+    def policy_loss(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+                    rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
         """PPO-clip surrogate; token sum of each sequence / max_new_tokens, mean over sequences."""
         hp = self.hparams
         return F.ppo_clip_loss(logp, old_logp, advantages, mask, eps_low=hp.eps_low, eps_high=hp.eps_high,

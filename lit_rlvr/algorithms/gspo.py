@@ -9,7 +9,7 @@ from torch import Tensor
 from lit_rlvr import functional as F
 from lit_rlvr.algorithms.common import check_fixed
 from lit_rlvr.module import GRPOModule
-from lit_rlvr.rollouts import Rollouts
+from lit_rlvr.rollout.batch import Rollouts
 
 
 class GSPOModule(GRPOModule):
@@ -35,6 +35,8 @@ class GSPOModule(GRPOModule):
         super().__init__(eps_low=eps_low, eps_high=eps_high, loss_aggregation=loss_aggregation, dual_clip=dual_clip,
                          **kwargs)
 
-    def policy_loss(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
+    def policy_loss(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+                    rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
         """logp, old_logp, mask: [n, T]; advantages: [n]. Metrics: `loss/pg_clipfrac` = sequences clipped."""
-        return F.gspo_loss(logp, old_logp, advantages, mask, eps_low=self.hparams.eps_low, eps_high=self.hparams.eps_high)
+        return F.gspo_loss(logp, old_logp, advantages, mask, eps_low=self.hparams.eps_low,
+                           eps_high=self.hparams.eps_high)

@@ -89,11 +89,19 @@ class ResumableSampler(Sampler[int]):
     def skip_next(self, epoch: int, count: int) -> None:
         self._skip = {epoch: count}
 
+    def order(self, epoch: int) -> list[int]:
+        """This rank's indices of `epoch` from its start, whatever was skipped: what a fresh sampler yields."""
+        return self._this_rank(self._global_order(epoch))
+
     def __iter__(self):
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        order = torch.randperm(self.size, generator=generator).tolist()
-        order = order[self._skip.pop(self.epoch, 0):]
-        yield from order[self.rank : len(order) - len(order) % self.world : self.world]
+        yield from self._this_rank(self._global_order(self.epoch)[self._skip.pop(self.epoch, 0):])
+
+    def _global_order(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.size, generator=generator).tolist()
+
+    def _this_rank(self, order: list[int]) -> list[int]:
+        return order[self.rank : len(order) - len(order) % self.world : self.world]
 
 
 def collate(rows: list[dict[str, Any]]) -> dict[str, list]:
@@ -105,13 +113,14 @@ class RLVRDataModule(pl.LightningDataModule):
 
     Args: `batch_size` prompts per RL step over all ranks (each of W data-parallel ranks loads batch_size / W);
     `seed` the order of training prompts; `split_seed` the arithmetic train/test split (keep it equal to the tiny
-    model's warm-up split, 0, so held-out problems are unseen); `eval_batch_size` prompts per validation batch; `num_train`/`num_test`
-    arithmetic problems per split; `path`/`eval_path` training/evaluation files; `fields` a field mapping or
-    preset name (`eval_fields` for the `eval_path` file when its columns differ); `max_prompt_chars` length
-    filter; `max_prompt_tokens` token limit of a file's prompts (null: the model's context minus
-    `max_new_tokens`; checked by `check_prompt_tokens`); `on_bad_row` "error" | "skip"; `eval_limit` first N evaluation prompts; `instruction` text appended
-    to every prompt's last user turn (e.g. `formats.MATH_INSTRUCTION`) and `system_prompt` a system message
-    added to prompts without one (both for training and evaluation).
+    model's warm-up split, 0, so held-out problems are unseen); `eval_batch_size` prompts per validation batch;
+    `num_train`/`num_test` arithmetic problems per split; `path`/`eval_path` training/evaluation files; `fields` a
+    field mapping or preset name (`eval_fields` for the `eval_path` file when its columns differ);
+    `max_prompt_chars` length filter; `max_prompt_tokens` token limit of a file's prompts (null: the model's context
+    minus `max_new_tokens`; checked by `check_prompt_tokens`); `on_bad_row` "error" | "skip"; `eval_limit` first N
+    evaluation prompts; `instruction` text appended to every prompt's last user turn (e.g.
+    `formats.MATH_INSTRUCTION`) and `system_prompt` a system message added to prompts without one (both for
+    training and evaluation).
     """
 
     def __init__(
@@ -176,7 +185,8 @@ class RLVRDataModule(pl.LightningDataModule):
                             "(set data.eval_path=FILE for a separate set)", hp.path)
         else:
             task = ArithmeticTask(levels=tuple(hp.levels), seed=hp.split_seed)
-            self._sources = (ArithmeticDataset(task, hp.num_train, "train"), ArithmeticDataset(task, hp.num_test, "test"))
+            self._sources = (ArithmeticDataset(task, hp.num_train, "train"),
+                             ArithmeticDataset(task, hp.num_test, "test"))
         self._wrap()
 
     def _wrap(self) -> None:

@@ -31,7 +31,8 @@ def partial_chunk_success(
     """
     cell = chunk_groups(group, chunk, num_chunks)  # [N] in [0, B·C)
     size = num_groups * num_chunks
-    wins = torch.zeros(size, dtype=torch.long).index_add_(0, cell, success.long()).view(num_groups, num_chunks)  # [B, C]
+    # [B, C]
+    wins = torch.zeros(size, dtype=torch.long).index_add_(0, cell, success.long()).view(num_groups, num_chunks)
     present = (torch.bincount(cell, minlength=size) > 0).view(num_groups, num_chunks)  # [B, C]
     any_win = wins.sum(-1) > 0  # [B]
     every_chunk_wins = ((wins > 0) | ~present).all(-1)  # [B] chunks without completions do not count

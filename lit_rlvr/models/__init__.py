@@ -23,7 +23,8 @@ def resolve_model_path(name_or_path: str, options: dict[str, Any] | None = None)
         valid = [k for k in inspect.signature(warm_start_tiny).parameters if k != "cache_dir"]
         unknown = sorted(set(options) - set(valid))
         if unknown:  # e.g. `steps` from before the warm-up stopped at a target accuracy
-            raise ValueError(f"model.options.{unknown[0]} is not an option of the tiny model; valid: {', '.join(valid)}")
+            raise ValueError(f"model.options.{unknown[0]} is not an option of the tiny model; "
+                             f"valid: {', '.join(valid)}")
         return str(warm_start_tiny(cache_dir, **options))
     local = Path(name_or_path).expanduser()
     if name_or_path.startswith((".", "/", "~")) and not local.exists():

@@ -6,7 +6,8 @@ import importlib
 import inspect
 from typing import Any, Optional
 
-from lit_rlvr.rewards.base import DEFAULT_SCORE_BOUND, DEFAULT_TIMEOUT_S, RewardBatch, RewardFn, RewardResult, RewardRunner
+from lit_rlvr.rewards.base import (DEFAULT_SCORE_BOUND, DEFAULT_TIMEOUT_S, RewardBatch, RewardFn, RewardResult,
+                                   RewardRunner)
 
 # name -> "module:attribute"; a class is instantiated with the reward options, a function used as is
 REWARDS = {
@@ -80,4 +81,5 @@ def build_reward_runner(name: str, options: Optional[dict[str, Any]] = None) -> 
     return RewardRunner(fn, timeout_s=timeout_s, score_bound=score_bound)
 
 
-__all__ = ["REWARDS", "RewardBatch", "RewardFn", "RewardResult", "RewardRunner", "build_reward_runner", "resolve_reward"]
+__all__ = ["REWARDS", "RewardBatch", "RewardFn", "RewardResult", "RewardRunner", "build_reward_runner",
+           "resolve_reward"]

@@ -73,7 +73,8 @@ class MathReward:
         shown = _shown(pred)
         if verdict is None:
             return RewardResult(-1.0 + bonus, True, f"timeout comparing pred={shown}")
-        return RewardResult((1.0 if verdict else -1.0) + bonus, False, f"{'correct' if verdict else 'wrong'} pred={shown}")
+        return RewardResult((1.0 if verdict else -1.0) + bonus, False,
+                            f"{'correct' if verdict else 'wrong'} pred={shown}")
 
     def _format_term(self, completion: str) -> float:
         if self.format_weight == 0.0:

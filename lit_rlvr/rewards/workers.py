@@ -184,6 +184,8 @@ class ProcessRewardRunner:
     block). `fn` must be picklable: a module-level function or an instance of a module-level class.
     """
 
+    stop_reason: Optional[str] = None  # never set: an overrunning call's worker is killed, so the run goes on
+
     def __init__(self, fn: RewardFn, timeout_s: float = DEFAULT_TIMEOUT_S, workers: int = 2,
                  failure_score: float = -1.0, score_bound: float = DEFAULT_SCORE_BOUND):
         if not timeout_s > 0:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol, Sequence, runtime_checkable
+from typing import Iterable, Optional, Sequence
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
 
 class EngineError(RuntimeError):
@@ -40,25 +41,60 @@ class Completion:
     extras: dict = field(default_factory=dict)
 
 
-@runtime_checkable
-class RolloutEngine(Protocol):
-    version: int  # optimizer step whose weights the engine holds
+class RolloutEngine:
+    """The whole engine contract (DESIGN §7): the trainer calls nothing and reads nothing else of an engine.
+
+    Subclasses implement `generate` and `load_weights`; every other member has a default that fits an engine
+    with its own copy of the weights, in the trainer's process, with nothing to release."""
+
+    version: int = 0  # optimizer step whose weights the engine holds (-1: none yet)
+    shares_weights: bool = False  # True: samples with the trainer's own model, so a push copies nothing
+    can_generate_stacked: bool = False  # True: `generate_stacked` samples several weight samples in one call
+    bucket_bytes: int = 256 << 20  # size cap of one `load_weights` call of a push
+    weight_dtype: Optional[torch.dtype] = None  # pushes are cast to it (None: the trainer's dtype)
+    dtype: Optional[torch.dtype] = None  # what it generates in (None: its `model`'s, else the policy's)
+    model: Optional[nn.Module] = None  # its in-process model, if it has one
 
     def generate(
         self, prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int], params: SamplingParams
     ) -> list[list[Completion]]:
         """`n_per_prompt[b]` completions of prompt b; returns them per prompt."""
-        ...
+        raise NotImplementedError
+
+    def generate_stacked(self, prompt_token_ids: Sequence[Sequence[int]], per_source: Sequence[Sequence[int]],
+                         params: Sequence[SamplingParams],
+                         stacks: dict[Tensor, Tensor]) -> list[list[list[Completion]]]:
+        """Completions per weight source s (counts `per_source[s]`, weights `stacks[·][s]`); when
+        `can_generate_stacked`."""
+        raise NotImplementedError(f"{type(self).__name__} has no stacked generation")
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Take new weights by HF parameter name; may be called once per bucket."""
-        ...
+        raise NotImplementedError
 
-    def sleep(self) -> None: ...
+    def end_weight_update(self) -> None:
+        """Called after the last bucket of a push (SGLang flushes its cache once here)."""
 
-    def wake(self) -> None: ...
+    def to(self, device: torch.device) -> "RolloutEngine":
+        """Follow the trainer's model to `device` (an in-process copy moves; a server stays)."""
+        return self
 
-    def shutdown(self) -> None: ...
+    def generation_dtype(self) -> Optional[torch.dtype]:
+        """The dtype it generates in: `dtype`, else its model's; None when it cannot tell."""
+        if self.dtype is not None:
+            return getattr(torch, self.dtype, None) if isinstance(self.dtype, str) else self.dtype
+        if isinstance(self.model, nn.Module):
+            return next(self.model.parameters()).dtype
+        return None
+
+    def sleep(self) -> None:
+        """Release what the trainer needs while it trains (KV cache, weights)."""
+
+    def wake(self) -> None:
+        """Take back what `sleep` released."""
+
+    def shutdown(self) -> None:
+        """End the engine's own processes, if any."""
 
 
 def save_policy_config(model, path: str) -> None:

@@ -15,20 +15,11 @@ from typing import Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from lit_rlvr.rollout.engine import Completion, SamplingParams
+from lit_rlvr.rollout.batch import left_pad  # noqa: F401  (also lit_rlvr.rollout.hf.left_pad)
+from lit_rlvr.rollout.engine import Completion, RolloutEngine, SamplingParams
 from lit_rlvr.rollout.multi_weight import stacked_weights
 
 ENGINE_MODES = ("shared", "copy")
-
-
-def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Left-pad token id lists -> ids [R, P] long, mask [R, P] bool (one tensor build, no per-row copies)."""
-    width = max(len(s) for s in sequences)
-    ids = torch.tensor([[pad_id] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long)
-    ids = ids.view(len(sequences), width)  # also [R, 0] when every sequence is empty
-    lengths = torch.tensor([len(s) for s in sequences])  # [R]
-    mask = torch.arange(width - 1, -1, -1) < lengths[:, None]  # [R, P]: the last len(s) positions
-    return ids, mask
 
 
 def positions(mask: Tensor) -> Tensor:
@@ -97,7 +88,7 @@ def _per_prompt(done: list[Completion], n_per_prompt: Sequence[int]) -> list[lis
     return out
 
 
-class HFEngine:
+class HFEngine(RolloutEngine):
     """Batched sampling with a transformers model; see the module docstring for the two modes.
 
     Sampling is batch-invariant: completion j of a prompt draws its tokens by inverse-CDF sampling from
@@ -120,6 +111,7 @@ class HFEngine:
         if mode not in ENGINE_MODES:
             raise ValueError(f"engine.mode={mode!r} is not valid; valid: {', '.join(ENGINE_MODES)}")
         self.mode = mode
+        self.shares_weights = self.can_generate_stacked = mode == "shared"
         self.model = model if mode == "shared" else copy.deepcopy(model)
         if mode == "copy":
             self.model.requires_grad_(False)
@@ -150,15 +142,6 @@ class HFEngine:
             self.model.to(device)
         return self
 
-    def sleep(self) -> None:  # nothing to release in-process
-        pass
-
-    def wake(self) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        pass
-
     # -- sampling --------------------------------------------------------------------------------------------
     # inference_mode, not no_grad: no version counters or view tracking on the KV cache and logits (less per-op
     # work); what leaves the engine is only read by the trainer (packing copies it into ordinary tensors)
@@ -170,7 +153,8 @@ class HFEngine:
         seeds = row_seeds(prompt_token_ids, n_per_prompt, params.seed)  # [R]
         done: list[Completion] = []
         for start in range(0, len(rows), self.max_batch):
-            done.extend(self._sample(rows[start : start + self.max_batch], params, seeds[start : start + self.max_batch]))
+            done.extend(self._sample(rows[start : start + self.max_batch], params,
+                                     seeds[start : start + self.max_batch]))
         return _per_prompt(done, n_per_prompt)
 
     @torch.inference_mode()
@@ -285,6 +269,7 @@ class HFEngine:
         scaled = logits / params.temperature  # [R, V]
         probs = torch.softmax(filter_logits(scaled, top_k=params.top_k, top_p=params.top_p), dim=-1)
         cdf = probs.double().cumsum(-1)  # [R, V]
-        token = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(-1)  # [R]; p = 0 never drawn
+        # [R]; p = 0 never drawn
+        token = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(-1)
         token = token.clamp_max(probs.shape[-1] - 1)
         return token, torch.log_softmax(scaled, -1).gather(-1, token[:, None]).squeeze(-1)

@@ -24,7 +24,8 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lit_rlvr.rollout.engine import Completion, EngineError, SamplingParams, expand_rows, save_policy_config
+from lit_rlvr.rollout.engine import (Completion, EngineError, RolloutEngine, SamplingParams, expand_rows,
+                                     save_policy_config)
 
 FINISH_REASONS = {"stop": "stop", "length": "length"}  # sglang finish_reason["type"] -> ours; "abort" raises
 # Explicit so server-side `preferred_sampling_params` cannot add penalties that change the behaviour log-probs.
@@ -35,7 +36,8 @@ IDLE_TIMEOUT_S = 60.0  # bound on each pass: a scheduler that does not answer is
 
 
 def build_requests(
-    prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int], params: SamplingParams, eos_id: Optional[int]
+    prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int], params: SamplingParams,
+    eos_id: Optional[int],
 ) -> tuple[list[list[int]], list[dict[str, Any]]]:
     """One sglang request per sample (prompt b repeated n_b times, in order) -> (input_ids, sampling_params).
 
@@ -170,7 +172,7 @@ def _check(result, what: str) -> None:
         raise RuntimeError(f"sglang {what} failed: {message}")
 
 
-class SGLangEngine:
+class SGLangEngine(RolloutEngine):
     """The RolloutEngine protocol on `sglang.Engine`; `version` is -1 while it holds no pushed weights."""
 
     mode = "copy"  # weights arrive only through load_weights

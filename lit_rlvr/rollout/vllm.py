@@ -20,7 +20,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lit_rlvr.rollout.engine import Completion, SamplingParams, expand_rows, save_policy_config
+from lit_rlvr.rollout.engine import Completion, RolloutEngine, SamplingParams, expand_rows, save_policy_config
 from lit_rlvr.rollout.hf import row_seeds
 
 WORKER_EXTENSION = "lit_rlvr.rollout.vllm_worker.WeightReceiver"
@@ -124,7 +124,7 @@ def _to_bytes(bucket: list[tuple[str, Tensor]]) -> bytes:
     return save({name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in bucket})
 
 
-class VLLMEngine:
+class VLLMEngine(RolloutEngine):
     """The RolloutEngine protocol on `vllm.LLM`; `version` is -1 while it holds no pushed weights.
 
     Args:

@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lit_rlvr.rollout.engine import RolloutEngine
+
 
 def full_named_weights(model: nn.Module, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, Tensor]]:
     """(HF name, full tensor) per parameter; a DTensor shard is gathered with `full_tensor()`."""
@@ -34,15 +36,15 @@ def buckets(named: Iterator[tuple[str, Tensor]], max_bytes: int) -> Iterator[lis
         yield bucket
 
 
-def push_weights(engine, model: nn.Module, *, bucket_bytes: int = 256 << 20, dtype: Optional[torch.dtype] = None) -> int:
+def push_weights(engine: RolloutEngine, model: nn.Module, *, bucket_bytes: int = 256 << 20,
+                 dtype: Optional[torch.dtype] = None) -> int:
     """Send the model's weights to `engine.load_weights` bucket by bucket; returns the bytes pushed.
 
-    An engine with `end_weight_update` (SGLang) is told after the last bucket, so it flushes its cache once.
+    `engine.end_weight_update` is called after the last bucket (SGLang flushes its cache once there).
     """
     pushed = 0
     for bucket in buckets(full_named_weights(model, dtype), bucket_bytes):
         engine.load_weights(bucket)
         pushed += sum(t.numel() * t.element_size() for _, t in bucket)
-    if hasattr(engine, "end_weight_update"):
-        engine.end_weight_update()
+    engine.end_weight_update()
     return pushed

@@ -1,5 +1,6 @@
-"""Distributed training strategies: `FSDPRolloutStrategy` (FSDP2 with one colocated rollout engine per rank)."""
+"""Distributed training strategies: `FSDP2Strategy` (FSDP2 sharding per decoder block; `FSDPRolloutStrategy` is its
+old name)."""
 
-from lit_rlvr.strategies.fsdp import FSDPRolloutStrategy
+from lit_rlvr.strategies.fsdp import FSDP2Strategy, FSDPRolloutStrategy
 
-__all__ = ["FSDPRolloutStrategy"]
+__all__ = ["FSDP2Strategy", "FSDPRolloutStrategy"]

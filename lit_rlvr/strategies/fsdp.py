@@ -1,4 +1,5 @@
-"""`FSDPRolloutStrategy`: FSDP2 training with one colocated rollout engine per rank (DESIGN §7).
+"""`FSDP2Strategy` (was `FSDPRolloutStrategy`, still an alias): FSDP2 training; the rollout engine beside each
+rank is the module's, this strategy shards the policy and saves sharded optimizer state (DESIGN §7).
 
 Lightning's `ModelParallelStrategy` runs the processes, the device mesh and the (full or sharded) checkpoints;
 this subclass shards the policy and the frozen reference with `fully_shard` per decoder block, all on one
@@ -41,7 +42,7 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     if not blocks:
         raise ValueError(f"{type(model).__name__}: no decoder blocks to shard (its _no_split_modules is "
-                         f"{sorted(names) or 'empty'}); FSDPRolloutStrategy shards a transformers causal LM per block")
+                         f"{sorted(names) or 'empty'}); FSDP2Strategy shards a transformers causal LM per block")
     return blocks
 
 
@@ -55,7 +56,7 @@ def shard_model(model: nn.Module, mesh, *, param_dtype: torch.dtype, reduce_dtyp
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if any(p.dtype != torch.float32 for p in model.parameters()):
-        log.info("FSDPRolloutStrategy: keeping fp32 master weights (the model was loaded in another dtype)")
+        log.info("FSDP2Strategy: keeping fp32 master weights (the model was loaded in another dtype)")
         model.float()
     if activation_checkpointing:
         # transformers' own switch recomputes each block in backward and keeps parameter names unchanged
@@ -71,7 +72,7 @@ def shard_model(model: nn.Module, mesh, *, param_dtype: torch.dtype, reduce_dtyp
     fully_shard(model, **options)
 
 
-class FSDPRolloutStrategy(ModelParallelStrategy):
+class FSDP2Strategy(ModelParallelStrategy):
     """FSDP2 over all ranks (pure data parallelism with sharded parameters, gradients and optimizer state).
 
     Args: `param_dtype` compute dtype (`bfloat16` on GPUs; `float32` for exact CPU tests); `reduce_dtype` of
@@ -102,8 +103,7 @@ class FSDPRolloutStrategy(ModelParallelStrategy):
         """Shard the module's `policy` (and `ref_policy`, if any) once; called from `configure_model`."""
         if getattr(module, "_fsdp_sharded", False):
             return
-        engine: Optional[Any] = getattr(module, "engine", None)
-        if getattr(engine, "mode", None) == "shared":
+        if module.engine is not None and module.engine.shares_weights:
             raise ValueError("engine.options.mode=shared samples with the trainer's own weights, which FSDP shards: "
                              "use engine.options.mode=copy (CPU, tests) or engine=sglang (GPUs)")
         mesh = self.device_mesh["data_parallel"]
@@ -125,7 +125,8 @@ class FSDPRolloutStrategy(ModelParallelStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         # kept beside the model state (not in the distributed-checkpoint tensors), in both checkpoint layouts
-        flat = [s.pop(FLAT_OPTIMIZER_STATES) for s in checkpoint.get("optimizer_states", []) if FLAT_OPTIMIZER_STATES in s]
+        states = checkpoint.get("optimizer_states", [])
+        flat = [s.pop(FLAT_OPTIMIZER_STATES) for s in states if FLAT_OPTIMIZER_STATES in s]
         if flat:
             checkpoint["optimizer_states"] = [s for s in checkpoint["optimizer_states"] if s]
             checkpoint[FLAT_OPTIMIZER_STATES] = flat
@@ -140,7 +141,8 @@ class FSDPRolloutStrategy(ModelParallelStrategy):
         from lightning.fabric.strategies.model_parallel import _load_checkpoint
 
         path = Path(self.broadcast(checkpoint_path))
-        checkpoint = _load_checkpoint(path=path, state={"state_dict": self.model}, strict=self.lightning_module.strict_loading,
+        checkpoint = _load_checkpoint(path=path, state={"state_dict": self.model},
+                                      strict=self.lightning_module.strict_loading,
                                       optimizer_states_from_list=True, weights_only=weights_only)
         for optimizer, per_rank in zip(self.optimizers, checkpoint.pop(FLAT_OPTIMIZER_STATES, [])):
             if len(per_rank) != self.world_size:
@@ -148,3 +150,6 @@ class FSDPRolloutStrategy(ModelParallelStrategy):
                                  f"resumes only on the same number of ranks (this run has {self.world_size})")
             optimizer.load_state_dict(per_rank[self.global_rank])
         return checkpoint
+
+
+FSDPRolloutStrategy = FSDP2Strategy  # the old name: configs and checkpoints that name it keep working

@@ -59,14 +59,14 @@ class ResidualQueryAdapter(nn.Module):
         self.norm.reset_parameters()
 
     def forward(self, states: Tensor, mask: Tensor) -> Tensor:
-        b, l, _ = states.shape
+        b, length, _ = states.shape
         h, dh = self.heads, self.width // self.heads
         x = self.norm(states)  # [B, L, D]
         pooled = mean_pool(x, mask)  # [B, D]
         q = self.queries + self.offset(pooled).view(b, self.num_queries, self.width)  # [B, K, W]
         q = q.view(b, self.num_queries, h, dh).transpose(1, 2)  # [B, H, K, W/H]
-        k = self.key(x).view(b, l, h, dh).transpose(1, 2)  # [B, H, L, W/H]
-        v = self.value(x).view(b, l, h, dh).transpose(1, 2)  # [B, H, L, W/H]
+        k = self.key(x).view(b, length, h, dh).transpose(1, 2)  # [B, H, L, W/H]
+        v = self.value(x).view(b, length, h, dh).transpose(1, 2)  # [B, H, L, W/H]
         att_mask = mask[:, None, None, :]  # [B, 1, 1, L] True = attend
         y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=att_mask)  # [B, H, K, W/H]
         y = y.transpose(1, 2).reshape(b, self.num_queries, self.width)  # [B, K, W]
