@@ -97,7 +97,9 @@ class GRPOModule(pl.LightningModule):
     `functional.AGGREGATIONS`); `scale_adv_by_std`; `kl_coef` β (> 0 loads a frozen reference copy) with
     `kl_estimator` (and `kl_k3_cap`: verl caps k3 at 10; None = no cap); `entropy_coef` η; `ppo_epochs` passes
     over each rollout batch; `mini_batches` optimizer steps per epoch; `micro_batch_size` completions per
-    forward/backward. `warmup_steps` W: linear lr warm-up over the first W optimizer updates (`warmup_from_zero`:
+    forward/backward; `micro_batch_tokens` (None = off) packs completions of similar length into micro-batches of
+    at most that many padded tokens, prompt included (and at most `micro_batch_size` rows; see
+    `functional.micro_batches`). `warmup_steps` W: linear lr warm-up over the first W optimizer updates (`warmup_from_zero`:
     verl's shape, from lr 0; see `lit_rlvr.optim.schedule.warmup_factor`).
     `optimizer`: `adamw` (uses `betas`, `weight_decay`) or `ivon` (`lit_rlvr.optim.IVON`, for 3PO; `lr` plus
     `optimizer_options`: ess λ (required), hess_init, beta1, beta2, weight_decay δ, clip_radius, …); extra
@@ -138,6 +140,7 @@ class GRPOModule(pl.LightningModule):
         ppo_epochs: int = 1,
         mini_batches: int = 1,
         micro_batch_size: int = 64,
+        micro_batch_tokens: Optional[int] = None,
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = 0,
@@ -172,6 +175,8 @@ class GRPOModule(pl.LightningModule):
         for key in ("group_size", "ppo_epochs", "mini_batches", "micro_batch_size", "max_new_tokens", "eval_samples"):
             if getattr(hp, key) < 1:
                 raise ValueError(f"algorithm.{key} must be >= 1, got {getattr(hp, key)}")
+        if hp.micro_batch_tokens is not None and hp.micro_batch_tokens < 1:
+            raise ValueError(f"algorithm.micro_batch_tokens must be >= 1 or null (off), got {hp.micro_batch_tokens}")
         if not (0 <= hp.eps_low < 1 and hp.eps_high >= 0):
             raise ValueError(f"algorithm.eps_low must be in [0, 1) and eps_high >= 0, got {hp.eps_low}, {hp.eps_high}")
         if hp.dual_clip is not None and not hp.dual_clip > 1:
@@ -584,7 +589,11 @@ class GRPOModule(pl.LightningModule):
         world = D.world_size()
         totals = torch.tensor([float(tokens.sum()), float(rollouts.num_samples)], dtype=torch.float64)
         total_tokens, total_seqs = D.all_reduce(totals).clamp_min(1).tolist()
-        micros = list(torch.arange(rollouts.num_samples).split(hp.micro_batch_size))
+        lengths = rollouts.prompt_mask.sum(-1) + rollouts.response_mask.sum(-1)  # [n]
+        micros, micro_metrics = F.micro_batches(lengths, max_rows=hp.micro_batch_size, max_tokens=hp.micro_batch_tokens)
+        if hp.micro_batch_tokens:  # averaged over passes with the other pass metrics
+            for k, v in micro_metrics.items():
+                sums[k] = sums.get(k, 0.0) + v
         # FSDP gathers weights in every forward: ranks with fewer micro-batches run zero-weight ones on sample 0
         padding = D.global_max(len(micros)) - len(micros)
         with ExitStack() as stack:
@@ -595,7 +604,8 @@ class GRPOModule(pl.LightningModule):
                 token_w = float(tokens[micro].sum()) / total_tokens * world if real else 0.0
                 seq_w = len(micro) / total_seqs * world if real else 0.0
                 share = token_w if hp.loss_aggregation == "token-mean" else seq_w
-                loss, metrics = self.micro_batch_loss(rollouts.select(micro), share)
+                part = rollouts.select(micro)
+                loss, metrics = self.micro_batch_loss(part.trim_padding() if hp.micro_batch_tokens else part, share)
                 self.manual_backward(loss)
                 for k, v in (metrics.items() if real else ()):
                     w = token_w if k in self.token_metrics else seq_w if k in self.sequence_metrics else share
