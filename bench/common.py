@@ -35,8 +35,15 @@ THREADS = 2  # DESIGN §9: 2 CPU cores
 REFERENCE = {"data.batch_size": 8, "algorithm.group_size": 8, "algorithm.max_new_tokens": 24,
              "algorithm.temperature": 1.0, "algorithm.ppo_epochs": 1, "algorithm.mini_batches": 1,
              "model.dtype": "float32"}
+# the long workload (DESIGN §9): the chain-of-thought task at levels of ~29 to ~188 completion tokens (addition to
+# 4x2-digit multiplication), up to 256 new tokens, and its own wider model (4 layers x 256, ~3.2M parameters),
+# warmed up only until its answers are sometimes right (target 0.05: it writes the working at realistic lengths)
+LONG = {**REFERENCE, "data": "arithmetic_cot", "data.levels": "[1,3,5,7,8,9]", "algorithm.max_new_tokens": 256,
+        "task_max_new_tokens": 256, "model.options.hidden_size": 256, "model.options.target": 0.05,
+        "model.options.eval_problems": 64, "model.options.eval_samples": 2}
+WORKLOADS = {"tiny": REFERENCE, "long": LONG}
 METRICS = ("time/step_s", "time/gen_s", "time/reward_s", "time/train_s", "time/sync_s", "time/prior_s",
-           "perf/tokens_per_s", "rollouts/per_step", "response/len_mean", "v05/prior_present",
+           "perf/tokens_per_s", "rollouts/per_step", "response/len_mean", "response/len_max", "micro/padding_frac", "v05/prior_present",
            "time/prior_setup_s", "time/prior_prefetch_s")
 
 
@@ -71,6 +78,8 @@ def bench_parser(description: str, *, steps_help: str, warmup_help: str, block_h
     parser.add_argument("--block", type=int, default=1, help=block_help)
     parser.add_argument("--threads", type=int, default=THREADS, help="torch threads (DESIGN §9: 2)")
     parser.add_argument("--override", action="append", default=[], help=override_help)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny",
+                        help="tiny: the default task, ~3-token answers; long: arithmetic_cot, 30-256 tokens, wider model")
     return parser
 
 
@@ -126,7 +135,7 @@ def has_value_prior(algorithm: str) -> bool:
     return "v05" in algorithm
 
 
-def compose(algorithm: str, overrides: Iterable[str] = ()) -> Any:
+def compose(algorithm: str, overrides: Iterable[str] = (), workload: str = "tiny") -> Any:
     """The run config of `algorithm` from conf/, with the reference workload's overrides (DESIGN §9).
 
     V0.5 keeps its shipped k_init (its module group_size follows k_init and is not used); `--override` can
@@ -134,7 +143,7 @@ def compose(algorithm: str, overrides: Iterable[str] = ()) -> Any:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    reference = dict(REFERENCE)
+    reference = dict(WORKLOADS[workload])
     if has_value_prior(algorithm):
         reference.pop("algorithm.group_size")
     extra = [f"{k}={v}" for k, v in reference.items()]
@@ -341,6 +350,10 @@ def summarise_rows(rows: list[dict[str, float]], warmup: int) -> dict[str, float
         "rollouts_per_step": median(col("rollouts/per_step")),
         "response_len_mean": median(col("response/len_mean")),
     }
+    if col("response/len_max"):  # the long workload's length spread, and what a micro-batch computes on padding
+        out["response_len_max"] = max(col("response/len_max"))
+    if col("micro/padding_frac"):
+        out["padding_frac"] = median(col("micro/padding_frac"))
     for key in ("noise_s", "gen_forward_s"):  # recorded by `StepRecorder.time_calls`
         if col(key):
             out[key] = median(col(key))

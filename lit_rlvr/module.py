@@ -590,10 +590,11 @@ class GRPOModule(pl.LightningModule):
         totals = torch.tensor([float(tokens.sum()), float(rollouts.num_samples)], dtype=torch.float64)
         total_tokens, total_seqs = D.all_reduce(totals).clamp_min(1).tolist()
         lengths = rollouts.prompt_mask.sum(-1) + rollouts.response_mask.sum(-1)  # [n]
-        micros, micro_metrics = F.micro_batches(lengths, max_rows=hp.micro_batch_size, max_tokens=hp.micro_batch_tokens)
-        if hp.micro_batch_tokens:  # averaged over passes with the other pass metrics
-            for k, v in micro_metrics.items():
-                sums[k] = sums.get(k, 0.0) + v
+        width = None if hp.micro_batch_tokens else rollouts.prompt_ids.shape[1] + rollouts.response_ids.shape[1]
+        micros, micro_metrics = F.micro_batches(lengths, max_rows=hp.micro_batch_size, max_tokens=hp.micro_batch_tokens,
+                                                width=width)  # untrimmed fixed micro-batches run at the full width
+        for k, v in micro_metrics.items():  # averaged over passes with the other pass metrics
+            sums[k] = sums.get(k, 0.0) + v
         # FSDP gathers weights in every forward: ranks with fewer micro-batches run zero-weight ones on sample 0
         padding = D.global_max(len(micros)) - len(micros)
         with ExitStack() as stack:

@@ -130,3 +130,9 @@ def test_update_loop_forwards_the_grouped_trimmed_micro_batches():
 def test_bad_budget_names_the_key():
     with pytest.raises(ValueError, match="algorithm.micro_batch_tokens must be >= 1"):
         GRPOModule(model="tiny", model_options=dict(TINY), micro_batch_tokens=0)
+
+
+def test_padding_share_of_untrimmed_fixed_micro_batches_counts_the_full_width():
+    lengths = torch.tensor([3, 1])
+    _, metrics = F.micro_batches(lengths, max_rows=2, width=5)
+    assert float(metrics["micro/padding_frac"]) == pytest.approx(1 - 4 / 10)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 
 def micro_batches(
-    lengths: Tensor, *, max_rows: int, max_tokens: Optional[int] = None
+    lengths: Tensor, *, max_rows: int, max_tokens: Optional[int] = None, width: Optional[int] = None
 ) -> tuple[list[Tensor], dict[str, Tensor]]:
     """Index tensors ([m] long) of the micro-batches of N rows of `lengths` ([N] tokens of each row, the
     padding it will be trimmed to excluded), and metrics.
@@ -27,10 +27,11 @@ def micro_batches(
     decreasing length (ties in batch order), packed greedily: a micro-batch starts at the longest row left and
     takes the next ones while rows × its longest length ≤ `max_tokens` and rows ≤ `max_rows`. Its padded size
     L_max · rows is what the forward costs. A row longer than `max_tokens` forms a micro-batch alone (the
-    budget cannot be kept, but no row is dropped).
+    budget cannot be kept, but no row is dropped). `width`: the columns every micro-batch is computed at when
+    they are not trimmed to their longest row (the fixed split pads all to the batch's width); None = trimmed.
 
-    Metrics: `micro/count` micro-batches, `micro/padding_frac` = 1 − Σ lengths / Σ_micro (rows · L_max),
-    the share of computed positions that are padding.
+    Metrics: `micro/count` micro-batches, `micro/padding_frac` = 1 − Σ lengths / Σ_micro (rows · L_max)
+    (L_max = `width` when given), the share of computed positions that are padding.
     """
     if max_rows < 1 or (max_tokens is not None and max_tokens < 1):
         raise ValueError(f"micro_batches: max_rows and max_tokens must be >= 1, got {max_rows}, {max_tokens}")
@@ -49,7 +50,7 @@ def micro_batches(
         if rows:
             sizes.append(rows)
         micros = list(order.split(sizes))
-    padded = sum(len(m) * int(lengths[m].max()) for m in micros if len(m))
+    padded = sum(len(m) * (width or int(lengths[m].max())) for m in micros if len(m))
     real = float(lengths.sum())
     metrics = {"micro/count": torch.tensor(float(len(micros))),
                "micro/padding_frac": torch.tensor(1.0 - real / padded if padded else 0.0)}
