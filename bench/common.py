@@ -38,10 +38,10 @@ REFERENCE = {"data.batch_size": 8, "algorithm.group_size": 8, "algorithm.max_new
 # the long workload (DESIGN §9): the chain-of-thought task at levels of ~29 to ~188 completion tokens (addition to
 # 4x2-digit multiplication), up to 256 new tokens, and its own wider model (4 layers x 256, ~3.2M parameters),
 # warmed up only until its answers are sometimes right (target 0.05: it writes the working at realistic lengths)
-LONG = {**REFERENCE, "data": "arithmetic_cot", "data.levels": "[1,3,5,7,8,9]", "algorithm.max_new_tokens": 256,
+LONG = {"data": "arithmetic_cot", "data.levels": "[1,3,5,7,8,9]", "algorithm.max_new_tokens": 256,
         "task_max_new_tokens": 256, "model.options.hidden_size": 256, "model.options.target": 0.05,
         "model.options.eval_problems": 64, "model.options.eval_samples": 2}
-WORKLOADS = {"tiny": REFERENCE, "long": LONG}
+WORKLOADS = {"tiny": {}, "long": LONG}  # overrides on top of REFERENCE
 METRICS = ("time/step_s", "time/gen_s", "time/reward_s", "time/train_s", "time/sync_s", "time/prior_s",
            "perf/tokens_per_s", "rollouts/per_step", "response/len_mean", "response/len_max", "micro/padding_frac", "v05/prior_present",
            "time/prior_setup_s", "time/prior_prefetch_s")
@@ -86,6 +86,8 @@ def bench_parser(description: str, *, steps_help: str, warmup_help: str, block_h
 def parse_bench_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     """Parse, check the step counts, and quiet the libraries."""
     args = parser.parse_args(argv)
+    # the long workload is overrides on top of the reference one; the user's own --override come last and win
+    args.override = [f"{k}={v}" for k, v in WORKLOADS[args.workload].items()] + args.override
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
     quiet(args.threads)
@@ -135,7 +137,7 @@ def has_value_prior(algorithm: str) -> bool:
     return "v05" in algorithm
 
 
-def compose(algorithm: str, overrides: Iterable[str] = (), workload: str = "tiny") -> Any:
+def compose(algorithm: str, overrides: Iterable[str] = ()) -> Any:
     """The run config of `algorithm` from conf/, with the reference workload's overrides (DESIGN §9).
 
     V0.5 keeps its shipped k_init (its module group_size follows k_init and is not used); `--override` can
@@ -143,7 +145,7 @@ def compose(algorithm: str, overrides: Iterable[str] = (), workload: str = "tiny
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    reference = dict(WORKLOADS[workload])
+    reference = dict(REFERENCE)
     if has_value_prior(algorithm):
         reference.pop("algorithm.group_size")
     extra = [f"{k}={v}" for k, v in reference.items()]
