@@ -125,3 +125,13 @@ def test_data_config_picks_its_reward_model_and_completion_budget():
     assert (mine.algorithm.max_new_tokens, mine.reward.name, mine.model.name_or_path) == (
         200, "arithmetic", "Qwen/Qwen3-4B-Instruct-2507")  # the command line wins
     assert default.algorithm.max_new_tokens == 8 and default.reward.name == "arithmetic"
+
+
+@pytest.mark.parametrize("algorithm", sorted(p.stem for p in (CONF / "algorithm").glob("*.yaml")))
+def test_every_algorithm_takes_the_task(algorithm):
+    from lit_rlvr.config_check import check_config
+
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=["data=arithmetic_cot", f"algorithm={algorithm}"])
+    check_config(cfg)
+    assert cfg.algorithm.max_new_tokens == 64 and cfg.reward.name == "arithmetic_cot"
