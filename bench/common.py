@@ -35,9 +35,16 @@ THREADS = 2  # DESIGN §9: 2 CPU cores
 REFERENCE = {"data.batch_size": 8, "algorithm.group_size": 8, "algorithm.max_new_tokens": 24,
              "algorithm.temperature": 1.0, "algorithm.ppo_epochs": 1, "algorithm.mini_batches": 1,
              "model.dtype": "float32"}
+# the long workload (DESIGN §9): the chain-of-thought task at levels of ~29 to ~188 completion tokens (addition to
+# 4x2-digit multiplication), up to 256 new tokens, and its own wider model (4 layers x 256, ~3.2M parameters),
+# warmed up only until its answers are sometimes right (target 0.05: it writes the working at realistic lengths)
+LONG = {"data": "arithmetic_cot", "data.levels": "[1,3,5,7,8,9]", "algorithm.max_new_tokens": 256,
+        "task_max_new_tokens": 256, "model.options.hidden_size": 256, "model.options.target": 0.05,
+        "model.options.eval_problems": 64, "model.options.eval_samples": 2}
+WORKLOADS = {"tiny": {}, "long": LONG}  # overrides on top of REFERENCE
 METRICS = ("time/step_s", "time/gen_s", "time/reward_s", "time/train_s", "time/sync_s", "time/prior_s",
-           "perf/tokens_per_s", "rollouts/per_step", "response/len_mean", "v05/prior_present",
-           "time/prior_setup_s", "time/prior_prefetch_s")
+           "perf/tokens_per_s", "rollouts/per_step", "response/len_mean", "response/len_max", "micro/padding_frac",
+           "v05/prior_present", "time/prior_setup_s", "time/prior_prefetch_s")
 
 
 def quiet(threads: int = THREADS) -> None:
@@ -71,12 +78,17 @@ def bench_parser(description: str, *, steps_help: str, warmup_help: str, block_h
     parser.add_argument("--block", type=int, default=1, help=block_help)
     parser.add_argument("--threads", type=int, default=THREADS, help="torch threads (DESIGN §9: 2)")
     parser.add_argument("--override", action="append", default=[], help=override_help)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny",
+                        help="tiny: the default task, ~3-token answers; long: arithmetic_cot, 30-256 tokens, "
+                             "wider model")
     return parser
 
 
 def parse_bench_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     """Parse, check the step counts, and quiet the libraries."""
     args = parser.parse_args(argv)
+    # the long workload is overrides on top of the reference one; the user's own --override come last and win
+    args.override = [f"{k}={v}" for k, v in WORKLOADS[args.workload].items()] + args.override
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
     quiet(args.threads)
@@ -341,6 +353,10 @@ def summarise_rows(rows: list[dict[str, float]], warmup: int) -> dict[str, float
         "rollouts_per_step": median(col("rollouts/per_step")),
         "response_len_mean": median(col("response/len_mean")),
     }
+    if col("response/len_max"):  # the long workload's length spread, and what a micro-batch computes on padding
+        out["response_len_max"] = max(col("response/len_max"))
+    if col("micro/padding_frac"):
+        out["padding_frac"] = median(col("micro/padding_frac"))
     for key in ("noise_s", "gen_forward_s"):  # recorded by `StepRecorder.time_calls`
         if col(key):
             out[key] = median(col(key))

@@ -25,6 +25,7 @@ from lit_rlvr import functional as F
 from lit_rlvr.checkpoint_io import checkpoint_hint
 from lit_rlvr.freeze import FreezeSetupObjects
 from lit_rlvr.hooks import RLVRCallback
+from lit_rlvr.loss_options import check_loss_options
 from lit_rlvr.models import load_policy, resolve_model_path
 from lit_rlvr.optim.build import build_optimizer, check_optimizer_options
 from lit_rlvr.optim.schedule import warmup_factor
@@ -54,8 +55,9 @@ class GRPOModule(pl.LightningModule):
     `functional.AGGREGATIONS`); `scale_adv_by_std`; `kl_coef` β (> 0 loads a frozen reference copy) with
     `kl_estimator` (and `kl_k3_cap`: verl caps k3 at 10; None = no cap); `entropy_coef` η; `ppo_epochs` passes
     over each rollout batch; `mini_batches` optimizer steps per epoch; `micro_batch_size` completions per
-    forward/backward. `warmup_steps` W: linear lr warm-up over the first W optimizer updates (`warmup_from_zero`:
-    verl's shape, from lr 0; see `lit_rlvr.optim.schedule.warmup_factor`).
+    forward/backward; `micro_batch_tokens` (None = off) packs completions of similar length into micro-batches of
+    at most that many padded tokens, prompt included (`functional.micro_batches`). `warmup_steps` W: linear lr
+    warm-up over the first W optimizer updates (`warmup_from_zero`: verl's shape, from lr 0).
     `optimizer`: `adamw` (uses `betas`, `weight_decay`) or `ivon` (`lit_rlvr.optim.IVON`, for 3PO; `lr` plus
     `optimizer_options`: ess λ (required), hess_init, beta1, beta2, weight_decay δ, clip_radius, …); extra
     `optimizer_options` go to the optimizer's constructor either way.
@@ -96,6 +98,7 @@ class GRPOModule(pl.LightningModule):
         ppo_epochs: int = 1,
         mini_batches: int = 1,
         micro_batch_size: int = 64,
+        micro_batch_tokens: Optional[int] = None,
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = 0,
@@ -126,24 +129,7 @@ class GRPOModule(pl.LightningModule):
 
     def _check_options(self) -> None:
         hp = self.hparams
-        if hp.loss_aggregation not in F.AGGREGATIONS:
-            raise ValueError(f"algorithm.loss_aggregation={hp.loss_aggregation!r}; valid: {', '.join(F.AGGREGATIONS)}")
-        if hp.kl_estimator not in F.KL_ESTIMATORS:
-            raise ValueError(f"algorithm.kl_estimator={hp.kl_estimator!r}; valid: {', '.join(F.KL_ESTIMATORS)}")
-        for key in ("group_size", "ppo_epochs", "mini_batches", "micro_batch_size", "max_new_tokens", "eval_samples"):
-            if getattr(hp, key) < 1:
-                raise ValueError(f"algorithm.{key} must be >= 1, got {getattr(hp, key)}")
-        if not (0 <= hp.eps_low < 1 and hp.eps_high >= 0):
-            raise ValueError(f"algorithm.eps_low must be in [0, 1) and eps_high >= 0, got {hp.eps_low}, {hp.eps_high}")
-        if hp.dual_clip is not None and not hp.dual_clip > 1:
-            raise ValueError(f"algorithm.dual_clip={hp.dual_clip}: the dual-clip bound c must be > 1 (verl: 3.0); "
-                             "null turns it off")
-        if hp.seq_mask_tau is not None and not hp.seq_mask_tau > 1:
-            raise ValueError(f"algorithm.seq_mask_tau={hp.seq_mask_tau}: the importance mask keeps ratios in "
-                             "[1/τ, τ], so τ must be > 1 (3PO's paper: 2); null turns the mask off")
-        if hp.kl_k3_cap is not None and (hp.kl_estimator != "k3" or not hp.kl_k3_cap > 0):
-            raise ValueError(f"algorithm.kl_k3_cap={hp.kl_k3_cap} caps the k3 estimator: it needs algorithm."
-                             f"kl_estimator=k3 (got {hp.kl_estimator}) and a cap > 0 (verl: 10); null = no cap")
+        check_loss_options(hp)
         self.driver.sampling_params(0)  # SamplingParams validates temperature, top_p, max_new_tokens
         check_optimizer_options(hp.optimizer, hp.optimizer_options, lr=hp.lr, grad_clip=hp.grad_clip,
                                 weight_decay=hp.weight_decay, dtype=hp.dtype)
@@ -359,7 +345,12 @@ class GRPOModule(pl.LightningModule):
         world = D.world_size()
         totals = torch.tensor([float(tokens.sum()), float(rollouts.num_samples)], dtype=torch.float64)
         total_tokens, total_seqs = D.all_reduce(totals).clamp_min(1).tolist()
-        micros = list(torch.arange(rollouts.num_samples).split(hp.micro_batch_size))
+        lengths = rollouts.prompt_mask.sum(-1) + rollouts.response_mask.sum(-1)  # [n]
+        width = None if hp.micro_batch_tokens else rollouts.prompt_ids.shape[1] + rollouts.response_ids.shape[1]
+        micros, micro_metrics = F.micro_batches(lengths, max_rows=hp.micro_batch_size, max_tokens=hp.micro_batch_tokens,
+                                                width=width)  # untrimmed fixed micro-batches run at the full width
+        for k, v in micro_metrics.items():  # averaged over passes with the other pass metrics
+            sums[k] = sums.get(k, 0.0) + v
         # FSDP gathers weights in every forward: ranks with fewer micro-batches run zero-weight ones on sample 0
         padding = D.global_max(len(micros)) - len(micros)
         with ExitStack() as stack:
@@ -370,7 +361,8 @@ class GRPOModule(pl.LightningModule):
                 token_w = float(tokens[micro].sum()) / total_tokens * world if real else 0.0
                 seq_w = len(micro) / total_seqs * world if real else 0.0
                 share = token_w if hp.loss_aggregation == "token-mean" else seq_w
-                loss, metrics = self.micro_batch_loss(rollouts.select(micro), share)
+                part = rollouts.select(micro)
+                loss, metrics = self.micro_batch_loss(part.trim_padding() if hp.micro_batch_tokens else part, share)
                 self.manual_backward(loss)
                 for k, v in (metrics.items() if real else ()):
                     w = token_w if k in self.token_metrics else seq_w if k in self.sequence_metrics else share

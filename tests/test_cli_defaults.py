@@ -32,7 +32,7 @@ def _cli() -> dict:
 def _hydra() -> dict:
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
         cfg = compose("config")
-    algorithm = OmegaConf.to_container(cfg.algorithm, resolve=False)
+    algorithm = OmegaConf.to_container(cfg.algorithm, resolve=True)  # max_new_tokens reads the data config's budget
     for key in ("name", "callbacks", "_target_"):
         algorithm.pop(key)
     options = OmegaConf.to_container(cfg.model.options, resolve=False)

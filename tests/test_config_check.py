@@ -24,9 +24,9 @@ def test_shipped_algorithms_pass(algorithm):
     check_config(_compose(f"algorithm={algorithm}"))
 
 
-@pytest.mark.parametrize("data", ["arithmetic", "jsonl", "parquet", "math500"])
+@pytest.mark.parametrize("data", ["arithmetic", "arithmetic_cot", "jsonl", "parquet", "math500"])
 def test_shipped_data_pass(data):
-    check_config(_compose(f"data={data}", *(["data.path=x.jsonl"] if data != "arithmetic" else [])))
+    check_config(_compose(f"data={data}", *(["data.path=x.jsonl"] if not data.startswith("arithmetic") else [])))
 
 
 @pytest.mark.parametrize("group", ["trainer", "model", "engine", "reward", "logger"])

@@ -135,6 +135,7 @@ _MATH = [("What is 3+4?", "7"), ("What is 1/2 + 1/4?", "\\frac{3}{4}"), ("How ma
 # config -> (file name, rows in its expected schema, usual reward, prompt check)
 SCHEMAS = {
     "arithmetic": (None, None, "arithmetic", None),
+    "arithmetic_cot": (None, None, "arithmetic_cot", None),
     "jsonl": ("f.jsonl", [{"prompt": q, "answer": a} for q, a in _MATH], "arithmetic", "plain"),
     "parquet": ("f.parquet", [{"prompt": q, "answer": a} for q, a in _MATH], "arithmetic", "plain"),
     "dapo_math": ("f.parquet", [_verl([{"role": "user", "content": q + ' Answer: $Answer'}], a) for q, a in _MATH],
@@ -218,6 +219,7 @@ def test_model_configs_name_their_models_and_set_the_chat_template():
 
 REWARD_CASES = {  # completion, answer -> score, malformed
     "arithmetic": [("4", 4, 1.0, False), ("5", 4, -1.0, False), ("x", 4, -1.0, True)],
+    "arithmetic_cot": [("2+2+0=4\nAnswer: 4", 4, 1.0, False), ("Answer: 5", 4, -1.0, False), ("4", 4, -1.0, True)],
     "math": [("So the answer is \\boxed{\\frac{1}{2}}.", "0.5", 1.0, False), ("\\boxed{3}", "4", -1.0, False),
              ("I do not know.", "4", -1.0, True)],
     "code": [("```python\nprint(int(input()) * 2)\n```", _STDIN_TESTS, 1.0, False),

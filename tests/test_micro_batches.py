@@ -51,7 +51,7 @@ def _grads_and_metrics(module: GRPOModule, tau) -> tuple[list, list]:
         sums: dict = {}
         module._backward_pass(rollouts, 0, sums)
         grads.append(torch.cat([q.grad.flatten() for q in module.policy.parameters() if q.grad is not None]))
-        metrics.append({k: float(v) for k, v in sums.items()})
+        metrics.append({k: float(v) for k, v in sums.items() if not k.startswith("micro/")})  # they describe the split
     return grads, metrics
 
 

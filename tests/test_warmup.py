@@ -58,7 +58,7 @@ def _scripted(monkeypatch, accuracies: list[float]) -> list[int]:
     """Checks return `accuracies` in turn (the training itself is real); returns the steps checked at."""
     checked, left = [], iter(accuracies)
 
-    def fake(model, tokenizer, problems, samples, seed=0):
+    def fake(model, tokenizer, problems, samples, seed=0, **options):
         checked.append(len(problems))
         return next(left)
 
@@ -110,3 +110,30 @@ def test_an_unknown_tiny_option_names_it_and_the_valid_ones(tmp_path):
 
     with pytest.raises(ValueError, match=r"model\.options\.steps is not an option.*valid: target, max_steps"):
         resolve_model_path("tiny", {"cache_dir": str(tmp_path), "steps": 800})
+
+
+def test_chain_of_thought_warm_up_trains_on_the_working_and_has_its_own_cache_entry(tmp_path, monkeypatch):
+    """task=arithmetic_cot: the labels are the written working and the marked answer; the task and the target
+    are in the cache key and in warmup.json; the checks score with the task's reward at its completion budget."""
+    from lit_rlvr.data.tasks.arithmetic_cot import ArithmeticCoTTask, arithmetic_cot_reward
+    from lit_rlvr.models.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    problem = ArithmeticCoTTask().problem(0)
+    ids, _, labels = warmup.sft_batch(tokenizer, [problem])
+    answer_part = labels[0][labels[0] != -100]
+    assert tokenizer.decode(answer_part, skip_special_tokens=True) == problem["target"]
+    seen = []
+    monkeypatch.setattr(warmup, "sampled_accuracy",
+                        lambda model, tok, problems, samples, seed=0, **options: seen.append(options) or 0.5)
+    cot = dict(max_steps=4, batch_size=2, eval_every=2, eval_problems=2, levels=(1,), task="arithmetic_cot",
+               max_new_tokens=40, hidden_size=32, layers=1)
+    path = warm_start_tiny(tmp_path, target=0.4, **cot)
+    record = json.loads((path / "warmup.json").read_text())
+    assert (record["task"], record["target"], record["steps"]) == ("arithmetic_cot", 0.4, 2)
+    assert seen == [{"reward": arithmetic_cot_reward, "max_new_tokens": 40}]
+    assert warm_start_tiny(tmp_path, target=0.45, **cot) != path  # another target: another entry
+    plain = {k: v for k, v in cot.items() if k not in ("task", "max_new_tokens")}
+    assert warm_start_tiny(tmp_path, target=0.4, **plain) != path  # the default task: another entry
+    with pytest.raises(ValueError, match="model.options.task='cot' is not valid; valid: arithmetic, arithmetic_cot"):
+        warm_start_tiny(tmp_path, task="cot")

@@ -14,6 +14,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lit_rlvr.data.tasks.arithmetic import ArithmeticTask
+from lit_rlvr.data.tasks.arithmetic_cot import ArithmeticCoTTask
+
+TASKS = {"arithmetic": ArithmeticTask, "arithmetic_cot": ArithmeticCoTTask}  # data.task -> built-in task
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +24,7 @@ log = logging.getLogger(__name__)
 class ArithmeticDataset(Dataset):
     """`size` problems of one split of the arithmetic task, drawn lazily (a problem is a function of its index)."""
 
-    def __init__(self, task: ArithmeticTask, size: int, split: str):
+    def __init__(self, task: ArithmeticTask | ArithmeticCoTTask, size: int, split: str):
         self.task, self.size, self.split = task, size, split
 
     def __len__(self) -> int:
@@ -109,7 +112,7 @@ def collate(rows: list[dict[str, Any]]) -> dict[str, list]:
 
 
 class RLVRDataModule(pl.LightningDataModule):
-    """Built-in `arithmetic` task (`task="arithmetic"`) or records from files (`path=...`, see data.formats).
+    """Built-in task (`task="arithmetic"` or `"arithmetic_cot"`) or records from files (`path=...`, see data.formats).
 
     Args: `batch_size` prompts per RL step over all ranks (each of W data-parallel ranks loads batch_size / W);
     `seed` the order of training prompts; `split_seed` the arithmetic train/test split (keep it equal to the tiny
@@ -151,8 +154,8 @@ class RLVRDataModule(pl.LightningDataModule):
         self.save_hyperparameters()
         if task is None and path is None:
             raise ValueError("data: set data.task (built-in task) or data.path (a prompt file)")
-        if task not in (None, "arithmetic"):
-            raise ValueError(f"data.task={task!r} is not valid; valid: arithmetic (or data.path for files)")
+        if task is not None and task not in TASKS:
+            raise ValueError(f"data.task={task!r} is not valid; valid: {', '.join(TASKS)} (or data.path for files)")
         if batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
         self._sources: tuple[Dataset, ...] = ()  # (train, eval) as loaded, before `_wrap`
@@ -184,7 +187,7 @@ class RLVRDataModule(pl.LightningDataModule):
                 log.warning("data.eval_path is not set: held-out evaluation uses the training file %s "
                             "(set data.eval_path=FILE for a separate set)", hp.path)
         else:
-            task = ArithmeticTask(levels=tuple(hp.levels), seed=hp.split_seed)
+            task = TASKS[hp.task](levels=tuple(hp.levels), seed=hp.split_seed)
             self._sources = (ArithmeticDataset(task, hp.num_train, "train"),
                              ArithmeticDataset(task, hp.num_test, "test"))
         self._wrap()

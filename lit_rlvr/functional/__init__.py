@@ -13,6 +13,7 @@ from lit_rlvr.functional.losses import (
     sequence_importance_mask,
     token_logprobs,
 )
+from lit_rlvr.functional.micro_batches import micro_batches
 from lit_rlvr.functional.shaping import overlong_penalty
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "grpo_advantages",
     "gspo_loss",
     "kl_penalty",
+    "micro_batches",
     "overlong_penalty",
     "partial_chunk_success",
     "ppo_clip_loss",

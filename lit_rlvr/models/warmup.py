@@ -1,4 +1,5 @@
-"""Supervised warm-up of the tiny model on the arithmetic task, cached on disk by its settings.
+"""Supervised warm-up of the tiny model on a built-in task (`arithmetic`, `arithmetic_cot`), cached on disk by
+its settings.
 
 RL needs a policy that is sometimes right: the warm-up stops at a target held-out sampled accuracy, well below
 100%, so RL has room to show gains and starts from about the same accuracy on any CPU.
@@ -22,6 +23,7 @@ from typing import Iterator
 import torch
 
 from lit_rlvr.data.tasks.arithmetic import ArithmeticTask, arithmetic_reward
+from lit_rlvr.data.tasks.arithmetic_cot import ArithmeticCoTTask, arithmetic_cot_reward
 from lit_rlvr.models import tiny
 
 try:
@@ -37,7 +39,8 @@ def sft_batch(tokenizer, examples: list[dict]) -> tuple[torch.Tensor, torch.Tens
     rows, label_rows = [], []
     for ex in examples:
         prompt = tokenizer(ex["prompt"])["input_ids"]
-        target = tokenizer(str(ex["answer"]))["input_ids"] + [tokenizer.eos_token_id]
+        text = ex.get("target", str(ex["answer"]))  # arithmetic_cot: the written working and the marked answer
+        target = tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
         rows.append(prompt + target)
         label_rows.append([-100] * len(prompt) + target)
     width = max(len(r) for r in rows)
@@ -65,6 +68,8 @@ def warm_start_tiny(
     hidden_size: int = 64,
     layers: int = 2,
     split_seed: int = 0,
+    task: str = "arithmetic",
+    max_new_tokens: int = 8,
 ) -> Path:
     """Path of the warmed-up tiny model; trains and saves it unless the same settings are cached.
 
@@ -74,7 +79,8 @@ def warm_start_tiny(
     `eval_problems` problems of a dev slice of the train split that the warm-up never trains on and RL never
     evaluates on) reaches `target`, or after `max_steps` with a warning: a step count alone lands at different
     accuracies on different CPUs (float order, compounded near a fast-learning phase). `warmup.json` in the
-    folder records where it stopped.
+    folder records where it stopped. `task` is `arithmetic` (answers only) or `arithmetic_cot` (the written
+    working, then the marked answer); `max_new_tokens` bounds the checks' completions.
 
     Several processes (torchrun ranks) may ask at once: the first takes a lock on the cache entry and trains,
     the others wait for it and load what it saved. It writes a temporary folder and renames it, so a
@@ -83,9 +89,13 @@ def warm_start_tiny(
     """
     if not 0.0 < target <= 1.0:
         raise ValueError(f"model.options.target={target} must be in (0, 1]: the held-out sampled accuracy to stop at")
+    if task not in WARMUP_TASKS:
+        raise ValueError(f"model.options.task={task!r} is not valid; valid: {', '.join(WARMUP_TASKS)}")
     settings = dict(target=target, max_steps=max_steps, eval_every=eval_every, eval_problems=eval_problems,
                     eval_samples=eval_samples, batch_size=batch_size, lr=lr, warmup_steps=warmup_steps, seed=seed,
                     levels=list(levels), hidden_size=hidden_size, layers=layers, split_seed=split_seed, version=3)
+    if task != "arithmetic":  # the default's key stays as it was, so its cached models stay valid
+        settings.update(task=task, max_new_tokens=max_new_tokens)
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     path = Path(cache_dir).expanduser() / f"tiny-{key}"
     if (path / "config.json").exists():
@@ -113,6 +123,9 @@ def warm_start_tiny(
 
 
 RECORD_FILE = "warmup.json"
+# task name -> (task class, reward)
+WARMUP_TASKS = {"arithmetic": (ArithmeticTask, arithmetic_reward),
+                "arithmetic_cot": (ArithmeticCoTTask, arithmetic_cot_reward)}
 
 
 def _warn_if_capped(record: dict) -> None:
@@ -165,16 +178,17 @@ def _training_problems(task: ArithmeticTask) -> Iterator[dict]:
 
 
 @torch.no_grad()
-def sampled_accuracy(model, tokenizer, problems: list[dict], samples: int, seed: int = 0) -> float:
+def sampled_accuracy(model, tokenizer, problems: list[dict], samples: int, seed: int = 0, *,
+                     reward=arithmetic_reward, max_new_tokens: int = 8) -> float:
     """mean@`samples` at T=1 over `problems`, sampled as RL's held-out evaluation samples (`HFEngine`, batched)."""
     from lit_rlvr.rollout.engine import SamplingParams
     from lit_rlvr.rollout.hf import HFEngine
 
     engine = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id)
     prompts = [tokenizer(p["prompt"])["input_ids"] for p in problems]
-    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=seed)
+    params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, seed=seed)
     completions = engine.generate(prompts, [samples] * len(prompts), params)
-    correct = [arithmetic_reward(p["prompt"], tokenizer.decode(c.token_ids, skip_special_tokens=True),
+    correct = [reward(p["prompt"], tokenizer.decode(c.token_ids, skip_special_tokens=True),
                                  p["answer"]).score > 0 for p, per in zip(problems, completions) for c in per]
     return sum(correct) / len(correct)
 
@@ -184,7 +198,8 @@ def _train(s: dict):
     dev slice's sampled accuracy reaches s["target"] or s["max_steps"] pass. Linear LR warm-up, then constant:
     the schedule must not depend on where it stops."""
     model, tokenizer = tiny.build_tiny(s["seed"], hidden_size=s["hidden_size"], layers=s["layers"])
-    task = ArithmeticTask(levels=tuple(s["levels"]), seed=s["split_seed"])
+    task_class, reward = WARMUP_TASKS[s.get("task", "arithmetic")]
+    task = task_class(levels=tuple(s["levels"]), seed=s["split_seed"])
     dev = dev_problems(task, s["eval_problems"])
     stream = _training_problems(task)
     optimizer = torch.optim.AdamW(model.parameters(), lr=s["lr"], weight_decay=0.0)
@@ -202,7 +217,8 @@ def _train(s: dict):
         if step % s["eval_every"] == 0 or step == s["max_steps"]:
             model.eval()
             checked = time.perf_counter()
-            accuracy = sampled_accuracy(model, tokenizer, dev, s["eval_samples"])
+            accuracy = sampled_accuracy(model, tokenizer, dev, s["eval_samples"], reward=reward,
+                                        max_new_tokens=s.get("max_new_tokens", 8))
             eval_s += time.perf_counter() - checked
             history.append([step, round(accuracy, 4)])
             log.info("warm-up step %d: dev mean@%d %.3f (target %.2f)", step, s["eval_samples"], accuracy, s["target"])

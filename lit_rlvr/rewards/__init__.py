@@ -12,6 +12,7 @@ from lit_rlvr.rewards.base import (DEFAULT_SCORE_BOUND, DEFAULT_TIMEOUT_S, Rewar
 # name -> "module:attribute"; a class is instantiated with the reward options, a function used as is
 REWARDS = {
     "arithmetic": "lit_rlvr.data.tasks.arithmetic:arithmetic_reward",
+    "arithmetic_cot": "lit_rlvr.data.tasks.arithmetic_cot:arithmetic_cot_reward",
     "math": "lit_rlvr.rewards.math:MathReward",
     "code": "lit_rlvr.rewards.code:CodeReward",
 }

@@ -87,6 +87,18 @@ class Rollouts:
             out[f.name] = value
         return Rollouts(**out)
 
+    def trim_padding(self) -> "Rollouts":
+        """The same rows without the padding columns that no row uses: those left of the longest prompt and
+        right of the last response token any row counts. The loss does not change (those positions are
+        masked out); the forward is narrower (token-budget micro-batches)."""
+        prompt_used = self.prompt_mask.any(0)  # [P] columns some row's prompt uses (left-padded)
+        response_used = self.response_mask.any(0)  # [T]
+        start = int(prompt_used.long().argmax()) if bool(prompt_used.any()) else self.prompt_mask.shape[1]
+        end = int(response_used.nonzero().max()) + 1 if bool(response_used.any()) else 1
+        return replace(self, prompt_ids=self.prompt_ids[:, start:], prompt_mask=self.prompt_mask[:, start:],
+                       response_ids=self.response_ids[:, :end], response_mask=self.response_mask[:, :end],
+                       old_logp=self.old_logp[:, :end])
+
     def select_groups(self, keep: Tensor) -> "Rollouts":
         """The completions of the prompts where `keep` ([B] bool) is True; groups are renumbered 0..B'−1 and
         the per-prompt fields (prompts, answers, baseline) cut to match."""
