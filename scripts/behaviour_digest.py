@@ -7,7 +7,8 @@ runs of the same code removed:
   * summary.json: keys ending in `_s` or `_seconds` (wall-clock timings), `peak_rss_mb` (the process's peak
     memory, which varies from run to run), and `run_dir`, `checkpoint`, `paths`, `date`, `started`, `finished`
     (paths and dates) where present.
-Every other value is hashed as written. Usage: `nice python scripts/behaviour_digest.py [--jobs 2] [ALGO ...]`.
+Every other value is hashed as written. Usage: `nice python scripts/behaviour_digest.py [--jobs 2] [ALGO ...]`;
+`--drop-columns micro/` also leaves out metric columns a change added (to compare across it).
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ DROP_COLUMN_PREFIXES = ("time/", "perf/")
 DROP_KEYS = {"peak_rss_mb", "run_dir", "checkpoint", "paths", "date", "started", "finished"}
 
 
-def metrics_digest(path: Path) -> str:
+def metrics_digest(path: Path, drop: tuple[str, ...] = ()) -> str:
     rows = list(csv.DictReader(path.open()))
-    keep = sorted(k for k in (rows[0] if rows else {}) if not k.startswith(DROP_COLUMN_PREFIXES))
+    keep = sorted(k for k in (rows[0] if rows else {}) if not k.startswith(DROP_COLUMN_PREFIXES + drop))
     text = "\n".join(",".join(f"{k}={r.get(k, '')}" for k in keep) for r in rows)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -43,13 +44,13 @@ def summary_digest(path: Path) -> str:
     return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def run(algorithm: str, root: Path) -> str:
+def run(algorithm: str, root: Path, drop: tuple[str, ...]) -> str:
     run_dir = root / algorithm
     proc = subprocess.run([sys.executable, "train.py", f"algorithm={algorithm}", f"hydra.run.dir={run_dir}",
                            *OVERRIDES], cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         return f"{algorithm:9s} FAILED rc={proc.returncode}: {proc.stderr[-2000:]}"
-    return (f"{algorithm:9s} metrics.csv {metrics_digest(run_dir / 'metrics.csv')}  "
+    return (f"{algorithm:9s} metrics.csv {metrics_digest(run_dir / 'metrics.csv', drop)}  "
             f"summary.json {summary_digest(run_dir / 'summary.json')}")
 
 
@@ -58,11 +59,13 @@ def main() -> None:
     parser.add_argument("algorithms", nargs="*", default=list(ALGORITHMS))
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--keep", help="write the runs here instead of a temporary folder")
+    parser.add_argument("--drop-columns", action="append", default=[], metavar="PREFIX",
+                        help="also leave out metrics.csv columns starting with PREFIX (repeatable)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="digest-") as tmp:
         root = Path(args.keep) if args.keep else Path(tmp)
         with ThreadPoolExecutor(args.jobs) as pool:
-            for line in pool.map(lambda a: run(a, root), args.algorithms):
+            for line in pool.map(lambda a: run(a, root, tuple(args.drop_columns)), args.algorithms):
                 print(line, flush=True)
 
 
