@@ -36,12 +36,13 @@ from typing_extensions import override
 from lit_rlvr import distributed as D
 from lit_rlvr.functional.ranking import binary_auroc_py
 from lit_rlvr.functional.value_prior import (
-    allocate_round_py,
-    expected_mse_reduction_py,
+    allocate_round,
+    expected_mse_reduction,
     group_mean_py,
+    osla_wants_more,
     reward_noise_var,
     round_f32,
-    shrinkage_fusion_py,
+    shrinkage_fusion,
 )
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
@@ -249,7 +250,7 @@ class ValuePrior(RLVRCallback):
         step = self._require_step()
         mean, counts = self._group_stats(rollouts)  # [B] float32 values, [B] ints
         prior = [step.prior.get(p, math.nan) for p in rollouts.prompts]  # [B] float32 values
-        baseline, step.fusion = shrinkage_fusion_py(mean, prior, counts, self.noise_var)  # [B] = shrinkage_fusion
+        baseline, step.fusion = shrinkage_fusion(mean, prior, counts, self.noise_var)  # [B]
         rollouts.baseline = torch.tensor(baseline, dtype=torch.float32)
         step.prior_s += time.perf_counter() - t0
 
@@ -339,17 +340,16 @@ class ValuePrior(RLVRCallback):
     def _next_round(self, rollouts: Rollouts, prior: list[float]) -> Optional[list[int]]:
         """The plan's budget rule: extra samples per prompt for the next round (OSLA, Eq. 12), None = stop.
 
-        The arithmetic of `expected_mse_reduction` and `allocate_round` in plain Python on float32 values: B is a
-        few dozen numbers, where each torch or numpy call's overhead is the whole cost (same bits, same
-        allocations)."""
+        `expected_mse_reduction`, `osla_wants_more` and `allocate_round` of `lit_rlvr.functional.value_prior`, in
+        plain Python on float32 values: B is a few dozen numbers, where each torch call's overhead is the cost."""
         t0 = time.perf_counter()
         step = self._require_step()
         step.rounds += 1  # called once after every round
         mean, counts = self._group_stats(rollouts)  # [B] float32 values, [B] ints
-        gain = expected_mse_reduction_py(mean, prior, counts, self.noise_var)  # [B] Δ̂² re-estimated
-        wants = [g > self._cost_f32 and c < self.k_max for g, c in zip(gain, counts)]  # [B] = osla_wants_more
-        extra = allocate_round_py(wants, gain, counts, k_max=self.k_max, min_active_frac=self.min_active_frac,
-                                  pad_to=self.pad_to, round_size=self.round_size)  # [B]
+        gain = expected_mse_reduction(mean, prior, counts, self.noise_var)  # [B] Δ̂² re-estimated
+        wants = osla_wants_more(gain, counts, cost=self._cost_f32, k_max=self.k_max)  # [B]
+        extra = allocate_round(wants, gain, counts, k_max=self.k_max, min_active_frac=self.min_active_frac,
+                               pad_to=self.pad_to, round_size=self.round_size)  # [B]
         step.prior_s += time.perf_counter() - t0
         return extra if sum(extra) > 0 else None
 

@@ -5,14 +5,9 @@ import math
 import pytest
 import torch
 
-from lit_rlvr.functional.value_prior import (
-    allocate_round,
-    baseline_mse,
-    expected_mse_reduction,
-    osla_wants_more,
-    reward_noise_var,
-    shrinkage_fusion,
-)
+from lit_rlvr.functional import value_prior as lib  # what the callback runs, in plain Python
+from lit_rlvr.functional.value_prior import baseline_mse, reward_noise_var
+from tests.v05_tensor_oracles import allocate_round, expected_mse_reduction, osla_wants_more, shrinkage_fusion
 
 
 def t(*values, dtype=torch.float32):
@@ -215,18 +210,13 @@ def test_rounds_spend_samples_where_the_prior_is_wrong(seed):
     assert counts[far].float().mean() > counts[~wrong].float().mean() + 2
 
 
-def test_python_variants_give_the_torch_functions_bits():
-    """The callback's plain-Python paths (`*_py`) compute what the tested torch functions compute, bit for bit
-    (the AUC metric to float32 rounding): random and grid means, priors with NaNs and
+def test_library_functions_give_the_tensor_oracles_bits():
+    """The library's plain-Python functions (what the callback runs) compute what the tensor oracles tested above
+    compute, bit for bit (the AUC metric to float32 rounding): random and grid means, priors with NaNs and
     priors equal to a mean, counts with zeros, several noise variances, costs and batch rules."""
     import numpy as np
 
     from lit_rlvr.functional.ranking import binary_auroc, binary_auroc_py
-    from lit_rlvr.functional.value_prior import (
-        allocate_round_py,
-        expected_mse_reduction_py,
-        shrinkage_fusion_py,
-    )
 
     g = torch.Generator().manual_seed(0)
     for case in range(300):
@@ -241,13 +231,13 @@ def test_python_variants_give_the_torch_functions_bits():
         prior[same] = mean[same]  # prior = mean: no excess, bias 0, ratio inf
         noise_var = [1.0, 0.25, 2.0][case % 3]
         b, m = shrinkage_fusion(mean, prior, counts, noise_var=noise_var)
-        b_py, m_py = shrinkage_fusion_py(mean.tolist(), prior.tolist(), counts.tolist(), noise_var)
+        b_py, m_py = lib.shrinkage_fusion(mean.tolist(), prior.tolist(), counts.tolist(), noise_var)
         assert np.array_equal(b.numpy(), np.array(b_py, dtype=np.float32), equal_nan=True)
         for key in m:
             assert np.array_equal(m[key].numpy(), np.array(m_py[key], dtype=m[key].numpy().dtype), equal_nan=True), key
         assert all(float(np.float32(v)) == v or v != v for v in b_py + m_py["w"] + m_py["bias_sq"])  # float32 values
         gain = expected_mse_reduction(mean, prior, counts, noise_var=noise_var)
-        gain_py = expected_mse_reduction_py(mean.tolist(), prior.tolist(), counts.tolist(), noise_var)
+        gain_py = lib.expected_mse_reduction(mean.tolist(), prior.tolist(), counts.tolist(), noise_var)
         assert np.array_equal(gain.numpy(), np.array(gain_py, dtype=np.float32), equal_nan=True)
         assert all(float(np.float32(v)) == v or v != v for v in gain_py)  # float32 values
         k_max, cost = [16, 8, 32][case % 3], [0.0039, 0.01, 0.0][case % 3]
@@ -255,7 +245,9 @@ def test_python_variants_give_the_torch_functions_bits():
         rules = dict(k_max=k_max, min_active_frac=[0.25, 0.0, 0.5][case % 3], pad_to=[32, 1, 8][case % 3],
                      round_size=[1, 2][case % 2])
         extra = allocate_round(wants, gain, counts, **rules)
-        assert extra.tolist() == allocate_round_py(wants.tolist(), gain_py, counts.tolist(), **rules)
+        wants_py = lib.osla_wants_more(gain_py, counts.tolist(), cost=float(torch.tensor(cost)), k_max=k_max)
+        assert wants_py == wants.tolist()
+        assert extra.tolist() == lib.allocate_round(wants_py, gain_py, counts.tolist(), **rules)
         labels = torch.rand(n, generator=g) < 0.5
         auc, auc_py = float(binary_auroc(mean, labels)), binary_auroc_py(mean.tolist(), labels.tolist())
         # the torch function rounds to float32; the Python one keeps float64
@@ -263,7 +255,7 @@ def test_python_variants_give_the_torch_functions_bits():
     # a squared gap that overflows float32: Δ̂² = inf, so torch's w is 1; the Python twin's too
     mean, prior, counts = torch.tensor([3e38, 0.5]), torch.tensor([-3e38, 0.1]), torch.tensor([4, 4])
     b, m = shrinkage_fusion(mean, prior, counts, noise_var=1.0)
-    b_py, m_py = shrinkage_fusion_py(mean.tolist(), prior.tolist(), counts.tolist(), 1.0)
+    b_py, m_py = lib.shrinkage_fusion(mean.tolist(), prior.tolist(), counts.tolist(), 1.0)
     assert b_py == b.tolist() and m_py["w"] == m["w"].tolist() == [1.0, 0.0]
 
 
