@@ -1,4 +1,4 @@
-"""Prompt files: JSONL, Parquet, verl Parquet, HF datasets from local files; bad rows; order, shards, rendering."""
+"""Prompt files: JSONL, Parquet, verl Parquet, HF datasets from local files; bad rows; rendering."""
 
 import json
 import logging
@@ -13,8 +13,6 @@ from lit_rlvr.data.formats import (
     DataError,
     load_records,
     render_prompt,
-    shard,
-    shuffled_indices,
 )
 
 GOOD = {"prompt": "What is 2 + 2?", "answer": "4"}
@@ -198,27 +196,7 @@ def test_invalid_options(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------
-# Order, shards, rendering
-
-
-def test_shuffled_indices_deterministic_permutation():
-    order = shuffled_indices(100, seed=3, epoch=0)
-    assert sorted(order) == list(range(100)) and order == shuffled_indices(100, seed=3, epoch=0)
-    assert order != shuffled_indices(100, seed=3, epoch=1) and order != shuffled_indices(100, seed=4, epoch=0)
-    assert shuffled_indices(5, 0, 0) == [4, 3, 0, 1, 2]  # pinned: must not change between versions (resume)
-
-
-def test_shard_disjoint_equal_and_says_what_it_drops(caplog):
-    records = list(range(10))
-    with caplog.at_level(logging.WARNING):
-        shards = [shard(records, rank, 3) for rank in range(3)]
-    assert shards == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
-    assert "dropping the last 1 of 10 records" in caplog.text
-    assert shard(records, 1, 2) == [5, 6, 7, 8, 9]
-    with pytest.raises(ValueError, match="rank must be in"):
-        shard(records, 3, 3)
-    with pytest.raises(DataError, match="cannot give each of 4 ranks"):
-        shard([1, 2], 0, 4)
+# Rendering
 
 
 class FakeTokenizer:

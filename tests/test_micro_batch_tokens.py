@@ -55,7 +55,7 @@ def test_every_row_once_and_each_micro_batch_within_the_budget(seed):
     assert float(metrics["micro/padding_frac"]) < float(fixed_metrics["micro/padding_frac"])
 
 
-def _rollouts(module: GRPOModule, tau) -> Rollouts:
+def _rollouts(module: GRPOModule) -> Rollouts:
     """10 completions of 2 prompts: prompts of 3–7 tokens left-padded to 8, responses of 1–9 tokens
     right-padded to 12 (columns no row uses, which the token-budget path trims). Behaviour log-probs are the
     policy's own moved by 0.02 per token, by 1.0 for completions 1 and 6 (outside [1/2, 2]: dropped by τ = 2)."""
@@ -67,8 +67,8 @@ def _rollouts(module: GRPOModule, tau) -> Rollouts:
         prompt_ids=torch.randint(4, 90, (n, p), generator=g),
         prompt_mask=torch.arange(p).flip(0) < prompt_lengths[:, None],
         response_ids=torch.randint(4, 90, (n, t), generator=g), response_mask=torch.arange(t) < lengths[:, None],
-        old_logp=torch.zeros(n, t), group=torch.arange(n) // 5, chunk=torch.zeros(n, dtype=torch.long),
-        num_groups=2, prompts=["a", "b"], answers=[0, 0], advantages=torch.randn(n, generator=g), seq_mask_tau=tau)
+        old_logp=torch.zeros(n, t), group=torch.arange(n) // 5, source=torch.zeros(n, dtype=torch.long),
+        num_groups=2, prompts=["a", "b"], answers=[0, 0], advantages=torch.randn(n, generator=g))
     rollouts.prompt_ids = rollouts.prompt_ids.masked_fill(~rollouts.prompt_mask, 0)  # the pad id
     with torch.no_grad():
         logp, _ = module.forward_logprobs(module.policy, rollouts)  # [n, t]
@@ -91,10 +91,10 @@ def _pass(module: GRPOModule, rollouts: Rollouts, size: int, tokens) -> tuple[to
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_gradient_equals_the_fixed_micro_batches(aggregation, tau):
     module = GRPOModule(model="tiny", model_options=dict(TINY), group_size=5, max_new_tokens=12,
-                        loss_aggregation=aggregation, entropy_coef=0.01)
+                        loss_aggregation=aggregation, entropy_coef=0.01, seq_mask_tau=tau)
     module.manual_backward = lambda loss: loss.backward()  # no trainer: plain autograd
     module.rl_callbacks = lambda: []
-    rollouts = _rollouts(module, tau)
+    rollouts = _rollouts(module)
     want, want_metrics = _pass(module, rollouts, 10, None)  # one fixed micro-batch: the whole pass
     for size, tokens in ((64, 40), (3, 40), (64, 17), (64, 1)):  # budget 1: one row per micro-batch
         grad, metrics = _pass(module, rollouts, size, tokens)
@@ -110,7 +110,7 @@ def test_update_loop_forwards_the_grouped_trimmed_micro_batches():
     module = GRPOModule(model="tiny", model_options=dict(TINY), group_size=5, max_new_tokens=12)
     module.manual_backward = lambda loss: loss.backward()
     module.rl_callbacks = lambda: []
-    rollouts = _rollouts(module, None)
+    rollouts = _rollouts(module)
     seen = []
     real = module.micro_batch_loss
     module.micro_batch_loss = lambda part, weight: seen.append(part) or real(part, weight)

@@ -13,10 +13,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 from collections import Counter
 from collections.abc import Mapping
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional
 
 log = logging.getLogger(__name__)
 
@@ -269,28 +268,6 @@ def _check_answer(answer: Any, field: str) -> None:
 
 # ------------------------------------------------------------------------------------------------------
 # Order, sharding, rendering.
-
-
-def shuffled_indices(n: int, seed: int, epoch: int) -> list[int]:
-    """A permutation of range(n) that depends only on (seed, epoch): the same on every rank and after resume."""
-    order = list(range(n))
-    random.Random(f"lit_rlvr:{seed}:{epoch}").shuffle(order)  # str seeds hash with SHA-512: stable everywhere
-    return order
-
-
-def shard(records: Sequence[Any], rank: int, world_size: int) -> list[Any]:
-    """Rank `rank`'s contiguous slice; every rank gets len(records) // world_size, the remainder is dropped."""
-    if not 0 <= rank < world_size:
-        raise ValueError(f"shard: rank must be in [0, {world_size}), got {rank}")
-    per_rank = len(records) // world_size
-    if per_rank == 0:
-        raise DataError(f"shard: {len(records)} records cannot give each of {world_size} ranks at least one")
-    dropped = len(records) - per_rank * world_size
-    if dropped and rank == 0:
-        log.warning("shard: dropping the last %d of %d records so each of %d ranks gets %d",
-                    dropped, len(records), world_size, per_rank)
-    return list(records[rank * per_rank : (rank + 1) * per_rank])
-
 
 
 def as_messages(prompt: Any, instruction: Optional[str] = None, system_prompt: Optional[str] = None) -> list[dict]:

@@ -51,7 +51,6 @@ class Rollouts:
     loss_pass: Optional[Tensor] = None  # [N] long: sample index of the loss pass (M3PO); None = one pass
     # [N] long: advantage group set by a callback (M3PO: prompt × source); None = group
     adv_group: Optional[Tensor] = None
-    extras: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_samples(self) -> int:
@@ -196,7 +195,6 @@ class RolloutPlan:
     weight_context: WeightContext = _no_weight_change
     weight_stacks: Optional[WeightStacks] = None
     budget_rule: Optional[BudgetRule] = None
-    extras: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_prompts(self) -> int:

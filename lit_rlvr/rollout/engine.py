@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -38,7 +38,6 @@ class Completion:
     token_ids: Tensor  # [t] long, including the stop token when one was produced
     logprobs: Tensor  # [t] float: log-prob of each token under softmax(logits / temperature)
     finish_reason: str  # "stop" | "length"
-    extras: dict = field(default_factory=dict)
 
 
 class RolloutEngine:
