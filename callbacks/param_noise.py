@@ -139,9 +139,9 @@ class ParamNoise(RLVRCallback):
 
     @override
     def loss_context(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", rollouts: Rollouts,
-                     pass_index: int) -> AbstractContextManager:
+                     loss_pass: int) -> AbstractContextManager:
         # C3PO: a fresh sample, index N, unlike every generating one; B3PO/M3PO: the pass's generating sample
-        index = self.num_samples if self.variant == "c3po" else pass_index
+        index = self.num_samples if self.variant == "c3po" else loss_pass
         return _gradient_sample(self._ivon(trainer), index)
 
     @override

@@ -28,11 +28,11 @@ class RLVRCallback(Callback):
         """After rewards, before advantages: e.g. set `rollouts.baseline` ([B]) or `rollouts.loss_pass`."""
 
     def loss_context(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", rollouts: Rollouts, pass_index: int
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", rollouts: Rollouts, loss_pass: int
     ) -> AbstractContextManager:
         """Context around the forward/backward of one loss pass over `rollouts` (the pass's completions).
 
-        3PO uses it to hold the policy at a posterior sample while the gradient is taken. `pass_index` is the
+        3PO uses it to hold the policy at a posterior sample while the gradient is taken. `loss_pass` is the
         value of `rollouts.loss_pass` for this pass (0 when there is a single pass)."""
         return nullcontext()
 

@@ -318,10 +318,10 @@ class GRPOModule(pl.LightningModule):
             for mini in order.tensor_split(steps):  # exactly that many (torch.chunk can give fewer)
                 optimizer.zero_grad()
                 earlier_finite = True
-                for n, (pass_index, index) in enumerate(self._loss_passes(rollouts, mini)):
+                for n, (loss_pass, index) in enumerate(self._loss_passes(rollouts, mini)):
                     if n:  # M3PO: the next pass's context clears .grad, so the previous pass's is checked first
                         earlier_finite &= bool(torch.isfinite(self._grad_norm()))
-                    self._backward_pass(rollouts.select(index), pass_index, loss_sums)
+                    self._backward_pass(rollouts.select(index), loss_pass, loss_sums)
                     passes += 1
                 grad_norms.append(self._optimizer_step(optimizer, loss_sums, earlier_finite))
         self.log_metrics({k: v / passes for k, v in loss_sums.items()})
@@ -334,7 +334,7 @@ class GRPOModule(pl.LightningModule):
         passes = rollouts.loss_pass[mini]
         return [(int(p), mini[passes == p]) for p in torch.unique(passes)]
 
-    def _backward_pass(self, rollouts: Rollouts, pass_index: int, sums: dict[str, Tensor]) -> None:
+    def _backward_pass(self, rollouts: Rollouts, loss_pass: int, sums: dict[str, Tensor]) -> None:
         """Backward of one loss pass, micro-batch by micro-batch. Each micro-batch's loss is weighted by its share
         of the global pass (tokens for token-mean, else sequences) times the world size, since data-parallel
         gradients are averaged over ranks: the sum equals the loss of the whole global batch. Metrics are
@@ -355,7 +355,7 @@ class GRPOModule(pl.LightningModule):
         padding = D.global_max(len(micros)) - len(micros)
         with ExitStack() as stack:
             for cb in self.rl_callbacks():
-                stack.enter_context(cb.loss_context(self.trainer, self, rollouts, pass_index))
+                stack.enter_context(cb.loss_context(self.trainer, self, rollouts, loss_pass))
             for i, micro in enumerate(micros + [torch.zeros(1, dtype=torch.long)] * padding):
                 real = i < len(micros)
                 token_w = float(tokens[micro].sum()) / total_tokens * world if real else 0.0

@@ -26,7 +26,7 @@ class FixedBaseline(RLVRCallback):
         self.seen["rewards"] = rollouts.rewards.clone()
         self.seen["group"] = rollouts.group.clone()
 
-    def loss_context(self, trainer, pl_module, rollouts, pass_index):
+    def loss_context(self, trainer, pl_module, rollouts, loss_pass):
         @contextmanager
         def record():
             self.seen["advantages"] = rollouts.advantages.clone()
