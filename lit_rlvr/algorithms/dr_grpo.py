@@ -3,12 +3,8 @@ Perspective", arXiv 2503.20783, §3.2)."""
 
 from __future__ import annotations
 
-from torch import Tensor
-
-from lit_rlvr import functional as F
 from lit_rlvr.algorithms.common import check_fixed
 from lit_rlvr.module import GRPOModule
-from lit_rlvr.rollout.batch import Rollouts
 
 
 class DrGRPOModule(GRPOModule):
@@ -28,16 +24,3 @@ class DrGRPOModule(GRPOModule):
         check_fixed("dr_grpo", scale_adv_by_std=(scale_adv_by_std, False),
                     loss_aggregation=(loss_aggregation, "seq-mean-token-sum-norm"))
         super().__init__(scale_adv_by_std=scale_adv_by_std, loss_aggregation=loss_aggregation, **kwargs)
-
-    def compute_advantages(self, rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
-        """[N] A_i = r_i − b_g, with b_g the group mean (or a callback's `rollouts.baseline`)."""
-        group, num_groups = rollouts.advantage_groups()  # the prompts, or smaller groups set by a callback (M3PO)
-        return F.grpo_advantages(rollouts.rewards, group, num_groups, scale_by_std=False, baseline=rollouts.baseline)
-
-    def policy_loss(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
-                    rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
-        """PPO-clip surrogate; token sum of each sequence / max_new_tokens, mean over sequences."""
-        hp = self.hparams
-        return F.ppo_clip_loss(logp, old_logp, advantages, mask, eps_low=hp.eps_low, eps_high=hp.eps_high,
-                               aggregation="seq-mean-token-sum-norm", norm_len=hp.max_new_tokens,
-                               dual_clip=hp.dual_clip)
