@@ -116,7 +116,7 @@ def test_data_config_picks_its_reward_model_and_completion_budget():
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=["data=arithmetic_cot"])
         mine = compose("config", overrides=["data=arithmetic_cot", "algorithm=c3po", "algorithm.max_new_tokens=200",
-                                            "reward=arithmetic", "model=qwen3_4b"])
+                                            "reward=arithmetic", "model=qwen3_4b", "trainer.max_steps=7"])
         default = compose("config")
     assert (cfg.data.task, cfg.reward.name, cfg.model.options.task) == ("arithmetic_cot", "arithmetic_cot",
                                                                           "arithmetic_cot")
@@ -125,6 +125,8 @@ def test_data_config_picks_its_reward_model_and_completion_budget():
     assert (mine.algorithm.max_new_tokens, mine.reward.name, mine.model.name_or_path) == (
         200, "arithmetic", "Qwen/Qwen3-4B-Instruct-2507")  # the command line wins
     assert default.algorithm.max_new_tokens == 8 and default.reward.name == "arithmetic"
+    # the task's CPU step count (a run that gains in minutes), the default's 250 elsewhere; the command line wins
+    assert (cfg.trainer.max_steps, default.trainer.max_steps, mine.trainer.max_steps) == (50, 250, 7)
 
 
 @pytest.mark.parametrize("algorithm", sorted(p.stem for p in (CONF / "algorithm").glob("*.yaml")))
