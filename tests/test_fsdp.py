@@ -110,12 +110,16 @@ def test_every_push_gives_each_rank_the_gathered_weights(runs):
         assert [p["digest"] for p in _pushes(runs[name], 0)] == [p["digest"] for p in _pushes(runs[name], 1)]
 
 
+# how each rank cut its own half of the batch into micro-batches (their count and padding), not what was learned
+LAYOUT = {"micro/count", "micro/padding_frac"}
+
+
 def test_two_ranks_match_one_rank_with_the_same_global_batch(runs):
     two, one = _rows(runs["two_ranks"]), _rows(runs["one_rank"])
     assert len(two) == len(one) == 3
     for step, (a, b) in enumerate(zip(two, one)):
         assert a.keys() == b.keys()
-        for key in a:
+        for key in a.keys() - LAYOUT:
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (step, key)
     assert two[-1]["rollouts/total"] == 3 * 8 * 4  # summed over ranks: the global batch
     summary = json.loads((runs["two_ranks"] / "summary.json").read_text())

@@ -315,5 +315,5 @@ def test_two_ranks_sample_what_one_rank_samples(runs):
             assert a[key] == b[key], (step, key)
         # same rewards; their mean is summed across ranks in another order
         assert a["reward/mean"] == pytest.approx(b["reward/mean"], rel=1e-6), step
-        for key in a:
+        for key in a.keys() - {"micro/count", "micro/padding_frac"}:  # each rank's own micro-batch layout
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (step, key)
