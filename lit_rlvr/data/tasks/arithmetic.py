@@ -11,7 +11,7 @@ import random
 import re
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from lit_rlvr.rewards.base import RewardResult
 
@@ -49,29 +49,42 @@ def _draw(level: int, rng: random.Random) -> tuple[str, int]:
 
 @dataclass(frozen=True)
 class ArithmeticTask:
+    """Problems of the chosen `levels`; a problem is a pure function of (seed, split, index). A task with other
+    problems subclasses it: its own `valid_levels`, `key_prefix` (its problems' seeds) and `_draw`/`_record`."""
+
     levels: tuple[int, ...] = (1, 2, 3, 4, 5)
     seed: int = 0
     test_fraction: float = 0.1
+    valid_levels: ClassVar[dict] = LEVELS
+    key_prefix: ClassVar[str] = ""
+    name_hint: ClassVar[str] = ""  # names the task in the level error
 
     def __post_init__(self) -> None:
-        bad = [lv for lv in self.levels if lv not in LEVELS]
+        bad = [lv for lv in self.levels if lv not in self.valid_levels]
         if not self.levels or bad:
-            raise ValueError(f"data.levels={list(self.levels)} is not valid; choose from {sorted(LEVELS)}")
+            raise ValueError(f"data.levels={list(self.levels)} is not valid{self.name_hint}; choose from "
+                             f"{sorted(self.valid_levels)}")
         if not 0.0 < self.test_fraction < 1.0:
             raise ValueError(f"data.test_fraction must be in (0, 1), got {self.test_fraction}")
 
     def split_of(self, problem: str) -> str:
-        bucket = zlib.crc32(f"{self.seed}:{problem}".encode()) % 10_000
+        bucket = zlib.crc32(f"{self.key_prefix}{self.seed}:{problem}".encode()) % 10_000
         return "test" if bucket < self.test_fraction * 10_000 else "train"
 
     def problem(self, index: int, split: str = "train") -> dict[str, Any]:
         """Problem `index` of `split`, a pure function of (seed, split, index)."""
-        rng = random.Random(f"{self.seed}:{split}:{index}")
+        rng = random.Random(f"{self.key_prefix}{self.seed}:{split}:{index}")
         while True:
             level = rng.choice(self.levels)
-            text, answer = _draw(level, rng)
+            text, answer = self._draw(level, rng)
             if self.split_of(text) == split:
-                return {"prompt": f"{text}=", "answer": answer, "level": level}
+                return self._record(text, answer, level)
+
+    def _draw(self, level: int, rng: random.Random) -> tuple[str, Any]:
+        return _draw(level, rng)
+
+    def _record(self, text: str, answer: Any, level: int) -> dict[str, Any]:
+        return {"prompt": f"{text}=", "answer": answer, "level": level}
 
     def problems(self, count: int, split: str = "train") -> list[dict[str, Any]]:
         return [self.problem(i, split) for i in range(count)]

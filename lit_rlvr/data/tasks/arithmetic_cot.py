@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import random
 import re
-import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
+from lit_rlvr.data.tasks.arithmetic import ArithmeticTask
 from lit_rlvr.rewards.base import RewardResult
 
 # level -> (operator, digits of the first operand, digits of the second operand)
@@ -122,38 +122,21 @@ def _draw(level: int, rng: random.Random) -> str:
 
 
 @dataclass(frozen=True)
-class ArithmeticCoTTask:
-    """Problems of the chosen `levels`; a problem is a pure function of (seed, split, index)."""
+class ArithmeticCoTTask(ArithmeticTask):
+    """Problems of the chosen `levels`; each record also holds the reference working (`target`, for SFT)."""
 
     levels: tuple[int, ...] = (1, 2, 4)
-    seed: int = 0
-    test_fraction: float = 0.1
+    valid_levels: ClassVar[dict] = LEVELS
+    key_prefix: ClassVar[str] = "cot:"
+    name_hint: ClassVar[str] = " for data.task=arithmetic_cot"
 
-    def __post_init__(self) -> None:
-        bad = [lv for lv in self.levels if lv not in LEVELS]
-        if not self.levels or bad:
-            raise ValueError(f"data.levels={list(self.levels)} is not valid for data.task=arithmetic_cot; choose "
-                             f"from {sorted(LEVELS)}")
-        if not 0.0 < self.test_fraction < 1.0:
-            raise ValueError(f"data.test_fraction must be in (0, 1), got {self.test_fraction}")
+    def _draw(self, level: int, rng: random.Random) -> tuple[str, Any]:
+        return _draw(level, rng), None
 
-    def split_of(self, problem: str) -> str:
-        bucket = zlib.crc32(f"cot:{self.seed}:{problem}".encode()) % 10_000
-        return "test" if bucket < self.test_fraction * 10_000 else "train"
-
-    def problem(self, index: int, split: str = "train") -> dict[str, Any]:
-        """Problem `index` of `split`: prompt, answer, level and the reference working (`target`, for SFT)."""
-        rng = random.Random(f"cot:{self.seed}:{split}:{index}")
-        while True:
-            level = rng.choice(self.levels)
-            text = _draw(level, rng)
-            if self.split_of(text) == split:
-                a, op, b = parse_problem(text)
-                answer = WORKINGS[op](a, b)[1]
-                return {"prompt": f"{text}=", "answer": answer, "level": level, "target": reference_completion(text)}
-
-    def problems(self, count: int, split: str = "train") -> list[dict[str, Any]]:
-        return [self.problem(i, split) for i in range(count)]
+    def _record(self, text: str, answer: Any, level: int) -> dict[str, Any]:
+        a, op, b = parse_problem(text)
+        return {"prompt": f"{text}=", "answer": WORKINGS[op](a, b)[1], "level": level,
+                "target": reference_completion(text)}
 
 
 _FINAL = re.compile(r"Answer: (-?\d+)\s*$")
