@@ -56,7 +56,8 @@ class GRPOModule(pl.LightningModule):
     `kl_estimator` (and `kl_k3_cap`: verl caps k3 at 10; None = no cap); `entropy_coef` η; `ppo_epochs` passes
     over each rollout batch; `mini_batches` optimizer steps per epoch; `micro_batch_size` completions per
     forward/backward; `micro_batch_tokens` (None = off) packs completions of similar length into micro-batches of
-    at most that many padded tokens, prompt included (`functional.micro_batches`). `warmup_steps` W: linear lr
+    at most that many padded tokens, prompt included (`functional.micro_batches`). `ignore_eos` (benchmarks):
+    training completions run to `max_new_tokens` whatever they sample. `warmup_steps` W: linear lr
     warm-up over the first W optimizer updates (`warmup_from_zero`: verl's shape, from lr 0).
     `optimizer`: `adamw` (uses `betas`, `weight_decay`) or `ivon` (`lit_rlvr.optim.IVON`, for 3PO; `lr` plus
     `optimizer_options`: ess λ (required), hess_init, beta1, beta2, weight_decay δ, clip_radius, …); extra
@@ -103,6 +104,7 @@ class GRPOModule(pl.LightningModule):
         top_p: float = 1.0,
         top_k: int = 0,
         max_new_tokens: int = 24,
+        ignore_eos: bool = False,
         chat_template: bool = False,
         eval_samples: int = 1,
         eval_temperature: float = 0.0,

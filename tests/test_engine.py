@@ -6,7 +6,8 @@ import torch
 from lit_rlvr import functional as F
 from lit_rlvr.models import load_policy
 from lit_rlvr.rollout.engine import SamplingParams
-from lit_rlvr.rollout.hf import HFEngine, filter_logits
+from lit_rlvr.rollout import hf
+from lit_rlvr.rollout.hf import HFEngine, decoding_rows, filter_logits
 from lit_rlvr.rollout.weights import buckets, full_named_weights, push_weights
 from lit_rlvr.rollout.batch import RolloutPlan, rollouts_from_completions
 
@@ -206,3 +207,56 @@ def test_sampling_stops_at_the_generation_configs_eos_ids_too(tiny_path):
     assert module.driver.sampling_params(0).stop_token_ids == ()  # the tiny model's generation config names only eos
     module.policy.generation_config.eos_token_id = [eos, 7, 5]
     assert module.driver.sampling_params(0).stop_token_ids == (5, 7)
+
+
+def test_decoding_rows_keeps_every_unfinished_row_in_equal_blocks():
+    finished = torch.tensor([1, 1, 1, 0, 1, 1, 1, 1, 0, 0, 1, 1], dtype=torch.bool)  # 2 blocks of 6
+    block = torch.arange(12) // 6
+    keep = decoding_rows(finished, block, 2)
+    assert keep.tolist() == [0, 3, 8, 9]  # block 0: its unfinished row 3, topped up with finished row 0
+    assert decoding_rows(finished, torch.zeros(12, dtype=torch.long), 1).tolist() == [3, 8, 9]
+    assert decoding_rows(torch.zeros(12, dtype=torch.bool), block, 2) is None  # nothing finished
+    assert decoding_rows(finished.clone().fill_(False).index_fill(0, torch.tensor([0, 6]), True), block, 2) is None
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_finished_rows_leave_the_decoding_batch_without_changing_samples(policy, monkeypatch, stacked):
+    """Rows that have finished are cut from the batch (and the KV cache) as the batch shrinks; each completion must
+    be what decoding every row to the end gives, and the forwards must have run on fewer rows."""
+    model, tokenizer = policy
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    params = [SamplingParams(temperature=2.5, max_new_tokens=24, seed=5 + s) for s in range(2)]
+    stacks = {p: p.detach() + 0.02 * torch.randn((2, *p.shape), generator=torch.Generator().manual_seed(0))
+              for p in model.parameters()}
+
+    def run(cut: bool):
+        engine = HFEngine(model, pad_id=0, eos_id=2)
+        rows = []
+        forward = engine._forward
+        engine._forward = lambda ids, mask, cache=None: rows.append(len(ids)) or forward(ids, mask, cache)
+        if not cut:
+            monkeypatch.setattr(hf, "decoding_rows", lambda *a: None)
+        if stacked:
+            out = engine.generate_stacked(ids, [[4] * 4] * 2, params, stacks)
+        else:
+            out = [engine.generate(ids, [8] * 4, params[0])]
+        monkeypatch.undo()
+        return [c for source in out for group in source for c in group], rows
+
+    (cut, cut_rows), (full, full_rows) = run(True), run(False)
+    lengths = [len(c.token_ids) for c in full]
+    assert min(lengths) < max(lengths)  # finishing times differ, so there is something to cut
+    for a, b in zip(cut, full, strict=True):
+        assert torch.equal(a.token_ids, b.token_ids) and a.finish_reason == b.finish_reason
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-5)
+    assert len(cut_rows) == len(full_rows) and sum(cut_rows) < sum(full_rows)
+
+
+def test_ignore_eos_runs_every_completion_to_max_new_tokens(policy):
+    model, tokenizer = policy
+    engine = HFEngine(model, pad_id=0, eos_id=2)
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    stops = engine.generate(ids, [4] * 4, SamplingParams(max_new_tokens=16, seed=1))
+    assert any(c.finish_reason == "stop" for group in stops for c in group)  # the eos would have stopped some
+    for group in engine.generate(ids, [4] * 4, SamplingParams(max_new_tokens=16, seed=1, ignore_eos=True)):
+        assert all(len(c.token_ids) == 16 and c.finish_reason == "length" for c in group)

@@ -44,7 +44,8 @@ class RolloutDriver:
         hp = self.module.hparams
         temperature = hp.eval_temperature if evaluation else hp.temperature
         return SamplingParams(temperature=temperature, top_p=hp.top_p, top_k=hp.top_k,
-                              max_new_tokens=hp.max_new_tokens, seed=seed, stop_token_ids=self.stop_token_ids())
+                              max_new_tokens=hp.max_new_tokens, seed=seed, stop_token_ids=self.stop_token_ids(),
+                              ignore_eos=hp.ignore_eos and not evaluation)
 
     def stop_token_ids(self) -> tuple[int, ...]:
         """Where sampling stops besides the tokenizer's eos: the eos ids of the model's generation config (e.g. a

@@ -10,7 +10,7 @@ import copy
 import inspect
 import zlib
 from dataclasses import replace
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -76,6 +76,26 @@ def row_seeds(prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[
         occurrence = seen[key] = seen.get(key, -1) + 1
         seeds += [zlib.crc32(f"{seed}:{key}:{occurrence}:{j}".encode()) for j in range(n)]
     return torch.tensor(seeds, dtype=torch.long) * 2654435761  # spread the 32-bit crc over 64 bits
+
+
+def decoding_rows(finished: Tensor, block: Tensor, blocks: int, shrink: float = 0.75) -> Optional[Tensor]:
+    """Which rows of a decoding batch to keep once some have finished, or None to keep them all.
+
+    finished [A] bool, block [A] long (the weight source of each row, rows block by block). Each block keeps its
+    unfinished rows, topped up with finished ones to the largest block's count (`stacked_weights` needs equal
+    blocks). The batch is cut only when it shrinks to `shrink` of its size or less: a cut copies the KV cache,
+    so cutting at every finished row would cost more than the decoding it saves (at most log_{1/shrink}(A) cuts).
+    Returns [A'] positions in increasing order."""
+    counts = torch.bincount(block[~finished], minlength=blocks)  # [blocks] unfinished rows per block
+    per_block = int(counts.max())
+    if per_block * blocks > shrink * len(finished):
+        return None
+    # per block: unfinished rows first, then finished ones, each in order; take the first `per_block`
+    rank = block * 2 * len(finished) + finished.long() * len(finished) + torch.arange(len(finished))
+    order = torch.sort(rank).indices  # [A]
+    first = torch.searchsorted(block[order], torch.arange(blocks))  # [blocks] where each block starts in `order`
+    take = (first[:, None] + torch.arange(per_block)).flatten()  # [blocks · per_block]
+    return torch.sort(order[take]).values
 
 
 def _per_prompt(done: list[Completion], n_per_prompt: Sequence[int]) -> list[list[Completion]]:
@@ -235,22 +255,29 @@ class HFEngine(RolloutEngine):
     def _sample(self, rows: list[list[int]], params: SamplingParams, seeds: Tensor,
                 blocks: int = 1) -> list[Completion]:
         num_rows = len(rows)
-        stop = torch.tensor(sorted({self.eos_id, *params.stop_token_ids}))
+        stop = torch.tensor(sorted({*([] if params.ignore_eos else [self.eos_id]), *params.stop_token_ids}))
         tokens = torch.full((num_rows, params.max_new_tokens), self.pad_id, dtype=torch.long)  # [R, T]
         logprobs = torch.zeros((num_rows, params.max_new_tokens))  # [R, T]
         finished = torch.zeros(num_rows, dtype=torch.bool)  # [R]
         lengths = torch.full((num_rows,), params.max_new_tokens, dtype=torch.long)  # [R]
         ids, mask, logits, cache = self._prefill(rows, blocks)  # [R, P], [R, P], [R, V]
+        live = torch.arange(num_rows)  # [A] the rows that ids, mask, logits and the cache hold, in their order
         for t in range(params.max_new_tokens):
-            token, logp = self._pick(logits, params, counter_uniforms(seeds, t))  # [R], [R]
-            token = token.masked_fill(finished, self.pad_id)
-            tokens[:, t], logprobs[:, t] = token, logp.masked_fill(finished, 0.0)
-            hit = torch.isin(token, stop) & ~finished  # [R]
-            lengths[hit] = t + 1
-            finished |= hit
+            token, logp = self._pick(logits, params, counter_uniforms(seeds[live], t))  # [A], [A]
+            done = finished[live]  # [A]
+            token = token.masked_fill(done, self.pad_id)
+            tokens[live, t], logprobs[live, t] = token, logp.masked_fill(done, 0.0)
+            hit = torch.isin(token, stop) & ~done  # [A]
+            lengths[live[hit]] = t + 1
+            finished[live[hit]] = True
             if bool(finished.all()) or t + 1 == params.max_new_tokens:
                 break
-            mask = torch.cat([mask, torch.ones((num_rows, 1), dtype=torch.bool)], dim=1)  # [R, P+t+1]
+            keep = decoding_rows(finished[live], live // (num_rows // blocks), blocks)  # [A'] or None
+            if keep is not None:  # drop finished rows from the batch: they would be decoded for nothing
+                live, token, ids, mask = live[keep], token[keep], ids[keep], mask[keep]
+                if cache is not None:
+                    cache.batch_select_indices(keep.to(next(self.model.parameters()).device))
+            mask = torch.cat([mask, torch.ones((len(live), 1), dtype=torch.bool)], dim=1)  # [A, P+t+1]
             if self.use_cache:
                 logits, cache = self._forward(token[:, None], mask, cache)
             else:

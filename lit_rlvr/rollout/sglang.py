@@ -52,6 +52,7 @@ def build_requests(
         "top_p": params.top_p,
         "top_k": params.top_k if params.top_k > 0 else -1,
         "stop_token_ids": stop,
+        "ignore_eos": params.ignore_eos,
         "sampling_seed": (params.seed * SEED_STRIDE + row) % (1 << 63),
         **NEUTRAL_SAMPLING,
     } for row in range(len(input_ids))]

@@ -41,7 +41,7 @@ def request_rows(prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequen
         "n": 1, "max_tokens": params.max_new_tokens, "temperature": params.temperature,
         "top_p": params.top_p, "top_k": params.top_k, "stop_token_ids": stop, "seed": seed,
         "logprobs": 0,  # the chosen token's log-prob only
-        "detokenize": False, "skip_special_tokens": False, "ignore_eos": False,
+        "detokenize": False, "skip_special_tokens": False, "ignore_eos": params.ignore_eos,
         # explicit, so a model's generation_config cannot add what changes the behaviour log-probs
         "min_p": 0.0, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
     } for seed in seeds]
