@@ -260,3 +260,25 @@ def test_ignore_eos_runs_every_completion_to_max_new_tokens(policy):
     assert any(c.finish_reason == "stop" for group in stops for c in group)  # the eos would have stopped some
     for group in engine.generate(ids, [4] * 4, SamplingParams(max_new_tokens=16, seed=1, ignore_eos=True)):
         assert all(len(c.token_ids) == 16 and c.finish_reason == "length" for c in group)
+
+
+def test_growing_cache_layer_equals_transformers_dynamic_layer():
+    """Appends in place (reallocating when the room runs out) and row selection give the keys and values that
+    transformers' concatenating layer gives."""
+    from transformers.cache_utils import DynamicLayer
+
+    from lit_rlvr.rollout.kv_cache import GrowingLayer
+
+    g = torch.Generator().manual_seed(0)
+    ours, theirs = GrowingLayer(room=2), DynamicLayer()
+    steps = [5, 1, 1, 1, 1, 1]  # a prefill, then one token at a time: the room of 2 runs out twice
+    for i, new in enumerate(steps):
+        k, v = torch.randn(4, 2, new, 3, generator=g), torch.randn(4, 2, new, 3, generator=g)
+        got, want = ours.update(k, v), theirs.update(k, v)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert ours.get_seq_length() == theirs.get_seq_length() == sum(steps[: i + 1])
+        if i == 2:
+            for layer in (ours, theirs):
+                layer.batch_select_indices(torch.tensor([3, 1, 1, 0]))
+            # the selection runs before the next append, so the keys must still line up after it
+            assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)

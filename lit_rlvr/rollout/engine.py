@@ -109,7 +109,8 @@ def save_policy_config(model, path: str) -> None:
 def expand_rows(prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int], params: SamplingParams,
                 eos_id, engine: str) -> tuple[list[list[int]], list[int]]:
     """One row per completion for a request-per-sample engine: prompt b repeated n_b times, in order, as plain
-    ints, and the stop ids (the params' and, unless `ignore_eos`, the tokenizer's eos). Fails on a count mismatch or an empty prompt."""
+    ints, and the stop ids (the params' and, unless `ignore_eos`, the tokenizer's eos). Fails on a count mismatch
+    or an empty prompt."""
     if len(prompt_token_ids) != len(n_per_prompt):
         raise ValueError(f"{len(prompt_token_ids)} prompts but {len(n_per_prompt)} sample counts")
     rows = []

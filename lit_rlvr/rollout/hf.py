@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from lit_rlvr.rollout.batch import left_pad  # noqa: F401  (also lit_rlvr.rollout.hf.left_pad)
 from lit_rlvr.rollout.engine import Completion, RolloutEngine, SamplingParams
+from lit_rlvr.rollout.kv_cache import growing_cache
 from lit_rlvr.rollout.multi_weight import stacked_weights
 
 ENGINE_MODES = ("shared", "copy")
@@ -227,8 +228,9 @@ class HFEngine(RolloutEngine):
         )
         return out.logits[:, -1].float().cpu(), getattr(out, self._cache_arg, None)  # [R, V]
 
-    def _prefill(self, rows: list[list[int]], blocks: int) -> tuple[Tensor, Tensor, Tensor, object]:
-        """(ids [R, P], mask [R, P], logits [R, V] after each prompt, KV cache of all rows).
+    def _prefill(self, rows: list[list[int]], blocks: int, room: int) -> tuple[Tensor, Tensor, Tensor, object]:
+        """(ids [R, P], mask [R, P], logits [R, V] after each prompt, KV cache of all rows, with `room` positions
+        reserved for the tokens to come).
 
         Rows form `blocks` equal contiguous blocks (`stacked_weights` runs block n with weight source n; 1
         block otherwise). With `share_prefill`, each distinct prompt of a block runs once and its cache row is
@@ -241,12 +243,13 @@ class HFEngine(RolloutEngine):
             inverses.append([index_of.setdefault(tuple(r), len(index_of)) for r in rows[start : start + size]])
             uniques.append(list(index_of))
         width = max(len(u) for u in uniques)
+        cache = growing_cache(self.model.config.get_text_config().num_hidden_layers, room) if self.use_cache else None
         if not self.share_prefill or width == size:  # nothing repeats: the rows as they are
             ids, mask = left_pad(rows, self.pad_id)
-            return (ids, mask, *self._forward(ids, mask))
+            return (ids, mask, *self._forward(ids, mask, cache))
         padded = [row for u in uniques for row in u + u[:1] * (width - len(u))]  # blocks·width distinct prompts
         ids, mask = left_pad(padded, self.pad_id)  # [blocks·width, P]
-        logits, cache = self._forward(ids, mask)
+        logits, cache = self._forward(ids, mask, cache)
         index = torch.tensor([n * width + i for n, inverse in enumerate(inverses) for i in inverse])  # [R]
         if cache is not None:
             cache.batch_select_indices(index.to(next(self.model.parameters()).device))
@@ -260,7 +263,7 @@ class HFEngine(RolloutEngine):
         logprobs = torch.zeros((num_rows, params.max_new_tokens))  # [R, T]
         finished = torch.zeros(num_rows, dtype=torch.bool)  # [R]
         lengths = torch.full((num_rows,), params.max_new_tokens, dtype=torch.long)  # [R]
-        ids, mask, logits, cache = self._prefill(rows, blocks)  # [R, P], [R, P], [R, V]
+        ids, mask, logits, cache = self._prefill(rows, blocks, params.max_new_tokens)  # [R, P], [R, P], [R, V]
         live = torch.arange(num_rows)  # [A] the rows that ids, mask, logits and the cache hold, in their order
         for t in range(params.max_new_tokens):
             token, logp = self._pick(logits, params, counter_uniforms(seeds[live], t))  # [A], [A]
