@@ -6,7 +6,7 @@ Both sides: the cached tiny model (same directory, same weights and tokenizer), 
 prompts in the same order (8 per step, taken from our data module's loader), 8 completions per prompt, ≤ 24
 new tokens, temperature 1.0, top-p 1, no top-k, one AdamW update per step (constant lr, gradient clip 1.0),
 PPO clip 0.2, no KL (β = 0, no reference model), seq-mean-token-mean loss (TRL's `loss_type="grpo"`),
-std-scaled advantages, fp32, CPU, 2 threads, our arithmetic reward (TRL calls it as a plain reward function).
+std-scaled advantages, fp32, CPU, 2 threads, our run's reward (TRL calls it as a plain reward function).
 TRL generates with `transformers.generate` (no vLLM) from prompts tokenized by the same tokenizer, which adds
 no special tokens (checked at start-up).
 
@@ -42,20 +42,21 @@ class TRLUnavailable(RuntimeError):
 
 
 class TRLReward:
-    """Our arithmetic reward as a TRL reward function (TRL passes dataset columns as keyword lists); it also
-    records each call's mean completion length in tokens (EOS included, as in ours), to compare workloads."""
+    """Our run's reward (cfg.reward: arithmetic, or arithmetic_cot on the long workload) as a TRL reward function
+    (TRL passes dataset columns as keyword lists); it also records each call's mean completion length in tokens
+    (EOS included, as in ours), to compare workloads."""
 
-    __name__ = "arithmetic_reward"
+    def __init__(self, name: str, options: dict):
+        from lit_rlvr.rewards import resolve_reward
 
-    def __init__(self):
+        self.__name__ = f"{name}_reward"
+        self.reward = resolve_reward(name, options)
         self.mean_lengths: list[float] = []
 
     def __call__(self, prompts, completions, answer, completion_ids=None, **_unused) -> list[float]:
-        from lit_rlvr.data.tasks.arithmetic import arithmetic_reward
-
         if completion_ids is not None:
             self.mean_lengths.append(sum(len(ids) for ids in completion_ids) / max(len(completion_ids), 1))
-        return [arithmetic_reward(p, c, a).score for p, c, a in zip(prompts, completions, answer)]
+        return [self.reward(p, c, a).score for p, c, a in zip(prompts, completions, answer)]
 
 
 def step_prompts(cfg, steps: int) -> list[dict]:
@@ -89,6 +90,8 @@ def trl_config(hp, batch_size: int, seed: int, steps: int, output_dir: str):
         shuffle_dataset=False, use_vllm=False, log_completions=False, report_to="none", logging_strategy="no",
         save_strategy="no", eval_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
         remove_unused_columns=False,
+        # our ignore_eos (length-controlled benchmarks): every completion runs to max_new_tokens
+        generation_kwargs={"min_new_tokens": algo.max_new_tokens} if algo.ignore_eos else None,
     )
     fields = {f.name for f in dataclasses.fields(GRPOConfig)}
     missing = sorted(set(wanted) - fields)
@@ -103,6 +106,7 @@ def trl_config(hp, batch_size: int, seed: int, steps: int, output_dir: str):
 def build_trl(cfg, hp, steps: int, rows: list[dict], baton, output_dir: str):
     """(GRPOTrainer, its step timer) on the tiny model directory of `cfg`."""
     from datasets import Dataset
+    from omegaconf import OmegaConf
     from transformers import PrinterCallback, TrainerCallback
     from trl import GRPOTrainer
 
@@ -140,7 +144,7 @@ def build_trl(cfg, hp, steps: int, rows: list[dict], baton, output_dir: str):
             baton.finish("trl")
 
     timer = StepTimer()
-    reward = TRLReward()
+    reward = TRLReward(cfg.reward.name, OmegaConf.to_container(cfg.reward.options, resolve=True))
     config = trl_config(hp, cfg.data.batch_size, cfg.seed, steps, output_dir)
     try:
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=Dataset.from_list(rows),
