@@ -39,7 +39,8 @@ def point_overrides(axis: str, value: int) -> list[str]:
     """Hydra overrides of one point, on top of the long workload."""
     at = {**BASE, axis: value}
     # the algorithm's budget only: task_max_new_tokens would change the warm-up (the model's cache key) too
-    out = ["algorithm.ignore_eos=true", f"algorithm.max_new_tokens={at['length']}", f"algorithm.group_size={at['group']}"]
+    out = ["algorithm.ignore_eos=true", f"algorithm.max_new_tokens={at['length']}",
+           f"algorithm.group_size={at['group']}"]
     if axis == "width":  # untrained models of each width: their speed is all that is measured
         out += [f"model.options.hidden_size={value}", "model.options.max_steps=1", "model.options.eval_problems=8"]
     return out

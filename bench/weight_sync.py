@@ -1,6 +1,6 @@
 """Weight push into an `HFEngine` in `copy` mode against this machine's memcpy bandwidth (DESIGN §9).
 
-    python bench/weight_sync.py [--json] [--repeats 20] [--mb 100]
+    python bench/weight_sync.py [--json] [--repeats 20] [--mb 100] [--workload long]
     python bench/weight_sync.py --engine sglang [--json]   # a live sglang.Engine on a CPU: weight_sync_sglang.py
 
 Two models: the cached tiny model (~0.4 MB) and a synthetic Qwen3 of about `--mb` MB (random weights, built in
@@ -9,7 +9,9 @@ bucket sizes, alternating, repeat by repeat, with a memcpy of the same total byt
 two preallocated flat fp32 buffers, and tensor by tensor at the model's own shapes). Bandwidth = bytes /
 median time. The headline (`push_bytes_per_s`, `memcpy_bytes_per_s`, `ratio`, budget ≥ 0.5) is the synthetic
 model at the module's bucket size (256 MiB) with 2 threads (§9): the tiny model's 0.4 MB sit in cache and
-its copies are too small to matter, so its figures (`tiny_*`) say little about bandwidth.
+its copies are too small to matter, so its figures (`tiny_*`) say little about bandwidth. `--workload long`
+measures the long workload's model (~12.7 MB, `long_*`) instead, and the share of weight sync in its GRPO step
+with a `copy`-mode engine (`long_sync_share` = median sync_s / median step, `--steps` steps after one warm-up).
 
 `ratio_per_tensor_memcpy` compares the push with plain copies of the same tensors: it separates what
 `push_weights` costs from what copying the model's separate tensors costs. The push and the flat memcpy are
@@ -98,10 +100,10 @@ def measure(model, repeats: int, threads: int) -> dict[str, float]:
 def run(args) -> dict:
     from lit_rlvr.models import load_policy
 
-    cfg = common.compose("grpo")
-    tiny, _ = load_policy(common.model_path(cfg), "float32")
+    workload = [f"{k}={v}" for k, v in common.WORKLOADS[args.workload].items()]
+    small, _ = load_policy(common.model_path(common.compose("grpo", workload)), "float32")
     big = synthetic_model(args.mb)
-    tiny_stats = measure(tiny, args.repeats * 10, args.threads)  # 0.4 MB: many more repeats cost nothing
+    tiny_stats = measure(small, args.repeats * 10, args.threads)  # ≤ 13 MB: many more repeats cost little
     big_stats = measure(big, args.repeats, args.threads)
     head = big_stats[f"push_{HEADLINE_BUCKET_MB}mb_bytes_per_s"]
     result = {
@@ -119,10 +121,18 @@ def run(args) -> dict:
     result.update(push_1_thread_bytes_per_s=push_1, memcpy_1_thread_bytes_per_s=memcpy_1,
                   ratio_1_thread=push_1 / memcpy_1)
     tiny_head = tiny_stats[f"push_{HEADLINE_BUCKET_MB}mb_bytes_per_s"]
-    result.update(tiny_bytes=tiny_stats["bytes"], tiny_push_bytes_per_s=tiny_head,
-                  tiny_memcpy_bytes_per_s=tiny_stats["memcpy_bytes_per_s"],
-                  tiny_ratio=tiny_head / tiny_stats["memcpy_bytes_per_s"], repeats=args.repeats,
-                  **common.context())
+    name = args.workload
+    result.update({f"{name}_bytes": tiny_stats["bytes"], f"{name}_push_bytes_per_s": tiny_head,
+                   f"{name}_memcpy_bytes_per_s": tiny_stats["memcpy_bytes_per_s"],
+                   f"{name}_ratio": tiny_head / tiny_stats["memcpy_bytes_per_s"]}, repeats=args.repeats)
+    if name != "tiny":  # what the push costs in a step of that workload, with an engine holding its own copy
+        import step_time
+
+        summaries, _ = step_time.measure(["grpo"], args.steps, 1, 1, [*workload, "engine.options.mode=copy"])
+        step = summaries["grpo"]
+        result.update({f"{name}_sync_s": step["sync_s"], f"{name}_step_s": step["median_step_s"],
+                       f"{name}_sync_share": step["sync_s"] / step["median_step_s"]})
+    result.update(common.context())
     return result
 
 
@@ -134,7 +144,10 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=common.THREADS, help="torch threads (DESIGN §9: 2)")
     parser.add_argument("--engine", choices=("hf", "sglang"), default="hf",
                         help="sglang: push into a live sglang.Engine (CPU venv of scripts/sglang_cpu_env.sh)")
-    parser.add_argument("--steps", type=int, default=6, help="--engine sglang: GRPO steps per run for the sync share")
+    parser.add_argument("--steps", type=int, default=6,
+                        help="--engine sglang or --workload long: GRPO steps per run for the sync share")
+    parser.add_argument("--workload", choices=sorted(common.WORKLOADS), default="tiny",
+                        help="whose model is measured beside the synthetic one (long: and its step's sync share)")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.mb <= 0 or args.steps < 2:
         raise SystemExit("--repeats must be >= 1, --mb > 0 and --steps >= 2")
