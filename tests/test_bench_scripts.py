@@ -1,0 +1,49 @@
+"""The long-workload benchmarks' own logic: micro_batches.py's gradient check runs for real (tiny workload), and
+scaling.py's growth slope and figure come out of its JSON. Timings are never asserted (DESIGN §9)."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def test_micro_batches_bench_compares_equal_gradients_with_less_padding(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "bench/micro_batches.py"), "--workload", "tiny", "--tokens",
+                           "16,64", "--repeats", "1", "--warmup", "0", "--json"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["completions"] == 64
+    for tokens in (16, 64):
+        assert result[f"tokens_{tokens}_grad_rel_diff"] < 1e-5  # the same update, partitioned differently
+        assert result[f"tokens_{tokens}_padding_frac"] < result["fixed_padding_frac"]
+        assert result[f"tokens_{tokens}_s"] > 0 and len(result["spread"][f"tokens_{tokens}"]) == 1
+
+
+def test_scaling_slope_reads_growth_and_the_figure_is_drawn(tmp_path):
+    import scaling
+
+    points = [{"axis": "length", "value": v, "grpo": {"step_s": 0.01 * v, "peak_rss_mb": 900.0},
+               "c3po": {"step_s": 0.001 * v * v, "peak_rss_mb": 950.0}, "trl": {"error": "not installed"}}
+              for v in (16, 32, 64)]
+    assert math.isclose(scaling.slope(points, "grpo"), 1.0)  # linear
+    assert math.isclose(scaling.slope(points, "c3po"), 2.0)  # quadratic
+    assert math.isnan(scaling.slope(points, "trl"))  # no timings, no slope
+    out, figure = tmp_path / "scaling.json", tmp_path / "scaling.png"
+    out.write_text(json.dumps({"points": points}))
+    scaling.main(["--plot-only", "--out", str(out), "--figure", str(figure)])
+    assert figure.stat().st_size > 10_000
+
+
+def test_scaling_points_fix_the_length_and_move_one_axis():
+    import scaling
+
+    length = scaling.point_overrides("length", 128)
+    assert {"algorithm.ignore_eos=true", "algorithm.max_new_tokens=128", "algorithm.group_size=8"} <= set(length)
+    assert not any(o.startswith("task_max_new_tokens") for o in length)  # would retrain the cached model
+    width = scaling.point_overrides("width", 512)
+    assert "model.options.hidden_size=512" in width and "algorithm.max_new_tokens=64" in width
