@@ -13,8 +13,10 @@ completion is exactly `max_new_tokens` tokens (TRL: `min_new_tokens`), so each a
   one warm-up step only (their cost does not depend on what they learned; the 256 one is not the long model).
 At each point the three trainers run in processes that take turns, one step at a time (`common.Baton`);
 `--warmup` steps are dropped and the median of `--steps` is reported with each process's peak RSS (ru_maxrss:
-the Python process with torch, transformers and the model included). C3PO keeps its shipped N = 4 weight samples.
-Growth is summarised by the log-log slope of step time over each axis (1: linear, 2: quadratic).
+the Python process with torch, transformers and the model included; a width's model is built beforehand in the
+parent process, so its warm-up is in no trainer's figure). C3PO keeps its shipped N = 4 weight samples.
+Growth is summarised by the log-log slope of step time over each axis (1: linear, 2: quadratic): `slopes` over
+all points of the axis, `slopes_top` between its last two (where fixed per-call costs weigh least).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def point_overrides(axis: str, value: int) -> list[str]:
 def run_point(axis: str, value: int, args) -> dict:
     overrides = [f"{k}={v}" for k, v in common.LONG.items()] + point_overrides(axis, value) + args.override
     total = args.warmup + args.steps
+    common.model_path(common.compose("grpo", overrides))  # a new width's model is built here: outside their RSS
     names = [r for r in RUNNERS if r != "trl" or not args.no_trl]
     jobs = {name: (step_time.run_algorithm, (name, overrides, total)) for name in names if name != "trl"}
     if "trl" in names:
@@ -139,13 +142,15 @@ def main(argv=None) -> None:
         for value in values:
             points.append(run_point(axis, value, args))
             print(json.dumps(points[-1]), flush=True)  # progress: one line per point
+    on = {axis: sorted((p for p in points if p["axis"] == axis), key=lambda p: p["value"]) for axis in axes}
     result = {"steps": args.steps, "warmup": args.warmup, "points": points,
-              "slopes": {axis: {r: slope([p for p in points if p["axis"] == axis], r) for r in RUNNERS}
-                         for axis in axes}}
+              "slopes": {axis: {r: slope(on[axis], r) for r in RUNNERS} for axis in axes},
+              "slopes_top": {axis: {r: slope(on[axis][-2:], r) for r in RUNNERS} for axis in axes}}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     plot(points, Path(args.figure))
-    common.emit({"out": str(out), "figure": args.figure, "slopes": result["slopes"]}, args.json)
+    common.emit({"out": str(out), "figure": args.figure, "slopes": result["slopes"],
+                 "slopes_top": result["slopes_top"]}, args.json)
 
 
 if __name__ == "__main__":

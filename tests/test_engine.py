@@ -258,7 +258,9 @@ def test_ignore_eos_runs_every_completion_to_max_new_tokens(policy):
     ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
     stops = engine.generate(ids, [4] * 4, SamplingParams(max_new_tokens=16, seed=1))
     assert any(c.finish_reason == "stop" for group in stops for c in group)  # the eos would have stopped some
-    for group in engine.generate(ids, [4] * 4, SamplingParams(max_new_tokens=16, seed=1, ignore_eos=True)):
+    stop_id = stops[0][0].token_ids[0].item()  # a token the model does sample: stop ids are ignored too (as SGLang)
+    ignored = SamplingParams(max_new_tokens=16, seed=1, ignore_eos=True, stop_token_ids=(stop_id,))
+    for group in engine.generate(ids, [4] * 4, ignored):
         assert all(len(c.token_ids) == 16 and c.finish_reason == "length" for c in group)
 
 
@@ -270,15 +272,31 @@ def test_growing_cache_layer_equals_transformers_dynamic_layer():
     from lit_rlvr.rollout.kv_cache import GrowingLayer
 
     g = torch.Generator().manual_seed(0)
-    ours, theirs = GrowingLayer(room=2), DynamicLayer()
-    steps = [5, 1, 1, 1, 1, 1]  # a prefill, then one token at a time: the room of 2 runs out twice
+    ours, theirs = GrowingLayer(room=100), DynamicLayer()
+    steps = [5] + [1] * 80  # a prefill, then one token at a time: the buffer grows (by 64, then doubling)
     for i, new in enumerate(steps):
         k, v = torch.randn(4, 2, new, 3, generator=g), torch.randn(4, 2, new, 3, generator=g)
         got, want = ours.update(k, v), theirs.update(k, v)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
         assert ours.get_seq_length() == theirs.get_seq_length() == sum(steps[: i + 1])
+        assert ours._buffers[0].shape[-2] <= 2 * ours.length + 64  # reserves at most what it holds, + 64
         if i == 2:
             for layer in (ours, theirs):
                 layer.batch_select_indices(torch.tensor([3, 1, 1, 0]))
             # the selection runs before the next append, so the keys must still line up after it
             assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+
+
+def test_growing_cache_keeps_other_layer_types_and_bounds_what_it_reserves():
+    from transformers import Qwen3Config
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    from lit_rlvr.rollout.kv_cache import GrowingLayer, growing_cache
+
+    config = Qwen3Config(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=4,
+                         use_sliding_window=True, hidden_size=16, num_attention_heads=2, num_key_value_heads=1)
+    cache = growing_cache(config, room=20000)
+    assert [type(layer) for layer in cache.layers] == [DynamicSlidingWindowLayer, GrowingLayer]
+    keys = torch.zeros(3, 1, 5, 8)
+    cache.layers[1].update(keys, keys)
+    assert cache.layers[1]._buffers[0].shape[-2] == 5 + 64  # not 5 + 20000: room is reserved as the rows grow

@@ -56,11 +56,11 @@ def test_requests_greedy_and_top_k_off():
     assert greedy["stop_token_ids"] == []
 
 
-def test_requests_ignore_eos_keeps_only_the_params_stop_ids():
+def test_requests_ignore_eos_stops_on_nothing():
     _, (plain,) = build_requests([[1, 2]], [1], SamplingParams(stop_token_ids=(14,)), eos_id=2)
     _, (ignore,) = build_requests([[1, 2]], [1], SamplingParams(stop_token_ids=(14,), ignore_eos=True), eos_id=2)
     assert (plain["stop_token_ids"], plain["ignore_eos"]) == ([2, 14], False)
-    assert (ignore["stop_token_ids"], ignore["ignore_eos"]) == ([14], True)  # sglang's own eos check is off too
+    assert (ignore["stop_token_ids"], ignore["ignore_eos"]) == ([], True)  # sglang skips stop ids then, so HF does
 
 
 def test_requests_zero_samples_and_empty_prompt():

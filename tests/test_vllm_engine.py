@@ -27,6 +27,13 @@ def test_requests_expand_n_per_prompt_with_seeds_keyed_by_prompt_not_batch():
     assert all(0 <= s["seed"] < 1 << 63 for s in sampling)
 
 
+def test_requests_ignore_eos_stops_on_nothing():
+    params = SamplingParams(stop_token_ids=(9,), ignore_eos=True)
+    (_, sampling) = request_rows([[1, 2]], [1], params, eos_id=2)
+    assert sampling[0]["ignore_eos"] and sampling[0]["stop_token_ids"] == []  # as HFEngine and SGLang
+    assert not request_rows([[1, 2]], [1], SamplingParams(), eos_id=2)[1][0]["ignore_eos"]
+
+
 def test_requests_zero_samples_and_empty_prompt():
     assert request_rows([[1], [2]], [0, 0], SamplingParams(), eos_id=2) == ([], [])
     with pytest.raises(ValueError, match="prompt 1 is empty"):

@@ -23,7 +23,7 @@ class SamplingParams:
     max_new_tokens: int = 24
     stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's eos
     seed: int = 0
-    ignore_eos: bool = False  # benchmarks: the tokenizer's eos does not stop a completion (vLLM's, SGLang's name)
+    ignore_eos: bool = False  # benchmarks: nothing stops a completion before max_new_tokens (eos, stop_token_ids)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -109,8 +109,8 @@ def save_policy_config(model, path: str) -> None:
 def expand_rows(prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int], params: SamplingParams,
                 eos_id, engine: str) -> tuple[list[list[int]], list[int]]:
     """One row per completion for a request-per-sample engine: prompt b repeated n_b times, in order, as plain
-    ints, and the stop ids (the params' and, unless `ignore_eos`, the tokenizer's eos). Fails on a count mismatch
-    or an empty prompt."""
+    ints, and the stop ids (the params' and the tokenizer's eos; none with `ignore_eos`, as SGLang does). Fails on
+    a count mismatch or an empty prompt."""
     if len(prompt_token_ids) != len(n_per_prompt):
         raise ValueError(f"{len(prompt_token_ids)} prompts but {len(n_per_prompt)} sample counts")
     rows = []
@@ -118,5 +118,5 @@ def expand_rows(prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequenc
         if n > 0 and len(prompt) == 0:
             raise ValueError(f"prompt {b} is empty; {engine} needs at least one prompt token")
         rows += [[int(t) for t in prompt] for _ in range(n)]
-    stop = sorted({*params.stop_token_ids, *([] if eos_id is None or params.ignore_eos else [eos_id])})
+    stop = [] if params.ignore_eos else sorted({*params.stop_token_ids, *([] if eos_id is None else [eos_id])})
     return rows, stop

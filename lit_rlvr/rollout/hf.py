@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from lit_rlvr.rollout.batch import left_pad  # noqa: F401  (also lit_rlvr.rollout.hf.left_pad)
 from lit_rlvr.rollout.engine import Completion, RolloutEngine, SamplingParams
-from lit_rlvr.rollout.kv_cache import growing_cache
+from lit_rlvr.rollout.kv_cache import can_select_rows, growing_cache
 from lit_rlvr.rollout.multi_weight import stacked_weights
 
 ENGINE_MODES = ("shared", "copy")
@@ -243,8 +243,8 @@ class HFEngine(RolloutEngine):
             inverses.append([index_of.setdefault(tuple(r), len(index_of)) for r in rows[start : start + size]])
             uniques.append(list(index_of))
         width = max(len(u) for u in uniques)
-        cache = growing_cache(self.model.config.get_text_config().num_hidden_layers, room) if self.use_cache else None
-        if not self.share_prefill or width == size:  # nothing repeats: the rows as they are
+        cache = growing_cache(self.model.config, room) if self.use_cache else None
+        if not self.share_prefill or width == size or not can_select_rows(cache):  # each row its own prefill
             ids, mask = left_pad(rows, self.pad_id)
             return (ids, mask, *self._forward(ids, mask, cache))
         padded = [row for u in uniques for row in u + u[:1] * (width - len(u))]  # blocks·width distinct prompts
@@ -258,13 +258,15 @@ class HFEngine(RolloutEngine):
     def _sample(self, rows: list[list[int]], params: SamplingParams, seeds: Tensor,
                 blocks: int = 1) -> list[Completion]:
         num_rows = len(rows)
-        stop = torch.tensor(sorted({*([] if params.ignore_eos else [self.eos_id]), *params.stop_token_ids}))
+        stop_ids = [] if params.ignore_eos else sorted({self.eos_id, *params.stop_token_ids})
+        stop = torch.tensor(stop_ids, dtype=torch.long)
         tokens = torch.full((num_rows, params.max_new_tokens), self.pad_id, dtype=torch.long)  # [R, T]
         logprobs = torch.zeros((num_rows, params.max_new_tokens))  # [R, T]
         finished = torch.zeros(num_rows, dtype=torch.bool)  # [R]
         lengths = torch.full((num_rows,), params.max_new_tokens, dtype=torch.long)  # [R]
         ids, mask, logits, cache = self._prefill(rows, blocks, params.max_new_tokens)  # [R, P], [R, P], [R, V]
         live = torch.arange(num_rows)  # [A] the rows that ids, mask, logits and the cache hold, in their order
+        cut = can_select_rows(cache)  # e.g. a linear-attention layer's state cannot drop rows
         for t in range(params.max_new_tokens):
             token, logp = self._pick(logits, params, counter_uniforms(seeds[live], t))  # [A], [A]
             done = finished[live]  # [A]
@@ -275,7 +277,7 @@ class HFEngine(RolloutEngine):
             finished[live[hit]] = True
             if bool(finished.all()) or t + 1 == params.max_new_tokens:
                 break
-            keep = decoding_rows(finished[live], live // (num_rows // blocks), blocks)  # [A'] or None
+            keep = decoding_rows(finished[live], live // (num_rows // blocks), blocks) if cut else None  # [A']
             if keep is not None:  # drop finished rows from the batch: they would be decoded for nothing
                 live, token, ids, mask = live[keep], token[keep], ids[keep], mask[keep]
                 if cache is not None:

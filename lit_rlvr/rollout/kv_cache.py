@@ -1,32 +1,42 @@
 """A KV cache that appends in place: transformers' `DynamicLayer` concatenates the whole cache with each new token,
 so decoding T tokens copies O(T²) positions (27 % of the long workload's generation time, measured with
-torch.profiler); this layer keeps its keys and values in a buffer with room for the tokens still to come."""
+torch.profiler); this layer keeps its keys and values in a buffer that grows geometrically."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+MIN_SPARE = 64  # positions added at least when a buffer grows
 
 
 class GrowingLayer(DynamicLayer):
     """A `DynamicLayer` whose `keys`/`values` are views of the first `length` positions of a buffer [B, H, cap, D].
-    An update writes the new positions into the buffer; it reallocates (with `room` spare positions) only when
-    full. Batch selection (shared prefill, finished rows leaving the batch) selects the buffer's rows."""
+
+    An update writes the new positions into the buffer. A full buffer is reallocated with as many spare positions
+    as it holds (at least `MIN_SPARE`, at most `room`, the positions still to come): a few copies in all, and never
+    more than twice what the rows hold reserved. Selecting rows (shared prefill, finished rows leaving the batch)
+    copies only the filled positions of the kept rows."""
+
+    is_croppable = False
 
     def __init__(self, room: int):
         super().__init__()
         self.room = room
         self.length = 0
-        self._buffers: tuple[Tensor, Tensor] | None = None
+        self._buffers: Optional[tuple[Tensor, Tensor]] = None
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
+        if not self.is_initialized:
+            self.device, self.is_initialized = key_states.device, True
         if self._buffers is None or end > self._buffers[0].shape[-2]:
-            self._buffers = tuple(self._grown(old, fresh, end + self.room)
-                                  for old, fresh in ((self.keys, key_states), (self.values, value_states)))
+            capacity = end + min(self.room, max(end, MIN_SPARE))
+            self._buffers = tuple(self._moved(states, capacity, fresh.shape, fresh)
+                                  for states, fresh in ((self.keys, key_states), (self.values, value_states)))
         keys, values = self._buffers
         keys[..., self.length : end, :] = key_states
         values[..., self.length : end, :] = value_states
@@ -34,10 +44,11 @@ class GrowingLayer(DynamicLayer):
         self.keys, self.values = keys[..., :end, :], values[..., :end, :]
         return self.keys, self.values
 
-    def _grown(self, old: Tensor, fresh: Tensor, capacity: int) -> Tensor:
-        buffer = fresh.new_empty((*fresh.shape[:-2], capacity, fresh.shape[-1]))
+    def _moved(self, filled: Optional[Tensor], capacity: int, shape, like: Tensor) -> Tensor:
+        """A new buffer of `capacity` positions holding `filled` (the first `length` positions, or nothing)."""
+        buffer = like.new_empty((*shape[:-2], capacity, shape[-1]))
         if self.length:
-            buffer[..., : self.length, :] = old
+            buffer[..., : self.length, :] = filled
         return buffer
 
     def get_seq_length(self) -> int:
@@ -45,7 +56,9 @@ class GrowingLayer(DynamicLayer):
 
     def batch_select_indices(self, indices: Tensor) -> None:
         if self._buffers is not None:
-            self._buffers = tuple(b.index_select(0, indices.to(b.device)) for b in self._buffers)
+            capacity = self._buffers[0].shape[-2]
+            kept = [states.index_select(0, indices.to(states.device)) for states in (self.keys, self.values)]
+            self._buffers = tuple(self._moved(k, capacity, k.shape, k) for k in kept)
             self.keys, self.values = (b[..., : self.length, :] for b in self._buffers)
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -62,6 +75,14 @@ class GrowingLayer(DynamicLayer):
         super().reset()
 
 
-def growing_cache(num_layers: int, room: int) -> Cache:
-    """An empty cache of `num_layers` `GrowingLayer`s, each with `room` spare positions when it grows."""
-    return Cache(layers=[GrowingLayer(room) for _ in range(num_layers)])
+def growing_cache(config, room: int) -> Cache:
+    """The cache transformers would build for `config`, its full-attention layers replaced by `GrowingLayer`s with
+    `room` positions to come (sliding-window, linear-attention and other layer types keep their own)."""
+    cache = DynamicCache(config=config)
+    cache.layers = [GrowingLayer(room) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+def can_select_rows(cache: Optional[Cache]) -> bool:
+    """Whether every layer of `cache` can drop batch rows (a linear-attention state, for one, cannot)."""
+    return cache is None or all(hasattr(layer, "batch_select_indices") for layer in cache.layers)
