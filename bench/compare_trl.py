@@ -220,6 +220,8 @@ def run(args) -> dict:
         # ... nor below this while transformers' model code runs the forwards: all else in the step free
         "model_code_floor": (ours_summary["train_s"] + ours_summary["gen_forward_s"]) / trl_s,
         "ours_response_len_mean": ours_summary["response_len_mean"],
+        # the length spread and what our micro-batches computed on padding (the long workload's JSON carries them)
+        **{f"ours_{k}": ours_summary[k] for k in ("response_len_max", "padding_frac") if k in ours_summary},
         "trl_response_len_mean": common.median(trl["lengths"][args.warmup :]),
         "peak_rss_mb": max(ours["peak_rss_mb"], trl["peak_rss_mb"]),
         **common.context(),

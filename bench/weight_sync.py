@@ -131,7 +131,9 @@ def run(args) -> dict:
         summaries, _ = step_time.measure(["grpo"], args.steps, 1, 1, [*workload, "engine.options.mode=copy"])
         step = summaries["grpo"]
         result.update({f"{name}_sync_s": step["sync_s"], f"{name}_step_s": step["median_step_s"],
-                       f"{name}_sync_share": step["sync_s"] / step["median_step_s"]})
+                       f"{name}_sync_share": step["sync_s"] / step["median_step_s"],
+                       **{f"{name}_{k}": step[k] for k in ("response_len_mean", "response_len_max", "padding_frac")
+                          if k in step}})
     result.update(common.context())
     return result
 

@@ -127,6 +127,9 @@ def test_data_config_picks_its_reward_model_and_completion_budget():
     assert default.algorithm.max_new_tokens == 8 and default.reward.name == "arithmetic"
     # the task's CPU step count (a run that gains in minutes), the default's 250 elsewhere; the command line wins
     assert (cfg.trainer.max_steps, default.trainer.max_steps, mine.trainer.max_steps) == (50, 250, 7)
+    # token-budget micro-batches for its 30-200-token completions; off at the default task
+    assert (cfg.algorithm.micro_batch_tokens, mine.algorithm.micro_batch_tokens) == (2048, 2048)
+    assert default.algorithm.micro_batch_tokens is None
 
 
 @pytest.mark.parametrize("algorithm", sorted(p.stem for p in (CONF / "algorithm").glob("*.yaml")))
@@ -137,3 +140,4 @@ def test_every_algorithm_takes_the_task(algorithm):
         cfg = compose("config", overrides=["data=arithmetic_cot", f"algorithm={algorithm}"])
     check_config(cfg)
     assert cfg.algorithm.max_new_tokens == 64 and cfg.reward.name == "arithmetic_cot"
+    assert cfg.algorithm.micro_batch_tokens == 2048
