@@ -229,8 +229,8 @@ class HFEngine(RolloutEngine):
         return out.logits[:, -1].float().cpu(), getattr(out, self._cache_arg, None)  # [R, V]
 
     def _prefill(self, rows: list[list[int]], blocks: int, room: int) -> tuple[Tensor, Tensor, Tensor, object]:
-        """(ids [R, P], mask [R, P], logits [R, V] after each prompt, KV cache of all rows, with `room` positions
-        reserved for the tokens to come).
+        """(ids [R, P], mask [R, P], logits [R, V] after each prompt, KV cache of all rows; `room`: the most
+        positions still to come, which the cache grows towards).
 
         Rows form `blocks` equal contiguous blocks (`stacked_weights` runs block n with weight source n; 1
         block otherwise). With `share_prefill`, each distinct prompt of a block runs once and its cache row is

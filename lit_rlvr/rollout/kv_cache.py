@@ -35,7 +35,7 @@ class GrowingLayer(DynamicLayer):
             self.device, self.is_initialized = key_states.device, True
         if self._buffers is None or end > self._buffers[0].shape[-2]:
             capacity = end + min(self.room, max(end, MIN_SPARE))
-            self._buffers = tuple(self._moved(states, capacity, fresh.shape, fresh)
+            self._buffers = tuple(self._moved(states, capacity, fresh)
                                   for states, fresh in ((self.keys, key_states), (self.values, value_states)))
         keys, values = self._buffers
         keys[..., self.length : end, :] = key_states
@@ -44,9 +44,10 @@ class GrowingLayer(DynamicLayer):
         self.keys, self.values = keys[..., :end, :], values[..., :end, :]
         return self.keys, self.values
 
-    def _moved(self, filled: Optional[Tensor], capacity: int, shape, like: Tensor) -> Tensor:
-        """A new buffer of `capacity` positions holding `filled` (the first `length` positions, or nothing)."""
-        buffer = like.new_empty((*shape[:-2], capacity, shape[-1]))
+    def _moved(self, filled: Optional[Tensor], capacity: int, like: Tensor) -> Tensor:
+        """A new buffer of `capacity` positions, rows and heads as `like`, holding `filled` (the first `length`
+        positions, or nothing)."""
+        buffer = like.new_empty((*like.shape[:-2], capacity, like.shape[-1]))
         if self.length:
             buffer[..., : self.length, :] = filled
         return buffer
@@ -58,7 +59,7 @@ class GrowingLayer(DynamicLayer):
         if self._buffers is not None:
             capacity = self._buffers[0].shape[-2]
             kept = [states.index_select(0, indices.to(states.device)) for states in (self.keys, self.values)]
-            self._buffers = tuple(self._moved(k, capacity, k.shape, k) for k in kept)
+            self._buffers = tuple(self._moved(k, capacity, k) for k in kept)
             self.keys, self.values = (b[..., : self.length, :] for b in self._buffers)
 
     def crop(self, tokens_to_remove: int) -> None:
