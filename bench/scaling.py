@@ -1,7 +1,7 @@
 """Step time and peak memory against completion length, group size and model width: GRPO, C3PO and TRL's
 GRPOTrainer side by side at each point (DESIGN §9), written as JSON and drawn as one figure.
 
-    python bench/scaling.py [--axes length,group,width] [--steps 2] [--warmup 1] [--no-trl]
+    python bench/scaling.py [--axes length,group,width] [--steps 3] [--warmup 1] [--no-trl]
                             [--out docs/results/scaling.json] [--figure docs/results/scaling.png]
     python bench/scaling.py --plot-only [--out …] [--figure …]      # redraw from the JSON
 
@@ -126,7 +126,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=str(common.ROOT / "docs/results/scaling.json"))
     parser.add_argument("--figure", default=str(common.ROOT / "docs/results/scaling.png"))
     parser.add_argument("--plot-only", action="store_true", help="redraw the figure from --out")
-    parser.set_defaults(steps=2, warmup=1)
+    parser.set_defaults(steps=3, warmup=1)
     args = common.parse_bench_args(parser, argv)
     out = Path(args.out)
     if args.plot_only:
