@@ -85,6 +85,22 @@ def bench_parser(description: str, *, steps_help: str, warmup_help: str, block_h
     return parser
 
 
+def rounds_parser(description: str, repeats_help: str) -> argparse.ArgumentParser:
+    """The options of a benchmark that times variants on the same input in rounds (micro_batches.py,
+    generation.py): the long workload by default, `--repeats` timed rounds after `--warmup` untimed ones."""
+    parser = bench_parser(description, steps_help=argparse.SUPPRESS, block_help=argparse.SUPPRESS,
+                          warmup_help="untimed rounds first", override_help="extra Hydra override")
+    parser.add_argument("--repeats", type=int, default=5, help=repeats_help)
+    parser.set_defaults(workload="long", warmup=1)
+    return parser
+
+
+def rotated(names: list[str], round_index: int) -> list[str]:
+    """`names` starting at position `round_index`: each variant runs first in turn, so load swings hit all alike."""
+    k = round_index % len(names)
+    return names[k:] + names[:k]
+
+
 def parse_bench_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     """Parse, check the step counts, and quiet the libraries."""
     args = parser.parse_args(argv)

@@ -68,14 +68,11 @@ def generate(engine, prompts, group: int, params, config: str) -> tuple[float, l
         finally:
             split[key] += time.perf_counter() - t0
 
-    def timed_pick(*args):
-        t0 = time.perf_counter()
-        try:
-            return pick(*args)
-        finally:
-            split["pick_s"] += time.perf_counter() - t0
+    def add_pick(seconds: float) -> None:
+        split["pick_s"] += seconds
 
-    patches = [mock.patch.object(engine, "_forward", timed_forward), mock.patch.object(engine, "_pick", timed_pick)]
+    patches = [mock.patch.object(engine, "_forward", timed_forward),
+               mock.patch.object(engine, "_pick", common.timed(pick, add_pick))]
     if config == "no_row_cut":
         patches.append(mock.patch.object(hf, "decoding_rows", lambda *args: None))
     elif config == "concat_cache":
@@ -103,7 +100,7 @@ def run(args) -> dict:
     splits: list[dict[str, float]] = []
     outputs = {}
     for i in range(args.warmup + args.repeats):
-        for config in CONFIGS[i % len(CONFIGS):] + CONFIGS[: i % len(CONFIGS)]:  # rotate the order each round
+        for config in common.rotated(list(CONFIGS), i):
             seconds, completions, split = generate(engine, prompts, group, params, config)
             outputs[config] = completions
             if i >= args.warmup:
@@ -133,13 +130,7 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> None:
-    import argparse
-
-    parser = common.bench_parser(__doc__.split("\n\n")[0], steps_help=argparse.SUPPRESS,
-                                 block_help=argparse.SUPPRESS, warmup_help="untimed rounds first",
-                                 override_help="extra Hydra override")
-    parser.add_argument("--repeats", type=int, default=5, help="timed rounds (each runs every configuration once)")
-    parser.set_defaults(workload="long", warmup=1)
+    parser = common.rounds_parser(__doc__.split("\n\n")[0], "timed rounds (each runs every configuration once)")
     args = common.parse_bench_args(parser, argv)
     common.emit(run(args), args.json)
 

@@ -14,7 +14,6 @@ relative to its norm (float32 summed in another order: ~1e-6; a wrong weighting 
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -69,7 +68,7 @@ def run(args) -> dict:
     times: dict[str, list[float]] = {n: [] for n in names}
     grads, padding = {}, {}
     for i in range(args.warmup + args.repeats):
-        for name in names[i % len(names):] + names[: i % len(names)]:  # rotate the order each round
+        for name in common.rotated(names, i):
             seconds, grad, pad = timed_pass(module, rollouts, variants[name])
             if i >= args.warmup:
                 times[name].append(seconds)
@@ -91,11 +90,8 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = common.bench_parser(__doc__.split("\n\n")[0], steps_help=argparse.SUPPRESS, block_help=argparse.SUPPRESS,
-                                 warmup_help="untimed rounds first", override_help="extra Hydra override")
+    parser = common.rounds_parser(__doc__.split("\n\n")[0], "timed rounds (each runs every variant once)")
     parser.add_argument("--tokens", default="2048,4096,8192", help="micro_batch_tokens values to time")
-    parser.add_argument("--repeats", type=int, default=5, help="timed rounds (each runs every variant once)")
-    parser.set_defaults(workload="long", warmup=1)
     args = common.parse_bench_args(parser, argv)
     common.emit(run(args), args.json)
 
