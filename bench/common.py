@@ -1,5 +1,5 @@
-"""Shared pieces of the benchmarks (DESIGN §9): the reference workload composed from conf/, a Lightning trainer
-that only records per-step timings, and a baton that lets several trainers take turns in one process.
+"""Shared pieces of the benchmarks (docs/architecture.md §9): the reference workload composed from conf/, a
+Lightning trainer that only records per-step timings, and a baton that lets several trainers take turns in one process.
 
 Every figure the benchmarks report is a ratio of runs measured side by side in one process: trainers run in
 threads but never at once (the baton), so they see the same machine load, block by block.
@@ -29,16 +29,16 @@ from typing_extensions import override  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-THREADS = 2  # DESIGN §9: 2 CPU cores
+THREADS = 2  # docs/architecture.md §9: 2 CPU cores
 
 # the reference workload: 8 prompts × 8 completions, ≤ 24 new tokens, temperature 1.0, one update per step, fp32
 REFERENCE = {"data.batch_size": 8, "algorithm.group_size": 8, "algorithm.max_new_tokens": 24,
              "algorithm.temperature": 1.0, "algorithm.ppo_epochs": 1, "algorithm.mini_batches": 1,
              "model.dtype": "float32"}
-# the long workload (DESIGN §9): the chain-of-thought task at levels of ~29 to ~188 completion tokens (addition to
-# 4x2-digit multiplication), up to 256 new tokens, and its own wider model (4 layers x 256, ~3.2M parameters), warmed
-# up only until its answers are sometimes right (target 0.05: it writes the working at realistic lengths); the data
-# config turns on token-budget micro-batches of 2048 tokens (bench/micro_batches.py)
+# the long workload (docs/architecture.md §9): the chain-of-thought task at levels of ~29 to ~188 completion
+# tokens (addition to 4x2-digit multiplication), up to 256 new tokens, and its own wider model (4 layers x 256,
+# ~3.2M parameters), warmed up only until its answers are sometimes right (target 0.05: it writes the working at
+# realistic lengths); the data config turns on token-budget micro-batches of 2048 tokens (bench/micro_batches.py)
 LONG = {"data": "arithmetic_cot", "data.levels": "[1,3,5,7,8,9]", "algorithm.max_new_tokens": 256,
         "task_max_new_tokens": 256, "model.options.hidden_size": 256, "model.options.target": 0.05,
         "model.options.eval_problems": 64, "model.options.eval_samples": 2}
@@ -77,7 +77,7 @@ def bench_parser(description: str, *, steps_help: str, warmup_help: str, block_h
     parser.add_argument("--steps", type=int, default=20, help=steps_help)
     parser.add_argument("--warmup", type=int, default=3, help=warmup_help)
     parser.add_argument("--block", type=int, default=1, help=block_help)
-    parser.add_argument("--threads", type=int, default=THREADS, help="torch threads (DESIGN §9: 2)")
+    parser.add_argument("--threads", type=int, default=THREADS, help="torch threads (docs/architecture.md §9: 2)")
     parser.add_argument("--override", action="append", default=[], help=override_help)
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny",
                         help="tiny: the default task, ~3-token answers; long: arithmetic_cot, 30-256 tokens, "
@@ -156,7 +156,7 @@ def has_value_prior(algorithm: str) -> bool:
 
 
 def compose(algorithm: str, overrides: Iterable[str] = ()) -> Any:
-    """The run config of `algorithm` from conf/, with the reference workload's overrides (DESIGN §9).
+    """The run config of `algorithm` from conf/, with the reference workload's overrides (docs/architecture.md §9).
 
     V0.5 keeps its shipped k_init (its module group_size follows k_init and is not used); `--override` can
     change anything, e.g. `algorithm.callbacks.value_prior.k_init=8`."""

@@ -1,4 +1,5 @@
-"""Our GRPO step against TRL's `GRPOTrainer` on the reference workload, side by side in one process (DESIGN §9).
+"""Our GRPO step against TRL's `GRPOTrainer` on the reference workload, side by side in one process
+(docs/architecture.md §9).
 
     python bench/compare_trl.py [--json] [--steps 20] [--warmup 3] [--block 1]
 
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 
-BUDGET = 0.5  # DESIGN §9: our GRPO step ≤ half of TRL's
+BUDGET = 0.5  # docs/architecture.md §9: our GRPO step ≤ half of TRL's
 
 
 class TRLUnavailable(RuntimeError):

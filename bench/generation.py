@@ -1,4 +1,5 @@
-"""Where generation time goes at the long workload, and what each of HFEngine's measures saves (DESIGN §9).
+"""Where generation time goes at the long workload, and what each of HFEngine's measures saves
+(docs/architecture.md §9).
 
     python bench/generation.py [--json] [--repeats 5] [--workload long]
 

@@ -1,4 +1,4 @@
-"""Update time with token-budget micro-batches against fixed-size ones, on the same rollouts (DESIGN §9).
+"""Update time with token-budget micro-batches against fixed-size ones, on the same rollouts (docs/architecture.md §9).
 
     python bench/micro_batches.py [--json] [--tokens 2048,4096,8192] [--repeats 5] [--workload long]
 

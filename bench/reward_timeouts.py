@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lit_rlvr.rewards.base import ProcessRewardRunner  # noqa: E402
+from lit_rlvr.rewards.workers import ProcessRewardRunner  # noqa: E402
 from tests.reward_helpers import echo_reward  # noqa: E402  ("hang" sleeps; anything else returns at once)
 
 

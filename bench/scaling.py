@@ -1,5 +1,5 @@
 """Step time and peak memory against completion length, group size and model width: GRPO, C3PO and TRL's
-GRPOTrainer side by side at each point (DESIGN §9), written as JSON and drawn as one figure.
+GRPOTrainer side by side at each point (docs/architecture.md §9), written as JSON and drawn as one figure.
 
     python bench/scaling.py [--axes length,group,width] [--steps 3] [--warmup 1] [--no-trl]
                             [--out docs/results/scaling.json] [--figure docs/results/scaling.png]

@@ -1,4 +1,5 @@
-"""Step time of the reference workload (DESIGN §9) through `lightning.Trainer`, or several algorithms side by side.
+"""Step time of the reference workload (docs/architecture.md §9) through `lightning.Trainer`, or several algorithms
+side by side.
 
     python bench/step_time.py [--json] [--algorithm grpo] [--steps 20] [--warmup 3]
     python bench/step_time.py --compare grpo,c3po [--block 1] [--json]     # c3po_over_grpo, budget ≤ 1.10
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 
-BUDGETS = {"c3po_over_grpo": 1.10, "prior_frac": 0.05}  # DESIGN §9
+BUDGETS = {"c3po_over_grpo": 1.10, "prior_frac": 0.05}  # docs/architecture.md §9
 
 
 def warmup_for(cfg, warmup: int) -> int:

@@ -1,4 +1,4 @@
-"""Weight push into an `HFEngine` in `copy` mode against this machine's memcpy bandwidth (DESIGN §9).
+"""Weight push into an `HFEngine` in `copy` mode against this machine's memcpy bandwidth (docs/architecture.md §9).
 
     python bench/weight_sync.py [--json] [--repeats 20] [--mb 100] [--workload long]
     python bench/weight_sync.py --engine sglang [--json]   # a live sglang.Engine on a CPU: weight_sync_sglang.py
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 
-BUDGET = 0.5  # DESIGN §9: push ≥ 50% of memcpy bandwidth
+BUDGET = 0.5  # docs/architecture.md §9: push ≥ 50% of memcpy bandwidth
 BUCKETS_MB = (1, 16, 256)  # 256 MiB is GRPOModule's default bucket_bytes
 HEADLINE_BUCKET_MB = 256
 ONE_THREAD_CASES = (f"push_{HEADLINE_BUCKET_MB}mb", "memcpy")
@@ -143,7 +143,7 @@ def main(argv=None) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     parser.add_argument("--repeats", type=int, default=20, help="timed repeats per case (tiny model: ×10)")
     parser.add_argument("--mb", type=float, default=100.0, help="size of the synthetic model in MB")
-    parser.add_argument("--threads", type=int, default=common.THREADS, help="torch threads (DESIGN §9: 2)")
+    parser.add_argument("--threads", type=int, default=common.THREADS, help="torch threads (the reference workload: 2)")
     parser.add_argument("--engine", choices=("hf", "sglang"), default="hf",
                         help="sglang: push into a live sglang.Engine (CPU venv of scripts/sglang_cpu_env.sh)")
     parser.add_argument("--steps", type=int, default=6,

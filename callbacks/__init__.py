@@ -1,8 +1,8 @@
-"""Lightning callbacks that implement the papers; installed as `lit_rlvr.callbacks` (DESIGN §1)."""
+"""Lightning callbacks that implement the papers' methods (and measure them); installed as `lit_rlvr.callbacks`
+(docs/architecture.md §1). Run infrastructure (checkpoints, metrics) lives in `lit_rlvr` itself."""
 
 from .completions_log import CompletionsLog
 from .param_noise import ParamNoise
 from .value_prior import ValuePrior
-from lit_rlvr.run_checkpoint import RunCheckpoint  # run infrastructure (lit_rlvr/), importable here too
 
-__all__ = ["CompletionsLog", "ParamNoise", "RunCheckpoint", "ValuePrior"]
+__all__ = ["CompletionsLog", "ParamNoise", "ValuePrior"]

@@ -18,10 +18,10 @@ own rollouts (GRPO, C3PO). The oracle mean has its own noise, so the logged MSE 
 which estimates mean_b (b_b − μ_b)² without bias (the oracle draws are independent of the method's, given the
 weights). One sampled step of 16 prompts is noisy (it may even be negative): average over sampled steps.
 
-The extra completions never enter the method: they are not in `rollouts`, not counted in the module's
-`rollouts_total` / `tokens_generated`, and they use their own sampling seed (the engine's private generator
-seeded from ("oracle", run seed, step, source)), so the method's random stream is unchanged. They do take
-time: `time/step_s` of a sampled step includes `repro/oracle_s`.
+The extra completions are drawn through the module's rollout driver, with the training sampling options, and never
+enter the method: they are not in `rollouts`, not counted in the module's `rollouts_total` / `tokens_generated`,
+and their engine calls have their own seed keys (run seed, step, "oracle", this callback's seed), so the method's
+random stream is unchanged. They do take time: `time/step_s` of a sampled step includes `repro/oracle_s`.
 
 Logged on sampled steps (NaN on the others): `repro/baseline_mse`, `repro/baseline_mse_raw`, `repro/oracle_noise`
 (the subtracted term), `repro/group_mean_mse` (debiased MSE of the plain mean of the method's own rollouts, for
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -123,29 +123,12 @@ class OracleBaseline(RLVRCallback):
         self._oracle = {"mean": mean, "var": var, "count": count, "seconds": time.perf_counter() - t0}
 
     def draw(self, pl_module: "pl.LightningModule", plan: RolloutPlan) -> tuple[Tensor, Tensor]:
-        """M extra rewards per prompt from the plan's weight sources; returns rewards [B·M] and prompt ids [B·M]."""
-        from lit_rlvr.rollout.engine import SamplingParams
-
-        hp = pl_module.hparams
-        mean_weights = plan.uses_mean_weights and plan.num_weight_sources == 1
-        splits = plan.split_over_sources([self.num_samples] * plan.num_prompts)  # [S][B]
-        rewards, owners = [], []
-        for source, counts in enumerate(splits):
-            if sum(counts) == 0:
-                continue
-            seed = zlib.crc32(f"oracle:{self.seed}:{hp.seed}:{pl_module.global_step}:{source}".encode())
-            params = SamplingParams(temperature=hp.temperature, top_p=hp.top_p, top_k=hp.top_k,
-                                    max_new_tokens=hp.max_new_tokens, seed=seed)
-            with plan.weight_context(source):
-                pl_module.push_to_engine(holds_mean=mean_weights)  # no copy in shared mode; copy mode needs it
-                completions = pl_module.engine.generate(plan.prompt_token_ids, counts, params)
-            texts = [pl_module.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-                     for per in completions for c in per]
-            who = [b for b, per in enumerate(completions) for _ in per]
-            scored = pl_module.reward_runner([plan.prompts[b] for b in who], texts, [plan.answers[b] for b in who])
-            rewards.append(scored.scores.float())
-            owners.append(torch.tensor(who, dtype=torch.long))
-        return torch.cat(rewards), torch.cat(owners)
+        """M extra rewards per prompt from the plan's weight sources, in one round of the module's rollout driver;
+        returns rewards [B·M] and prompt ids [B·M]."""
+        oracle = replace(plan, n_per_prompt=[self.num_samples] * plan.num_prompts, budget_rule=None, seed_stream=())
+        step = pl_module.global_step
+        result = pl_module.driver.rollout(oracle, step=step, seed_key=(*pl_module.seed_key(), "oracle", self.seed))
+        return result.rollouts.rewards.float(), result.rollouts.group
 
     @override
     def on_rl_step_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", rollouts: Rollouts) -> None:

@@ -1,9 +1,10 @@
 """`ParamNoise`: 3PO — exploration in parameter space with IVON weight samples (B3PO, M3PO, C3PO).
 
-Paper: "Parameter Exploration for RLVR via Variational Learning" (Venkatkrishna, Daheim, Gurevych; DESIGN §5;
-summary in shared/seeds/). IVON keeps a Gaussian posterior q(θ) = N(m, σ²), σ = 1/sqrt(λ(h + δ)), over the
-weights; a weight sample is θ̂_j = m + σ⊙z_j with z_j seeded by (run seed, IVON step, j, rank), so the same
-index j gives the same θ̂_j everywhere within one RL step. Per step, G completions per prompt, N = num_samples:
+Paper: "Parameter Exploration for RLVR via Variational Learning" (Venkatkrishna, Daheim, Gurevych; the method as
+this library implements it: docs/architecture.md §5). IVON keeps a Gaussian posterior q(θ) = N(m, σ²),
+σ = 1/sqrt(λ(h + δ)), over the weights; a weight sample is θ̂_j = m + σ⊙z_j with z_j seeded by (run seed, IVON step,
+j, rank), so the same index j gives the same θ̂_j everywhere within one RL step. Per step, G completions per prompt,
+N = num_samples:
 
               generation (plan.weight_context)      advantages           loss (loss_context)
     b3po      θ̂_0 generates all G                   over the G           at θ̂_0
@@ -15,16 +16,15 @@ the weights to the engine inside the generation context. Loss contexts use `trai
 that sample's gradient (and noise⊙gradient for the Hessian); the module's single optimizer step per RL step
 is IVON's update from the recorded samples. The loss uses each rollout's behaviour log-probs as `old`, so in
 C3PO the ratio compares θ̂_N with the θ̂_c that generated the sequence; the module's loss option `seq_mask_tau`
-τ drops sequences whose ratio exp(Σ_t(logp − old)) leaves [1/τ, τ] (DESIGN §4). In B3PO and M3PO the loss sample is the
-generating one,
-so the ratio is 1 and the mask keeps everything.
+τ drops sequences whose ratio exp(Σ_t(logp − old)) leaves [1/τ, τ] (docs/architecture.md §4). In B3PO and M3PO the
+loss sample is the generating one, so the ratio is 1 and the mask keeps everything.
 """
 
 from __future__ import annotations
 
 import logging
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 
 import torch
 from typing_extensions import override
@@ -50,16 +50,13 @@ class ParamNoise(RLVRCallback):
         variant: `b3po` (one sample per step), `m3po` (N samples, advantages and gradients per sample) or
             `c3po` (N samples pooled into one group; the paper's best).
         num_samples: N, the weight samples the G completions of a prompt are split over; None = 1 for b3po
-            (its only valid value), 4 otherwise (paper). `group_size` must be a multiple of it
+            (its only valid value), 4 otherwise (paper). The module's `group_size` must be a multiple of it
             (for m3po at least twice it: advantages are taken within each sample's G/N completions).
-        group_size: the module's G, when known at construction (the configs pass `${algorithm.group_size}`), so
-            that a G not divisible by N fails before the model loads; `setup` checks the module's G anyway.
         bf16_check_every: steps between checks that σ is above the bf16 spacing of the weights (only with a
             bf16 engine; warns once).
     """
 
-    def __init__(self, variant: str = "c3po", num_samples: Optional[int] = None,
-                 group_size: Optional[int] = None, bf16_check_every: int = 100):
+    def __init__(self, variant: str = "c3po", num_samples: Optional[int] = None, bf16_check_every: int = 100):
         super().__init__()
         if variant not in VARIANTS:
             raise ValueError(f"{KEY}.variant={variant!r}; valid: {', '.join(VARIANTS)}")
@@ -71,8 +68,7 @@ class ParamNoise(RLVRCallback):
         self.variant, self.num_samples = variant, num_samples
         self.bf16_check_every = bf16_check_every
         self._bf16_warned = False
-        if group_size is not None:
-            self._check_group_size(int(group_size))
+        self._tau_warned = False
 
     def _check_group_size(self, group_size: int) -> None:
         if group_size % self.num_samples:
@@ -90,19 +86,20 @@ class ParamNoise(RLVRCallback):
 
     # -- checks before any work --------------------------------------------------------------------------------
     @override
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        hp = pl_module.hparams
-        if hp.get("optimizer") != "ivon":
+    def check_module_options(self, options: Mapping[str, Any]) -> None:
+        if options.get("optimizer") != "ivon":
             raise ValueError(f"{KEY} samples weights from IVON's posterior: set algorithm.optimizer=ivon (with "
                              f"algorithm.optimizer_options.ess etc.; see conf/algorithm/c3po.yaml), got "
-                             f"algorithm.optimizer={hp.get('optimizer')!r}")
-        self._check_group_size(int(hp.group_size))
-        if hp.get("ppo_epochs", 1) * hp.get("mini_batches", 1) != 1:
+                             f"algorithm.optimizer={options.get('optimizer')!r}")
+        self._check_group_size(int(options["group_size"]))
+        epochs, minis = options.get("ppo_epochs", 1), options.get("mini_batches", 1)
+        if epochs * minis != 1:
             # a second IVON step inside one RL step would move m and re-seed the samples the rollouts came from
             raise ValueError(f"3PO takes one IVON step per RL step: set algorithm.ppo_epochs=1 and "
-                             f"algorithm.mini_batches=1 (got {hp.ppo_epochs} and {hp.mini_batches})")
-        if hp.get("seq_mask_tau") is None:
+                             f"algorithm.mini_batches=1 (got {epochs} and {minis})")
+        if options.get("seq_mask_tau") is None and not self._tau_warned:
             log.warning("3PO without the sequence importance mask (algorithm.seq_mask_tau=null); the paper uses 2.0")
+            self._tau_warned = True
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

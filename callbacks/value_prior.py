@@ -1,7 +1,8 @@
 """`ValuePrior`: V0.5 — a generalist value prior fused with a few rollouts, and OSLA budget allocation.
 
-Paper: "V0.5: Generalist Value Model as a Prior for Sparse RL Rollouts" (DESIGN §6; summary in shared/seeds/).
-One RL step (DESIGN §3), with B prompts:
+Paper: "V0.5: Generalist Value Model as a Prior for Sparse RL Rollouts" (the method as this library implements it:
+docs/architecture.md §6).
+One RL step (docs/architecture.md §3), with B prompts:
 
     on_rollout_plan       V0 predicts p̂ [B] in context (this run's recent records); prior V = low + (high−low)·p̂
                           (= 2p̂ − 1 for ±1 rewards); first round = k_init samples per prompt; OSLA rule installed
@@ -27,7 +28,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -68,7 +69,7 @@ class _Step:
     present: bool = False
     context_size: int = 0
     rounds: int = 0
-    prior_s: float = 0.0  # prediction + allocation + fusion + context bookkeeping (the ≤ 5% budget, DESIGN §9)
+    prior_s: float = 0.0  # prediction + allocation + fusion + context bookkeeping (its budget: ≤ 5% of a step)
     fusion: dict[str, list] = field(default_factory=dict)  # shrinkage_fusion's metrics [B] each
 
 
@@ -149,7 +150,9 @@ class ValuePrior(RLVRCallback):
         if not 0.0 <= bandwidth_refit <= 1.0:
             raise ValueError(f"{KEY}.bandwidth_refit must be in [0, 1], got {bandwidth_refit}")
         self.precompute, self.precompute_max, self.precompute_batch = precompute, precompute_max, precompute_batch
-        self.k_init, self.k_max, self.cost = k_init, k_max, cost  # k_init None: set in setup
+        self.k_init, self.k_max, self.cost = k_init, k_max, cost  # k_init None: the module's group_size
+        self._k_init_given = k_init is not None
+        self._warned_options = False
         # c is a price in baseline MSE on the ±1 scale; MSE scales with the square of the reward range
         self._cost_f32 = round_f32(cost * ((self.high - self.low) / 2) ** 2)
         self.min_active_frac, self.pad_to, self.round_size = min_active_frac, pad_to, round_size
@@ -176,10 +179,14 @@ class ValuePrior(RLVRCallback):
             kwargs["device"] = kwargs["device"] or str(trainer.strategy.root_device)
             self.value_model = ValueModel.create(**kwargs)
             self._restore_backbone_cache()
-        if self.k_init is None:
-            self.k_init = int(pl_module.hparams["group_size"])
+
+    @override
+    def check_module_options(self, options: Mapping[str, Any]) -> None:
+        if not self._k_init_given:
+            self.k_init = int(options["group_size"])
             _check_budget(self.k_init, self.k_max, self.cost, self.min_active_frac, self.pad_to, self.round_size)
-        _warn_unused_module_options(pl_module, self.k_init)
+        if not self._warned_options:
+            self._warned_options = _warn_unused_module_options(options, self.k_init)
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -448,12 +455,16 @@ def _check_rewards(reward_range: Sequence[float], noise_var: Optional[float]) ->
     return low, high, float(noise_var) if noise_var is not None else reward_noise_var(low, high)
 
 
-def _warn_unused_module_options(pl_module: "pl.LightningModule", k_init: int) -> None:
-    """Say so when a module option the user may have set has no effect, or departs from the paper, under V0.5."""
-    hp = getattr(pl_module, "hparams", {})
-    if hp.get("group_size", k_init) != k_init:
+def _warn_unused_module_options(options: Mapping[str, Any], k_init: int) -> bool:
+    """Say so when a module option the user may have set has no effect, or departs from the paper, under V0.5;
+    returns whether it said anything."""
+    warned = False
+    if options.get("group_size", k_init) != k_init:
         log.warning("V0.5: algorithm.group_size=%s is not used; %s.k_init=%d samples per prompt start each step "
-                    "and OSLA adds more", hp["group_size"], KEY, k_init)
-    if hp.get("scale_adv_by_std", False):
+                    "and OSLA adds more", options["group_size"], KEY, k_init)
+        warned = True
+    if options.get("scale_adv_by_std", False):
+        warned = True
         log.warning("V0.5 with algorithm.scale_adv_by_std=true divides A = r − b by the group's reward std; the "
                     "paper uses the fused baseline alone (algorithm.scale_adv_by_std=false)")
+    return warned

@@ -3,8 +3,8 @@
 Types come from the classes the config builds: the `_target_` of `algorithm` and `data` and `pl.Trainer` for
 `trainer`. Their `__init__` annotations become an OmegaConf structured config (a dataclass made on the fly),
 and each value is assigned to it, so OmegaConf's own conversion decides what is valid ("3" is an int, "abc" is
-not). Ranges that no annotation can say are in `RANGES`. Each problem is one line naming the full key, the
-value and what is expected; `ConfigError` carries them all.
+not). Ranges that no annotation can say are in `lit_rlvr.options.RANGES`, the table the constructors check too.
+Each problem is one line naming the full key, the value and what is expected; `ConfigError` carries them all.
 """
 
 from __future__ import annotations
@@ -13,45 +13,16 @@ import dataclasses
 import importlib
 import inspect
 import typing
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lit_rlvr.options import RANGES, ConfigError, group_size_problem, problem_line
+
 DEBUG_ENV = "LIT_RLVR_DEBUG"  # =1: config errors raise with their traceback instead of one line
 
 
-class ConfigError(ValueError):
-    """Invalid config values: one line per key."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("\n".join(problems))
-
-
-# key -> (valid?, what is expected); checked after the types, on keys that exist in the composed config
-RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "algorithm.group_size": (lambda v: v >= 2, "an integer >= 2 (advantages compare the completions of one "
-                                               "prompt: with 1, every advantage is 0 and nothing is learnt)"),
-    "algorithm.lr": (lambda v: v > 0, "a number > 0"),
-    "algorithm.weight_decay": (lambda v: v >= 0, "a number >= 0"),
-    "algorithm.grad_clip": (lambda v: v is None or v >= 0, "a number >= 0 (0 = off) or null"),
-    "algorithm.kl_coef": (lambda v: v >= 0, "a number >= 0"),
-    "algorithm.temperature": (lambda v: v > 0, "a number > 0"),
-    "algorithm.top_p": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
-    "algorithm.top_k": (lambda v: v >= 0, "an integer >= 0 (0 = off)"),
-    "algorithm.eval_temperature": (lambda v: v >= 0, "a number >= 0 (0 = greedy)"),
-    "algorithm.max_bad_steps": (lambda v: v >= 1, "an integer >= 1"),
-    "algorithm.warmup_steps": (lambda v: v >= 0, "an integer >= 0"),
-    **{f"algorithm.{k}": (lambda v: v >= 1, "an integer >= 1")
-       for k in ("ppo_epochs", "mini_batches", "micro_batch_size", "max_new_tokens", "eval_samples")},
-    "data.batch_size": (lambda v: v >= 1, "an integer >= 1 (prompts per RL step)"),
-    "data.eval_batch_size": (lambda v: v >= 1, "an integer >= 1"),
-    "data.eval_limit": (lambda v: v is None or v >= 1, "an integer >= 1 or null"),
-    "trainer.max_steps": (lambda v: v >= 1 or v == -1, "an integer >= 1 (optimizer steps), or -1"),
-    "checkpoint_every": (lambda v: v >= 1, "an integer >= 1"),
-    "mode": (lambda v: v in ("train", "eval"), "train or eval"),
-}
 # V0.5 starts each group with k_init samples and baselines them with the prior: one sample still has an advantage
 PRIOR_GROUP = "algorithm.callbacks.value_prior"
 # top-level keys of conf/config.yaml and their types
@@ -68,7 +39,7 @@ def check_config(cfg: DictConfig) -> None:
             continue
         target = target or node.get("_target_")
         missing = [k for k in node if not k.startswith("_") and OmegaConf.is_missing(node, k)]
-        problems += [_line(f"{section}.{k}", "???", f"a value: set {section}.{k}=...") for k in missing]
+        problems += [problem_line(f"{section}.{k}", "???", f"a value: set {section}.{k}=...") for k in missing]
         if target:
             problems += _check_types(f"{section}.", _resolved(node, skip=missing), _init_types(target))
     if not problems:
@@ -115,7 +86,7 @@ def _check_types(prefix: str, values: dict[str, Any], types: dict[str, Any]) -> 
         try:
             node[key] = values[key]
         except OmegaConfBaseException:
-            problems.append(_line(prefix + key, values[key], _describe(expected)))
+            problems.append(problem_line(prefix + key, values[key], _describe(expected)))
     return problems
 
 
@@ -139,11 +110,8 @@ def _describe(expected: Any) -> str:
 
 
 def _check_ranges(cfg: DictConfig) -> list[str]:
-    rules = dict(RANGES)
-    if OmegaConf.select(cfg, PRIOR_GROUP) is not None:
-        rules["algorithm.group_size"] = (lambda v: v >= 1, "an integer >= 1")
     problems = []
-    for key, (valid, expected) in rules.items():
+    for key, (valid, expected) in RANGES.items():
         value = OmegaConf.select(cfg, key, default=MISSING)
         if value is MISSING or value == MISSING:
             continue
@@ -152,7 +120,11 @@ def _check_ranges(cfg: DictConfig) -> list[str]:
         except TypeError:  # e.g. null where a number is needed
             ok = False
         if not ok:
-            problems.append(_line(key, value, expected))
+            problems.append(problem_line(key, value, expected))
+    group_size = OmegaConf.select(cfg, "algorithm.group_size", default=None)
+    if isinstance(group_size, int) and group_size >= 1:
+        has_prior = OmegaConf.select(cfg, PRIOR_GROUP) is not None
+        problems += group_size_problem(group_size, PRIOR_GROUP if has_prior else None)
     return problems
 
 
@@ -176,5 +148,3 @@ def _check_extras(cfg: DictConfig) -> list[str]:
     return problems
 
 
-def _line(key: str, value: Any, expected: str) -> str:
-    return f"{key}={'???' if value == '???' else repr(value)} is not valid: expected {expected}"

@@ -16,7 +16,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from lit_rlvr.config_check import DEBUG_ENV, ConfigError, check_config
+from lit_rlvr.config_check import DEBUG_ENV, check_config
+from lit_rlvr.options import ConfigError
 
 
 def run(cfg: DictConfig) -> None:

@@ -1,4 +1,4 @@
-"""`RLVRCallback`: a Lightning `Callback` with the RL hook points of one step (DESIGN §3).
+"""`RLVRCallback`: a Lightning `Callback` with the RL hook points of one step (docs/architecture.md §3).
 
 The module calls these hooks on every callback of the trainer that is an `RLVRCallback`, in trainer order.
 Two callbacks that edit the plan must compose: edit what you need, keep what others set.
@@ -7,10 +7,11 @@ Two callbacks that edit the plan must compose: edit what you need, keep what oth
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from lightning.pytorch.callbacks import Callback
 
+from lit_rlvr.options import ConfigError, group_size_problem
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -20,6 +21,11 @@ if TYPE_CHECKING:  # pragma: no cover
 class RLVRCallback(Callback):
     # True for a callback that sets each prompt's sample count itself (V0.5): the module's group_size is unused
     sets_sample_counts = False
+
+    def check_module_options(self, options: Mapping[str, Any]) -> None:
+        """The module's options (its constructor's arguments: `group_size`, `optimizer`, …), before any work: raise a
+        ValueError naming the config key when this callback cannot work with them, or take a default from them.
+        Called by train.py before the model loads and again by the module's `setup` (say a warning once)."""
 
     def on_rollout_plan(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", plan: RolloutPlan) -> None:
         """Before any rollout: change counts, weight sources or the budget rule of `plan` in place."""
@@ -38,3 +44,15 @@ class RLVRCallback(Callback):
 
     def on_rl_step_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", rollouts: Rollouts) -> None:
         """After the optimizer step and the engine sync of this RL step."""
+
+
+def check_rl_callbacks(callbacks: Iterable[Any], options: Mapping[str, Any]) -> None:
+    """Each `RLVRCallback`'s `check_module_options(options)`, then the module's own rule that needs the callbacks
+    (a group of one only where a callback sets the sample counts)."""
+    rl = [cb for cb in callbacks if isinstance(cb, RLVRCallback)]
+    for cb in rl:
+        cb.check_module_options(options)
+    counts_set_by = next((type(cb).__name__ for cb in rl if cb.sets_sample_counts), None)
+    problems = group_size_problem(int(options["group_size"]), counts_set_by)
+    if problems:
+        raise ConfigError(problems)

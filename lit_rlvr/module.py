@@ -1,4 +1,4 @@
-"""`GRPOModule`: the LightningModule of one RL step (DESIGN §3).
+"""`GRPOModule`: the LightningModule of one RL step (docs/architecture.md §3).
 
 rollout → reward → advantages → PPO-clip loss over micro-batches → optimizer step → engine weight sync.
 Generation (engine calls, rounds, weight pushes, scoring) is the `RolloutDriver`'s (lit_rlvr.rollout.driver); the
@@ -12,9 +12,8 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-import zlib
-from contextlib import ExitStack
-from typing import Any, Optional
+from contextlib import ExitStack, contextmanager
+from typing import Any, Callable, Iterator, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -24,18 +23,18 @@ from lit_rlvr import distributed as D
 from lit_rlvr import functional as F
 from lit_rlvr.checkpoint_io import checkpoint_hint
 from lit_rlvr.freeze import FreezeSetupObjects
-from lit_rlvr.hooks import RLVRCallback
-from lit_rlvr.loss_options import check_loss_options
+from lit_rlvr.hooks import RLVRCallback, check_rl_callbacks
 from lit_rlvr.models import load_policy, resolve_model_path
 from lit_rlvr.optim.build import build_optimizer, check_optimizer_options
 from lit_rlvr.optim.schedule import warmup_factor
+from lit_rlvr.options import ConfigError, consistency_problems, range_problems
 from lit_rlvr.rewards import build_reward_runner
 from lit_rlvr.rewards.base import RewardHangError
-from lit_rlvr.rng import rng_states, set_rng_states
+from lit_rlvr.rng import rng_states, seed_of, set_rng_states
 from lit_rlvr.rollout import build_engine
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
-from lit_rlvr.rollout.driver import RolloutDriver
-from lit_rlvr.rollout.engine import EngineError  # noqa: F401  also lit_rlvr.module.EngineError
+from lit_rlvr.rollout.driver import RolloutDriver, stop_token_ids
+from lit_rlvr.rollout.engine import EngineError, SamplingConfig
 from lit_rlvr.step_log import StepTimer, write_step_metrics
 from lit_rlvr.validation import ValidationMetrics
 
@@ -47,11 +46,13 @@ class NonFiniteError(RuntimeError):
 
 
 class GRPOModule(pl.LightningModule):
-    """GRPO with PPO-clip (Shao et al. 2024) and the usual knobs; see DESIGN §4 for every option.
+    """GRPO with PPO-clip (Shao et al. 2024) and the usual knobs; docs/architecture.md §4 has the equations.
 
-    Args (the ones a user changes most): `group_size` G samples per prompt; `lr`; `eps_low`/`eps_high` clip
+    Args (the ones a user changes most): `model` an HF path or hub name, or "tiny" (the built-in model, warm-started
+    and cached); `reward` a built-in name (`lit_rlvr.rewards.REWARDS`), "package.module:function", or the callable
+    `fn(prompt, completion, answer) -> score` itself; `group_size` G samples per prompt; `lr`; `eps_low`/`eps_high` clip
     range; `dual_clip` c (> 1: verl's clip_ratio_c; None = off); `seq_mask_tau` τ of the sequence-level
-    importance mask (3PO, DESIGN §4; None = off); `loss_aggregation` (one of
+    importance mask (3PO; None = off); `loss_aggregation` (one of
     `functional.AGGREGATIONS`); `scale_adv_by_std`; `kl_coef` β (> 0 loads a frozen reference copy) with
     `kl_estimator` (and `kl_k3_cap`: verl caps k3 at 10; None = no cap); `entropy_coef` η; `ppo_epochs` passes
     over each rollout batch; `mini_batches` optimizer steps per epoch; `micro_batch_size` completions per
@@ -73,7 +74,7 @@ class GRPOModule(pl.LightningModule):
         model: str = "tiny",
         model_options: Optional[dict[str, Any]] = None,
         dtype: str = "float32",
-        reward: str = "arithmetic",
+        reward: Union[str, Callable[..., Any]] = "arithmetic",
         reward_options: Optional[dict[str, Any]] = None,
         engine: str = "hf",
         engine_options: Optional[dict[str, Any]] = None,
@@ -114,7 +115,6 @@ class GRPOModule(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = False
-        self.driver = RolloutDriver(self)
         self._check_options()
         path = resolve_model_path(model, model_options)
         self.policy, self.tokenizer = load_policy(path, dtype)
@@ -122,7 +122,13 @@ class GRPOModule(pl.LightningModule):
         self.model_path = path
         self.ref_policy = copy.deepcopy(self.policy).requires_grad_(False).eval() if kl_coef > 0 else None
         self.reward_runner = build_reward_runner(reward, reward_options)
-        self.engine = None  # built in setup(): after the strategy has placed (and maybe sharded) the policy
+        self.sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k,
+                                       max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
+                                       eval_temperature=eval_temperature,
+                                       stop_token_ids=stop_token_ids(self.policy, self.tokenizer.eos_token_id))
+        # built in setup(): after the strategy has placed (and maybe sharded) the policy
+        self.engine: Optional[Any] = None
+        self.driver: Optional[RolloutDriver] = None
         self.val_metrics = ValidationMetrics(eval_samples)
         self.counters = {"rollouts_total": 0, "tokens_generated": 0, "skipped_steps": 0, "bad_steps_in_row": 0,
                          "reward_failures": 0}
@@ -130,16 +136,20 @@ class GRPOModule(pl.LightningModule):
         self.step_metrics: dict[str, Tensor] = {}
 
     def _check_options(self) -> None:
+        """The table of ranges that train.py checks too (lit_rlvr.options), before the model loads."""
         hp = self.hparams
-        check_loss_options(hp)
-        self.driver.sampling_params(0)  # SamplingParams validates temperature, top_p, max_new_tokens
+        problems = range_problems(hp, "algorithm") + consistency_problems(hp)
+        if problems:
+            raise ConfigError(problems)
         check_optimizer_options(hp.optimizer, hp.optimizer_options, lr=hp.lr, grad_clip=hp.grad_clip,
                                 weight_decay=hp.weight_decay, dtype=hp.dtype)
 
     # -- Lightning plumbing ----------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
+        check_rl_callbacks(self.rl_callbacks(), self.hparams)  # the Lightning CLI and Python reach this first
         if self.engine is None:
             self.engine = build_engine(self.hparams.engine, self.policy, self.tokenizer, self.hparams.engine_options)
+            self.driver = RolloutDriver(self.engine, self.tokenizer, self.reward_runner, self.sampling, self.policy)
 
     def configure_model(self) -> None:
         """Lightning's parallelism hook: a sharding strategy (`FSDP2Strategy.parallelize`) shards here."""
@@ -148,11 +158,6 @@ class GRPOModule(pl.LightningModule):
             parallelize(self)
 
     def on_fit_start(self) -> None:
-        if self.hparams.group_size < 2 and not any(cb.sets_sample_counts for cb in self.rl_callbacks()):
-            # reached by the Lightning CLI, which skips the Hydra recipe's config checks
-            raise ValueError(f"algorithm.group_size (model.init_args.group_size in the Lightning CLI) = "
-                             f"{self.hparams.group_size}: advantages compare the completions of one prompt, so a "
-                             "group of one learns nothing; use 2 or more")
         self._engine_to_device()
 
     def configure_callbacks(self) -> list[pl.Callback]:
@@ -216,7 +221,13 @@ class GRPOModule(pl.LightningModule):
     def make_plan(self, batch: dict[str, list]) -> RolloutPlan:
         prompts = [self.render_prompt(p) for p in batch["prompt"]]
         token_ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"] if prompts else []
-        return RolloutPlan(prompts, list(batch["answer"]), token_ids, [self.hparams.group_size] * len(prompts))
+        return RolloutPlan(prompts, list(batch["answer"]), token_ids, [self.hparams.group_size] * len(prompts),
+                           seed_stream=self.seed_stream())
+
+    def seed_stream(self) -> tuple[int, ...]:
+        """Appended to the seed keys of the plan's engine calls: a subclass that draws several plans in one step
+        (DAPO's refills) gives each its own stream; () for the step's first plan."""
+        return ()
 
     def render_prompt(self, prompt: Any) -> str:
         if isinstance(prompt, str) and not self.hparams.chat_template:
@@ -226,17 +237,34 @@ class GRPOModule(pl.LightningModule):
         return render_prompt(prompt, self.tokenizer, chat_template=self.hparams.chat_template)
 
     def rollout(self, plan: RolloutPlan) -> Rollouts:
-        """The plan's samples, generated and scored (`RolloutDriver.rollout`)."""
-        return self.driver.rollout(plan)
+        """The plan's samples, generated and scored (`RolloutDriver.rollout`); counted into the run's totals."""
+        with self._engine_hint():
+            result = self.driver.rollout(plan, step=self.global_step, seed_key=self.seed_key())
+        for phase, seconds in result.seconds.items():
+            self.timer.add(phase, seconds)
+        self.counters["rollouts_total"] += result.num_rollouts
+        self.counters["tokens_generated"] += result.num_tokens
+        self.counters["reward_failures"] += result.reward_failures
+        if result.stop_reason:  # a hung reward call is left running: finish the step, save, stop
+            self.trainer.should_stop = True
+        return result.rollouts
 
-    def push_to_engine(self, *, holds_mean: bool = True) -> None:
-        """Send the policy's weights to the engine. Every push of the run goes through here (the driver's too),
-        so a callback or a test can wrap it."""
-        self.driver.push(holds_mean=holds_mean)
+    def seed_key(self) -> tuple[int, int]:
+        """(run seed, step): the key of this step's sampling seeds; the driver appends the round, the weight source
+        and the plan's stream, so every engine call of a run draws from its own seed."""
+        return (self.hparams.seed, self.global_step)
+
+    @contextmanager
+    def _engine_hint(self) -> Iterator[None]:
+        """An engine failure names the engine and says what survives and what to do."""
+        try:
+            yield
+        except EngineError as err:
+            raise EngineError(f"engine {self.hparams.engine!r} {err}; {checkpoint_hint(self._trainer)}") from err
 
     def sync_engine(self) -> None:
         """After the optimizer step: the engine must hold the new mean weights (version = global step)."""
-        self.push_to_engine(holds_mean=True)
+        self.timer.add("sync_s", self.driver.push(step=self.global_step))
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         # after the callbacks' hook: RunCheckpoint has saved this step (the driver set should_stop)
@@ -266,8 +294,8 @@ class GRPOModule(pl.LightningModule):
         width = rollouts.response_ids.shape[1]
         logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
                        logits_to_keep=width + 1).logits[:, :-1]
-        temperature = self.hparams.temperature or 1.0
-        return F.token_logprobs(logits, rollouts.response_ids.to(self.device), temperature=temperature), logits
+        return (F.token_logprobs(logits, rollouts.response_ids.to(self.device), temperature=self.sampling.temperature),
+                logits)
 
     def micro_batch_loss(self, rollouts: Rollouts, weight: float) -> tuple[Tensor, dict[str, Tensor]]:
         """Loss of one micro-batch, scaled by its share `weight` of the pass so micro-batches sum exactly."""
@@ -285,7 +313,7 @@ class GRPOModule(pl.LightningModule):
         loss, metrics = self.policy_loss(logp, old, advantages, mask, rollouts)
         metrics.update(keep_metrics)
         with torch.set_grad_enabled(hp.entropy_coef > 0):
-            entropy = F.entropy_from_logits(logits / (hp.temperature or 1.0))  # [n, T]
+            entropy = F.entropy_from_logits(logits / self.sampling.temperature)  # [n, T]
         entropy_mean = F.aggregate(entropy, mask, hp.loss_aggregation, norm_len=hp.max_new_tokens)
         loss = loss - hp.entropy_coef * entropy_mean
         # the metric is nats per token whatever the loss aggregation, so runs of different losses compare
@@ -441,8 +469,9 @@ class GRPOModule(pl.LightningModule):
     def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:
         if self.engine is None:
             self.setup("validate")
-        seed = zlib.crc32(f"eval:{self.hparams.seed}".encode())  # keyed per prompt by the engine
-        correct = self.driver.evaluate(self.make_plan(batch), self.hparams.eval_samples, seed)  # [B, n]
+        with self._engine_hint():  # the engine keys its seed per prompt: every evaluation draws the same samples
+            correct = self.driver.evaluate(self.make_plan(batch), self.hparams.eval_samples, step=self.global_step,
+                                           seed=seed_of("eval", self.hparams.seed))  # [B, n]
         self.val_metrics.update(correct)
 
     def on_validation_epoch_end(self) -> None:
@@ -469,4 +498,5 @@ class GRPOModule(pl.LightningModule):
             self.counters.update(dict.fromkeys(self.SUMMED_COUNTERS, 0))
         if "rng" in state:  # a resumed run draws the random numbers the uninterrupted run would have drawn
             set_rng_states(state["rng"])
-        self.driver.holds_mean = False  # the engine must receive the restored weights before the next rollout
+        if self.driver is not None:  # the engine must receive the restored weights before the next rollout
+            self.driver.forget_engine_weights()

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_rlvr import jsonsafe
+from lit_rlvr.hooks import check_rl_callbacks
 from lit_rlvr.run_checkpoint import RunCheckpoint
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.resume import RunConfig, check_config, check_weights_fit, load_checkpoint, resolved_config
@@ -34,19 +35,20 @@ warnings.filterwarnings("ignore", message=".*when logging on epoch level in dist
 SUMMARY_FILE = "summary.json"
 
 
-def build_module(cfg: DictConfig) -> GRPOModule:
-    """The algorithm's module with the model, reward and engine choices and the run seed.
-
-    `model.chat_template` (true/false), when a model config sets it, decides whether prompts go through the
-    tokenizer's chat template (instruct models need it); null leaves `algorithm.chat_template` in charge.
-    """
+def algorithm_options(cfg: DictConfig) -> dict[str, Any]:
+    """The module's arguments from the `algorithm` group (its `_target_` included), plus `model.chat_template`:
+    whether prompts go through the tokenizer's chat template is the model's property (instruct models need it)."""
     algorithm = OmegaConf.to_container(cfg.algorithm, resolve=True)
     for key in ("name", "callbacks"):
         algorithm.pop(key, None)
-    if cfg.model.get("chat_template") is not None:
-        algorithm["chat_template"] = bool(cfg.model.chat_template)
+    algorithm["chat_template"] = bool(cfg.model.get("chat_template") or False)
+    return algorithm
+
+
+def build_module(cfg: DictConfig) -> GRPOModule:
+    """The algorithm's module with the model, reward and engine choices and the run seed."""
     return _instantiate(
-        algorithm,
+        algorithm_options(cfg),
         model=cfg.model.name_or_path,
         model_options=OmegaConf.to_container(cfg.model.options, resolve=True),
         dtype=cfg.model.dtype,
@@ -111,7 +113,7 @@ def _check_prompt_tokens(datamodule: pl.LightningDataModule, module: GRPOModule)
     check = getattr(datamodule, "check_prompt_tokens", None)
     if check is not None:
         check(module.render_prompt, lambda text: module.tokenizer(text, add_special_tokens=False)["input_ids"],
-              module.policy.config.max_position_embeddings, module.hparams.max_new_tokens)
+              module.policy.config.max_position_embeddings, module.sampling.max_new_tokens)
 
 
 def check_run_dir(hydra_cfg: DictConfig) -> None:
@@ -147,7 +149,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     started = time.perf_counter()
     datamodule = _instantiate(cfg.data)
-    trainer = build_trainer(cfg, run_dir, overrides)  # first: callbacks check their config before the model loads
+    trainer = build_trainer(cfg, run_dir, overrides)
+    check_rl_callbacks(trainer.callbacks, algorithm_options(cfg))  # before the model loads
     _load_data(datamodule, trainer, "fit")
     module = build_module(cfg)
     _check_prompt_tokens(datamodule, module)
@@ -255,7 +258,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         module.load_state_dict(state["state_dict"], strict=False)  # a reference model may differ
         metrics = validate(trainer, module, datamodule)
     result = {"checkpoint": str(cfg.checkpoint), "prompts": len(getattr(datamodule, "eval_set", None) or []),
-              "samples_per_prompt": module.hparams.eval_samples, "temperature": module.hparams.eval_temperature,
+              "samples_per_prompt": cfg.algorithm.eval_samples, "temperature": module.sampling.eval_temperature,
               **metrics}
     if trainer.is_global_zero:
         (run_dir / "eval.json").write_text(jsonsafe.dumps(result, indent=2))

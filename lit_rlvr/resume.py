@@ -1,4 +1,4 @@
-"""Checks for `resume=PATH` and `checkpoint=PATH`, run before any work (DESIGN §10).
+"""Checks for `resume=PATH` and `checkpoint=PATH`, run before any work (docs/architecture.md §10).
 
 A checkpoint must be a readable lit-rlvr checkpoint (not truncated, not garbage), and a resumed run must mean
 the same as the run that wrote it: the resolved config recorded in the checkpoint (`RunConfig` writes it) is

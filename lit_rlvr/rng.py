@@ -1,12 +1,20 @@
-"""The global RNG states (python, numpy, torch CPU and CUDA) for a checkpoint; Lightning does not save them."""
+"""Seeds derived from keys (`seed_of`), and the global RNG states (python, numpy, torch CPU and CUDA) for a
+checkpoint, which Lightning does not save."""
 
 from __future__ import annotations
 
 import random
+import zlib
 from typing import Any
 
 import numpy as np
 import torch
+
+
+def seed_of(*parts: object) -> int:
+    """A 32-bit seed that is a function of `parts` only (e.g. run seed, step, round, weight source): the same
+    key gives the same seed on any machine, rank or resume. CRC-32 of the parts joined by ':'."""
+    return zlib.crc32(":".join(str(p) for p in parts).encode())
 
 
 def rng_states() -> dict[str, Any]:

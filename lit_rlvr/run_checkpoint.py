@@ -1,6 +1,6 @@
 """`RunCheckpoint`: `checkpoints/last.ckpt`, written atomically every `every_n_steps` optimizer steps, at the
 run's last step, and at the step during which SIGTERM or a first SIGINT (Ctrl-C) arrived (then training stops;
-DESIGN §10). A second SIGINT aborts at once, as usual.
+docs/architecture.md §10). A second SIGINT aborts at once, as usual.
 
 Why not `ModelCheckpoint` plus a save after `fit`: a checkpoint written after `fit` returns records the epoch as
 finished, so a resumed run would start a new epoch (a new data order) instead of continuing the old one; and a

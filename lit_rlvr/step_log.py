@@ -31,6 +31,10 @@ class StepTimer:
         finally:
             self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - t0
 
+    def add(self, phase: str, seconds: float) -> None:
+        """Add seconds measured elsewhere (e.g. by the rollout driver) to a phase."""
+        self.times[phase] = self.times.get(phase, 0.0) + seconds
+
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 

@@ -1,7 +1,7 @@
-"""Fault report (DESIGN §10): runs tests/test_faults.py, tests/test_resume.py and tests/test_reward_faults.py and
-prints what was injected, how many bad inputs each fault fed the run, which runs survived (or stopped cleanly
-with last.ckpt intact), and the data lost (0: every stopped run resumes from its last.ckpt, and the resume tests check
-it is exact).
+"""Fault report (docs/architecture.md §10): runs tests/test_faults.py, tests/test_resume.py and
+tests/test_reward_faults.py and prints what was injected, how many bad inputs each fault fed the run, which runs
+survived (or stopped cleanly with last.ckpt intact), and the data lost (0: every stopped run resumes from its
+last.ckpt, and the resume tests check it is exact).
 
     python scripts/fault_report.py        (~2 minutes on 2 CPU cores)
 """

@@ -1,6 +1,6 @@
 """Small-scale reproduction of the papers' claims on the built-in task (tiny model, arithmetic, CPU).
 
-The claims (shared/seeds/, DESIGN §5-6): V0.5 with k_init = 4 (OSLA up to 16) beats GRPO with G = 16, with a lower
+The claims (docs/architecture.md §5-6): V0.5 with k_init = 4 (OSLA up to 16) beats GRPO with G = 16, with a lower
 and steadier gradient norm, higher entropy and a lower baseline MSE; C3PO (N = 4) beats GRPO at the same cost
 (G = 16), with fewer zero-advantage groups and fewer malformed rollouts. This script runs GRPO (G = 16),
 GRPO (G = 4), V0.5, C3PO (G = 16) and C3PO + V0.5, several seeds each, at equal optimizer steps, each run an

@@ -30,17 +30,26 @@ class PushCheck(RLVRCallback):
         self.means: dict[str, torch.Tensor] = {}
         self.samples_pushed = 0
 
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        if getattr(pl_module, "_push_checked", False):  # a run validates, fits, validates: wrap once
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._wrap(pl_module)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._wrap(pl_module)
+
+    def _wrap(self, pl_module) -> None:
+        """Check every push of the run: the driver (built in the module's setup) sends them all through `push`."""
+        driver = pl_module.driver
+        if getattr(driver.push, "checked", False):  # a run validates, fits, validates: wrap once
             return
-        pl_module._push_checked = True
-        original = pl_module.push_to_engine
+        original = driver.push
 
-        def checked_push(*args, **kwargs):
-            original(*args, **kwargs)
+        def checked_push(**kwargs):
+            seconds = original(**kwargs)
             self._check(pl_module)
+            return seconds
 
-        pl_module.push_to_engine = checked_push
+        checked_push.checked = True
+        driver.push = checked_push
 
     def on_rollout_plan(self, trainer, pl_module, plan) -> None:
         self.means = {n: _full(p).clone() for n, p in pl_module.policy.named_parameters()}  # m, before any sample

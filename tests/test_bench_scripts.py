@@ -1,5 +1,5 @@
 """The long-workload benchmarks' own logic: micro_batches.py's gradient check runs for real (tiny workload), and
-scaling.py's growth slope and figure come out of its JSON. Timings are never asserted (DESIGN §9)."""
+scaling.py's growth slope and figure come out of its JSON. Timings are never asserted (docs/architecture.md §9)."""
 
 import json
 import math

@@ -24,7 +24,7 @@ CHILD = textwrap.dedent("""
     import os, signal, sys, threading, time
     import lightning.pytorch as pl
     import torch
-    from lit_rlvr.callbacks import RunCheckpoint
+    from lit_rlvr.run_checkpoint import RunCheckpoint
 
     def written():
         return int(next(l for l in open("/proc/self/io") if l.startswith("wchar")).split()[1])

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from lit_rlvr.config_check import ConfigError, check_config
+from lit_rlvr.config_check import check_config
+from lit_rlvr.options import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 

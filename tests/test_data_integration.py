@@ -211,8 +211,9 @@ def test_model_configs_name_their_models_and_set_the_chat_template():
     qmath = _compose("model=qwen25_math_7b").model
     assert (qmath.name_or_path, qmath.chat_template) == ("Qwen/Qwen2.5-Math-7B", True)
     assert _compose("model=qwen3_4b").model.chat_template is True
-    assert _compose().model.get("chat_template") is None  # tiny: algorithm.chat_template decides
-    module = build_module(_compose("+model.chat_template=true"))
+    assert _compose().model.chat_template is False  # tiny: raw prompts; the model config is the one owner
+    assert "chat_template" not in _compose().algorithm
+    module = build_module(_compose("model.chat_template=true"))
     assert module.hparams.chat_template is True
     module.reward_runner.close()
 

@@ -5,6 +5,7 @@ import torch
 
 from lit_rlvr import functional as F
 from lit_rlvr.models import load_policy
+from lit_rlvr.rollout.driver import stop_token_ids
 from lit_rlvr.rollout.engine import SamplingParams
 from lit_rlvr.rollout import hf
 from lit_rlvr.rollout.hf import HFEngine, decoding_rows, filter_logits
@@ -204,9 +205,9 @@ def test_sampling_stops_at_the_generation_configs_eos_ids_too(tiny_path):
 
     module = GRPOModule(model=tiny_path, group_size=4, max_new_tokens=6)
     eos = module.tokenizer.eos_token_id
-    assert module.driver.sampling_params(0).stop_token_ids == ()  # the tiny model's generation config names only eos
+    assert module.sampling.stop_token_ids == ()  # the tiny model's generation config names only eos
     module.policy.generation_config.eos_token_id = [eos, 7, 5]
-    assert module.driver.sampling_params(0).stop_token_ids == (5, 7)
+    assert stop_token_ids(module.policy, eos) == (5, 7)
 
 
 def test_decoding_rows_keeps_every_unfinished_row_in_equal_blocks():

@@ -1,5 +1,5 @@
-"""Faults (DESIGN §10): a NaN loss is skipped and counted, too many in a row stop the run with an error that
-names `algorithm.max_bad_steps` and leaves `last.ckpt` loadable; a raising or hanging reward costs only its
+"""Faults (docs/architecture.md §10): a NaN loss is skipped and counted, too many in a row stop the run with an
+error that names `algorithm.max_bad_steps` and leaves `last.ckpt` loadable; a raising or hanging reward costs only its
 rollouts (malformed, counted); a failing engine stops with an error that says the last checkpoint is intact;
 SIGTERM saves and exits, and the run resumes to the end. Each fault is a `python train.py` run; they start
 together when this module starts. With FAULT_REPORT=PATH each test appends a JSON line (scripts/fault_report.py)."""

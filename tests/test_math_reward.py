@@ -13,7 +13,8 @@ import time
 import pytest
 import torch
 
-from lit_rlvr.rewards.base import ProcessRewardRunner, RewardResult, RewardRunner
+from lit_rlvr.rewards.base import RewardResult, RewardRunner
+from lit_rlvr.rewards.workers import ProcessRewardRunner
 from lit_rlvr.rewards.math import MathReward, last_boxed, math_reward
 
 CORRECT, WRONG, MALFORMED = (1.0, False), (-1.0, False), (-1.0, True)

@@ -13,7 +13,7 @@ import torch
 from lit_rlvr import functional as F
 from lit_rlvr.functional.losses import AGGREGATIONS
 from lit_rlvr.module import GRPOModule
-from lit_rlvr.rollouts import Rollouts
+from lit_rlvr.rollout.batch import Rollouts
 from tiny_options import TINY as TINY_OPTIONS
 
 TINY = {"cache_dir": os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr"), **TINY_OPTIONS}

@@ -142,13 +142,13 @@ def test_c3po_shared_engine_stacked_equals_per_source(monkeypatch):
         seen = []
         real = module.rollout
         monkeypatch.setattr(module, "rollout", lambda plan: seen.append(real(plan)) or seen[-1])
-        if not stacked:
-            monkeypatch.setattr(module.driver, "_can_stack", lambda plan, per_source: False)
         calls = []
         real_setup = module.setup
 
         def setup(stage):
             real_setup(stage)
+            if not stacked:
+                monkeypatch.setattr(module.driver, "_can_stack", lambda plan, per_source: False)
             real_stacked = module.engine.generate_stacked
             module.engine.generate_stacked = lambda *a: calls.append(1) or real_stacked(*a)
 

@@ -1,5 +1,5 @@
-"""3PO (`lit_rlvr.callbacks.ParamNoise`, DESIGN §5) on the tiny model: which weights generated each chunk and
-took the gradient, that m comes back, the config errors, the three variants end to end, and `train.py`."""
+"""3PO (`lit_rlvr.callbacks.ParamNoise`, docs/architecture.md §5) on the tiny model: which weights generated each
+chunk and took the gradient, that m comes back, the config errors, the three variants end to end, and `train.py`."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lit_rlvr import functional as F
 from lit_rlvr.callbacks import ParamNoise
 from lit_rlvr.data.datamodule import RLVRDataModule
+from lit_rlvr.hooks import check_rl_callbacks
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.optim import IVON, sample_seed
 from lit_rlvr.rollout.batch import Rollouts
@@ -144,18 +145,32 @@ def test_c3po_chunks_from_distinct_samples_loss_at_a_third_and_mean_restored(mon
 
 
 # -- config errors before any work -----------------------------------------------------------------------------
-def test_group_size_not_divisible_fails_at_construction_naming_both_keys():
+IVON_RUN = {"optimizer": "ivon", "ppo_epochs": 1, "mini_batches": 1, "seq_mask_tau": 2.0}
+
+
+def test_group_size_not_divisible_fails_before_the_model_loads_naming_both_keys():
+    """train.py passes the algorithm options to the callbacks right after building them (check_rl_callbacks)."""
     with pytest.raises(ValueError, match=r"algorithm\.group_size=8.*algorithm\.callbacks\.param_noise\.num_samples=3"):
-        ParamNoise("c3po", num_samples=3, group_size=8)
+        check_rl_callbacks([ParamNoise("c3po", num_samples=3)], {**IVON_RUN, "group_size": 8})
 
 
-def test_m3po_with_one_completion_per_sample_fails_at_construction_naming_both_keys():
+def test_m3po_with_one_completion_per_sample_fails_before_the_model_loads_naming_both_keys():
     """G/N = 1: each chunk's advantage is r − r = 0, so M3PO would learn nothing; G/N = 2 is the smallest that can."""
     with pytest.raises(ValueError, match=r"algorithm\.group_size=4.*algorithm\.callbacks\.param_noise\.num_samples=4"
                                          r".*advantage"):
-        ParamNoise("m3po", num_samples=4, group_size=4)
-    ParamNoise("m3po", num_samples=4, group_size=8)  # G/N = 2
-    ParamNoise("c3po", num_samples=4, group_size=4)  # C3PO pools the G: one completion per sample is fine
+        check_rl_callbacks([ParamNoise("m3po", num_samples=4)], {**IVON_RUN, "group_size": 4})
+    check_rl_callbacks([ParamNoise("m3po", num_samples=4)], {**IVON_RUN, "group_size": 8})  # G/N = 2
+    check_rl_callbacks([ParamNoise("c3po", num_samples=4)], {**IVON_RUN, "group_size": 4})  # C3PO pools the G
+
+
+def test_train_py_refuses_a_group_size_not_divisible_before_the_model_loads(tmp_path):
+    env = {**os.environ, "LIT_RLVR_CACHE": str(tmp_path / "empty-cache")}  # a model load would start a warm-up
+    proc = subprocess.run([sys.executable, "train.py", "algorithm=c3po", "algorithm.group_size=6",
+                           f"hydra.run.dir={tmp_path}/run"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0
+    assert "algorithm.group_size=6" in proc.stderr and "num_samples=4" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "empty-cache").exists()  # no warm-up started: the model was never built
 
 
 def test_m3po_with_one_completion_per_sample_fails_at_setup_before_any_rollout():

@@ -9,15 +9,15 @@ import subprocess
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from lit_rlvr.callbacks.oracle_baseline import OracleBaseline, debiased_mse, group_moments
 from lit_rlvr.rewards.base import RewardBatch
-from lit_rlvr.rollout.engine import Completion
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
+from lit_rlvr.rollout.driver import RolloutDriver
+from lit_rlvr.rollout.engine import Completion, RolloutEngine, SamplingConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,8 +50,10 @@ def test_debiased_mse_is_unbiased():
 
 
 # -- the callback with a stub engine and module ----------------------------------------------------------------------
-class StubEngine:
+class StubEngine(RolloutEngine):
     """Prompt b = [b]; completion j of prompt b is "1" (correct) for the first round(p_b · n) draws, else "0"."""
+
+    shares_weights = True  # a push copies nothing
 
     def __init__(self, p):
         self.p, self.calls = p, []
@@ -66,18 +68,40 @@ class StubEngine:
         return out
 
 
-class StubModule:
-    def __init__(self, p, seed=0):
-        self.hparams = SimpleNamespace(seed=seed, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4)
-        self.engine = StubEngine(p)
-        self.tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: str(int(ids[0])))
-        self.reward_runner = lambda prompts, texts, answers: RewardBatch(
-            torch.tensor([1.0 if t == "1" else -1.0 for t in texts]), torch.zeros(len(texts), dtype=torch.bool), 0)
-        self.global_step, self.metrics, self.pushes = 0, {}, []
-        self.counters = {"rollouts_total": 0}
+class StubTokenizer:
+    pad_token_id = 9
 
-    def push_to_engine(self, *, holds_mean=True):
-        self.pushes.append(holds_mean)
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return [str(int(row[0])) for row in ids]
+
+
+class StubRewards:
+    stop_reason = None
+
+    def __call__(self, prompts, texts, answers):
+        return RewardBatch(torch.tensor([1.0 if t == "1" else -1.0 for t in texts]),
+                           torch.zeros(len(texts), dtype=torch.bool), 0)
+
+
+class StubModule:
+    """What the oracle uses of a module: the rollout driver (a real one, over a stub engine), the seed key, the step."""
+
+    def __init__(self, p, seed=0):
+        self.engine = StubEngine(p)
+        self.driver = RolloutDriver(self.engine, StubTokenizer(), StubRewards(), SamplingConfig(max_new_tokens=4),
+                                    policy=torch.nn.Linear(1, 1))
+        self.global_step, self.metrics, self.pushes, self.seed = 0, {}, [], seed
+        self.counters = {"rollouts_total": 0}
+        push = self.driver.push
+
+        def recorded_push(*, step, holds_mean=True):
+            self.pushes.append(holds_mean)
+            return push(step=step, holds_mean=holds_mean)
+
+        self.driver.push = recorded_push
+
+    def seed_key(self):
+        return (self.seed, self.global_step)
 
     def log_metrics(self, metrics):
         self.metrics.update({k: float(v) for k, v in metrics.items()})

@@ -1,5 +1,5 @@
-"""Exact resume (DESIGN §10): a 6-step run and a 3-step run resumed to 6 write the same metrics.csv rows for
-steps 4-6, bit for bit on CPU, timing columns aside. The runs are `python train.py` subprocesses; the full run
+"""Exact resume (docs/architecture.md §10): a 6-step run and a 3-step run resumed to 6 write the same metrics.csv
+rows for steps 4-6, bit for bit on CPU, timing columns aside. The runs are `python train.py` subprocesses; the full run
 and the first half of the resumed one run side by side."""
 
 import csv

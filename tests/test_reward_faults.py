@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from lit_rlvr.rewards import build_reward_runner
-from lit_rlvr.rewards.base import ProcessRewardRunner, RewardRunner
+from lit_rlvr.rewards.base import RewardRunner
+from lit_rlvr.rewards.workers import ProcessRewardRunner
 from tests.test_faults import Run, report
 from tests import reward_helpers as H
 
@@ -165,7 +166,7 @@ def test_reward_workers_do_not_import_torch_or_lightning():
 
 TRAINER = """
 import sys
-from lit_rlvr.rewards.base import ProcessRewardRunner
+from lit_rlvr.rewards.workers import ProcessRewardRunner
 from tests.reward_helpers import echo_reward
 runner = ProcessRewardRunner(echo_reward, timeout_s=3600, workers=2)
 runner(["p"] * 2, ["spin", "spin"], [0, 0])

@@ -46,7 +46,7 @@ class DAPOModule(GRPOModule):
             raise ValueError(f"algorithm.overlong_cache_len must be in [0, max_new_tokens="
                              f"{self.hparams.max_new_tokens}], got {overlong_cache_len}")
         self._data_iter: Optional[Iterator] = None
-        self._refill = 0  # refill batches drawn this step; they sample from their own seeds (`_count_refill`)
+        self._refill = 0  # refill batches drawn this step; they sample from their own seeds (`seed_stream`)
 
     def training_step(self, dataloader_iter: Iterator) -> Any:
         """Lightning passes the data iterator (it sees the `dataloader_iter` argument) so that dynamic
@@ -58,7 +58,7 @@ class DAPOModule(GRPOModule):
             return super().training_step(batch, batch_idx)
         finally:
             self._data_iter = None
-            self._count_refill(0)
+            self._refill = 0
 
     def collect_rollouts(self, batch: dict[str, list]) -> Rollouts:
         """Rollouts of `len(batch)` non-constant groups, drawn from this batch and up to `max_refill_batches`
@@ -81,7 +81,7 @@ class DAPOModule(GRPOModule):
             batch = self._next_batch()
             if batch is None:  # the epoch's data ran out: train on what we have
                 break
-            self._count_refill(self._refill + 1)
+            self._refill += 1
         if have == 0:  # every group constant even after the refills: all advantages are 0 this step
             out = rollouts
         else:
@@ -110,10 +110,9 @@ class DAPOModule(GRPOModule):
         if hasattr(datamodule, "note_batches"):
             datamodule.note_batches(1)
 
-    def _count_refill(self, refill: int) -> None:
+    def seed_stream(self) -> tuple[int, ...]:
         """Refill batches draw from their own random stream (rounds restart at 0 for each batch)."""
-        self._refill = refill
-        self.driver.seed_suffix = (-refill,) if refill else ()
+        return (-self._refill,) if self._refill else ()
 
     def compute_advantages(self, rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
         """GRPO advantages of the reward plus the overlong penalty (Eq. 13); `rollouts.rewards` stays the task

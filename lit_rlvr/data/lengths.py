@@ -1,4 +1,4 @@
-"""Prompt length in tokens, checked when the data loads (DESIGN §10): a prompt longer than the model's
+"""Prompt length in tokens, checked when the data loads (docs/architecture.md §10): a prompt longer than the model's
 context (minus the tokens it must generate) cannot be trained on; it used to run silently, or, at 10 MB,
 reach a 100 GiB allocation minutes into the run."""
 

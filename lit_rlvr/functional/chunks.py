@@ -1,4 +1,4 @@
-"""Bookkeeping over weight-sample chunks of a group (3PO, DESIGN §5).
+"""Bookkeeping over weight-sample chunks of a group (3PO, docs/architecture.md §5).
 
 3PO generates a prompt's G completions from several posterior weight samples ("chunks"): C3PO pools them into
 one group of G, M3PO keeps each chunk of G/M as its own advantage group. Shapes: N completions, B prompts,

@@ -1,4 +1,4 @@
-"""Policy-gradient surrogate losses and their aggregation over tokens (DESIGN §4).
+"""Policy-gradient surrogate losses and their aggregation over tokens (docs/architecture.md §4).
 
 Shapes: N completions, T response tokens; `mask` [N, T] True = the token counts.
 """
@@ -120,7 +120,8 @@ def gspo_loss(
 def sequence_importance_mask(
     logp: Tensor, old_logp: Tensor, mask: Tensor, *, tau: float = 2.0
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Keep a sequence only when its importance ratio exp(Σ_t(logp − old)) lies in [1/τ, τ] (3PO, DESIGN §4).
+    """Keep a sequence only when its importance ratio exp(Σ_t(logp − old)) lies in [1/τ, τ] (3PO;
+    docs/architecture.md §4).
 
     Returns keep [N] bool and `loss/seq_mask_frac` (fraction dropped).
     """

@@ -1,6 +1,6 @@
 """V0.5 math: empirical shrinkage fusion of a value prior with a few rollouts, and OSLA budget allocation.
 
-Paper: "V0.5: Generalist Value Model as a Prior for Sparse RL Rollouts" (summary in shared/seeds/).
+Paper: "V0.5: Generalist Value Model as a Prior for Sparse RL Rollouts" (docs/architecture.md §6).
 Rewards are in {-1, +1}; the prior is on the reward scale, `V = 2·p̂ - 1`; after k rollouts of a prompt the
 sample mean is v̄_k; σ² is the reward noise variance (1 for ±1 rewards, the worst case).
 

@@ -1,4 +1,4 @@
-"""IVON (ivon-opt) made seedable, shard-aware and Lightning-friendly (DESIGN §5).
+"""IVON (ivon-opt) made seedable, shard-aware and Lightning-friendly (docs/architecture.md §5).
 
 IVON — Shen et al. 2024, "Variational Learning is Effective for Large Deep Networks" (ICML), Alg. 1 — keeps a
 diagonal Gaussian posterior q(θ) = N(m, σ²) over the weights, with mean m (the parameters themselves), a Hessian
@@ -422,7 +422,7 @@ class IVON(ivon.IVON):
 def bf16_spacing_warning(optimizer: IVON, reference_params: Iterable[Tensor]) -> Optional[str]:
     """A warning message when the mean σ of `optimizer` is below the bf16 spacing of the typical weight
     magnitude (mean |w| of `reference_params`), else None. A bf16 rollout engine rounds such perturbations
-    away, so the "sampled" policies would all equal the mean (DESIGN §5). Not for hot paths: it syncs."""
+    away, so the "sampled" policies would all equal the mean (docs/architecture.md §5). Not for hot paths: it syncs."""
     abs_sum, count = 0.0, 0
     for p in reference_params:
         local = _local(p).detach()

@@ -18,7 +18,9 @@ REWARDS = {
 }
 
 
-def _load(name: str) -> Any:
+def _load(name: str | RewardFn) -> Any:
+    if callable(name):  # Python users may pass the function (or class) itself
+        return name
     target = REWARDS.get(name, name)
     if ":" not in target:
         raise ValueError(f"reward={name!r} is not valid; use one of {', '.join(REWARDS)} or 'package.module:function'")
@@ -29,8 +31,8 @@ def _load(name: str) -> Any:
         raise ValueError(f"reward={name!r}: cannot import {target} ({err})") from err
 
 
-def resolve_reward(name: str, options: Optional[dict[str, Any]] = None) -> RewardFn:
-    """A built-in name (see `REWARDS`) or any "package.module:attribute" path."""
+def resolve_reward(name: str | RewardFn, options: Optional[dict[str, Any]] = None) -> RewardFn:
+    """A built-in name (see `REWARDS`), any "package.module:attribute" path, or the callable itself."""
     obj = _load(name)
     options = dict(options or {})
     if not isinstance(obj, type):
@@ -58,7 +60,7 @@ class _BatchRewardRunner(RewardRunner):
         getattr(self.fn, "close", lambda: None)()
 
 
-def build_reward_runner(name: str, options: Optional[dict[str, Any]] = None) -> RewardRunner:
+def build_reward_runner(name: str | RewardFn, options: Optional[dict[str, Any]] = None) -> RewardRunner:
     """`options`: `isolation` ("none" | "process"), `timeout_s` (every call's bound, in both modes; also given to
     a reward class that takes it), `score_bound`, `workers` (process); the rest go to a reward class."""
     options = dict(options or {})
@@ -67,7 +69,7 @@ def build_reward_runner(name: str, options: Optional[dict[str, Any]] = None) -> 
         raise ValueError(f"reward.options.isolation={isolation!r} is not valid; valid: none, process")
     score_bound = options.pop("score_bound", DEFAULT_SCORE_BOUND)
     if isolation == "process":  # the runner owns the time bound and the pool; the rest configure the reward
-        from lit_rlvr.rewards.base import ProcessRewardRunner
+        from lit_rlvr.rewards.workers import ProcessRewardRunner
 
         timeout_s, workers = options.pop("timeout_s", DEFAULT_TIMEOUT_S), options.pop("workers", 2)
         return ProcessRewardRunner(resolve_reward(name, options), timeout_s=timeout_s, workers=workers,

@@ -209,4 +209,3 @@ class _CallThread(threading.Thread):
                     job.done.set()
 
 
-from lit_rlvr.rewards.workers import ProcessRewardRunner  # noqa: E402, F401  (re-exported: the old home of the class)

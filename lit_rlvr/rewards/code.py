@@ -1,6 +1,6 @@
 """Code reward: run the completion's program against the row's tests in a sandbox; +1 all pass, −1 otherwise.
 
-Rules (DESIGN §8, §10):
+Rules (docs/architecture.md §8, §10):
 
 * The program is the last fenced code block whose info string names the language (```python, ```py, ...);
   without one, the last untagged block. No closed block = malformed (a truncated block is not a program).

@@ -1,6 +1,6 @@
 """Math reward: is the completion's final answer equal to the gold answer? Graded with math-verify.
 
-Rules (DESIGN §8), +1 correct, −1 wrong, −1 and malformed when no answer can be read:
+Rules (docs/architecture.md §8), +1 correct, −1 wrong, −1 and malformed when no answer can be read:
 
 * The final answer is the content of the last `\\boxed{...}` (or `\\fbox{...}`); earlier boxes are
   answers the model revised. (math-verify alone would join nearby boxes into a set; we do not: a multi-part

@@ -195,6 +195,7 @@ class RolloutPlan:
     weight_context: WeightContext = _no_weight_change
     weight_stacks: Optional[WeightStacks] = None
     budget_rule: Optional[BudgetRule] = None
+    seed_stream: tuple[int, ...] = ()  # appended to each engine call's seed key (DAPO: one stream per refill)
 
     @property
     def num_prompts(self) -> int:

@@ -1,113 +1,123 @@
-"""`RolloutDriver`: the generation half of one RL step (DESIGN §3), between the plan and the scored batch.
+"""`RolloutDriver`: the generation half of one RL step (docs/architecture.md §3), from a plan to a scored batch.
 
 It asks the engine for the plan's samples weight source by weight source (one stacked call when the engine can),
 round after round while the plan's budget rule asks for more, decodes and scores them, and keeps the engine's
-weights in step with the policy. `GRPOModule` owns one (`module.driver`) and reads from it nothing but batches.
+weights in step with the policy. It is built from explicit parts (engine, tokenizer, reward runner, sampling
+options, the policy whose weights it pushes) and called with what changes per step (the plan, the step, the seed
+key); it returns the batch with its counts and timings and never reads a module or a trainer.
 """
 
 from __future__ import annotations
 
-import zlib
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator, Optional
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lit_rlvr import distributed as D
-from lit_rlvr.checkpoint_io import checkpoint_hint
 from lit_rlvr.rewards.base import RewardHangError
+from lit_rlvr.rng import seed_of
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts, rollouts_from_completions
-from lit_rlvr.rollout.engine import EngineError, SamplingParams
+from lit_rlvr.rollout.engine import EngineError, RolloutEngine, SamplingConfig
 from lit_rlvr.rollout.weights import push_weights
+from lit_rlvr.step_log import StepTimer
 
-if TYPE_CHECKING:  # pragma: no cover
-    from lit_rlvr.module import GRPOModule
+
+@dataclass
+class RolloutResult:
+    """What one `RolloutDriver.rollout` call produced: the scored batch and what it cost."""
+
+    rollouts: Rollouts
+    num_rollouts: int  # completions generated (= rollouts.num_samples)
+    num_tokens: int  # response tokens generated
+    reward_failures: int  # reward calls that crashed or timed out (their rollouts are malformed)
+    stop_reason: Optional[str]  # set when a reward call hung: the run should save and stop
+    seconds: dict[str, float] = field(default_factory=dict)  # gen_s, reward_s, sync_s (sync_s is within gen_s)
+
+
+def stop_token_ids(policy: nn.Module, eos_token_id: Optional[int]) -> tuple[int, ...]:
+    """Where sampling stops besides the tokenizer's eos: the eos ids of the model's generation config (e.g. a chat
+    model that ends a turn with one token and a document with another)."""
+    eos = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        return ()
+    ids = eos if isinstance(eos, (list, tuple)) else [eos]
+    return tuple(sorted({int(i) for i in ids} - {eos_token_id}))
 
 
 class RolloutDriver:
-    """Generation for `module`: its engine, tokenizer, reward runner, sampling options, step and counters.
+    """Generation and scoring for one policy: see the module docstring.
 
-    `seed_suffix` is appended to every sampling seed's key (DAPO: refill batches draw from their own stream)."""
+    Args:
+        engine: the rollout engine (`lit_rlvr.rollout.engine.RolloutEngine`).
+        tokenizer: decodes completions for the reward; its pad id pads the batch.
+        reward_runner: `(prompts, completions, answers) -> RewardResult` (lit_rlvr.rewards).
+        sampling: the run's sampling options.
+        policy: the trained model, whose weights `push` sends to an engine that keeps its own copy.
+    """
 
-    def __init__(self, module: "GRPOModule"):
-        self.module = module
-        self.holds_mean = False  # whether the engine holds the mean weights of step `engine.version`
-        self.seed_suffix: tuple[int, ...] = ()
+    def __init__(self, engine: RolloutEngine, tokenizer: Any, reward_runner: Any, sampling: SamplingConfig,
+                 policy: nn.Module):
+        self.engine, self.tokenizer, self.reward_runner = engine, tokenizer, reward_runner
+        self.sampling, self.policy = sampling, policy
+        self._holds_mean = False  # whether the engine holds the mean weights of step `engine.version`
 
-    @property
-    def engine(self):
-        return self.module.engine
-
-    # -- sampling options --------------------------------------------------------------------------------------
-    def sampling_params(self, seed: int, *, evaluation: bool = False) -> SamplingParams:
-        hp = self.module.hparams
-        temperature = hp.eval_temperature if evaluation else hp.temperature
-        return SamplingParams(temperature=temperature, top_p=hp.top_p, top_k=hp.top_k,
-                              max_new_tokens=hp.max_new_tokens, seed=seed, stop_token_ids=self.stop_token_ids(),
-                              ignore_eos=hp.ignore_eos and not evaluation)
-
-    def stop_token_ids(self) -> tuple[int, ...]:
-        """Where sampling stops besides the tokenizer's eos: the eos ids of the model's generation config (e.g. a
-        chat model that ends a turn with one token and a document with another)."""
-        policy = getattr(self.module, "policy", None)
-        eos = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
-        if eos is None:  # also while the module checks its options, before the model loads
-            return ()
-        ids = eos if isinstance(eos, (list, tuple)) else [eos]
-        return tuple(sorted({int(i) for i in ids} - {self.module.tokenizer.eos_token_id}))
-
-    def sample_seed(self, *parts: int) -> int:
-        """Seed of one engine call: a function of the run seed, the step and the call's place in it. Not of the
-        rank: the engine keys each completion by its prompt, so any world size samples the same completions."""
-        key = ":".join(str(p) for p in (self.module.hparams.seed, self.module.global_step, *parts, *self.seed_suffix))
-        return zlib.crc32(key.encode())
+    def forget_engine_weights(self) -> None:
+        """The policy's weights changed outside a push (a checkpoint was restored): push before the next rollout."""
+        self._holds_mean = False
 
     # -- generation --------------------------------------------------------------------------------------------
-    def rollout(self, plan: RolloutPlan) -> Rollouts:
-        """Generate and score the plan's samples, round after round while its budget rule asks for more."""
+    def rollout(self, plan: RolloutPlan, *, step: int, seed_key: tuple) -> RolloutResult:
+        """Generate and score the plan's samples, round after round while its budget rule asks for more.
+
+        `step` is the optimizer step of the policy's weights (the engine's version after a push); the engine call
+        of round r and weight source s samples with `seed_of(*seed_key, r, s, *plan.seed_stream)`."""
+        timer = StepTimer()
         parts: list[Rollouts] = []
         counts: Optional[list[int]] = plan.n_per_prompt
         have = [0] * plan.num_prompts
-        round_index = 0
+        failures, round_index = 0, 0
         while self._another_round(counts):
             counts = counts or [0] * plan.num_prompts  # this rank is done but takes part in the others' pushes
             if any(c < 0 for c in counts):
                 raise ValueError(f"budget rule asked for negative sample counts: {counts}")
             per_source = plan.split_over_sources(counts, have)
+            seeds = [seed_of(*seed_key, round_index, s, *plan.seed_stream) for s in range(len(per_source))]
             if self._can_stack(plan, per_source):
-                parts += self._generate_stacked(plan, per_source, round_index)
-            else:
-                for source, source_counts in enumerate(per_source):
-                    part = self._generate(plan, source_counts, source, round_index)
-                    if part is not None:
-                        parts.append(part)
+                new = iter([self._generate_stacked(plan, per_source, seeds, step, timer)])
+            else:  # lazily: each source's samples are scored before the next source generates
+                new = (self._generate(plan, c, source, seeds[source], step, timer)
+                       for source, c in enumerate(per_source))
+            for part in new:
+                if part is not None:
+                    failures += self._score(plan, part, timer)
+                    parts.append(part)
             have = [h + c for h, c in zip(have, counts)]
-            rollouts = Rollouts.concat(parts, self.module.tokenizer.pad_token_id)
+            rollouts = Rollouts.concat(parts, self.tokenizer.pad_token_id)
             round_index += 1
             counts = plan.budget_rule(rollouts) if plan.budget_rule is not None else None
-        self.module.counters["rollouts_total"] += rollouts.num_samples
-        self.module.counters["tokens_generated"] += rollouts.num_tokens()
-        return rollouts
+        return RolloutResult(rollouts, rollouts.num_samples, rollouts.num_tokens(), failures,
+                             self.reward_runner.stop_reason, timer.times)
 
     @staticmethod
     def _another_round(counts: Optional[list[int]]) -> bool:
         """Whether any rank asks for more samples: weight pushes are collectives, so all ranks run every round."""
         return D.global_max(int(counts is not None and sum(counts) > 0)) > 0
 
-    def _generate(self, plan: RolloutPlan, counts: list[int], source: int, round_index: int) -> Optional[Rollouts]:
+    def _generate(self, plan: RolloutPlan, counts: list[int], source: int, seed: int, step: int,
+                  timer: StepTimer) -> Optional[Rollouts]:
         """Samples of one weight source in one round (None when `counts` are all 0; the push still happens)."""
-        m = self.module
-        with m.timer("gen_s"), plan.weight_context(source):
+        with timer("gen_s"), plan.weight_context(source):
             mean = plan.uses_mean_weights and plan.num_weight_sources == 1
-            if not mean or not self.holds_mean or self.engine.version != m.global_step:
-                m.push_to_engine(holds_mean=mean)
+            if not mean or not self._holds_mean or self.engine.version != step:
+                timer.times["sync_s"] = timer.times.get("sync_s", 0.0) + self.push(step=step, holds_mean=mean)
             if sum(counts) == 0:
                 return None
-            params = self.sampling_params(self.sample_seed(round_index, source))
-            completions = self.engine_generate(plan.prompt_token_ids, counts, params)
-        pad = m.tokenizer.pad_token_id
-        return self._score(plan, rollouts_from_completions(plan, completions, source=source, pad_id=pad))
+            with self._engine_errors(step):
+                completions = self.engine.generate(plan.prompt_token_ids, counts, self.sampling.params(seed))
+        return rollouts_from_completions(plan, completions, source=source, pad_id=self.tokenizer.pad_token_id)
 
     def _can_stack(self, plan: RolloutPlan, per_source: list[list[int]]) -> bool:
         """One stacked engine call for all weight sources: an engine that has one, sharing the model, and
@@ -116,20 +126,21 @@ class RolloutDriver:
         return (plan.num_weight_sources > 1 and self.engine.can_generate_stacked
                 and len(totals) == 1 and totals != {0})
 
-    def _generate_stacked(self, plan: RolloutPlan, per_source: list[list[int]], round_index: int) -> list[Rollouts]:
+    def _generate_stacked(self, plan: RolloutPlan, per_source: list[list[int]], seeds: list[int], step: int,
+                          timer: StepTimer) -> Rollouts:
         """What `_generate` gives for every source, from one engine call: per-token overhead, not FLOPs, sets
         the cost of a small model's generation, so S calls cost ~S times one (lit_rlvr.rollout.multi_weight)."""
-        m = self.module
-        with m.timer("gen_s"):
+        with timer("gen_s"):
             num = plan.num_weight_sources
             stacks = plan.weight_stacks(num) if plan.weight_stacks is not None else self._stacks_from_contexts(plan)
-            m.push_to_engine(holds_mean=False)  # shared mode: no copy; the version bookkeeping of `_generate`
-            sampling = [self.sampling_params(self.sample_seed(round_index, s)) for s in range(num)]
-            with self.engine_errors():
-                completions = self.engine.generate_stacked(plan.prompt_token_ids, per_source, sampling, stacks)
-        pad = m.tokenizer.pad_token_id
+            # shared mode: no copy; the version bookkeeping of `_generate`
+            timer.times["sync_s"] = timer.times.get("sync_s", 0.0) + self.push(step=step, holds_mean=False)
+            with self._engine_errors(step):
+                completions = self.engine.generate_stacked(plan.prompt_token_ids, per_source,
+                                                           [self.sampling.params(s) for s in seeds], stacks)
+        pad = self.tokenizer.pad_token_id
         packed = [rollouts_from_completions(plan, c, source=s, pad_id=pad) for s, c in enumerate(completions)]
-        return [self._score(plan, Rollouts.concat(packed, pad))]  # one decode and one reward call for all sources
+        return Rollouts.concat(packed, pad)  # one decode and one reward call for all sources
 
     @torch.no_grad()
     def _stacks_from_contexts(self, plan: RolloutPlan) -> dict[Tensor, Tensor]:
@@ -142,60 +153,54 @@ class RolloutDriver:
                     stacks[p][source].copy_(p)
         return stacks
 
-    def _score(self, plan: RolloutPlan, part: Rollouts) -> Rollouts:
-        """Decode the packed completions and score their rewards."""
-        m = self.module
-        pad = m.tokenizer.pad_token_id
-        part.completions = m.tokenizer.batch_decode(part.response_ids.masked_fill(~part.response_mask, pad),
-                                                    skip_special_tokens=True)
-        with m.timer("reward_s"):
+    def _score(self, plan: RolloutPlan, part: Rollouts, timer: StepTimer) -> int:
+        """Decode the packed completions and score them in place; returns the number of failed reward calls."""
+        pad = self.tokenizer.pad_token_id
+        part.completions = self.tokenizer.batch_decode(part.response_ids.masked_fill(~part.response_mask, pad),
+                                                       skip_special_tokens=True)
+        with timer("reward_s"):
             owners = part.group.tolist()  # [N] prompt of each completion
-            scored = m.reward_runner([plan.prompts[g] for g in owners], part.completions,
-                                     [plan.answers[g] for g in owners])
-            if m.reward_runner.stop_reason:  # a hung call is left running: finish, save, stop
-                m.trainer.should_stop = True
+            scored = self.reward_runner([plan.prompts[g] for g in owners], part.completions,
+                                        [plan.answers[g] for g in owners])
             part.rewards, part.malformed = scored.scores, scored.malformed
-            m.counters["reward_failures"] += scored.failures
-        return part
-
-    def engine_generate(self, prompt_token_ids: list[list[int]], counts: list[int], params: SamplingParams):
-        with self.engine_errors():
-            return self.engine.generate(prompt_token_ids, counts, params)
+        return scored.failures
 
     @contextmanager
-    def engine_errors(self) -> Iterator[None]:
-        """An engine failure becomes an `EngineError` that says what survives and what to do."""
+    def _engine_errors(self, step: int) -> Iterator[None]:
+        """An engine failure becomes an `EngineError` naming the step (the module adds what to do)."""
         try:
             yield
+        except EngineError:
+            raise
         except Exception as err:
-            raise EngineError(f"engine {self.module.hparams.engine!r} failed at step {self.module.global_step + 1}: "
-                              f"{err!r}; {checkpoint_hint(self.module._trainer)}") from err
+            raise EngineError(f"failed at step {step + 1}: {err!r}") from err
 
-    def evaluate(self, plan: RolloutPlan, n: int, seed: int) -> Tensor:
-        """[B, n] bool: whether each of n samples per prompt, drawn from the mean weights with the evaluation
-        sampling options, is correct."""
-        m = self.module
-        if not self.holds_mean or self.engine.version != m.global_step:
-            m.push_to_engine()
-        params = self.sampling_params(seed, evaluation=True)
-        completions = self.engine.generate(plan.prompt_token_ids, [n] * plan.num_prompts, params)
-        texts = [[m.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in per] for per in completions]
+    def evaluate(self, plan: RolloutPlan, n: int, *, step: int, seed: int) -> Tensor:
+        """[B, n] bool: whether each of n samples per prompt, drawn from the mean weights of `step` with the
+        evaluation sampling options, is correct."""
+        if not self._holds_mean or self.engine.version != step:
+            self.push(step=step)
+        params = self.sampling.params(seed, evaluation=True)
+        with self._engine_errors(step):
+            completions = self.engine.generate(plan.prompt_token_ids, [n] * plan.num_prompts, params)
+        texts = [[self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in per] for per in completions]
         flat = [t for per in texts for t in per]
         owners = [b for b, per in enumerate(texts) for _ in per]
-        scored = m.reward_runner([plan.prompts[b] for b in owners], flat, [plan.answers[b] for b in owners])
-        if m.reward_runner.stop_reason:
-            raise RewardHangError(f"{m.reward_runner.stop_reason} (in validation)")
+        scored = self.reward_runner([plan.prompts[b] for b in owners], flat, [plan.answers[b] for b in owners])
+        if self.reward_runner.stop_reason:
+            raise RewardHangError(f"{self.reward_runner.stop_reason} (in validation)")
         return (scored.scores > 0).view(plan.num_prompts, n)  # [B, n]
 
     # -- weights -----------------------------------------------------------------------------------------------
-    def push(self, *, holds_mean: bool = True) -> None:
-        """Send the policy's current weights to the engine (no copy in `shared` mode); wakes a sleeping engine."""
-        m = self.module
-        with m.timer("sync_s"):
+    def push(self, *, step: int, holds_mean: bool = True) -> float:
+        """Send the policy's current weights to the engine (no copy in `shared` mode) as version `step`; wakes a
+        sleeping engine. Every push of the run goes through here, so a test can wrap it. Returns its seconds."""
+        timer = StepTimer()
+        with timer("sync_s"):
             self.engine.wake()
             if not self.engine.shares_weights:
-                push_weights(self.engine, m.policy, bucket_bytes=self.engine.bucket_bytes,
+                push_weights(self.engine, self.policy, bucket_bytes=self.engine.bucket_bytes,
                              dtype=self.engine.weight_dtype)
-            self.engine.version = m.global_step
-            self.holds_mean = holds_mean
-
+            self.engine.version = step
+            self._holds_mean = holds_mean
+        return timer.times["sync_s"]

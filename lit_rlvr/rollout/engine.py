@@ -1,4 +1,4 @@
-"""The rollout engine protocol: token ids in, token ids + behaviour log-probs out (DESIGN §7)."""
+"""The rollout engine contract: token ids in, token ids + behaviour log-probs out (docs/architecture.md §7)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from typing import Iterable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from lit_rlvr.options import range_problems
+
 
 class EngineError(RuntimeError):
     """The rollout engine failed (its process died, or it did not answer in time); the message names the cause.
@@ -17,6 +19,9 @@ class EngineError(RuntimeError):
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """The sampling options of one engine call. Temperature 0 is greedy, and its behaviour log-probs are those of
+    softmax(logits) (temperature 1) in every engine; training samples at a temperature > 0 (`SamplingConfig`)."""
+
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
@@ -26,12 +31,39 @@ class SamplingParams:
     ignore_eos: bool = False  # benchmarks: nothing stops a completion before max_new_tokens (eos, stop_token_ids)
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"sampling temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"sampling top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"sampling max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        problems = range_problems({"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                                   "max_new_tokens": self.max_new_tokens}, "sampling")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """A run's sampling options, for training rollouts and for evaluation: `params(seed)` gives one call's.
+
+    `temperature` (training) must be > 0: at 0 every completion of a prompt is the same greedy one, so no
+    advantage is ever nonzero; evaluation may be greedy (`eval_temperature` 0). `ignore_eos` applies to training
+    only (benchmarks that need fixed lengths); evaluation always stops at eos."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 24
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    eval_temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        problems = range_problems({"temperature": self.temperature, "eval_temperature": self.eval_temperature,
+                                   "top_p": self.top_p, "top_k": self.top_k, "max_new_tokens": self.max_new_tokens},
+                                  "algorithm")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def params(self, seed: int, *, evaluation: bool = False) -> SamplingParams:
+        return SamplingParams(temperature=self.eval_temperature if evaluation else self.temperature,
+                              top_p=self.top_p, top_k=self.top_k, max_new_tokens=self.max_new_tokens, seed=seed,
+                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos and not evaluation)
 
 
 @dataclass
@@ -42,7 +74,8 @@ class Completion:
 
 
 class RolloutEngine:
-    """The whole engine contract (DESIGN §7): the trainer calls nothing and reads nothing else of an engine.
+    """The whole engine contract (docs/architecture.md §7): the trainer calls nothing and reads nothing else of an
+    engine.
 
     Subclasses implement `generate` and `load_weights`; every other member has a default that fits an engine
     with its own copy of the weights, in the trainer's process, with nothing to release."""

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import copy
 import inspect
-import zlib
 from dataclasses import replace
 from typing import Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from lit_rlvr.rollout.batch import left_pad  # noqa: F401  (also lit_rlvr.rollout.hf.left_pad)
+from lit_rlvr.rng import seed_of
+from lit_rlvr.rollout.batch import left_pad
 from lit_rlvr.rollout.engine import Completion, RolloutEngine, SamplingParams
 from lit_rlvr.rollout.kv_cache import can_select_rows, growing_cache
 from lit_rlvr.rollout.multi_weight import stacked_weights
@@ -73,9 +73,9 @@ def row_seeds(prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[
     seen: dict[int, int] = {}
     seeds = []
     for prompt, n in zip(prompt_token_ids, n_per_prompt):
-        key = zlib.crc32(bytes(str(list(prompt)), "ascii"))
+        key = seed_of(list(prompt))
         occurrence = seen[key] = seen.get(key, -1) + 1
-        seeds += [zlib.crc32(f"{seed}:{key}:{occurrence}:{j}".encode()) for j in range(n)]
+        seeds += [seed_of(seed, key, occurrence, j) for j in range(n)]
     return torch.tensor(seeds, dtype=torch.long) * 2654435761  # spread the 32-bit crc over 64 bits
 
 

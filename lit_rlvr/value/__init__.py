@@ -1,4 +1,4 @@
-"""V0, the generalist value model of V0.5 (DESIGN §6): backbone → adapter → head, fit in context.
+"""V0, the generalist value model of V0.5 (docs/architecture.md §6): backbone → adapter → head, fit in context.
 
     model = ValueModel.create(backbone="minilm", head="kernel")
     p_hat, metrics = model.predict(prompts, context)       # p_hat [B] in [0, 1], or None until context is ready

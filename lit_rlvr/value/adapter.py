@@ -1,4 +1,4 @@
-"""V0 residual query adapter: token states → a fixed-size feature vector per prompt (DESIGN §6).
+"""V0 residual query adapter: token states → a fixed-size feature vector per prompt (docs/architecture.md §6).
 
 K learnable static queries, plus a per-prompt residual offset generated from the mean-pooled embedding by a
 small MLP whose last layer starts at zero (so at init every prompt is read by the same static queries);

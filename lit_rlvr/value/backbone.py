@@ -1,4 +1,4 @@
-"""V0 backbone: a frozen model that turns prompt texts into token states (DESIGN §6).
+"""V0 backbone: a frozen model that turns prompt texts into token states (docs/architecture.md §6).
 
 Shapes: B prompts, L tokens (right-padded to the longest prompt of the call), D hidden size.
 `EmbeddingBackbone` wraps an HF embedding model (the packaged all-MiniLM-L6-v2 for "minilm", or any HF path

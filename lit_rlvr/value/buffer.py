@@ -1,4 +1,4 @@
-"""V0 context: the current policy's most recent (prompt, success rate, n) records (DESIGN §6).
+"""V0 context: the current policy's most recent (prompt, success rate, n) records (docs/architecture.md §6).
 
 The head is fit on this set at every step, so it describes the policy as it is now. Records are kept in
 arrival order; a prompt seen again is a new record (the policy has changed since), and the oldest records

@@ -1,4 +1,5 @@
-"""V0 heads: predict the policy's success probability p̂ of a prompt from its features, in context (DESIGN §6).
+"""V0 heads: predict the policy's success probability p̂ of a prompt from its features, in context
+(docs/architecture.md §6).
 
 A head is fit on the context set (M records: features, success rate, rollout count) and predicts B new
 prompts in one pass, without gradients. Both heads share the API:

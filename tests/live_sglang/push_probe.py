@@ -26,16 +26,27 @@ class PushProbe(RLVRCallback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self.path = self.out_dir / f"push_probe_rank{trainer.global_rank}.json"
-        if getattr(pl_module.push_to_engine, "probed", False):  # setup runs per stage (validate, then fit)
-            return
-        original = pl_module.push_to_engine
 
-        def probed_push(*args, holds_mean: bool = True, **kwargs):
-            original(*args, holds_mean=holds_mean, **kwargs)
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._wrap(pl_module)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._wrap(pl_module)
+
+    def _wrap(self, pl_module) -> None:
+        """Record every push: the driver (built in the module's setup) sends them all through `push`."""
+        driver = pl_module.driver
+        if getattr(driver.push, "probed", False):  # a run validates, fits, validates: wrap once
+            return
+        original = driver.push
+
+        def probed_push(*, step: int, holds_mean: bool = True):
+            seconds = original(step=step, holds_mean=holds_mean)
             self._record(pl_module, holds_mean)
+            return seconds
 
         probed_push.probed = True
-        pl_module.push_to_engine = probed_push
+        driver.push = probed_push
 
     @torch.no_grad()
     def _record(self, pl_module, holds_mean: bool) -> None:

@@ -1,0 +1,106 @@
+"""The valid ranges of the run's options, in one table that every entry point checks.
+
+`train.py` checks the composed config against it before any work (`lit_rlvr.config_check`); the constructors
+(`GRPOModule`, `RLVRDataModule`, `SamplingConfig`, `SamplingParams`) check their own arguments against the same
+rows, so the Lightning CLI and plain Python reject what `train.py` rejects, with the same line. Keys are the
+Hydra config paths; a constructor checks the rows of its section (`algorithm.`, `data.`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from lit_rlvr.functional import AGGREGATIONS, KL_ESTIMATORS
+
+Rule = tuple[Callable[[Any], bool], str]  # (is the value valid?, what is expected)
+
+
+class ConfigError(ValueError):
+    """Invalid option values: one line per key (`problems`); entry points print the lines without a traceback."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+def _at_least(low: int, what: str = "an integer") -> Rule:
+    return (lambda v: v >= low, f"{what} >= {low}")
+
+
+RANGES: dict[str, Rule] = {
+    "algorithm.group_size": _at_least(1),
+    "algorithm.lr": (lambda v: v > 0, "a number > 0"),
+    "algorithm.weight_decay": (lambda v: v >= 0, "a number >= 0"),
+    "algorithm.grad_clip": (lambda v: v is None or v >= 0, "a number >= 0 (0 = off) or null"),
+    "algorithm.kl_coef": (lambda v: v >= 0, "a number >= 0"),
+    "algorithm.kl_estimator": (lambda v: v in KL_ESTIMATORS, f"one of {', '.join(KL_ESTIMATORS)}"),
+    "algorithm.loss_aggregation": (lambda v: v in AGGREGATIONS, f"one of {', '.join(AGGREGATIONS)}"),
+    "algorithm.eps_low": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "algorithm.eps_high": (lambda v: v >= 0, "a number >= 0"),
+    "algorithm.dual_clip": (lambda v: v is None or v > 1, "a number > 1 (the dual-clip bound c; verl: 3.0) or null "
+                                                          "(off)"),
+    "algorithm.seq_mask_tau": (lambda v: v is None or v > 1, "a number > 1 (the importance mask keeps ratios in "
+                                                             "[1/τ, τ]; 3PO's paper: 2) or null (off)"),
+    "algorithm.kl_k3_cap": (lambda v: v is None or v > 0, "a number > 0 (verl: 10) or null (no cap)"),
+    # training samples a group per prompt: at temperature 0 its completions are one greedy answer, all advantages 0
+    "algorithm.temperature": (lambda v: v > 0, "a number > 0 (0 would make every completion of a prompt the same "
+                                               "greedy one; use algorithm.eval_temperature=0 for greedy evaluation)"),
+    "algorithm.eval_temperature": (lambda v: v >= 0, "a number >= 0 (0 = greedy)"),
+    "algorithm.top_p": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "algorithm.top_k": (lambda v: v >= 0, "an integer >= 0 (0 = off)"),
+    "algorithm.max_bad_steps": _at_least(1),
+    "algorithm.warmup_steps": _at_least(0),
+    "algorithm.micro_batch_tokens": (lambda v: v is None or v >= 1, "an integer >= 1 or null (off)"),
+    **{f"algorithm.{k}": _at_least(1)
+       for k in ("ppo_epochs", "mini_batches", "micro_batch_size", "max_new_tokens", "eval_samples")},
+    "data.batch_size": (lambda v: v >= 1, "an integer >= 1 (prompts per RL step)"),
+    "data.eval_batch_size": _at_least(1),
+    "data.eval_limit": (lambda v: v is None or v >= 1, "an integer >= 1 or null"),
+    "trainer.max_steps": (lambda v: v >= 1 or v == -1, "an integer >= 1 (optimizer steps), or -1"),
+    "checkpoint_every": _at_least(1),
+    "mode": (lambda v: v in ("train", "eval"), "train or eval"),
+}
+# one engine call's options (`SamplingParams`): the algorithm's rows, where temperature 0 (greedy) is valid
+RANGES.update({f"sampling.{k}": RANGES[f"algorithm.{k}"] for k in ("top_p", "top_k", "max_new_tokens")})
+RANGES["sampling.temperature"] = RANGES["algorithm.eval_temperature"]
+
+
+def problem_line(key: str, value: Any, expected: str) -> str:
+    """The one line every entry point prints for a bad value."""
+    return f"{key}={'???' if value == '???' else repr(value)} is not valid: expected {expected}"
+
+
+def range_problems(values: Mapping[str, Any], section: str, rules: Mapping[str, Rule] = RANGES) -> list[str]:
+    """One line per value of config section `section` (e.g. "algorithm", or "" for top-level keys) that its row
+    of `rules` rejects; values without a row are not checked here."""
+    problems = []
+    for name, value in values.items():
+        key = f"{section}.{name}" if section else name
+        if key not in rules:
+            continue
+        valid, expected = rules[key]
+        try:
+            ok = valid(value)
+        except TypeError:  # e.g. null where a number is needed
+            ok = False
+        if not ok:
+            problems.append(problem_line(key, value, expected))
+    return problems
+
+
+def consistency_problems(options: Mapping[str, Any]) -> list[str]:
+    """Rules between algorithm options (a dict of the module's arguments): one line each."""
+    cap, estimator = options.get("kl_k3_cap"), options.get("kl_estimator", "k3")
+    if cap is not None and estimator != "k3":
+        return [f"algorithm.kl_k3_cap={cap} caps the k3 estimator: it needs algorithm.kl_estimator=k3 (got "
+                f"{estimator!r}); null = no cap"]
+    return []
+
+
+def group_size_problem(group_size: int, counts_set_by: str | None) -> list[str]:
+    """A group of one learns nothing (its advantage is r − mean = 0), unless a callback sets the sample counts and
+    baselines each group itself (V0.5: `counts_set_by` names it)."""
+    if group_size >= 2 or counts_set_by is not None:
+        return []
+    return [problem_line("algorithm.group_size", group_size, "an integer >= 2 (advantages compare the completions "
+                                                             "of one prompt: with 1, every advantage is 0)")]
