@@ -17,6 +17,7 @@ from lightning.pytorch.cli import LightningCLI
 
 import lit_rlvr.algorithms  # noqa: F401  (registers DAPOModule, DrGRPOModule, GSPOModule for short names)
 from lit_rlvr.data.datamodule import RLVRDataModule
+from lit_rlvr.entry import one_line_errors
 from lit_rlvr.module import GRPOModule
 
 
@@ -27,9 +28,11 @@ class RLVRCLI(LightningCLI):
 
 
 def main(args=None) -> None:
-    """Console script `lit-rlvr`; `args` (a list) instead of sys.argv for programmatic use."""
-    RLVRCLI(GRPOModule, RLVRDataModule, subclass_mode_model=True, seed_everything_default=0,
-            save_config_kwargs={"overwrite": True}, args=args)
+    """Console script `lit-rlvr`; `args` (a list) instead of sys.argv for programmatic use. An option out of range
+    (lit_rlvr.options) exits with one line naming the CLI's key, as train.py does with its own."""
+    with one_line_errors(key_prefixes={"algorithm.": "model.init_args."}):
+        RLVRCLI(GRPOModule, RLVRDataModule, subclass_mode_model=True, seed_everything_default=0,
+                save_config_kwargs={"overwrite": True}, args=args)
 
 
 if __name__ == "__main__":

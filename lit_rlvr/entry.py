@@ -39,7 +39,11 @@ def run(cfg: DictConfig) -> None:
 
 
 class one_line_errors:
-    """A `ConfigError` (or a ValueError about the run dir) exits with its lines on stderr, without a traceback."""
+    """A `ConfigError` (or a ValueError about the run dir) exits with its lines on stderr, without a traceback.
+    `key_prefixes` renames config keys for an entry point that spells them otherwise (the Lightning CLI)."""
+
+    def __init__(self, key_prefixes: dict[str, str] | None = None) -> None:
+        self.key_prefixes = key_prefixes or {}
 
     def __enter__(self) -> None:
         return None
@@ -49,6 +53,8 @@ class one_line_errors:
             return False
         lines = err.problems if isinstance(err, ConfigError) else [str(err)]
         for line in lines:
+            for old, new in self.key_prefixes.items():
+                line = line.replace(old, new)
             print(f"config error: {line}", file=sys.stderr)
         print(f"(set {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
         raise SystemExit(2)

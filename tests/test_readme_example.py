@@ -33,3 +33,22 @@ def test_the_readme_python_example_trains(capsys):
     assert moved, "fit changed no weight"
     assert module.reward_runner.fn is namespace["reward"]  # the user's own function scored the rollouts
     assert re.search(r"held-out accuracy \d\.\d{3} -> \d\.\d{3}", capsys.readouterr().out)
+
+
+def test_python_defaults_are_the_default_runs_task_and_model():
+    """`GRPOModule(model="tiny")` and `RLVRDataModule()` get train.py's default levels, so the README example reuses
+    the warm-up `python train.py` cached (and trains on the same task)."""
+    import inspect
+
+    from omegaconf import OmegaConf
+
+    from lit_rlvr.data.datamodule import RLVRDataModule
+    from lit_rlvr.models.warmup import warm_start_tiny
+
+    data_cfg = OmegaConf.load(ROOT / "conf/data/arithmetic.yaml")
+    model_cfg = OmegaConf.load(ROOT / "conf/model/tiny.yaml").options
+    assert tuple(RLVRDataModule().hparams.levels) == tuple(data_cfg.levels)
+    defaults = {k: p.default for k, p in inspect.signature(warm_start_tiny).parameters.items() if k != "cache_dir"}
+    for key, value in model_cfg.items():
+        if key != "cache_dir":
+            assert list(defaults[key]) == list(value) if key == "levels" else defaults[key] == value, key

@@ -24,7 +24,7 @@ def outcomes(tmp_path_factory):
     cache_dir = os.environ.get("LIT_RLVR_CACHE") or str(tmp_path_factory.mktemp("cache"))
     model, tokenizer = load_policy(resolve_model_path("tiny", {"cache_dir": cache_dir, **TINY}))
     engine = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id)
-    problems = ArithmeticTask(seed=0).problems(CONTEXT + HELD_OUT, "train")
+    problems = ArithmeticTask(levels=(1, 2, 3, 4, 5), seed=0).problems(CONTEXT + HELD_OUT, "train")
     ids = [tokenizer(p["prompt"], add_special_tokens=False)["input_ids"] for p in problems]
     completions = engine.generate(ids, [N] * len(ids), SamplingParams(temperature=1.0, max_new_tokens=8, seed=0))
     correct = [[arithmetic_reward(p["prompt"], tokenizer.decode(c.token_ids, skip_special_tokens=True),
