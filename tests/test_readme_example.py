@@ -46,7 +46,7 @@ def test_python_defaults_are_the_default_runs_task_and_model():
     from lit_rlvr.models.warmup import warm_start_tiny
 
     data_cfg = OmegaConf.load(ROOT / "conf/data/arithmetic.yaml")
-    model_cfg = OmegaConf.load(ROOT / "conf/model/tiny.yaml").options
+    model_cfg = OmegaConf.to_container(OmegaConf.load(ROOT / "conf/model/tiny.yaml").options, resolve=False)
     assert tuple(RLVRDataModule().hparams.levels) == tuple(data_cfg.levels)
     defaults = {k: p.default for k, p in inspect.signature(warm_start_tiny).parameters.items() if k != "cache_dir"}
     for key, value in model_cfg.items():
