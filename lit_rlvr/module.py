@@ -13,7 +13,7 @@ import copy
 import functools
 import logging
 import zlib
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -27,6 +27,7 @@ from lit_rlvr.freeze import FreezeSetupObjects
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.loss_options import check_loss_options
 from lit_rlvr.models import load_policy, resolve_model_path
+from lit_rlvr.models.lora import LoraOptions, apply_lora, trainable_parameters
 from lit_rlvr.optim.build import build_optimizer, check_optimizer_options
 from lit_rlvr.optim.schedule import warmup_factor
 from lit_rlvr.rewards import build_reward_runner
@@ -61,7 +62,9 @@ class GRPOModule(pl.LightningModule):
     warm-up over the first W optimizer updates (`warmup_from_zero`: verl's shape, from lr 0).
     `optimizer`: `adamw` (uses `betas`, `weight_decay`) or `ivon` (`lit_rlvr.optim.IVON`, for 3PO; `lr` plus
     `optimizer_options`: ess λ (required), hess_init, beta1, beta2, weight_decay δ, clip_radius, …); extra
-    `optimizer_options` go to the optimizer's constructor either way.
+    `optimizer_options` go to the optimizer's constructor either way. `lora` (`models.lora.LoraOptions` fields:
+    rank, alpha, target_modules, dropout, lr_scale; None or rank None = full fine-tuning): train LoRA adapters
+    only, at lr x lr_scale; the KL reference is then the base model with the adapter switched off.
     """
 
     # loss metrics that are means over response tokens, and over sequences (a subclass may move one)
@@ -73,6 +76,7 @@ class GRPOModule(pl.LightningModule):
         model: str = "tiny",
         model_options: Optional[dict[str, Any]] = None,
         dtype: str = "float32",
+        lora: Optional[dict[str, Any]] = None,
         reward: str = "arithmetic",
         reward_options: Optional[dict[str, Any]] = None,
         engine: str = "hf",
@@ -118,9 +122,12 @@ class GRPOModule(pl.LightningModule):
         self._check_options()
         path = resolve_model_path(model, model_options)
         self.policy, self.tokenizer = load_policy(path, dtype)
+        self.policy = apply_lora(self.policy, self.lora)  # only the adapters require grad
         self.policy.train()  # from_pretrained returns eval mode; Lightning toggles modes itself from here
         self.model_path = path
-        self.ref_policy = copy.deepcopy(self.policy).requires_grad_(False).eval() if kl_coef > 0 else None
+        # the KL reference: a frozen copy, or with LoRA the base model itself with the adapter off (no copy)
+        needs_copy = kl_coef > 0 and not self.lora.enabled
+        self.ref_policy = copy.deepcopy(self.policy).requires_grad_(False).eval() if needs_copy else None
         self.reward_runner = build_reward_runner(reward, reward_options)
         self.engine = None  # built in setup(): after the strategy has placed (and maybe sharded) the policy
         self.val_metrics = ValidationMetrics(eval_samples)
@@ -131,6 +138,7 @@ class GRPOModule(pl.LightningModule):
 
     def _check_options(self) -> None:
         hp = self.hparams
+        self.lora = LoraOptions.from_any(hp.lora)
         check_loss_options(hp)
         self.driver.sampling_params(0)  # SamplingParams validates temperature, top_p, max_new_tokens
         check_optimizer_options(hp.optimizer, hp.optimizer_options, lr=hp.lr, grad_clip=hp.grad_clip,
@@ -172,7 +180,8 @@ class GRPOModule(pl.LightningModule):
 
     def configure_optimizers(self):
         hp, trainer = self.hparams, self._trainer  # None when called outside a fit (tests, notebooks)
-        optimizer = build_optimizer(hp.optimizer, self.policy.parameters(), lr=hp.lr, betas=hp.betas,
+        lr = hp.lr * self.lora.lr_scale if self.lora.enabled else hp.lr  # LoRA: the ~10x rule (models/lora.py)
+        optimizer = build_optimizer(hp.optimizer, trainable_parameters(self.policy), lr=lr, betas=hp.betas,
                                     weight_decay=hp.weight_decay, options=hp.optimizer_options, seed=hp.seed,
                                     rank=self.global_rank, world_size=trainer.world_size if trainer else 1,
                                     strategy=type(trainer.strategy).__name__ if trainer else "none")
@@ -269,6 +278,14 @@ class GRPOModule(pl.LightningModule):
         temperature = self.hparams.temperature or 1.0
         return F.token_logprobs(logits, rollouts.response_ids.to(self.device), temperature=temperature), logits
 
+    @torch.no_grad()
+    def reference_logprobs(self, rollouts: Rollouts) -> Tensor:
+        """[n, T] log-probs of the frozen reference: the copy, or with LoRA the base weights (adapter off)."""
+        off = self.policy.disable_adapter() if self.ref_policy is None and self.lora.enabled else nullcontext()
+        with off:
+            return self.forward_logprobs(self.ref_policy if self.ref_policy is not None else self.policy,
+                                         rollouts)[0]
+
     def micro_batch_loss(self, rollouts: Rollouts, weight: float) -> tuple[Tensor, dict[str, Tensor]]:
         """Loss of one micro-batch, scaled by its share `weight` of the pass so micro-batches sum exactly."""
         hp = self.hparams
@@ -290,9 +307,8 @@ class GRPOModule(pl.LightningModule):
         loss = loss - hp.entropy_coef * entropy_mean
         # the metric is nats per token whatever the loss aggregation, so runs of different losses compare
         metrics["loss/entropy"] = F.aggregate(entropy.detach(), mask, "token-mean")
-        if self.ref_policy is not None:
-            with torch.no_grad():
-                ref_logp, _ = self.forward_logprobs(self.ref_policy, rollouts)
+        if hp.kl_coef > 0:
+            ref_logp = self.reference_logprobs(rollouts)  # [n, T]
             per_token = F.kl_penalty(logp, ref_logp, estimator=hp.kl_estimator, k3_cap=hp.kl_k3_cap)  # [n, T]
             kl = F.aggregate(per_token, mask, hp.loss_aggregation, norm_len=hp.max_new_tokens)
             loss = loss + hp.kl_coef * kl

@@ -9,8 +9,9 @@ from __future__ import annotations
 import copy
 import inspect
 import zlib
+from contextlib import contextmanager
 from dataclasses import replace
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -99,6 +100,19 @@ def decoding_rows(finished: Tensor, block: Tensor, blocks: int, shrink: float = 
     return torch.sort(order[take]).values
 
 
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """The model in eval mode while it samples (a `shared` engine's model is the trainer's, in train mode: LoRA
+    dropout must not act on sampling); each module's own mode comes back on exit."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
 def _per_prompt(done: list[Completion], n_per_prompt: Sequence[int]) -> list[list[Completion]]:
     """Flat completions, prompt after prompt -> [B] lists."""
     out: list[list[Completion]] = []
@@ -144,7 +158,9 @@ class HFEngine(RolloutEngine):
         self.version = 0
         self._params = dict(self.model.named_parameters())
         # transformers >= 5.x names the KV cache argument `cache`; older releases `past_key_values`
-        self._cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        # (a peft wrapper's forward takes **kwargs: ask the transformers model under it)
+        inner = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        self._cache_arg = "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
 
     # -- weights ---------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -173,9 +189,10 @@ class HFEngine(RolloutEngine):
         rows = [list(p) for p, n in zip(prompt_token_ids, n_per_prompt) for _ in range(n)]
         seeds = row_seeds(prompt_token_ids, n_per_prompt, params.seed)  # [R]
         done: list[Completion] = []
-        for start in range(0, len(rows), self.max_batch):
-            done.extend(self._sample(rows[start : start + self.max_batch], params,
-                                     seeds[start : start + self.max_batch]))
+        with eval_mode(self.model):
+            for start in range(0, len(rows), self.max_batch):
+                done.extend(self._sample(rows[start : start + self.max_batch], params,
+                                         seeds[start : start + self.max_batch]))
         return _per_prompt(done, n_per_prompt)
 
     @torch.inference_mode()
@@ -206,7 +223,7 @@ class HFEngine(RolloutEngine):
         seeds = [row_seeds(prompt_token_ids, c, p.seed) for c, p in zip(counts_per_source, params_per_source)]
         done: list[list[Completion]] = [[] for _ in range(num)]
         window = max(1, self.max_batch // num)  # rows per source per batch: blocks stay equal
-        with stacked_weights(self.model, stacks):
+        with stacked_weights(self.model, stacks), eval_mode(self.model):
             for start in range(0, per_source, window):
                 batch = [r for block in rows for r in block[start : start + window]]
                 block_seeds = torch.cat([s[start : start + window] for s in seeds])
