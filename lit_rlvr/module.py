@@ -122,7 +122,7 @@ class GRPOModule(pl.LightningModule):
         self._check_options()
         path = resolve_model_path(model, model_options)
         self.policy, self.tokenizer = load_policy(path, dtype)
-        self.policy = apply_lora(self.policy, self.lora)  # only the adapters require grad
+        self.policy = apply_lora(self.policy, self.lora, seed=seed)  # only the adapters require grad
         self.policy.train()  # from_pretrained returns eval mode; Lightning toggles modes itself from here
         self.model_path = path
         # the KL reference: a frozen copy, or with LoRA the base model itself with the adapter off (no copy)

@@ -109,6 +109,17 @@ def test_only_adapters_train_and_the_optimizer_holds_them_alone(optimizer):
         assert opt.noise_stats()["noise/numel"] == sum(p.numel() for p in held)
 
 
+def test_adapter_init_depends_on_the_seed_alone(tiny_path):
+    def adapters(seed: int) -> list[torch.Tensor]:
+        torch.randn(7)  # the global RNG moves between builds: it must not matter
+        model = apply_lora(load_policy(tiny_path)[0], LoraOptions(rank=2), seed=seed)
+        return [p.detach().clone() for p in trainable_parameters(model)]
+
+    first, again, other = adapters(1), adapters(1), adapters(2)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not all(torch.equal(a, b) for a, b in zip(first, other))
+
+
 def test_full_fine_tuning_is_unchanged_by_the_option():
     module = GRPOModule(model="tiny", model_options=dict(TINY_OPTIONS), group_size=4, lora={"rank": None})
     assert not is_lora(module.policy)

@@ -95,9 +95,10 @@ class LoraOptions:
         return out
 
 
-def apply_lora(model: nn.Module, options: LoraOptions) -> nn.Module:
+def apply_lora(model: nn.Module, options: LoraOptions, seed: int = 0) -> nn.Module:
     """The policy with LoRA adapters (a `peft.PeftModel`): only the adapters require grad. `model` unchanged when
-    LoRA is off."""
+    LoRA is off. A's random init is drawn from `seed` (the run seed), not from wherever the global RNG stands, so
+    the same seed builds the same adapter in any process, whatever ran before."""
     if not options.enabled:
         return model
     from lit_rlvr.extras import require
@@ -108,7 +109,9 @@ def apply_lora(model: nn.Module, options: LoraOptions) -> nn.Module:
     config = LoraConfig(r=int(options.rank), lora_alpha=options.alpha, lora_dropout=options.dropout,
                         target_modules=targets, bias="none", task_type="CAUSAL_LM")
     try:
-        peft_model = get_peft_model(model, config)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            peft_model = get_peft_model(model, config)
     except ValueError as err:  # peft: "Target modules {...} not found in the base model"
         raise ValueError(f"{KEY}.target_modules={targets!r}: {err}") from None
     return peft_model
