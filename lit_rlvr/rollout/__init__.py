@@ -11,7 +11,18 @@ ENGINES = ("hf", "sglang", "vllm")
 
 
 def build_engine(name: str, model, tokenizer, options: Optional[dict[str, Any]] = None) -> RolloutEngine:
+    """The engine of `engine=name` with `engine.options`; the post-push check's options (`sync_check_tol`,
+    `sync_check_every`: lit_rlvr.rollout.lora.SyncCheck) become its `sync_check`."""
+    from lit_rlvr.rollout.lora import SyncCheck
+
     options = dict(options or {})
+    check = SyncCheck(tol=options.pop("sync_check_tol", None), every=int(options.pop("sync_check_every", 1)))
+    engine = _build(name, model, tokenizer, options)
+    engine.sync_check = check
+    return engine
+
+
+def _build(name: str, model, tokenizer, options: dict[str, Any]) -> RolloutEngine:
     if name == "hf":
         from lit_rlvr.rollout.hf import HFEngine
 

@@ -19,7 +19,8 @@ from lit_rlvr.checkpoint_io import checkpoint_hint
 from lit_rlvr.rewards.base import RewardHangError
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts, rollouts_from_completions
 from lit_rlvr.rollout.engine import EngineError, SamplingParams
-from lit_rlvr.rollout.weights import push_weights
+from lit_rlvr.rollout.lora import (can_generate_with_adapters, check_engine_sync, generate_with_adapters,
+                                   probe_prompt, push_policy)
 
 if TYPE_CHECKING:  # pragma: no cover
     from lit_rlvr.module import GRPOModule
@@ -34,6 +35,7 @@ class RolloutDriver:
         self.module = module
         self.holds_mean = False  # whether the engine holds the mean weights of step `engine.version`
         self.seed_suffix: tuple[int, ...] = ()
+        self.pushes = 0  # pushes to a non-shared engine so far (the post-push check runs every k-th)
 
     @property
     def engine(self):
@@ -113,7 +115,8 @@ class RolloutDriver:
         """One stacked engine call for all weight sources: an engine that has one, sharing the model, and
         equal totals per source (C3PO: G/N per prompt each)."""
         totals = {sum(c) for c in per_source}
-        return (plan.num_weight_sources > 1 and self.engine.can_generate_stacked
+        stackable = self.engine.shares_weights or can_generate_with_adapters(self.engine, self.module.policy)
+        return (plan.num_weight_sources > 1 and self.engine.can_generate_stacked and stackable
                 and len(totals) == 1 and totals != {0})
 
     def _generate_stacked(self, plan: RolloutPlan, per_source: list[list[int]], round_index: int) -> list[Rollouts]:
@@ -126,7 +129,11 @@ class RolloutDriver:
             m.push_to_engine(holds_mean=False)  # shared mode: no copy; the version bookkeeping of `_generate`
             sampling = [self.sampling_params(self.sample_seed(round_index, s)) for s in range(num)]
             with self.engine_errors():
-                completions = self.engine.generate_stacked(plan.prompt_token_ids, per_source, sampling, stacks)
+                if self.engine.shares_weights:
+                    completions = self.engine.generate_stacked(plan.prompt_token_ids, per_source, sampling, stacks)
+                else:  # LoRA on a multi-adapter engine: N sampled adapters, one call
+                    completions = generate_with_adapters(self.engine, m.policy, plan.prompt_token_ids, per_source,
+                                                         sampling, stacks, version=m.global_step)
         pad = m.tokenizer.pad_token_id
         packed = [rollouts_from_completions(plan, c, source=s, pad_id=pad) for s, c in enumerate(completions)]
         return [self._score(plan, Rollouts.concat(packed, pad))]  # one decode and one reward call for all sources
@@ -194,8 +201,21 @@ class RolloutDriver:
         with m.timer("sync_s"):
             self.engine.wake()
             if not self.engine.shares_weights:
-                push_weights(self.engine, m.policy, bucket_bytes=self.engine.bucket_bytes,
-                             dtype=self.engine.weight_dtype)
+                push_policy(self.engine, m.policy, version=m.global_step)  # LoRA: adapters or merged (rollout.lora)
             self.engine.version = m.global_step
             self.holds_mean = holds_mean
+            self.check_sync()
+
+    def check_sync(self) -> None:
+        """After a push to a non-shared engine: its log-probs of a few sampled tokens against the trainer's, as
+        `engine/sync_logp_diff`; a gap above the bound raises `EngineSyncError` (rollout.lora.check_engine_sync)."""
+        check = getattr(self.engine, "sync_check", None)
+        if self.engine.shares_weights or check is None or check.every == 0:
+            return
+        self.pushes += 1
+        if (self.pushes - 1) % check.every == 0:
+            m = self.module
+            diff = check_engine_sync(self.engine, m.policy, probe_prompt(m.tokenizer), check=check,
+                                     version=m.global_step)
+            m.log_metrics({"engine/sync_logp_diff": diff})
 

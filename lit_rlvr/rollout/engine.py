@@ -24,6 +24,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's eos
     seed: int = 0
     ignore_eos: bool = False  # benchmarks: nothing stops a completion before max_new_tokens (eos, stop_token_ids)
+    adapter: Optional[str] = None  # LoRA: the loaded adapter to sample with (None: the one pushed last)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -54,6 +55,13 @@ class RolloutEngine:
     weight_dtype: Optional[torch.dtype] = None  # pushes are cast to it (None: the trainer's dtype)
     dtype: Optional[torch.dtype] = None  # what it generates in (None: its `model`'s, else the policy's)
     model: Optional[nn.Module] = None  # its in-process model, if it has one
+    # LoRA (lit_rlvr.rollout.lora): how a LoRA policy reaches it (`engine.options.lora_sync`: adapter | merged)
+    lora_sync: str = "adapter"
+    serves_lora: bool = False  # True: `load_adapter` takes adapter tensors; generation uses `SamplingParams.adapter`
+    serves_many_adapters: bool = False  # True: one `generate_stacked` call mixes adapters, one per weight source
+    adapter_base_by_name: bool = True  # with adapters: the base weights arrive once by HF name (a server's dummy start)
+    holds_base: bool = False  # whether it holds the base weights a LoRA push builds on
+    active_adapter: Optional[str] = None  # the adapter pushed last (what generation uses by default)
 
     def generate(
         self, prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int], params: SamplingParams
@@ -71,6 +79,11 @@ class RolloutEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Take new weights by HF parameter name; may be called once per bucket."""
         raise NotImplementedError
+
+    def load_adapter(self, name: str, tensors: dict[str, Tensor], config: dict) -> None:
+        """Take a LoRA adapter (PEFT file keys -> tensors, PEFT config) under `name`, which becomes the active one;
+        when `serves_lora`."""
+        raise NotImplementedError(f"{type(self).__name__} serves no LoRA adapters")
 
     def end_weight_update(self) -> None:
         """Called after the last bucket of a push (SGLang flushes its cache once here)."""

@@ -142,12 +142,23 @@ class HFEngine(RolloutEngine):
         max_batch: int = 256,
         bucket_bytes: int = 256 << 20,
         share_prefill: bool = True,
+        lora_sync: str = "adapter",
     ):
+        from lit_rlvr.models.lora import is_lora
+        from lit_rlvr.rollout.lora import check_lora_sync
+
         if mode not in ENGINE_MODES:
             raise ValueError(f"engine.mode={mode!r} is not valid; valid: {', '.join(ENGINE_MODES)}")
         self.mode = mode
+        self.lora_sync = check_lora_sync(lora_sync)
         self.shares_weights = self.can_generate_stacked = mode == "shared"
         self.model = model if mode == "shared" else copy.deepcopy(model)
+        if mode == "copy" and is_lora(model):
+            if lora_sync == "merged":  # a plain transformers model, as a server without LoRA holds it
+                self.model = self.model.merge_and_unload()
+            else:  # its own copy of the peft model: the base stays as copied, adapters arrive by push
+                self.serves_lora = self.holds_base = True
+                self.adapter_base_by_name = False
         if mode == "copy":
             self.model.requires_grad_(False)
         self.pad_id, self.eos_id = pad_id, eos_id
@@ -173,6 +184,25 @@ class HFEngine(RolloutEngine):
                 raise KeyError(f"HFEngine.load_weights: unknown parameter {name!r}")
             target.copy_(tensor)
 
+    @torch.no_grad()
+    def load_adapter(self, name: str, tensors: dict[str, Tensor], config: dict) -> None:
+        """`copy` mode with `lora_sync=adapter`: one adapter slot, overwritten in place by each push."""
+        from lit_rlvr.rollout.lora import peft_file_name
+
+        if not self.serves_lora:
+            raise RuntimeError("HFEngine serves adapters only in copy mode with a LoRA policy and lora_sync=adapter")
+        slots = {peft_file_name(n): p for n, p in self._params.items() if ".lora_" in n}
+        if set(tensors) != set(slots):
+            raise KeyError(f"HFEngine.load_adapter({name!r}): {len(set(slots) - set(tensors))} adapter tensors "
+                           f"missing, {len(set(tensors) - set(slots))} unknown")
+        for key, tensor in tensors.items():
+            slots[key].copy_(tensor)
+        self.active_adapter = name
+
+    def _check_adapter(self, params: SamplingParams) -> None:
+        if params.adapter is not None and params.adapter != self.active_adapter:
+            raise RuntimeError(f"HFEngine holds adapter {self.active_adapter!r}, asked for {params.adapter!r}")
+
     def to(self, device: torch.device) -> "HFEngine":
         """Move a `copy` engine's model (a `shared` one moves with the trainer's model)."""
         if self.mode == "copy":
@@ -186,6 +216,7 @@ class HFEngine(RolloutEngine):
     def generate(
         self, prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int], params: SamplingParams
     ) -> list[list[Completion]]:
+        self._check_adapter(params)
         rows = [list(p) for p, n in zip(prompt_token_ids, n_per_prompt) for _ in range(n)]
         seeds = row_seeds(prompt_token_ids, n_per_prompt, params.seed)  # [R]
         done: list[Completion] = []
