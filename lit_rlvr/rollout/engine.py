@@ -113,8 +113,9 @@ class RolloutEngine:
 def save_policy_config(model, path: str) -> None:
     """Write the policy's HF config to `path` for an engine started without weights: `architectures` set, since
     sglang and vLLM pick their model class from it (FSDP's `fully_shard` renames the module's class)."""
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft wrapper: its model
     config = copy.deepcopy(model.config)
-    if not getattr(config, "architectures", None):
+    if not getattr(config, "architectures", None) or any(a.startswith("Peft") for a in config.architectures):
         config.architectures = [type(model).__name__.removeprefix("FSDP")]
     config.save_pretrained(path)
 
