@@ -8,6 +8,7 @@ from typing import Any, Optional
 from lit_rlvr.rollout.engine import Completion, RolloutEngine, SamplingParams
 
 ENGINES = ("hf", "sglang", "vllm")
+SYNC_CHECK_OPTIONS = ("sync_check_tol", "sync_check_every")  # engine.options of the post-push check, not the engine
 
 
 def build_engine(name: str, model, tokenizer, options: Optional[dict[str, Any]] = None) -> RolloutEngine:
@@ -16,7 +17,8 @@ def build_engine(name: str, model, tokenizer, options: Optional[dict[str, Any]] 
     from lit_rlvr.rollout.lora import SyncCheck
 
     options = dict(options or {})
-    check = SyncCheck(tol=options.pop("sync_check_tol", None), every=int(options.pop("sync_check_every", 1)))
+    tol, every = (options.pop(k, default) for k, default in zip(SYNC_CHECK_OPTIONS, (None, 1)))
+    check = SyncCheck(tol=tol, every=int(every))
     engine = _build(name, model, tokenizer, options)
     engine.sync_check = check
     return engine
@@ -38,4 +40,4 @@ def _build(name: str, model, tokenizer, options: dict[str, Any]) -> RolloutEngin
     raise ValueError(f"engine={name!r} is not valid; valid: {', '.join(ENGINES)}")
 
 
-__all__ = ["ENGINES", "Completion", "RolloutEngine", "SamplingParams", "build_engine"]
+__all__ = ["ENGINES", "SYNC_CHECK_OPTIONS", "Completion", "RolloutEngine", "SamplingParams", "build_engine"]

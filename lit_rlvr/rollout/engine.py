@@ -80,9 +80,10 @@ class RolloutEngine:
         """Take new weights by HF parameter name; may be called once per bucket."""
         raise NotImplementedError
 
-    def load_adapter(self, name: str, tensors: dict[str, Tensor], config: dict) -> None:
-        """Take a LoRA adapter (PEFT file keys -> tensors, PEFT config) under `name`, which becomes the active one;
-        when `serves_lora`."""
+    def load_adapter(self, name: str, tensors: dict[str, Tensor], config: dict, activate: bool = True) -> None:
+        """Take a LoRA adapter (PEFT file keys -> tensors, PEFT config) under `name`; with `activate` it becomes the
+        one generation uses by default (3PO's samples for a multi-adapter call are loaded aside); when
+        `serves_lora`."""
         raise NotImplementedError(f"{type(self).__name__} serves no LoRA adapters")
 
     def end_weight_update(self) -> None:

@@ -185,7 +185,7 @@ class HFEngine(RolloutEngine):
             target.copy_(tensor)
 
     @torch.no_grad()
-    def load_adapter(self, name: str, tensors: dict[str, Tensor], config: dict) -> None:
+    def load_adapter(self, name: str, tensors: dict[str, Tensor], config: dict, activate: bool = True) -> None:
         """`copy` mode with `lora_sync=adapter`: one adapter slot, overwritten in place by each push."""
         from lit_rlvr.rollout.lora import peft_file_name
 

@@ -182,14 +182,13 @@ def generate_with_adapters(engine: RolloutEngine, policy: nn.Module, prompt_toke
     names = {id(p): n for n, p in policy.named_parameters()}
     dtype = engine.weight_dtype
     config = peft_config_dict(policy)
-    params, mean = [], engine.active_adapter  # the samples are loaded aside: the mean stays the default
+    params = []
     for sample, source_params in enumerate(params_per_source):
         tensors = {peft_file_name(names[id(p)]): s[sample] if dtype is None else s[sample].to(dtype)
                    for p, s in stacks.items()}
         name = adapter_name(version, sample)
-        engine.load_adapter(name, tensors, config)
+        engine.load_adapter(name, tensors, config, activate=False)  # aside: the mean stays the default
         params.append(replace(source_params, adapter=name))
-    engine.active_adapter = mean
     return engine.generate_stacked(prompt_token_ids, counts_per_source, params, None)
 
 

@@ -276,7 +276,7 @@ class VLLMEngine(RolloutEngine):
         return out
 
     # -- LoRA adapters ----------------------------------------------------------------------------------------
-    def load_adapter(self, name: str, tensors: dict[str, Tensor], config: dict) -> None:
+    def load_adapter(self, name: str, tensors: dict[str, Tensor], config: dict, activate: bool = True) -> None:
         """Write the adapter in PEFT's format to this engine's temp dir and register it with vLLM (a LoRA request
         with a fresh integer id: vLLM caches adapters by id). Adapters of earlier weight versions are removed."""
         from safetensors.torch import save_file
@@ -301,7 +301,8 @@ class VLLMEngine(RolloutEngine):
         if not self._llm.llm_engine.add_lora(request):
             raise RuntimeError(f"vLLM did not load the LoRA adapter {name!r}")
         self._adapters[name] = request
-        self.active_adapter = name
+        if activate:
+            self.active_adapter = name
 
     def _lora_request(self, name: Optional[str]):
         if not self.serves_lora:
