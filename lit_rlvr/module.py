@@ -13,7 +13,7 @@ import copy
 import functools
 import logging
 import zlib
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -27,7 +27,7 @@ from lit_rlvr.freeze import FreezeSetupObjects
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.loss_options import check_loss_options
 from lit_rlvr.models import load_policy, resolve_model_path
-from lit_rlvr.models.lora import LoraOptions, apply_lora, trainable_parameters
+from lit_rlvr.models.lora import LoraOptions, apply_lora, reference_model, trainable_parameters
 from lit_rlvr.optim.build import build_optimizer, check_optimizer_options
 from lit_rlvr.optim.schedule import warmup_factor
 from lit_rlvr.rewards import build_reward_runner
@@ -62,9 +62,7 @@ class GRPOModule(pl.LightningModule):
     warm-up over the first W optimizer updates (`warmup_from_zero`: verl's shape, from lr 0).
     `optimizer`: `adamw` (uses `betas`, `weight_decay`) or `ivon` (`lit_rlvr.optim.IVON`, for 3PO; `lr` plus
     `optimizer_options`: ess λ (required), hess_init, beta1, beta2, weight_decay δ, clip_radius, …); extra
-    `optimizer_options` go to the optimizer's constructor either way. `lora` (`models.lora.LoraOptions` fields:
-    rank, alpha, target_modules, dropout, lr_scale; None or rank None = full fine-tuning): train LoRA adapters
-    only, at lr x lr_scale; the KL reference is then the base model with the adapter switched off.
+    `optimizer_options` go to the optimizer's constructor either way. `lora`: adapters only (`models.lora`).
     """
 
     # loss metrics that are means over response tokens, and over sequences (a subclass may move one)
@@ -125,9 +123,8 @@ class GRPOModule(pl.LightningModule):
         self.policy = apply_lora(self.policy, self.lora, seed=seed)  # only the adapters require grad
         self.policy.train()  # from_pretrained returns eval mode; Lightning toggles modes itself from here
         self.model_path = path
-        # the KL reference: a frozen copy, or with LoRA the base model itself with the adapter off (no copy)
-        needs_copy = kl_coef > 0 and not self.lora.enabled
-        self.ref_policy = copy.deepcopy(self.policy).requires_grad_(False).eval() if needs_copy else None
+        copies = kl_coef > 0 and not self.lora.enabled  # LoRA's KL reference: the base itself (no second copy)
+        self.ref_policy = copy.deepcopy(self.policy).requires_grad_(False).eval() if copies else None
         self.reward_runner = build_reward_runner(reward, reward_options)
         self.engine = None  # built in setup(): after the strategy has placed (and maybe sharded) the policy
         self.val_metrics = ValidationMetrics(eval_samples)
@@ -180,10 +177,10 @@ class GRPOModule(pl.LightningModule):
 
     def configure_optimizers(self):
         hp, trainer = self.hparams, self._trainer  # None when called outside a fit (tests, notebooks)
-        lr = hp.lr * self.lora.lr_scale if self.lora.enabled else hp.lr  # LoRA: the ~10x rule (models/lora.py)
-        optimizer = build_optimizer(hp.optimizer, trainable_parameters(self.policy), lr=lr, betas=hp.betas,
-                                    weight_decay=hp.weight_decay, options=hp.optimizer_options, seed=hp.seed,
-                                    rank=self.global_rank, world_size=trainer.world_size if trainer else 1,
+        world = trainer.world_size if trainer else 1
+        optimizer = build_optimizer(hp.optimizer, trainable_parameters(self.policy), lr=self.lora.learning_rate(hp.lr),
+                                    betas=hp.betas, weight_decay=hp.weight_decay, options=hp.optimizer_options,
+                                    seed=hp.seed, rank=self.global_rank, world_size=world,
                                     strategy=type(trainer.strategy).__name__ if trainer else "none")
         factor = functools.partial(warmup_factor, warmup_steps=hp.warmup_steps, from_zero=hp.warmup_from_zero)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
@@ -278,14 +275,6 @@ class GRPOModule(pl.LightningModule):
         temperature = self.hparams.temperature or 1.0
         return F.token_logprobs(logits, rollouts.response_ids.to(self.device), temperature=temperature), logits
 
-    @torch.no_grad()
-    def reference_logprobs(self, rollouts: Rollouts) -> Tensor:
-        """[n, T] log-probs of the frozen reference: the copy, or with LoRA the base weights (adapter off)."""
-        off = self.policy.disable_adapter() if self.ref_policy is None and self.lora.enabled else nullcontext()
-        with off:
-            return self.forward_logprobs(self.ref_policy if self.ref_policy is not None else self.policy,
-                                         rollouts)[0]
-
     def micro_batch_loss(self, rollouts: Rollouts, weight: float) -> tuple[Tensor, dict[str, Tensor]]:
         """Loss of one micro-batch, scaled by its share `weight` of the pass so micro-batches sum exactly."""
         hp = self.hparams
@@ -308,7 +297,9 @@ class GRPOModule(pl.LightningModule):
         # the metric is nats per token whatever the loss aggregation, so runs of different losses compare
         metrics["loss/entropy"] = F.aggregate(entropy.detach(), mask, "token-mean")
         if hp.kl_coef > 0:
-            ref_logp = self.reference_logprobs(rollouts)  # [n, T]
+            ref, adapter_off = reference_model(self.policy, self.ref_policy)  # LoRA: the base, adapter off
+            with torch.no_grad(), adapter_off:
+                ref_logp, _ = self.forward_logprobs(ref, rollouts)  # [n, T]
             per_token = F.kl_penalty(logp, ref_logp, estimator=hp.kl_estimator, k3_cap=hp.kl_k3_cap)  # [n, T]
             kl = F.aggregate(per_token, mask, hp.loss_aggregation, norm_len=hp.max_new_tokens)
             loss = loss + hp.kl_coef * kl

@@ -10,7 +10,7 @@ import torch
 
 from lit_rlvr.models import load_policy
 from lit_rlvr.models.lora import (LoraOptions, apply_lora, base_model, is_lora, lora_layers, merged_adapter,
-                                  trainable_parameters)
+                                  reference_model, trainable_parameters)
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.rollout.batch import Rollouts
 from lit_rlvr.rollout.engine import SamplingParams
@@ -165,7 +165,9 @@ def test_kl_reference_is_the_base_with_the_adapter_off(tiny_path):
     with torch.no_grad():
         want, _ = module.forward_logprobs(base, rollouts)
         policy_logp, _ = module.forward_logprobs(module.policy, rollouts)
-    assert torch.equal(module.reference_logprobs(rollouts), want)
+    ref, adapter_off = reference_model(module.policy, module.ref_policy)
+    with torch.no_grad(), adapter_off:
+        assert torch.equal(module.forward_logprobs(ref, rollouts)[0], want)
     assert not torch.allclose(policy_logp, want, atol=1e-3)  # the adapter does change the policy
     loss, metrics = module.micro_batch_loss(_scored(rollouts), 1.0)
     assert float(metrics["loss/kl_ref"]) > 0

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
@@ -76,6 +76,10 @@ class LoraOptions:
     def enabled(self) -> bool:
         return self.rank is not None
 
+    def learning_rate(self, lr: float) -> float:
+        """The optimizer's rate for `algorithm.lr`: x lr_scale with LoRA (the ~10x rule), as is without."""
+        return lr * self.lr_scale if self.enabled else lr
+
     @classmethod
     def from_any(cls, value: Union[None, dict[str, Any], "LoraOptions"]) -> "LoraOptions":
         """None or {} = full fine-tuning; a dict of the fields (unknown keys are refused, naming the valid ones)."""
@@ -126,6 +130,14 @@ def base_model(model: nn.Module) -> nn.Module:
     """The transformers model under a peft wrapper (its layers hold the adapters), else `model` itself."""
     getter = getattr(model, "get_base_model", None)
     return getter() if callable(getter) and is_lora(model) else model
+
+
+def reference_model(policy: nn.Module, copy: Optional[nn.Module]) -> tuple[nn.Module, AbstractContextManager]:
+    """The frozen KL reference and the context to score it in: the copy when there is one, else (LoRA) the policy
+    itself with its adapter switched off (peft's `disable_adapter`): the base weights, no second copy."""
+    if copy is not None or not is_lora(policy):
+        return (copy if copy is not None else policy), nullcontext()
+    return policy, policy.disable_adapter()
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
