@@ -31,6 +31,7 @@ from typing_extensions import override
 
 from lit_rlvr import functional as F
 from lit_rlvr.hooks import RLVRCallback
+from lit_rlvr.models.lora import trainable_parameters
 from lit_rlvr.optim import IVON, bf16_spacing_warning
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 
@@ -151,7 +152,7 @@ class ParamNoise(RLVRCallback):
     def _maybe_warn_bf16(self, pl_module: "pl.LightningModule", optimizer: IVON) -> None:
         if self._bf16_warned or engine_dtype(pl_module) != torch.bfloat16:
             return
-        message = bf16_spacing_warning(optimizer, pl_module.policy.parameters())
+        message = bf16_spacing_warning(optimizer, trainable_parameters(pl_module.policy))  # LoRA: the adapters
         if message is not None:
             log.warning(message)
             self._bf16_warned = True

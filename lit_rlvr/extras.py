@@ -16,6 +16,7 @@ EXTRAS = {
     "matplotlib": ("report", "python -m lit_rlvr.report"),
     "pyarrow": ("data", "Parquet data files"),
     "datasets": ("data", "Hugging Face datasets (data.format=hf, .arrow, saved datasets)"),
+    "peft": ("lora", "LoRA adapters (model.lora.rank)"),
 }
 
 

@@ -25,6 +25,7 @@ from lit_rlvr.checkpoint_io import checkpoint_hint
 from lit_rlvr.freeze import FreezeSetupObjects
 from lit_rlvr.hooks import RLVRCallback, check_rl_callbacks
 from lit_rlvr.models import load_policy, resolve_model_path
+from lit_rlvr.models.lora import LoraOptions, apply_lora, reference_model, trainable_parameters
 from lit_rlvr.optim.build import build_optimizer, check_optimizer_options
 from lit_rlvr.optim.schedule import warmup_factor
 from lit_rlvr.options import ConfigError, consistency_problems, range_problems
@@ -35,6 +36,7 @@ from lit_rlvr.rollout import build_engine
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 from lit_rlvr.rollout.driver import RolloutDriver, stop_token_ids
 from lit_rlvr.rollout.engine import EngineError, SamplingConfig
+from lit_rlvr.rollout.lora import SyncCheck
 from lit_rlvr.step_log import StepTimer, write_step_metrics
 from lit_rlvr.validation import ValidationMetrics
 
@@ -62,7 +64,7 @@ class GRPOModule(pl.LightningModule):
     warm-up over the first W optimizer updates (`warmup_from_zero`: verl's shape, from lr 0).
     `optimizer`: `adamw` (uses `betas`, `weight_decay`) or `ivon` (`lit_rlvr.optim.IVON`, for 3PO; `lr` plus
     `optimizer_options`: ess λ (required), hess_init, beta1, beta2, weight_decay δ, clip_radius, …); extra
-    `optimizer_options` go to the optimizer's constructor either way.
+    `optimizer_options` go to the optimizer's constructor either way. `lora`: adapters only (`models.lora`).
     """
 
     # loss metrics that are means over response tokens, and over sequences (a subclass may move one)
@@ -74,6 +76,7 @@ class GRPOModule(pl.LightningModule):
         model: str = "tiny",
         model_options: Optional[dict[str, Any]] = None,
         dtype: str = "float32",
+        lora: Optional[dict[str, Any]] = None,
         reward: Union[str, Callable[..., Any]] = "arithmetic",
         reward_options: Optional[dict[str, Any]] = None,
         engine: str = "hf",
@@ -118,9 +121,11 @@ class GRPOModule(pl.LightningModule):
         self._check_options()
         path = resolve_model_path(model, model_options)
         self.policy, self.tokenizer = load_policy(path, dtype)
+        self.policy = apply_lora(self.policy, self.lora, seed=seed)  # only the adapters require grad
         self.policy.train()  # from_pretrained returns eval mode; Lightning toggles modes itself from here
         self.model_path = path
-        self.ref_policy = copy.deepcopy(self.policy).requires_grad_(False).eval() if kl_coef > 0 else None
+        copies = kl_coef > 0 and not self.lora.enabled  # LoRA's KL reference: the base itself (no second copy)
+        self.ref_policy = copy.deepcopy(self.policy).requires_grad_(False).eval() if copies else None
         self.reward_runner = build_reward_runner(reward, reward_options)
         self.sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k,
                                        max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
@@ -141,6 +146,7 @@ class GRPOModule(pl.LightningModule):
         problems = range_problems(hp, "algorithm") + consistency_problems(hp)
         if problems:
             raise ConfigError(problems)
+        self.lora = LoraOptions.from_any(hp.lora)
         check_optimizer_options(hp.optimizer, hp.optimizer_options, lr=hp.lr, grad_clip=hp.grad_clip,
                                 weight_decay=hp.weight_decay, dtype=hp.dtype)
 
@@ -148,8 +154,11 @@ class GRPOModule(pl.LightningModule):
     def setup(self, stage: str) -> None:
         check_rl_callbacks(self.rl_callbacks(), self.hparams)  # the Lightning CLI and Python reach this first
         if self.engine is None:
-            self.engine = build_engine(self.hparams.engine, self.policy, self.tokenizer, self.hparams.engine_options)
-            self.driver = RolloutDriver(self.engine, self.tokenizer, self.reward_runner, self.sampling, self.policy)
+            options = dict(self.hparams.engine_options or {})
+            sync_check = SyncCheck.take_from(options)  # the driver's post-push check, not the engine's option
+            self.engine = build_engine(self.hparams.engine, self.policy, self.tokenizer, options)
+            self.driver = RolloutDriver(self.engine, self.tokenizer, self.reward_runner, self.sampling, self.policy,
+                                        sync_check)
 
     def configure_model(self) -> None:
         """Lightning's parallelism hook: a sharding strategy (`FSDP2Strategy.parallelize`) shards here."""
@@ -177,9 +186,10 @@ class GRPOModule(pl.LightningModule):
 
     def configure_optimizers(self):
         hp, trainer = self.hparams, self._trainer  # None when called outside a fit (tests, notebooks)
-        optimizer = build_optimizer(hp.optimizer, self.policy.parameters(), lr=hp.lr, betas=hp.betas,
-                                    weight_decay=hp.weight_decay, options=hp.optimizer_options, seed=hp.seed,
-                                    rank=self.global_rank, world_size=trainer.world_size if trainer else 1,
+        world = trainer.world_size if trainer else 1
+        optimizer = build_optimizer(hp.optimizer, trainable_parameters(self.policy), lr=self.lora.learning_rate(hp.lr),
+                                    betas=hp.betas, weight_decay=hp.weight_decay, options=hp.optimizer_options,
+                                    seed=hp.seed, rank=self.global_rank, world_size=world,
                                     strategy=type(trainer.strategy).__name__ if trainer else "none")
         factor = functools.partial(warmup_factor, warmup_steps=hp.warmup_steps, from_zero=hp.warmup_from_zero)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
@@ -242,6 +252,7 @@ class GRPOModule(pl.LightningModule):
             result = self.driver.rollout(plan, step=self.global_step, seed_key=self.seed_key())
         for phase, seconds in result.seconds.items():
             self.timer.add(phase, seconds)
+        self.log_metrics(result.metrics)
         self.counters["rollouts_total"] += result.num_rollouts
         self.counters["tokens_generated"] += result.num_tokens
         self.counters["reward_failures"] += result.reward_failures
@@ -259,12 +270,14 @@ class GRPOModule(pl.LightningModule):
         """An engine failure names the engine and says what survives and what to do."""
         try:
             yield
-        except EngineError as err:
-            raise EngineError(f"engine {self.hparams.engine!r} {err}; {checkpoint_hint(self._trainer)}") from err
+        except EngineError as err:  # the same class (e.g. EngineSyncError), with the engine's name and the hint
+            raise type(err)(f"engine {self.hparams.engine!r}: {err}; {checkpoint_hint(self._trainer)}") from err
 
     def sync_engine(self) -> None:
         """After the optimizer step: the engine must hold the new mean weights (version = global step)."""
-        self.timer.add("sync_s", self.driver.push(step=self.global_step))
+        pushed = self.driver.push(step=self.global_step)
+        self.timer.add("sync_s", pushed.seconds)
+        self.log_metrics(pushed.metrics)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         # after the callbacks' hook: RunCheckpoint has saved this step (the driver set should_stop)
@@ -318,9 +331,10 @@ class GRPOModule(pl.LightningModule):
         loss = loss - hp.entropy_coef * entropy_mean
         # the metric is nats per token whatever the loss aggregation, so runs of different losses compare
         metrics["loss/entropy"] = F.aggregate(entropy.detach(), mask, "token-mean")
-        if self.ref_policy is not None:
-            with torch.no_grad():
-                ref_logp, _ = self.forward_logprobs(self.ref_policy, rollouts)
+        if hp.kl_coef > 0:
+            ref, adapter_off = reference_model(self.policy, self.ref_policy)  # LoRA: the base, adapter off
+            with torch.no_grad(), adapter_off:
+                ref_logp, _ = self.forward_logprobs(ref, rollouts)  # [n, T]
             per_token = F.kl_penalty(logp, ref_logp, estimator=hp.kl_estimator, k3_cap=hp.kl_k3_cap)  # [n, T]
             kl = F.aggregate(per_token, mask, hp.loss_aggregation, norm_len=hp.max_new_tokens)
             loss = loss + hp.kl_coef * kl

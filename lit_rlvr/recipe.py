@@ -15,13 +15,14 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_rlvr import jsonsafe
 from lit_rlvr.hooks import check_rl_callbacks
 from lit_rlvr.run_checkpoint import RunCheckpoint
+from lit_rlvr.models.lora import is_adapter_dir, load_adapter_weights, options_from_adapter
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.resume import RunConfig, check_config, check_weights_fit, load_checkpoint, resolved_config
 
@@ -52,6 +53,7 @@ def build_module(cfg: DictConfig) -> GRPOModule:
         model=cfg.model.name_or_path,
         model_options=OmegaConf.to_container(cfg.model.options, resolve=True),
         dtype=cfg.model.dtype,
+        lora=OmegaConf.to_container(cfg.model.lora, resolve=True) if cfg.model.get("lora") else None,
         reward=cfg.reward.name,
         reward_options=OmegaConf.to_container(cfg.reward.options, resolve=True),
         engine=cfg.engine.name,
@@ -237,6 +239,8 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """`mode=eval checkpoint=PATH`: held-out metrics of a checkpoint, written to eval.json."""
     if not cfg.checkpoint or not Path(cfg.checkpoint).exists():
         raise FileNotFoundError(f"checkpoint={cfg.checkpoint!r}: mode=eval needs an existing checkpoint file")
+    if is_adapter_dir(cfg.checkpoint):
+        return evaluate_adapter(cfg, run_dir)
     from lit_rlvr.strategies import FSDP2Strategy
 
     state = load_checkpoint(Path(cfg.checkpoint), "checkpoint")  # a corrupt file fails before any work
@@ -259,6 +263,29 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         metrics = validate(trainer, module, datamodule)
     result = {"checkpoint": str(cfg.checkpoint), "prompts": len(getattr(datamodule, "eval_set", None) or []),
               "samples_per_prompt": cfg.algorithm.eval_samples, "temperature": module.sampling.eval_temperature,
+              **metrics}
+    if trainer.is_global_zero:
+        (run_dir / "eval.json").write_text(jsonsafe.dumps(result, indent=2))
+    return result
+
+
+def evaluate_adapter(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """`mode=eval checkpoint=DIR` where DIR holds a LoRA adapter in PEFT's format (a run's checkpoints/adapter):
+    the base model of `model.name_or_path` with that adapter (its rank, alpha and targets from its config)."""
+    directory = Path(cfg.checkpoint)
+    options = options_from_adapter(directory)
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.model.lora = OmegaConf.create(options.as_dict())
+    datamodule = _instantiate(cfg.data)
+    trainer = build_trainer(cfg, run_dir)
+    _load_data(datamodule, trainer, "validate")
+    module = build_module(cfg)
+    _check_prompt_tokens(datamodule, module)
+    load_adapter_weights(module.policy, directory)
+    metrics = validate(trainer, module, datamodule)
+    result = {"checkpoint": str(directory), "prompts": len(getattr(datamodule, "eval_set", None) or []),
+              "samples_per_prompt": module.hparams.eval_samples, "temperature": module.hparams.eval_temperature,
               **metrics}
     if trainer.is_global_zero:
         (run_dir / "eval.json").write_text(jsonsafe.dumps(result, indent=2))

@@ -35,7 +35,9 @@ MUTABLE = ("algorithm.eval_samples", "algorithm.eval_temperature", "algorithm.ma
            "engine.options.base_port", "engine.options.port_stride", "engine.options.bucket_bytes",
            "engine.options.mem_fraction_static", "engine.options.server_args.max_total_tokens",
            "engine.options.gpu_memory_utilization", "engine.options.kv_cache_memory_bytes",
-           "engine.options.sleep_level", "engine.options.enforce_eager")
+           "engine.options.sleep_level", "engine.options.enforce_eager",
+           # the post-push check only watches (it never changes what is sampled)
+           "engine.options.sync_check_tol", "engine.options.sync_check_every")
 # optimizer settings that a checkpoint's optimizer state would silently put back: applied after the restore
 OPTIMIZER_KEYS = {"algorithm.lr": "lr", "algorithm.weight_decay": "weight_decay"}
 

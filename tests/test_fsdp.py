@@ -68,6 +68,7 @@ def runs(tiny_path, tmp_path_factory):
         "one_rank": _run(base / "one_rank", grpo, ranks=1),
         "c3po_two_ranks": _run(base / "c3po", FSDP_CPU + ["algorithm=c3po"], ranks=2),
         "v05_two_ranks": _run(base / "v05", FSDP_CPU + V05, ranks=2),
+        "c3po_lora_two_ranks": _run(base / "c3po_lora", FSDP_CPU + ["algorithm=c3po", "model.lora.rank=4"], ranks=2),
     }
 
 
@@ -138,6 +139,25 @@ def test_c3po_ranks_receive_the_same_weight_samples_m_plus_sigma_eps(runs):
     assert [p["sample_index"] for p in samples] == [0, 1, 2, 3] * 3  # N = 4 weight samples per step, 3 steps
     assert max(p["noise_max_err"] for p in samples) < 1e-6  # fp32 rounding of m + σ⊙ε
     assert len({p["digest"] for p in samples}) == len(samples)  # every sample differs
+
+
+def test_c3po_on_lora_adapters_is_shard_local_and_exact(runs):
+    """IVON's posterior over the adapters alone, sharded: each rank draws its shards' noise; every push (adapter
+    tensors gathered from the shards) gives both engines m + σ⊙ε of the adapters."""
+    run = runs["c3po_lora_two_ranks"]
+    for rank in (0, 1):
+        pushes = _pushes(run, rank)
+        assert len(pushes) >= 3 and all(p["exact"] for p in pushes), rank
+        samples = [p for p in pushes if "sample_index" in p]
+        assert [p["sample_index"] for p in samples] == [0, 1, 2, 3] * 3
+        assert max(p["noise_max_err"] for p in samples) < 1e-6
+    assert [p["digest"] for p in _pushes(run, 0)] == [p["digest"] for p in _pushes(run, 1)]
+    rows = _rows(run)
+    # rank 4 x (in + out) of q, k, v, o, gate, up, down in each of the tiny model's 2 layers (width 64, MLP 192)
+    shapes = [(64, 64), (64, 32), (64, 32), (64, 64), (64, 192), (64, 192), (192, 64)]
+    adapter_numel = 2 * 4 * sum(i + o for i, o in shapes)  # 9728
+    assert {r["noise/numel"] for r in rows} == {adapter_numel / 2}  # this rank's half of the adapters' shards
+    assert all(r["engine/sync_logp_diff"] < 1e-4 for r in rows)
 
 
 def test_c3po_resume_on_two_ranks_continues_exactly(runs, c3po_resumed):

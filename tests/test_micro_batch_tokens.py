@@ -128,7 +128,7 @@ def test_update_loop_forwards_the_grouped_trimmed_micro_batches():
 
 
 def test_bad_budget_names_the_key():
-    with pytest.raises(ValueError, match=r"algorithm.micro_batch_tokens=0 is not valid: expected an integer >= 1 or null"):
+    with pytest.raises(ValueError, match=r"algorithm.micro_batch_tokens=0 is not valid: expected an integer >= 1"):
         GRPOModule(model="tiny", model_options=dict(TINY), micro_batch_tokens=0)
 
 

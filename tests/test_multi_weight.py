@@ -132,13 +132,14 @@ def test_other_leaf_modules_run_per_block():
     torch.testing.assert_close(got, torch.cat(want))
 
 
-def test_c3po_shared_engine_stacked_equals_per_source(monkeypatch):
+@pytest.mark.parametrize("lora", [None, {"rank": 4}], ids=["full", "lora"])
+def test_c3po_shared_engine_stacked_equals_per_source(monkeypatch, lora):
     from test_param_noise import fit, make_module
 
     from lit_rlvr.callbacks import ParamNoise
 
     def run(stacked: bool):
-        module = make_module(engine_options={"mode": "shared"})
+        module = make_module(engine_options={"mode": "shared"}, lora=lora)
         seen = []
         real = module.rollout
         monkeypatch.setattr(module, "rollout", lambda plan: seen.append(real(plan)) or seen[-1])
@@ -164,3 +165,84 @@ def test_c3po_shared_engine_stacked_equals_per_source(monkeypatch):
             assert torch.equal(getattr(a, name), getattr(b, name)), name
         torch.testing.assert_close(a.old_logp, b.old_logp, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(list(stacked.policy.parameters()), list(plain.policy.parameters()), rtol=1e-4, atol=1e-6)
+
+
+# -- LoRA: N adapters over one shared base ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def lora_policy(tiny_path):
+    from lit_rlvr.models.lora import LoraOptions, apply_lora
+
+    model, tokenizer = load_policy(tiny_path)
+    model = apply_lora(model, LoraOptions(rank=4)).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # a trained adapter: B ≠ 0
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    return model, tokenizer
+
+
+def adapter_stacks(model: nn.Module, num: int = N, scale: float = 0.05) -> dict[nn.Parameter, torch.Tensor]:
+    """N weight samples of the adapters alone (what C3PO's IVON posterior over a LoRA policy draws)."""
+    gen = torch.Generator().manual_seed(2)
+    return {p: p.detach() + scale * torch.randn((num, *p.shape), generator=gen)
+            for p in model.parameters() if p.requires_grad}
+
+
+def test_lora_stacked_sampling_runs_one_base_matmul_and_per_block_low_rank_terms(lora_policy):
+    """Only the adapters' A and B run per block; every base layer keeps its own forward (one matmul for all
+    rows) and no [N, out, in] copy of a base matrix is made."""
+    model, tokenizer = lora_policy
+    stacks = adapter_stacks(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(".lora_A." in names[id(p)] or ".lora_B." in names[id(p)] for p in stacks)
+    base_bytes = sum(p.numel() for p in model.parameters() if not p.requires_grad) * 4
+    stack_bytes = sum(s.numel() for s in stacks.values()) * 4
+    assert stack_bytes < 0.5 * base_bytes  # N samples of the adapters, not of the model
+    with torch.no_grad(), stacked_weights(model, stacks):
+        patched = [n for n, m in model.named_modules() if "forward" in m.__dict__]
+    assert patched and all(".lora_A." in n or ".lora_B." in n for n in patched)
+    ids = torch.randint(1, tokenizer.vocab_size, (N * 2, 6))
+    with torch.no_grad():
+        with stacked_weights(model, stacks):
+            got = model(input_ids=ids, use_cache=False).logits
+        want = []
+        for n in range(N):
+            saved = snapshot_of(stacks)
+            load(model, stacks, n)
+            want.append(model(input_ids=ids[2 * n: 2 * n + 2], use_cache=False).logits)
+            restore(saved)
+    torch.testing.assert_close(got, torch.cat(want), rtol=1e-4, atol=1e-4)  # logits: batched-matmul rounding
+
+
+def snapshot_of(stacks) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    return [(p, p.detach().clone()) for p in stacks]
+
+
+def restore(saved) -> None:
+    with torch.no_grad():
+        for p, value in saved:
+            p.copy_(value)
+
+
+def test_lora_generate_stacked_equals_separate_generate_calls(lora_policy):
+    """C3PO on LoRA: N sampled adapters over the one base decode in one call; each block's tokens and log-probs
+    are those of a separate call with that adapter loaded (within the rounding of a batched matmul)."""
+    model, tokenizer = lora_policy
+    engine = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, max_batch=4)
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    counts = [[2, 1, 0, 1], [1, 1, 1, 1], [0, 2, 2, 0]]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=10, seed=70 + s) for s in range(N)]
+    stacks = adapter_stacks(model)
+    saved = snapshot_of(stacks)
+    got = engine.generate_stacked(ids, counts, params, stacks)
+    assert all(torch.equal(p, v) for p, v in saved)  # the adapters are untouched
+    for n in range(N):
+        load(model, stacks, n)
+        want = engine.generate(ids, counts[n], params[n])
+        for got_b, want_b in zip(got[n], want):
+            assert len(got_b) == len(want_b)
+            for g, w in zip(got_b, want_b):
+                assert torch.equal(g.token_ids, w.token_ids) and g.finish_reason == w.finish_reason
+                torch.testing.assert_close(g.logprobs, w.logprobs, rtol=1e-5, atol=1e-5)
+    restore(saved)

@@ -408,7 +408,8 @@ class IVON(ivon.IVON):
     def noise_stats(self) -> dict[str, Tensor]:
         """Detached scalar tensors (no device sync): mean σ over all (local) elements, and the RMS of the
         perturbation θ − m of the last sample as actually written (after rounding to the param dtype; 0
-        before any sample). Under FSDP these are this rank's shards only."""
+        before any sample), and how many weights the posterior covers (`noise/numel`: the adapters alone with
+        LoRA). Under FSDP these are this rank's shards only."""
         total = torch.zeros((), device=self._device, dtype=torch.float32)
         for group in self.param_groups:
             total += (1.0 / (group["ess"] * (group["hess"] + group["weight_decay"])).sqrt()).sum()
@@ -416,7 +417,8 @@ class IVON(ivon.IVON):
         if delta_sq is None:
             delta_sq = torch.zeros((), device=self._device, dtype=torch.float32)
         return {"noise/sigma_mean": total / max(self._numel, 1),
-                "noise/param_delta_rms": (delta_sq / self._runtime["delta_n"]).sqrt()}
+                "noise/param_delta_rms": (delta_sq / self._runtime["delta_n"]).sqrt(),
+                "noise/numel": torch.tensor(float(self._numel))}
 
 
 def bf16_spacing_warning(optimizer: IVON, reference_params: Iterable[Tensor]) -> Optional[str]:

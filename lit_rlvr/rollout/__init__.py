@@ -11,7 +11,12 @@ ENGINES = ("hf", "sglang", "vllm")
 
 
 def build_engine(name: str, model, tokenizer, options: Optional[dict[str, Any]] = None) -> RolloutEngine:
-    options = dict(options or {})
+    """The engine of `engine=name` with `engine.options` (the post-push check's options excepted: the module gives
+    them to the rollout driver, `lit_rlvr.rollout.lora.SyncCheck.take_from`)."""
+    return _build(name, model, tokenizer, dict(options or {}))
+
+
+def _build(name: str, model, tokenizer, options: dict[str, Any]) -> RolloutEngine:
     if name == "hf":
         from lit_rlvr.rollout.hf import HFEngine
 

@@ -21,7 +21,8 @@ from lit_rlvr.rewards.base import RewardHangError
 from lit_rlvr.rng import seed_of
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts, rollouts_from_completions
 from lit_rlvr.rollout.engine import EngineError, RolloutEngine, SamplingConfig
-from lit_rlvr.rollout.weights import push_weights
+from lit_rlvr.rollout.lora import (SyncCheck, can_generate_with_adapters, check_engine_sync, generate_with_adapters,
+                                   probe_prompt, push_policy)
 from lit_rlvr.step_log import StepTimer
 
 
@@ -35,6 +36,23 @@ class RolloutResult:
     reward_failures: int  # reward calls that crashed or timed out (their rollouts are malformed)
     stop_reason: Optional[str]  # set when a reward call hung: the run should save and stop
     seconds: dict[str, float] = field(default_factory=dict)  # gen_s, reward_s, sync_s (sync_s is within gen_s)
+    metrics: dict[str, Tensor] = field(default_factory=dict)  # the pushes' checks (`engine/sync_logp_diff`)
+
+
+@dataclass
+class _Tally:
+    """What one driver call spends: phase seconds and the post-push checks' metrics."""
+
+    timer: StepTimer = field(default_factory=StepTimer)
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class PushResult:
+    """One weight push: its seconds and, when the post-push check ran, `engine/sync_logp_diff`."""
+
+    seconds: float
+    metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
 def stop_token_ids(policy: nn.Module, eos_token_id: Optional[int]) -> tuple[int, ...]:
@@ -55,14 +73,17 @@ class RolloutDriver:
         tokenizer: decodes completions for the reward; its pad id pads the batch.
         reward_runner: `(prompts, completions, answers) -> RewardResult` (lit_rlvr.rewards).
         sampling: the run's sampling options.
-        policy: the trained model, whose weights `push` sends to an engine that keeps its own copy.
+        policy: the trained model, whose weights `push` sends to an engine that keeps its own copy (LoRA: its
+            adapters, or the merged weights: lit_rlvr.rollout.lora).
+        sync_check: the post-push check that an engine with its own weights samples the policy (None: off).
     """
 
     def __init__(self, engine: RolloutEngine, tokenizer: Any, reward_runner: Any, sampling: SamplingConfig,
-                 policy: nn.Module):
+                 policy: nn.Module, sync_check: Optional[SyncCheck] = None):
         self.engine, self.tokenizer, self.reward_runner = engine, tokenizer, reward_runner
-        self.sampling, self.policy = sampling, policy
+        self.sampling, self.policy, self.sync_check = sampling, policy, sync_check
         self._holds_mean = False  # whether the engine holds the mean weights of step `engine.version`
+        self._pushes = 0  # pushes to a non-shared engine so far (the post-push check runs every k-th)
 
     def forget_engine_weights(self) -> None:
         """The policy's weights changed outside a push (a checkpoint was restored): push before the next rollout."""
@@ -74,7 +95,7 @@ class RolloutDriver:
 
         `step` is the optimizer step of the policy's weights (the engine's version after a push); the engine call
         of round r and weight source s samples with `seed_of(*seed_key, r, s, *plan.seed_stream)`."""
-        timer = StepTimer()
+        tally = _Tally()
         parts: list[Rollouts] = []
         counts: Optional[list[int]] = plan.n_per_prompt
         have = [0] * plan.num_prompts
@@ -86,20 +107,20 @@ class RolloutDriver:
             per_source = plan.split_over_sources(counts, have)
             seeds = [seed_of(*seed_key, round_index, s, *plan.seed_stream) for s in range(len(per_source))]
             if self._can_stack(plan, per_source):
-                new = iter([self._generate_stacked(plan, per_source, seeds, step, timer)])
+                new = iter([self._generate_stacked(plan, per_source, seeds, step, tally)])
             else:  # lazily: each source's samples are scored before the next source generates
-                new = (self._generate(plan, c, source, seeds[source], step, timer)
+                new = (self._generate(plan, c, source, seeds[source], step, tally)
                        for source, c in enumerate(per_source))
             for part in new:
                 if part is not None:
-                    failures += self._score(plan, part, timer)
+                    failures += self._score(plan, part, tally.timer)
                     parts.append(part)
             have = [h + c for h, c in zip(have, counts)]
             rollouts = Rollouts.concat(parts, self.tokenizer.pad_token_id)
             round_index += 1
             counts = plan.budget_rule(rollouts) if plan.budget_rule is not None else None
         return RolloutResult(rollouts, rollouts.num_samples, rollouts.num_tokens(), failures,
-                             self.reward_runner.stop_reason, timer.times)
+                             self.reward_runner.stop_reason, tally.timer.times, tally.metrics)
 
     @staticmethod
     def _another_round(counts: Optional[list[int]]) -> bool:
@@ -107,12 +128,12 @@ class RolloutDriver:
         return D.global_max(int(counts is not None and sum(counts) > 0)) > 0
 
     def _generate(self, plan: RolloutPlan, counts: list[int], source: int, seed: int, step: int,
-                  timer: StepTimer) -> Optional[Rollouts]:
+                  tally: _Tally) -> Optional[Rollouts]:
         """Samples of one weight source in one round (None when `counts` are all 0; the push still happens)."""
-        with timer("gen_s"), plan.weight_context(source):
+        with tally.timer("gen_s"), plan.weight_context(source):
             mean = plan.uses_mean_weights and plan.num_weight_sources == 1
             if not mean or not self._holds_mean or self.engine.version != step:
-                timer.times["sync_s"] = timer.times.get("sync_s", 0.0) + self.push(step=step, holds_mean=mean)
+                self._tallied_push(step, mean, tally)
             if sum(counts) == 0:
                 return None
             with self._engine_errors(step):
@@ -123,21 +144,26 @@ class RolloutDriver:
         """One stacked engine call for all weight sources: an engine that has one, sharing the model, and
         equal totals per source (C3PO: G/N per prompt each)."""
         totals = {sum(c) for c in per_source}
-        return (plan.num_weight_sources > 1 and self.engine.can_generate_stacked
+        stackable = self.engine.shares_weights or can_generate_with_adapters(self.engine, self.policy)
+        return (plan.num_weight_sources > 1 and self.engine.can_generate_stacked and stackable
                 and len(totals) == 1 and totals != {0})
 
     def _generate_stacked(self, plan: RolloutPlan, per_source: list[list[int]], seeds: list[int], step: int,
-                          timer: StepTimer) -> Rollouts:
+                          tally: _Tally) -> Rollouts:
         """What `_generate` gives for every source, from one engine call: per-token overhead, not FLOPs, sets
         the cost of a small model's generation, so S calls cost ~S times one (lit_rlvr.rollout.multi_weight)."""
-        with timer("gen_s"):
+        with tally.timer("gen_s"):
             num = plan.num_weight_sources
             stacks = plan.weight_stacks(num) if plan.weight_stacks is not None else self._stacks_from_contexts(plan)
             # shared mode: no copy; the version bookkeeping of `_generate`
-            timer.times["sync_s"] = timer.times.get("sync_s", 0.0) + self.push(step=step, holds_mean=False)
+            self._tallied_push(step, False, tally)
+            sampling = [self.sampling.params(s) for s in seeds]
             with self._engine_errors(step):
-                completions = self.engine.generate_stacked(plan.prompt_token_ids, per_source,
-                                                           [self.sampling.params(s) for s in seeds], stacks)
+                if self.engine.shares_weights:
+                    completions = self.engine.generate_stacked(plan.prompt_token_ids, per_source, sampling, stacks)
+                else:  # LoRA on a multi-adapter engine: N sampled adapters, one call
+                    completions = generate_with_adapters(self.engine, self.policy, plan.prompt_token_ids,
+                                                         per_source, sampling, stacks, version=step)
         pad = self.tokenizer.pad_token_id
         packed = [rollouts_from_completions(plan, c, source=s, pad_id=pad) for s, c in enumerate(completions)]
         return Rollouts.concat(packed, pad)  # one decode and one reward call for all sources
@@ -192,15 +218,33 @@ class RolloutDriver:
         return (scored.scores > 0).view(plan.num_prompts, n)  # [B, n]
 
     # -- weights -----------------------------------------------------------------------------------------------
-    def push(self, *, step: int, holds_mean: bool = True) -> float:
+    def push(self, *, step: int, holds_mean: bool = True) -> PushResult:
         """Send the policy's current weights to the engine (no copy in `shared` mode) as version `step`; wakes a
-        sleeping engine. Every push of the run goes through here, so a test can wrap it. Returns its seconds."""
+        sleeping engine; then the post-push check. Every push of the run goes through here, so a test can wrap
+        it."""
         timer = StepTimer()
         with timer("sync_s"):
             self.engine.wake()
             if not self.engine.shares_weights:
-                push_weights(self.engine, self.policy, bucket_bytes=self.engine.bucket_bytes,
-                             dtype=self.engine.weight_dtype)
+                push_policy(self.engine, self.policy, version=step)  # LoRA: adapters or merged (rollout.lora)
             self.engine.version = step
             self._holds_mean = holds_mean
-        return timer.times["sync_s"]
+        return PushResult(timer.times["sync_s"], self._check_sync(step))
+
+    def _check_sync(self, step: int) -> dict[str, Tensor]:
+        """After a push to a non-shared engine: its log-probs of a few sampled tokens against the trainer's, as
+        `engine/sync_logp_diff`; a gap above the bound raises `EngineSyncError` (rollout.lora.check_engine_sync)."""
+        check = self.sync_check
+        if self.engine.shares_weights or check is None or check.every == 0:
+            return {}
+        self._pushes += 1
+        if (self._pushes - 1) % check.every:
+            return {}
+        diff = check_engine_sync(self.engine, self.policy, probe_prompt(self.tokenizer), check=check, version=step)
+        return {"engine/sync_logp_diff": diff}
+
+    def _tallied_push(self, step: int, holds_mean: bool, tally: _Tally) -> None:
+        """A push inside a rollout: its seconds and its check go to the call's tally."""
+        pushed = self.push(step=step, holds_mean=holds_mean)
+        tally.timer.add("sync_s", pushed.seconds)
+        tally.metrics.update(pushed.metrics)

@@ -29,6 +29,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's eos
     seed: int = 0
     ignore_eos: bool = False  # benchmarks: nothing stops a completion before max_new_tokens (eos, stop_token_ids)
+    adapter: Optional[str] = None  # LoRA: the loaded adapter to sample with (None: the one pushed last)
 
     def __post_init__(self) -> None:
         problems = range_problems({"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
@@ -87,6 +88,13 @@ class RolloutEngine:
     weight_dtype: Optional[torch.dtype] = None  # pushes are cast to it (None: the trainer's dtype)
     dtype: Optional[torch.dtype] = None  # what it generates in (None: its `model`'s, else the policy's)
     model: Optional[nn.Module] = None  # its in-process model, if it has one
+    # LoRA (lit_rlvr.rollout.lora): how a LoRA policy reaches it (`engine.options.lora_sync`: adapter | merged)
+    lora_sync: str = "adapter"
+    serves_lora: bool = False  # True: `load_adapter` takes adapter tensors; generation uses `SamplingParams.adapter`
+    serves_many_adapters: bool = False  # True: one `generate_stacked` call mixes adapters, one per weight source
+    adapter_base_by_name: bool = True  # with adapters: the base weights arrive once by HF name (a server's dummy start)
+    holds_base: bool = False  # whether it holds the base weights a LoRA push builds on
+    active_adapter: Optional[str] = None  # the adapter pushed last (what generation uses by default)
 
     def generate(
         self, prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int], params: SamplingParams
@@ -104,6 +112,12 @@ class RolloutEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Take new weights by HF parameter name; may be called once per bucket."""
         raise NotImplementedError
+
+    def load_adapter(self, name: str, tensors: dict[str, Tensor], config: dict, activate: bool = True) -> None:
+        """Take a LoRA adapter (PEFT file keys -> tensors, PEFT config) under `name`; with `activate` it becomes the
+        one generation uses by default (3PO's samples for a multi-adapter call are loaded aside); when
+        `serves_lora`."""
+        raise NotImplementedError(f"{type(self).__name__} serves no LoRA adapters")
 
     def end_weight_update(self) -> None:
         """Called after the last bucket of a push (SGLang flushes its cache once here)."""
@@ -133,8 +147,9 @@ class RolloutEngine:
 def save_policy_config(model, path: str) -> None:
     """Write the policy's HF config to `path` for an engine started without weights: `architectures` set, since
     sglang and vLLM pick their model class from it (FSDP's `fully_shard` renames the module's class)."""
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft wrapper: its model
     config = copy.deepcopy(model.config)
-    if not getattr(config, "architectures", None):
+    if not getattr(config, "architectures", None) or any(a.startswith("Peft") for a in config.architectures):
         config.architectures = [type(model).__name__.removeprefix("FSDP")]
     config.save_pretrained(path)
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import copy
 import inspect
+from contextlib import contextmanager
 from dataclasses import replace
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -99,6 +100,19 @@ def decoding_rows(finished: Tensor, block: Tensor, blocks: int, shrink: float = 
     return torch.sort(order[take]).values
 
 
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """The model in eval mode while it samples (a `shared` engine's model is the trainer's, in train mode: LoRA
+    dropout must not act on sampling); each module's own mode comes back on exit."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
 def _per_prompt(done: list[Completion], n_per_prompt: Sequence[int]) -> list[list[Completion]]:
     """Flat completions, prompt after prompt -> [B] lists."""
     out: list[list[Completion]] = []
@@ -128,12 +142,23 @@ class HFEngine(RolloutEngine):
         max_batch: int = 256,
         bucket_bytes: int = 256 << 20,
         share_prefill: bool = True,
+        lora_sync: str = "adapter",
     ):
+        from lit_rlvr.models.lora import is_lora
+        from lit_rlvr.rollout.lora import check_lora_sync
+
         if mode not in ENGINE_MODES:
             raise ValueError(f"engine.mode={mode!r} is not valid; valid: {', '.join(ENGINE_MODES)}")
         self.mode = mode
+        self.lora_sync = check_lora_sync(lora_sync)
         self.shares_weights = self.can_generate_stacked = mode == "shared"
         self.model = model if mode == "shared" else copy.deepcopy(model)
+        if mode == "copy" and is_lora(model):
+            if lora_sync == "merged":  # a plain transformers model, as a server without LoRA holds it
+                self.model = self.model.merge_and_unload()
+            else:  # its own copy of the peft model: the base stays as copied, adapters arrive by push
+                self.serves_lora = self.holds_base = True
+                self.adapter_base_by_name = False
         if mode == "copy":
             self.model.requires_grad_(False)
         self.pad_id, self.eos_id = pad_id, eos_id
@@ -144,7 +169,9 @@ class HFEngine(RolloutEngine):
         self.version = 0
         self._params = dict(self.model.named_parameters())
         # transformers >= 5.x names the KV cache argument `cache`; older releases `past_key_values`
-        self._cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        # (a peft wrapper's forward takes **kwargs: ask the transformers model under it)
+        inner = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        self._cache_arg = "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
 
     # -- weights ---------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -156,6 +183,25 @@ class HFEngine(RolloutEngine):
             if target is None:
                 raise KeyError(f"HFEngine.load_weights: unknown parameter {name!r}")
             target.copy_(tensor)
+
+    @torch.no_grad()
+    def load_adapter(self, name: str, tensors: dict[str, Tensor], config: dict, activate: bool = True) -> None:
+        """`copy` mode with `lora_sync=adapter`: one adapter slot, overwritten in place by each push."""
+        from lit_rlvr.rollout.lora import peft_file_name
+
+        if not self.serves_lora:
+            raise RuntimeError("HFEngine serves adapters only in copy mode with a LoRA policy and lora_sync=adapter")
+        slots = {peft_file_name(n): p for n, p in self._params.items() if ".lora_" in n}
+        if set(tensors) != set(slots):
+            raise KeyError(f"HFEngine.load_adapter({name!r}): {len(set(slots) - set(tensors))} adapter tensors "
+                           f"missing, {len(set(tensors) - set(slots))} unknown")
+        for key, tensor in tensors.items():
+            slots[key].copy_(tensor)
+        self.active_adapter = name
+
+    def _check_adapter(self, params: SamplingParams) -> None:
+        if params.adapter is not None and params.adapter != self.active_adapter:
+            raise RuntimeError(f"HFEngine holds adapter {self.active_adapter!r}, asked for {params.adapter!r}")
 
     def to(self, device: torch.device) -> "HFEngine":
         """Move a `copy` engine's model (a `shared` one moves with the trainer's model)."""
@@ -170,12 +216,14 @@ class HFEngine(RolloutEngine):
     def generate(
         self, prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int], params: SamplingParams
     ) -> list[list[Completion]]:
+        self._check_adapter(params)
         rows = [list(p) for p, n in zip(prompt_token_ids, n_per_prompt) for _ in range(n)]
         seeds = row_seeds(prompt_token_ids, n_per_prompt, params.seed)  # [R]
         done: list[Completion] = []
-        for start in range(0, len(rows), self.max_batch):
-            done.extend(self._sample(rows[start : start + self.max_batch], params,
-                                     seeds[start : start + self.max_batch]))
+        with eval_mode(self.model):
+            for start in range(0, len(rows), self.max_batch):
+                done.extend(self._sample(rows[start : start + self.max_batch], params,
+                                         seeds[start : start + self.max_batch]))
         return _per_prompt(done, n_per_prompt)
 
     @torch.inference_mode()
@@ -206,7 +254,7 @@ class HFEngine(RolloutEngine):
         seeds = [row_seeds(prompt_token_ids, c, p.seed) for c, p in zip(counts_per_source, params_per_source)]
         done: list[list[Completion]] = [[] for _ in range(num)]
         window = max(1, self.max_batch // num)  # rows per source per batch: blocks stay equal
-        with stacked_weights(self.model, stacks):
+        with stacked_weights(self.model, stacks), eval_mode(self.model):
             for start in range(0, per_source, window):
                 batch = [r for block in rows for r in block[start : start + window]]
                 block_seeds = torch.cat([s[start : start + window] for s in seeds])

@@ -181,7 +181,14 @@ class SGLangEngine(RolloutEngine):
 
     def __init__(self, model: nn.Module, tokenizer, *, mem_fraction_static: float = 0.5, bucket_bytes: int = 256 << 20,
                  base_port: int = 30000, port_stride: int = 10, seed: int = 0, deterministic: bool = False,
-                 dtype: Optional[str] = None, model_path: Optional[str] = None, server_args: Optional[dict] = None):
+                 dtype: Optional[str] = None, model_path: Optional[str] = None, server_args: Optional[dict] = None,
+                 lora_sync: str = "merged"):
+        if lora_sync != "merged":
+            # sglang 0.5.23 has multi-LoRA serving (Engine.load_lora_adapter_from_tensors, generate(lora_path=...)),
+            # not wired here yet: a LoRA policy reaches it as merged weights under the base names
+            raise ValueError(f"engine.options.lora_sync={lora_sync!r}: engine=sglang takes a LoRA policy as merged "
+                             "weights (W + BA); set engine.options.lora_sync=merged")
+        self.lora_sync = lora_sync
         module = _import_engine_module()
         # sglang's sampler returns log softmax(logits / T) unless this is set (then: before temperature scaling)
         if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "false").lower() in ("1", "true"):
@@ -319,7 +326,7 @@ class SGLangEngine(RolloutEngine):
         self.end_weight_update()
         self._wait_idle()
         self._call("release memory", self._engine.release_memory_occupation)
-        self._asleep, self._has_weights, self.version = True, False, -1
+        self._asleep, self._has_weights, self.version, self.holds_base = True, False, -1, False
 
     def wake(self) -> None:
         if not self._asleep or self._engine is None:

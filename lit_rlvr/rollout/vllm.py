@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -21,7 +22,9 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from lit_rlvr.models.lora import is_lora
 from lit_rlvr.rollout.engine import Completion, RolloutEngine, SamplingParams, expand_rows, save_policy_config
+from lit_rlvr.rollout.lora import check_lora_sync
 from lit_rlvr.rollout.hf import row_seeds
 
 WORKER_EXTENSION = "lit_rlvr.rollout.vllm_worker.WeightReceiver"
@@ -109,6 +112,21 @@ def engine_kwargs(model_path: str, dtype: torch.dtype, *, seed: int, kv_cache_me
     return {**kwargs, **llm_args}
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
+
+
+def lora_args(model: nn.Module, max_loras: int) -> dict[str, Any]:
+    """`vllm.LLM` arguments that serve the policy's LoRA adapters: rank cap, adapters per batch (C3PO's N
+    samples and the mean), and the adapters kept in CPU memory."""
+    rank = int(model.peft_config["default"].r)
+    cap = next((r for r in LORA_RANKS if r >= rank), None)
+    if cap is None:
+        raise ValueError(f"model.lora.rank={rank}: vLLM serves ranks up to {LORA_RANKS[-1]}; use "
+                         "engine.options.lora_sync=merged")
+    return {"enable_lora": True, "max_lora_rank": cap, "max_loras": int(max_loras),
+            "max_cpu_loras": 2 * int(max_loras) + 2}
+
+
 def _import_vllm():
     try:
         import vllm
@@ -142,7 +160,8 @@ class VLLMEngine(RolloutEngine):
     def __init__(self, model: nn.Module, tokenizer, *, kv_cache_memory_bytes: Optional[int] = None,
                  gpu_memory_utilization: float = 0.5, bucket_bytes: int = 256 << 20, seed: int = 0,
                  dtype: Optional[str] = None, model_path: Optional[str] = None, max_model_len: Optional[int] = None,
-                 enforce_eager: bool = False, sleep_level: int = 0, llm_args: Optional[dict] = None):
+                 enforce_eager: bool = False, sleep_level: int = 0, llm_args: Optional[dict] = None,
+                 lora_sync: str = "adapter", max_loras: int = 8):
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
             raise ValueError("VLLM_ENABLE_V1_MULTIPROCESSING=0 runs vLLM inside the trainer's process, where it "
                              "disables torch.set_num_threads, binds memory and reseeds the global RNG; unset it")
@@ -167,6 +186,13 @@ class VLLMEngine(RolloutEngine):
         kwargs = engine_kwargs(model_path, weight_dtype, seed=seed, kv_cache_memory_bytes=kv_cache_memory_bytes,
                                gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                                enforce_eager=enforce_eager, sleep=sleep_level > 0, llm_args=dict(llm_args or {}))
+        self.lora_sync = check_lora_sync(lora_sync)
+        self._adapters: dict[str, Any] = {}  # name -> LoRARequest of the adapters it holds
+        self._lora_dir = None
+        if is_lora(model) and lora_sync == "adapter":  # vLLM's multi-LoRA serving: adapters by request
+            kwargs.update(lora_args(model, max_loras))
+            self.serves_lora = self.serves_many_adapters = self.can_generate_stacked = True
+            self._lora_dir = tempfile.TemporaryDirectory(prefix="lit_rlvr_vllm_lora_")
         self._llm = vllm.LLM(**kwargs)
         self._llm.collective_rpc("lit_rlvr_die_with", args=(os.getpid(),))
         atexit.register(self.shutdown)
@@ -201,7 +227,7 @@ class VLLMEngine(RolloutEngine):
         self._llm.sleep(level=self.sleep_level)
         self._asleep = True
         if self.sleep_level == 2:
-            self._has_weights, self.version = False, -1
+            self._has_weights, self.version, self.holds_base = False, -1, False
 
     def wake(self) -> None:
         if not self._asleep or self._llm is None:
@@ -222,9 +248,74 @@ class VLLMEngine(RolloutEngine):
         prompts, sampling = request_rows(prompt_token_ids, n_per_prompt, params, self.eos_id)
         if not prompts:
             return [[] for _ in prompt_token_ids]
+        lora = self._lora_request(params.adapter)
         outputs = self._llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                     [self._vllm.SamplingParams(**s) for s in sampling], use_tqdm=False)
+                                     [self._vllm.SamplingParams(**s) for s in sampling], use_tqdm=False,
+                                     lora_request=None if lora is None else [lora] * len(prompts))
         return parse_outputs(outputs, n_per_prompt)
+
+    def generate_stacked(self, prompt_token_ids: Sequence[Sequence[int]], counts_per_source: list[list[int]],
+                         params_per_source: list[SamplingParams], stacks=None) -> list[list[list[Completion]]]:
+        """Every weight source's rows in one `LLM.generate` call, each request with its source's adapter
+        (`params.adapter`, loaded by `load_adapter`) and seed: C3PO's N sampled adapters over one base."""
+        self.wake()
+        if self._pending:
+            self.end_weight_update()
+        prompts, sampling, loras = [], [], []
+        for counts, params in zip(counts_per_source, params_per_source):
+            rows, kwargs = request_rows(prompt_token_ids, counts, params, self.eos_id)
+            prompts += rows
+            sampling += kwargs
+            loras += [self._lora_request(params.adapter)] * len(rows)
+        outputs = self._llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                     [self._vllm.SamplingParams(**s) for s in sampling], use_tqdm=False,
+                                     lora_request=loras if self.serves_lora else None)
+        out, start = [], 0
+        for counts in counts_per_source:
+            out.append(parse_outputs(outputs[start:start + sum(counts)], counts))
+            start += sum(counts)
+        return out
+
+    # -- LoRA adapters ----------------------------------------------------------------------------------------
+    def load_adapter(self, name: str, tensors: dict[str, Tensor], config: dict, activate: bool = True) -> None:
+        """Write the adapter in PEFT's format to this engine's temp dir and register it with vLLM (a LoRA request
+        with a fresh integer id: vLLM caches adapters by id). Adapters of earlier weight versions are removed."""
+        from safetensors.torch import save_file
+
+        if not self.serves_lora:
+            raise RuntimeError("VLLMEngine serves adapters only with a LoRA policy and lora_sync=adapter")
+        self.wake()
+        if self._pending:
+            self.end_weight_update()
+        version = name.rsplit("_", 1)[0]
+        for old in [n for n in self._adapters if n.rsplit("_", 1)[0] != version and n != self.active_adapter]:
+            self._llm.llm_engine.remove_lora(self._adapters.pop(old).lora_int_id)
+        directory = Path(self._lora_dir.name) / name
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()},
+                  str(directory / "adapter_model.safetensors"))
+        (directory / "adapter_config.json").write_text(json.dumps(config))
+        self._next_lora_id = getattr(self, "_next_lora_id", 0) + 1
+        from vllm.lora.request import LoRARequest
+
+        request = LoRARequest(name, self._next_lora_id, str(directory))
+        if not self._llm.llm_engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not load the LoRA adapter {name!r}")
+        self._adapters[name] = request
+        if activate:
+            self.active_adapter = name
+
+    def _lora_request(self, name: Optional[str]):
+        if not self.serves_lora:
+            if name is not None:
+                raise RuntimeError(f"VLLMEngine serves no adapters; asked for {name!r}")
+            return None
+        name = name or self.active_adapter
+        if name is None:
+            return None  # the base alone (no adapter pushed yet)
+        if name not in self._adapters:
+            raise RuntimeError(f"VLLMEngine holds no adapter {name!r} (it holds {sorted(self._adapters)})")
+        return self._adapters[name]
 
     def engine_pids(self) -> list[int]:
         """Process ids of this engine's core processes (empty after shutdown)."""
@@ -251,3 +342,5 @@ class VLLMEngine(RolloutEngine):
         llm.llm_engine.engine_core.shutdown()
         if self._config_dir is not None:
             self._config_dir.cleanup()
+        if self._lora_dir is not None:
+            self._lora_dir.cleanup()

@@ -1,0 +1,243 @@
+"""LoRA adapters on the policy (`model.lora.*`): the one owner of the setting, and what the rest of the library
+asks of a LoRA policy (its adapter parameters, the base model without them, the adapter in PEFT's format).
+
+LoRA (Hu et al. 2021) replaces the update of a weight W [out, in] by a low-rank product:
+
+    W' = W + (α / r) · B A          A [r, in] (random init), B [out, r] (zero init), r = rank, α = alpha
+
+built with the `peft` library. Only A and B train, so the optimizer's state (AdamW's moments, IVON's posterior)
+covers them alone; the frozen base serves as the KL reference with the adapter switched off. At step 0, B = 0 and
+the LoRA policy computes exactly what the base model computes.
+
+The default learning rate follows "LoRA Without Regret" (Schulman et al., Thinking Machines 2025): with α fixed
+(32) the best LoRA learning rate hardly depends on the rank and is about 10x full fine-tuning's, in supervised
+and in policy-gradient RL. `lr_scale` applies that factor to `algorithm.lr` (the full fine-tuning rate the
+configs hold), so one `algorithm.lr` serves both; docs/lora.md has the tiny model's check of the rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
+from typing import Any, Iterator, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+KEY = "model.lora"  # config path, for error messages
+ADAPTER_NAME = "default"  # peft's name of the one adapter we train
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraOptions:
+    """`model.lora.*` (Hydra), `GRPOModule(lora={...})` (Python, Lightning CLI). `rank` None = full fine-tuning.
+
+    Args:
+        rank: r, the adapters' rank; None (default) trains all weights instead.
+        alpha: α; the adapter's output is scaled by α / r. 32, as in "LoRA Without Regret", where the best learning
+            rate then does not depend on r.
+        target_modules: the linear layers that get adapters: "all-linear" (every linear layer but the output
+            head, the study's recommendation: attention-only LoRA underperforms), or a list of module names
+            (e.g. [q_proj, v_proj]).
+        dropout: dropout on the adapters' input while training (0: RL compares the loss forward's log-probs with
+            the sampler's, which dropout would make noisy).
+        lr_scale: the optimizer's learning rate is `algorithm.lr` x lr_scale with LoRA (the study's ~10x rule);
+            set it to 1 to give `algorithm.lr` as the LoRA learning rate itself.
+    """
+
+    rank: Optional[int] = None
+    alpha: float = 32.0
+    target_modules: Union[str, tuple[str, ...]] = "all-linear"
+    dropout: float = 0.0
+    lr_scale: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.rank is not None and (isinstance(self.rank, bool) or int(self.rank) != self.rank or self.rank < 1):
+            raise ValueError(f"{KEY}.rank={self.rank!r}: an integer >= 1 (the adapters' rank), or null for full "
+                             "fine-tuning")
+        if not self.alpha > 0:
+            raise ValueError(f"{KEY}.alpha={self.alpha!r} must be > 0 (the adapter's output is scaled by alpha/rank)")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"{KEY}.dropout={self.dropout!r} must be in [0, 1)")
+        if not self.lr_scale > 0:
+            raise ValueError(f"{KEY}.lr_scale={self.lr_scale!r} must be > 0 (LoRA lr = algorithm.lr x lr_scale)")
+        targets = self.target_modules
+        if isinstance(targets, str) and targets != "all-linear":
+            raise ValueError(f"{KEY}.target_modules={targets!r}: 'all-linear' or a list of module names, e.g. "
+                             "[q_proj,k_proj,v_proj,o_proj]")
+        if not isinstance(targets, str):
+            object.__setattr__(self, "target_modules", tuple(str(t) for t in targets))
+            if not self.target_modules:
+                raise ValueError(f"{KEY}.target_modules is empty: 'all-linear' or a list of module names")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank is not None
+
+    def learning_rate(self, lr: float) -> float:
+        """The optimizer's rate for `algorithm.lr`: x lr_scale with LoRA (the ~10x rule), as is without."""
+        return lr * self.lr_scale if self.enabled else lr
+
+    @classmethod
+    def from_any(cls, value: Union[None, dict[str, Any], "LoraOptions"]) -> "LoraOptions":
+        """None or {} = full fine-tuning; a dict of the fields (unknown keys are refused, naming the valid ones)."""
+        if isinstance(value, cls):
+            return value
+        value = dict(value or {})
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(value) - set(valid))
+        if unknown:
+            raise ValueError(f"{KEY}.{unknown[0]} is not a LoRA option; valid: {', '.join(valid)}")
+        return cls(**value)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["target_modules"] = self.target_modules if isinstance(self.target_modules, str) else list(
+            self.target_modules)
+        return out
+
+
+def apply_lora(model: nn.Module, options: LoraOptions, seed: int = 0) -> nn.Module:
+    """The policy with LoRA adapters (a `peft.PeftModel`): only the adapters require grad. `model` unchanged when
+    LoRA is off. A's random init is drawn from `seed` (the run seed), not from wherever the global RNG stands, so
+    the same seed builds the same adapter in any process, whatever ran before."""
+    if not options.enabled:
+        return model
+    from lit_rlvr.extras import require
+
+    peft = require("peft")
+    LoraConfig, get_peft_model = peft.LoraConfig, peft.get_peft_model
+    targets = options.target_modules if isinstance(options.target_modules, str) else list(options.target_modules)
+    config = LoraConfig(r=int(options.rank), lora_alpha=options.alpha, lora_dropout=options.dropout,
+                        target_modules=targets, bias="none", task_type="CAUSAL_LM")
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            peft_model = get_peft_model(model, config)
+    except ValueError as err:  # peft: "Target modules {...} not found in the base model"
+        raise ValueError(f"{KEY}.target_modules={targets!r}: {err}") from None
+    return peft_model
+
+
+def is_lora(model: nn.Module) -> bool:
+    """Whether `model` carries LoRA adapters (a peft model)."""
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The transformers model under a peft wrapper (its layers hold the adapters), else `model` itself."""
+    getter = getattr(model, "get_base_model", None)
+    return getter() if callable(getter) and is_lora(model) else model
+
+
+def reference_model(policy: nn.Module, copy: Optional[nn.Module]) -> tuple[nn.Module, AbstractContextManager]:
+    """The frozen KL reference and the context to score it in: the copy when there is one, else (LoRA) the policy
+    itself with its adapter switched off (peft's `disable_adapter`): the base weights, no second copy."""
+    if copy is not None or not is_lora(policy):
+        return (copy if copy is not None else policy), nullcontext()
+    return policy, policy.disable_adapter()
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters the optimizer updates: the adapters with LoRA, all of them otherwise."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def adapter_state(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """(name in `model.named_parameters()`, full tensor) of each adapter parameter; FSDP2 shards are gathered."""
+    from lit_rlvr.rollout.weights import full_named_weights
+
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    yield from ((n, t) for n, t in full_named_weights(model) if n in names)
+
+
+def peft_config_dict(model: nn.Module) -> dict[str, Any]:
+    """The adapter's PEFT config as a JSON-able dict (what adapter_config.json holds)."""
+    config = model.peft_config[ADAPTER_NAME]
+    out = config.to_dict()
+    if isinstance(out.get("target_modules"), set):
+        out["target_modules"] = sorted(out["target_modules"])
+    return out
+
+
+def save_adapter(model: nn.Module, directory: Union[str, Path], *, is_main_process: bool = True) -> Path:
+    """Write the adapter in PEFT's format (`adapter_config.json` + `adapter_model.safetensors`) so that
+    `PeftModel.from_pretrained(base, directory)` loads it. A collective under FSDP2 (shards are gathered on every
+    rank); only the main process writes. Written to a sibling folder and renamed in: a reader never sees half."""
+    import os
+    import shutil
+
+    directory = Path(directory)
+    state = dict(adapter_state(model))  # every rank: full_tensor is a collective
+    if not is_main_process:
+        return directory
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp), state_dict={k: v.detach().cpu().contiguous() for k, v in state.items()})
+    aside = directory.with_name(directory.name + ".old")
+    shutil.rmtree(aside, ignore_errors=True)
+    if directory.exists():
+        os.replace(directory, aside)
+    os.replace(tmp, directory)
+    shutil.rmtree(aside, ignore_errors=True)
+    return directory
+
+
+def is_adapter_dir(path: Union[str, Path]) -> bool:
+    return (Path(path) / "adapter_config.json").is_file()
+
+
+def options_from_adapter(directory: Union[str, Path], lr_scale: float = 10.0) -> LoraOptions:
+    """The `LoraOptions` that rebuild the adapter saved in `directory` (rank, alpha, targets, dropout)."""
+    config = json.loads((Path(directory) / "adapter_config.json").read_text())
+    targets = config.get("target_modules") or "all-linear"
+    return LoraOptions(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
+                       target_modules=targets if isinstance(targets, str) else tuple(sorted(targets)),
+                       dropout=float(config.get("lora_dropout", 0.0)), lr_scale=lr_scale)
+
+
+def load_adapter_weights(model: nn.Module, directory: Union[str, Path]) -> None:
+    """Load the adapter tensors saved in `directory` (PEFT's format) into `model`'s adapter, in place; fails
+    when a tensor is missing or has another shape."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = load_file(str(Path(directory) / "adapter_model.safetensors"))
+    result = set_peft_model_state_dict(model, weights, adapter_name=ADAPTER_NAME)
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"checkpoint={str(directory)!r}: the adapter does not fit this model "
+                         f"(missing {missing[:2]}, unexpected {list(result.unexpected_keys)[:2]})")
+
+
+@torch.no_grad()
+def merged_linear_weight(layer: nn.Module) -> Tensor:
+    """W + (α / r)·B A of a peft LoRA layer, computed in fp32 and cast to W's dtype (the layer is not changed)."""
+    base = layer.base_layer.weight
+    delta = layer.get_delta_weight(ADAPTER_NAME)  # [out, in]
+    return (base.float() + delta.float()).to(base.dtype)
+
+
+def lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(name, layer) of every peft LoRA layer (a `base_layer` plus A and B of our adapter)."""
+    for name, module in model.named_modules():
+        if hasattr(module, "base_layer") and ADAPTER_NAME in getattr(module, "lora_A", {}):
+            yield name, module
+
+
+@contextmanager
+def merged_adapter(model: nn.Module) -> Iterator[None]:
+    """Inside, the adapter is merged into the base weights (W + (α/r)·B A, one matmul per layer, as a server
+    without LoRA computes); on exit the base weights come back bit for bit. peft's own `unmerge_adapter`
+    subtracts the delta again, which leaves rounding (~1e-8) in W: here the exact W is copied aside and restored."""
+    saved = [(layer, layer.base_layer.weight.detach().clone()) for _, layer in lora_layers(model)]
+    model.merge_adapter()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for layer, weight in saved:
+                layer.base_layer.weight.copy_(weight)
+                layer.merged_adapters = []  # peft's record that the layer holds a merge
