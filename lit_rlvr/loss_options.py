@@ -27,6 +27,6 @@ def check_loss_options(hp: Any) -> None:
     if hp.seq_mask_tau is not None and not hp.seq_mask_tau > 1:
         raise ValueError(f"algorithm.seq_mask_tau={hp.seq_mask_tau}: the importance mask keeps ratios in "
                          "[1/τ, τ], so τ must be > 1 (3PO's paper: 2); null turns the mask off")
-    if hp.kl_k3_cap is not None and (hp.kl_estimator != "k3" or not hp.kl_k3_cap > 0):
+    if hp.kl_k3_cap is not None and (hp.kl_estimator not in ("k3", "k3+") or not hp.kl_k3_cap > 0):
         raise ValueError(f"algorithm.kl_k3_cap={hp.kl_k3_cap} caps the k3 estimator: it needs algorithm."
-                         f"kl_estimator=k3 (got {hp.kl_estimator}) and a cap > 0 (verl: 10); null = no cap")
+                         f"kl_estimator=k3 or k3+ (got {hp.kl_estimator}) and a cap > 0 (verl: 10); null = no cap")

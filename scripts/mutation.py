@@ -1,0 +1,509 @@
+"""Mutation testing of the math, the optimizer, the two paper callbacks and the batch helpers: how much of what
+the tests claim to check would they notice if it broke?
+
+A small AST mutator of our own (why not mutmut or cosmic-ray: see docs/results/mutation.md). Each mutant changes
+one operator, constant or condition of a target file; it is *killed* when a test that runs the mutated line fails
+(or hangs past its timeout). Score = killed / (mutants − equivalent ones), the equivalent ones listed with their
+reason in scripts/mutation_equivalents.toml.
+
+How it stays cheap on two shared cores:
+  1. one coverage run of the candidate tests (pytest-cov, a context per test) tells which tests run each line;
+  2. a parent process imports torch, Lightning, transformers and the tests once; each mutant runs in a forked
+     child that imports our package afresh with the mutated module compiled from the changed AST, and runs only
+     the tests that execute the mutated line (`-x`: the first failure ends it).
+
+Usage: `nice -n 15 python scripts/mutation.py [--jobs 2] [--only PATH ...] [--out docs/results/mutation.md]`.
+What is mutated and which tests may kill it: `TARGETS` and `TESTS` below, the one place to add a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import importlib
+import importlib.abc
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+
+# What is mutated: files, or folders (every .py file in them but __init__.py). Add new math files here.
+TARGETS = (
+    "lit_rlvr/functional/",
+    "lit_rlvr/optim/ivon.py",
+    "callbacks/param_noise.py",
+    "callbacks/value_prior.py",
+    "lit_rlvr/rollout/batch.py",
+)
+# The tests that may kill them (fast ones: unit tests of these files). Coverage picks, per mutated line, the
+# tests of this list that run it.
+TESTS = (
+    "tests/test_functional.py",
+    "tests/test_fidelity.py",
+    "tests/test_passk.py",
+    "tests/test_micro_batches.py",
+    "tests/test_value_prior_functional.py",
+    "tests/test_ivon.py",
+    "tests/test_param_noise.py",
+    "tests/test_value_prior_callback.py",
+    "tests/test_algorithms.py",
+    "tests/test_batch.py",
+    "tests/test_multi_weight.py",
+)
+EQUIVALENTS = REPO / "scripts" / "mutation_equivalents.toml"
+# our packages: imported afresh in every mutant's child
+OWN_PREFIXES = ("lit_rlvr", "callbacks", "tests", "conftest")
+
+
+# -- the mutations -----------------------------------------------------------------------------------------------
+BINOPS = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Div,
+          ast.Mod: ast.FloorDiv, ast.Pow: ast.Mult, ast.BitAnd: ast.BitOr, ast.BitOr: ast.BitAnd}
+CMPOPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
+          ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In}
+NAME_SWAPS = {"min": "max", "max": "min", "minimum": "maximum", "maximum": "minimum", "amin": "amax",
+              "amax": "amin", "any": "all", "all": "any", "argmax": "argmin", "argmin": "argmax",
+              "clamp_min": "clamp_max", "clamp_max": "clamp_min", "floor": "ceil", "ceil": "floor"}
+SYMBOL = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%", ast.Pow: "**",
+          ast.BitAnd: "&", ast.BitOr: "|", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==",
+          ast.NotEq: "!=", ast.Is: "is", ast.IsNot: "is not", ast.In: "in", ast.NotIn: "not in", ast.And: "and",
+          ast.Or: "or"}
+QUIET_CALLS = {"warning", "info", "debug", "warn", "error", "exception"}  # log/warnings calls: text only
+
+
+@dataclass
+class Mutant:
+    file: str  # repository-relative path
+    index: int  # the index-th mutation point of the file, in `_points` order
+    line: int
+    function: str  # enclosing qualname ("" at module level)
+    description: str  # e.g. "< -> <="
+    source: str  # the original line, stripped
+    status: str = "pending"  # killed | survived | timeout | no_tests | error | equivalent
+    tests: list[str] = field(default_factory=list)
+    reason: str = ""
+    seconds: float = 0.0
+
+    @property
+    def key(self) -> tuple[str, str, str, str]:
+        return self.file, self.function, self.source, self.description
+
+
+def _mutations(node: ast.AST) -> list[tuple[str, callable]]:
+    """The mutations of one node: (description, apply(node) -> replacement node)."""
+    out = []
+    if isinstance(node, ast.BinOp) and type(node.op) in BINOPS:
+        new = BINOPS[type(node.op)]
+        out.append((f"{SYMBOL[type(node.op)]} -> {SYMBOL[new]}", lambda n, new=new: _with(n, op=new())))
+    elif isinstance(node, ast.AugAssign) and type(node.op) in BINOPS:
+        new = BINOPS[type(node.op)]
+        out.append((f"{SYMBOL[type(node.op)]}= -> {SYMBOL[new]}=", lambda n, new=new: _with(n, op=new())))
+    elif isinstance(node, ast.Compare):
+        for i, op in enumerate(node.ops):
+            if type(op) in CMPOPS:
+                new = CMPOPS[type(op)]
+
+                def swap(n, i=i, new=new):
+                    ops = list(n.ops)
+                    ops[i] = new()
+                    return _with(n, ops=ops)
+                out.append((f"{SYMBOL[type(op)]} -> {SYMBOL[new]}", swap))
+    elif isinstance(node, ast.BoolOp):
+        new = ast.Or if isinstance(node.op, ast.And) else ast.And
+        out.append((f"{SYMBOL[type(node.op)]} -> {SYMBOL[new]}", lambda n, new=new: _with(n, op=new())))
+    elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.Not, ast.USub)):
+        out.append(("not x -> x" if isinstance(node.op, ast.Not) else "-x -> x", lambda n: n.operand))
+    elif isinstance(node, ast.Constant) and type(node.value) in (bool, int, float):
+        value = node.value
+        if isinstance(value, bool):
+            new_value = not value
+        elif isinstance(value, int):
+            new_value = value + 1
+        else:
+            new_value = value * 2 if value not in (0.0,) else 1.0
+        out.append((f"{value!r} -> {new_value!r}", lambda n, v=new_value: ast.Constant(v)))
+    elif isinstance(node, ast.Attribute) and node.attr in NAME_SWAPS:
+        new = NAME_SWAPS[node.attr]
+        out.append((f".{node.attr} -> .{new}", lambda n, new=new: _with(n, attr=new)))
+    elif isinstance(node, ast.Name) and node.id in NAME_SWAPS and node.id in ("min", "max", "any", "all"):
+        new = NAME_SWAPS[node.id]
+        out.append((f"{node.id} -> {new}", lambda n, new=new: _with(n, id=new)))
+    elif isinstance(node, (ast.If, ast.While)):
+        out.append(("if c -> if not c", lambda n: _with(n, test=ast.UnaryOp(ast.Not(), n.test))))
+    elif isinstance(node, ast.Break):
+        out.append(("break -> continue", lambda n: ast.Continue()))
+    elif isinstance(node, ast.Continue):
+        out.append(("continue -> break", lambda n: ast.Break()))
+    return out
+
+
+def _with(node: ast.AST, **changes) -> ast.AST:
+    new = copy.copy(node)
+    for k, v in changes.items():
+        setattr(new, k, v)
+    return new
+
+
+def _skipped(node: ast.AST) -> bool:
+    """Subtrees whose mutants would only change texts, types or imports."""
+    if isinstance(node, (ast.JoinedStr, ast.Import, ast.ImportFrom, ast.Raise, ast.Assert)):
+        return True
+    if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        return True
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):  # docstrings
+        return True
+    if isinstance(node, ast.Call):
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        return name in QUIET_CALLS
+    return False
+
+
+def _children(node: ast.AST) -> Iterator[tuple[str, ast.AST]]:
+    """Child fields to walk, without annotations (types) and the message of a raise."""
+    for name, value in ast.iter_fields(node):
+        if name in ("annotation", "returns", "type_comment", "decorator_list"):
+            continue
+        if isinstance(value, list):
+            for item in value:
+                if isinstance(item, ast.AST):
+                    yield name, item
+        elif isinstance(value, ast.AST):
+            yield name, value
+
+
+def _walk(node: ast.AST, scope: str, no_mutate: set[int]) -> Iterator[tuple[ast.AST, str]]:
+    """Mutable nodes in a fixed order, with their enclosing qualname."""
+    if _skipped(node):
+        return
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        scope = f"{scope}.{node.name}" if scope else node.name
+    if getattr(node, "lineno", None) not in no_mutate:
+        yield node, scope
+    for _, child in _children(node):
+        yield from _walk(child, scope, no_mutate)
+
+
+def _points(tree: ast.Module, lines: list[str]) -> list[tuple[ast.AST, str, str, callable]]:
+    no_mutate = {i + 1 for i, text in enumerate(lines) if "pragma: no mutate" in text}
+    out = []
+    for node, scope in _walk(tree, "", no_mutate):
+        for description, apply in _mutations(node):
+            out.append((node, scope, description, apply))
+    return out
+
+
+def list_mutants(path: Path) -> list[Mutant]:
+    text = path.read_text()
+    lines = text.splitlines()
+    tree = ast.parse(text)
+    rel = str(path.relative_to(REPO))
+    return [Mutant(rel, i, node.lineno, scope, description, lines[node.lineno - 1].strip())
+            for i, (node, scope, description, _) in enumerate(_points(tree, lines))]
+
+
+def mutated_code(path: Path, index: int):
+    """The module's code object with mutation `index` applied."""
+    text = path.read_text()
+    tree = ast.parse(text)
+    target, _, _, apply = _points(tree, text.splitlines())[index]
+
+    class Replace(ast.NodeTransformer):
+        def visit(self, node):
+            if node is target:
+                return ast.copy_location(apply(node), node)
+            return self.generic_visit(node)
+
+    tree = ast.fix_missing_locations(Replace().visit(tree))
+    return compile(tree, str(path), "exec", dont_inherit=True)
+
+
+def module_names(rel: str) -> list[str]:
+    """Import names of a repository file (callbacks/ installs as lit_rlvr.callbacks)."""
+    dotted = rel[:-3].replace("/", ".")
+    return [dotted, "lit_rlvr." + dotted] if rel.startswith("callbacks/") else [dotted]
+
+
+def target_files(only: Optional[list[str]]) -> list[Path]:
+    files = []
+    for target in TARGETS:
+        path = REPO / target
+        found = sorted(p for p in path.glob("*.py") if p.name != "__init__.py") if target.endswith("/") else [path]
+        files += found
+    if only:
+        files = [f for f in files if any(str(f.relative_to(REPO)).startswith(o) for o in only)]
+    return files
+
+
+# -- which tests run which line -----------------------------------------------------------------------------------
+def coverage_map(files: list[Path], data_file: Path) -> dict[str, dict[int, set[str]]]:
+    """{file: {line: test node ids}} from one pytest-cov run of TESTS with a context per test."""
+    if not data_file.exists():
+        include = ",".join(str(f) for f in files)
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-header", "--cov",
+               "--cov-context=test", f"--cov-config={data_file}.rc", "--cov-report=", *TESTS]
+        data_file.with_name(data_file.name + ".rc").write_text(
+            f"[run]\ndata_file = {data_file}\ninclude = {include}\n")
+        print(f"coverage run of {len(TESTS)} test files ...", flush=True)
+        started = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"the tests fail without any mutant (fix them first):\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}")
+        print(f"  done in {time.perf_counter() - started:.0f} s", flush=True)
+    from coverage import CoverageData
+
+    data = CoverageData(basename=str(data_file))
+    data.read()
+    out: dict[str, dict[int, set[str]]] = {}
+    for measured in data.measured_files():
+        rel = str(Path(measured).resolve().relative_to(REPO))
+        by_line = data.contexts_by_lineno(measured)
+        out[rel] = {line: {c.rsplit("|", 1)[0] for c in contexts if c.endswith("|run") or c.endswith("|setup")}
+                    for line, contexts in by_line.items()}
+    return out
+
+
+def tests_for(mutant: Mutant, covered: dict[int, set[str]], first_line: dict[int, int]) -> list[str]:
+    """Tests that run the mutated statement (looked up on the node's line and its statement's first line); for a
+    line run at import only (constants, defaults, class bodies), every test that runs any line of the file."""
+    lines = {mutant.line, first_line.get(mutant.line, mutant.line)}
+    tests = set().union(*(covered.get(line, set()) for line in lines))
+    if not tests and any(line in covered for line in lines):  # run at import only
+        tests = set().union(*covered.values())
+    return sorted(tests)
+
+
+def statement_first_lines(path: Path) -> dict[int, int]:
+    """{line: first line of the innermost simple statement that spans it} (coverage counts statements there)."""
+    first = {}
+    simple = [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.stmt) and not isinstance(
+        n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.If, ast.For, ast.While, ast.With, ast.Try))]
+    for node in sorted(simple, key=lambda n: (n.end_lineno or n.lineno) - n.lineno, reverse=True):
+        for line in range(node.lineno, (node.end_lineno or node.lineno) + 1):
+            first[line] = node.lineno  # shorter (inner) statements written last win
+    return first
+
+
+# -- running a mutant in a forked child ---------------------------------------------------------------------------
+class _MutantFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, names: list[str], path: Path, code):
+        self.names, self.path, self.code = set(names), path, code
+
+    def find_spec(self, name, path=None, target=None):
+        if name in self.names:
+            return importlib.util.spec_from_file_location(name, self.path, loader=self)
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        module.__file__ = str(self.path)
+        exec(self.code, module.__dict__)
+
+
+def _purge_own_modules() -> None:
+    for name in list(sys.modules):
+        if name.split(".")[0] in OWN_PREFIXES:
+            del sys.modules[name]
+
+
+def start_child(mutant: Optional[Mutant], tests: list[str]) -> int:
+    """Fork a child that runs `tests` against `mutant` (None: the code as it is); returns its pid."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 3
+    try:
+        os.setpgrp()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        _purge_own_modules()
+        if mutant is not None:
+            path = REPO / mutant.file
+            sys.meta_path.insert(0, _MutantFinder(module_names(mutant.file), path,
+                                                  mutated_code(path, mutant.index)))
+        import pytest
+
+        code = int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", "--no-header", "-W", "ignore", *tests]))
+    except BaseException:  # noqa: BLE001 - whatever happens, the child must exit
+        code = 3
+    finally:
+        os._exit(code)
+
+
+def run_all(mutants: list[Mutant], jobs: int, timeout_of: dict[str, float]) -> None:
+    """Run the pending mutants, `jobs` children at a time; fills status and seconds."""
+    pending = [m for m in mutants if m.status == "pending"]
+    running: dict[int, tuple[Mutant, float]] = {}
+    done = 0
+    total = len(pending)
+    started_all = time.perf_counter()
+    while pending or running:
+        while pending and len(running) < jobs:
+            mutant = pending.pop(0)
+            running[start_child(mutant, mutant.tests)] = (mutant, time.perf_counter())
+        time.sleep(0.02)
+        for pid, (mutant, started) in list(running.items()):
+            finished, status = os.waitpid(pid, os.WNOHANG)
+            elapsed = time.perf_counter() - started
+            if not finished:
+                if elapsed > timeout_of[mutant.file]:
+                    try:
+                        os.killpg(pid, 9)
+                    except ProcessLookupError:  # not yet its own group
+                        os.kill(pid, 9)
+                    os.waitpid(pid, 0)
+                    mutant.status, mutant.seconds = "timeout", elapsed
+                    del running[pid]
+                    done += 1
+                continue
+            code = os.waitstatus_to_exitcode(status)
+            mutant.seconds = elapsed
+            mutant.status = ("survived" if code == 0 else "no_tests" if code == 5 else
+                             "error" if code in (3, 4) or code < 0 else "killed")
+            del running[pid]
+            done += 1
+            if done % 25 == 0 or done == total:
+                rate = (time.perf_counter() - started_all) / done
+                print(f"  {done}/{total} mutants, {rate:.1f} s each, ~{rate * (total - done) / 60:.0f} min left",
+                      flush=True)
+
+
+def clean_seconds(tests: list[str]) -> tuple[int, float]:
+    started = time.perf_counter()
+    _, status = os.waitpid(start_child(None, tests), 0)
+    return os.waitstatus_to_exitcode(status), time.perf_counter() - started
+
+
+def preload() -> None:
+    """Import the third-party modules the tests use, once, in the parent (the children inherit them)."""
+    import torch
+
+    torch.set_num_threads(1)  # no OpenMP pool before fork; two cores shared
+    sys.path.insert(0, str(REPO))
+    for test in TESTS:
+        try:
+            importlib.import_module(test[:-3].replace("/", "."))
+        except Exception as exc:  # noqa: BLE001 - the children import it again and report
+            print(f"preload: {test}: {exc!r}", flush=True)
+    import pytest  # noqa: F401
+
+    _purge_own_modules()
+
+
+# -- the report --------------------------------------------------------------------------------------------------
+def load_equivalents() -> dict[tuple[str, str, str, str], str]:
+    if not EQUIVALENTS.exists():
+        return {}
+    entries = tomllib.loads(EQUIVALENTS.read_text()).get("equivalent", [])
+    return {(e["file"], e["function"], e["source"], e["mutation"]): e["reason"] for e in entries}
+
+
+def write_report(mutants: list[Mutant], out: Path, command: str, seconds: float) -> float:
+    counted = [m for m in mutants if m.status != "equivalent"]
+    killed = [m for m in counted if m.status in ("killed", "timeout")]
+    score = len(killed) / max(len(counted), 1)
+    machine = _cpu_name()
+    lines = [
+        "# Mutation score",
+        "",
+        f"Score = killed / non-equivalent mutants = {len(killed)} / {len(counted)} = **{score:.1%}** "
+        f"({len(mutants)} mutants, {len(mutants) - len(counted)} equivalent).",
+        "",
+        f"Command: `{command}`; run time {seconds / 60:.1f} min on {machine} (load average at the end: "
+        f"{os.getloadavg()[0]:.1f}); date {time.strftime('%Y-%m-%d')}.",
+        "The tool and its choices: `scripts/mutation.py` (module docstring; `TARGETS` and `TESTS` name what is "
+        "mutated and which tests may kill it). Equivalent mutants and their reasons: "
+        "`scripts/mutation_equivalents.toml`.",
+        "",
+        "| file | mutants | killed | survived | equivalent | no test runs the line | score |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for rel in sorted({m.file for m in mutants}):
+        ms = [m for m in mutants if m.file == rel]
+        k = sum(m.status in ("killed", "timeout") for m in ms)
+        eq = sum(m.status == "equivalent" for m in ms)
+        s = sum(m.status == "survived" for m in ms)
+        nt = sum(m.status in ("no_tests", "error") for m in ms)
+        lines.append(f"| `{rel}` | {len(ms)} | {k} | {s} | {eq} | {nt} | {k / max(len(ms) - eq, 1):.1%} |")
+    lines += ["", "## Survivors (not killed, not equivalent)", ""]
+    survivors = [m for m in counted if m not in killed]
+    lines += [f"- `{m.file}:{m.line}` ({m.function or 'module'}) {m.status}: `{m.description}` in `{m.source}`"
+              for m in survivors] or ["none"]
+    lines += ["", "## Equivalent mutants", ""]
+    lines += [f"- `{m.file}:{m.line}` ({m.function or 'module'}): `{m.description}` in `{m.source}` — {m.reason}"
+              for m in mutants if m.status == "equivalent"] or ["none"]
+    out.write_text("\n".join(lines) + "\n")
+    return score
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip() + f" ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=1, help="mutants run at once (default 1)")
+    parser.add_argument("--only", nargs="*", help="repository paths (prefixes) to mutate, default: TARGETS")
+    parser.add_argument("--out", default="docs/results/mutation.md")
+    parser.add_argument("--json", default="docs/results/mutation.json", help="every mutant with its status")
+    parser.add_argument("--coverage", default="/tmp/lit_rlvr_mutation.coverage",
+                        help="coverage data file; reused when it exists (delete it after changing tests)")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    files = target_files(args.only)
+    mutants = [m for f in files for m in list_mutants(f)]
+    if args.list:
+        for m in mutants:
+            print(f"{m.file}:{m.line} [{m.function}] {m.description}: {m.source}")
+        print(f"{len(mutants)} mutants")
+        return
+    covered = coverage_map(files, Path(args.coverage))
+    equivalents = load_equivalents()
+    first_lines = {f: statement_first_lines(REPO / f) for f in {m.file for m in mutants}}
+    for m in mutants:
+        if m.key in equivalents:
+            m.status, m.reason = "equivalent", equivalents[m.key]
+            continue
+        m.tests = tests_for(m, covered.get(m.file, {}), first_lines[m.file])
+        if not m.tests:
+            m.status = "no_tests"
+    preload()
+    timeout_of = {}
+    for rel in sorted({m.file for m in mutants if m.status == "pending"}):
+        tests = sorted(set().union(*(set(m.tests) for m in mutants if m.file == rel and m.tests)))
+        code, seconds = clean_seconds(tests)
+        if code != 0:
+            sys.exit(f"{rel}: its tests fail on the unmutated code (exit {code}): {' '.join(tests)}")
+        timeout_of[rel] = 3 * seconds + 10
+        print(f"{rel}: {sum(m.file == rel and m.status == 'pending' for m in mutants)} mutants, clean run of "
+              f"{len(tests)} tests {seconds:.1f} s", flush=True)
+    run_all(mutants, args.jobs, timeout_of)
+    seconds = time.perf_counter() - started
+    command = "nice -n 15 python scripts/mutation.py" + (f" --jobs {args.jobs}" if args.jobs != 1 else "") + (
+        f" --only {' '.join(args.only)}" if args.only else "")
+    score = write_report(mutants, REPO / args.out, command, seconds)
+    (REPO / args.json).write_text(json.dumps([m.__dict__ for m in mutants], indent=0) + "\n")
+    print(f"score {score:.1%}; report in {args.out}; {seconds / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    main()
