@@ -25,6 +25,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import json
+import math
 import os
 import platform
 import re
@@ -88,6 +89,7 @@ class Mutant:
     file: str  # repository-relative path
     index: int  # the index-th mutation point of the file, in `_points` order
     line: int
+    column: int  # of the mutated node: tells apart two equal mutations on one line
     function: str  # enclosing qualname ("" at module level)
     description: str  # e.g. "< -> <="
     source: str  # the original line, stripped
@@ -97,8 +99,8 @@ class Mutant:
     seconds: float = 0.0
 
     @property
-    def key(self) -> tuple[str, str, str, str]:
-        return self.file, self.function, self.source, self.description
+    def key(self) -> tuple[str, str, str, str, int]:
+        return self.file, self.function, self.source, self.description, self.column
 
 
 def _mutations(node: ast.AST) -> list[tuple[str, callable]]:
@@ -210,7 +212,7 @@ def list_mutants(path: Path) -> list[Mutant]:
     lines = text.splitlines()
     tree = ast.parse(text)
     rel = str(path.relative_to(REPO))
-    return [Mutant(rel, i, node.lineno, scope, description, lines[node.lineno - 1].strip())
+    return [Mutant(rel, i, node.lineno, node.col_offset, scope, description, lines[node.lineno - 1].strip())
             for i, (node, scope, description, _) in enumerate(_points(tree, lines))]
 
 
@@ -252,7 +254,8 @@ def coverage_map(files: list[Path], data_file: Path) -> dict[str, dict[int, set[
     """{file: {line: test node ids}} from one pytest-cov run of TESTS with a context per test."""
     if not data_file.exists():
         include = ",".join(str(f) for f in files)
-        cmd = [sys.executable, "-m", "pytest", *PYTEST_ARGS, "-rf", "--cov", "--cov-context=test",
+        cmd = [sys.executable, "-m", "pytest", *PYTEST_ARGS, "-rf", "--durations=0", "--durations-min=0", "--cov",
+               "--cov-context=test",
                f"--cov-config={data_file}.rc", "--cov-report=", *TESTS]
         data_file.with_name(data_file.name + ".rc").write_text(
             f"[run]\ndata_file = {data_file}\ninclude = {include}\n")
@@ -263,6 +266,10 @@ def coverage_map(files: list[Path], data_file: Path) -> dict[str, dict[int, set[
         if proc.returncode not in (0, 1) or (proc.returncode == 1 and not failed):
             sys.exit(f"the coverage run of the tests did not finish:\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}")
         Path(f"{data_file}.failed").write_text("".join(f"{f}\n" for f in failed))
+        durations: dict[str, float] = {}
+        for seconds, node in re.findall(r"^\s*([\d.]+)s (?:setup|call|teardown)\s+(\S+)", proc.stdout, flags=re.M):
+            durations[node] = durations.get(node, 0.0) + float(seconds)
+        Path(f"{data_file}.durations").write_text(json.dumps(durations))
         print(f"  done in {time.perf_counter() - started:.0f} s; failing without a mutant (left out): "
               f"{failed or 'none'}", flush=True)
     from coverage import CoverageData
@@ -279,14 +286,16 @@ def coverage_map(files: list[Path], data_file: Path) -> dict[str, dict[int, set[
     return out
 
 
-def tests_for(mutant: Mutant, covered: dict[int, set[str]], first_line: dict[int, int]) -> list[str]:
+def tests_for(mutant: Mutant, covered: dict[int, set[str]], first_line: dict[int, int],
+              durations: dict[str, float]) -> list[str]:
     """Tests that run the mutated statement (looked up on the node's line and its statement's first line); for a
-    line run at import only (constants, defaults, class bodies), every test that runs any line of the file."""
+    line run at import only (constants, defaults, class bodies), every test that runs any line of the file.
+    Fastest first: with `-x` the first failure ends the run."""
     lines = {mutant.line, first_line.get(mutant.line, mutant.line)}
     tests = set().union(*(covered.get(line, set()) for line in lines))
     if not tests and any(line in covered for line in lines):  # run at import only
         tests = set().union(*covered.values())
-    return sorted(tests)
+    return sorted(tests, key=lambda t: (durations.get(t, math.inf), t))
 
 
 def statement_first_lines(path: Path) -> dict[int, int]:
@@ -398,7 +407,8 @@ def preload() -> None:
     import torch
 
     torch.set_num_threads(1)  # no OpenMP pool before fork; two cores shared
-    sys.path.insert(0, str(REPO))
+    sys.path[:0] = [str(REPO / "tests"), str(REPO)]  # as pytest's rootdir conftest and `pythonpath = .` do
+    importlib.import_module("conftest")  # its environment settings, before the tests' modules read them
     for test in TESTS:
         try:
             importlib.import_module(test[:-3].replace("/", "."))
@@ -414,7 +424,7 @@ def load_equivalents() -> dict[tuple[str, str, str, str], str]:
     if not EQUIVALENTS.exists():
         return {}
     entries = tomllib.loads(EQUIVALENTS.read_text()).get("equivalent", [])
-    return {(e["file"], e["function"], e["source"], e["mutation"]): e["reason"] for e in entries}
+    return {(e["file"], e["function"], e["source"], e["mutation"], e["column"]): e["reason"] for e in entries}
 
 
 def write_report(mutants: list[Mutant], out: Path, command: str, seconds: float) -> float:
@@ -446,11 +456,11 @@ def write_report(mutants: list[Mutant], out: Path, command: str, seconds: float)
         lines.append(f"| `{rel}` | {len(ms)} | {k} | {s} | {eq} | {nt} | {k / max(len(ms) - eq, 1):.1%} |")
     lines += ["", "## Survivors (not killed, not equivalent)", ""]
     survivors = [m for m in counted if m not in killed]
-    lines += [f"- `{m.file}:{m.line}` ({m.function or 'module'}) {m.status}: `{m.description}` in `{m.source}`"
-              for m in survivors] or ["none"]
+    lines += [f"- `{m.file}:{m.line}:{m.column}` ({m.function or 'module'}) {m.status}: `{m.description}` in "
+              f"`{m.source}`" for m in survivors] or ["none"]
     lines += ["", "## Equivalent mutants", ""]
-    lines += [f"- `{m.file}:{m.line}` ({m.function or 'module'}): `{m.description}` in `{m.source}` — {m.reason}"
-              for m in mutants if m.status == "equivalent"] or ["none"]
+    lines += [f"- `{m.file}:{m.line}:{m.column}` ({m.function or 'module'}): `{m.description}` in `{m.source}` — "
+              f"{m.reason}" for m in mutants if m.status == "equivalent"] or ["none"]
     out.write_text("\n".join(lines) + "\n")
     return score
 
@@ -473,24 +483,30 @@ def main() -> None:
     parser.add_argument("--json", default="docs/results/mutation.json", help="every mutant with its status")
     parser.add_argument("--coverage", default="/tmp/lit_rlvr_mutation.coverage",
                         help="coverage data file; reused when it exists (delete it after changing tests)")
+    parser.add_argument("--tests", nargs="*", help="test files instead of TESTS (a quick look at one file)")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     args = parser.parse_args()
+    if args.tests:
+        global TESTS
+        TESTS = tuple(args.tests)
     started = time.perf_counter()
     files = target_files(args.only)
     mutants = [m for f in files for m in list_mutants(f)]
     if args.list:
         for m in mutants:
-            print(f"{m.file}:{m.line} [{m.function}] {m.description}: {m.source}")
+            print(f"{m.file}:{m.line}:{m.column} [{m.function}] {m.description}: {m.source}")
         print(f"{len(mutants)} mutants")
         return
     covered = coverage_map(files, Path(args.coverage))
     equivalents = load_equivalents()
+    timing = Path(f"{args.coverage}.durations")
+    durations = json.loads(timing.read_text()) if timing.exists() else {}
     first_lines = {f: statement_first_lines(REPO / f) for f in {m.file for m in mutants}}
     for m in mutants:
         if m.key in equivalents:
             m.status, m.reason = "equivalent", equivalents[m.key]
             continue
-        m.tests = tests_for(m, covered.get(m.file, {}), first_lines[m.file])
+        m.tests = tests_for(m, covered.get(m.file, {}), first_lines[m.file], durations)
         if not m.tests:
             m.status = "no_tests"
     preload()
@@ -500,7 +516,7 @@ def main() -> None:
         code, seconds = clean_seconds(tests)
         if code != 0:
             sys.exit(f"{rel}: its tests fail on the unmutated code (exit {code}): {' '.join(tests)}")
-        timeout_of[rel] = 3 * seconds + 10
+        timeout_of[rel] = 5 * seconds + 30  # generous: a load spike must not pass for a kill
         print(f"{rel}: {sum(m.file == rel and m.status == 'pending' for m in mutants)} mutants, clean run of "
               f"{len(tests)} tests {seconds:.1f} s", flush=True)
     run_all(mutants, args.jobs, timeout_of)
