@@ -1,7 +1,7 @@
 """Mutation testing of the math, the optimizer, the two paper callbacks and the batch helpers: how much of what
 the tests claim to check would they notice if it broke?
 
-A small AST mutator of our own (why not mutmut or cosmic-ray: see docs/results/mutation.md). Each mutant changes
+A small AST mutator of our own (why not mutmut or cosmic-ray, and how to use it: docs/mutation.md). Each mutant changes
 one operator, constant or condition of a target file; it is *killed* when a test that runs the mutated line fails
 (or hangs past its timeout). Score = killed / (mutants − equivalent ones), the equivalent ones listed with their
 reason in scripts/mutation_equivalents.toml.
