@@ -358,8 +358,9 @@ def start_child(mutant: Optional[Mutant], tests: list[str]) -> int:
         os._exit(code)
 
 
-def run_all(mutants: list[Mutant], jobs: int, timeout_of: dict[str, float]) -> None:
-    """Run the pending mutants, `jobs` children at a time; fills status and seconds."""
+def run_all(mutants: list[Mutant], jobs: int, timeout_of: dict[str, float], save) -> None:
+    """Run the pending mutants, `jobs` children at a time; fills status and seconds. Survivors are printed as they
+    are found; `save()` is called every 25 mutants (an interrupted run can be resumed from its JSON)."""
     pending = [m for m in mutants if m.status == "pending"]
     running: dict[int, tuple[Mutant, float]] = {}
     done = 0
@@ -390,7 +391,11 @@ def run_all(mutants: list[Mutant], jobs: int, timeout_of: dict[str, float]) -> N
                              "error" if code in (3, 4) or code < 0 else "killed")
             del running[pid]
             done += 1
+            if mutant.status != "killed":
+                print(f"  {mutant.status}: {mutant.file}:{mutant.line}:{mutant.column} `{mutant.description}` in "
+                      f"`{mutant.source}`", flush=True)
             if done % 25 == 0 or done == total:
+                save()
                 rate = (time.perf_counter() - started_all) / done
                 print(f"  {done}/{total} mutants, {rate:.1f} s each, ~{rate * (total - done) / 60:.0f} min left",
                       flush=True)
@@ -427,7 +432,7 @@ def load_equivalents() -> dict[tuple[str, str, str, str], str]:
     return {(e["file"], e["function"], e["source"], e["mutation"], e["column"]): e["reason"] for e in entries}
 
 
-def write_report(mutants: list[Mutant], out: Path, command: str, seconds: float) -> float:
+def write_report(mutants: list[Mutant], out: Path, runs: list[dict]) -> float:
     counted = [m for m in mutants if m.status != "equivalent"]
     killed = [m for m in counted if m.status in ("killed", "timeout")]
     score = len(killed) / max(len(counted), 1)
@@ -438,8 +443,13 @@ def write_report(mutants: list[Mutant], out: Path, command: str, seconds: float)
         f"Score = killed / non-equivalent mutants = {len(killed)} / {len(counted)} = **{score:.1%}** "
         f"({len(mutants)} mutants, {len(mutants) - len(counted)} equivalent).",
         "",
-        f"Command: `{command}`; run time {seconds / 60:.1f} min on {machine} (load average at the end: "
-        f"{os.getloadavg()[0]:.1f}); date {time.strftime('%Y-%m-%d')}.",
+        f"Machine: {machine}, shared with other work (the load average is given per run). Runs that made this "
+        "result (a run with `--resume` re-runs only the mutants the previous one did not kill, after tests were "
+        "added; a killed mutant stays killed as long as the test that killed it is there):",
+        "",
+        *[f"- `{r['command']}`: {r['mutants_run']} mutants run in {r['seconds'] / 60:.1f} min ({r['date']}, load "
+          f"average {r['load']:.1f} at the end)" for r in runs],
+        "",
         "The tool and its choices: `scripts/mutation.py` (module docstring; `TARGETS` and `TESTS` name what is "
         "mutated and which tests may kill it). Equivalent mutants and their reasons: "
         "`scripts/mutation_equivalents.toml`.",
@@ -484,6 +494,8 @@ def main() -> None:
     parser.add_argument("--coverage", default="/tmp/lit_rlvr_mutation.coverage",
                         help="coverage data file; reused when it exists (delete it after changing tests)")
     parser.add_argument("--tests", nargs="*", help="test files instead of TESTS (a quick look at one file)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the killed mutants of --json and run the others again (after adding tests)")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     args = parser.parse_args()
     if args.tests:
@@ -497,12 +509,23 @@ def main() -> None:
             print(f"{m.file}:{m.line}:{m.column} [{m.function}] {m.description}: {m.source}")
         print(f"{len(mutants)} mutants")
         return
+    runs: list[dict] = []
+    if args.resume:
+        previous = json.loads((REPO / args.json).read_text())
+        runs = previous["runs"]
+        killed = {tuple(m["key"]) for m in previous["mutants"] if m["status"] in ("killed", "timeout")}
+        for m in mutants:
+            if m.key in killed:
+                m.status = next(p["status"] for p in previous["mutants"] if tuple(p["key"]) == m.key)
     covered = coverage_map(files, Path(args.coverage))
     equivalents = load_equivalents()
     timing = Path(f"{args.coverage}.durations")
     durations = json.loads(timing.read_text()) if timing.exists() else {}
     first_lines = {f: statement_first_lines(REPO / f) for f in {m.file for m in mutants}}
     for m in mutants:
+        if m.status in ("killed", "timeout"):
+            continue
+        m.status = "pending"
         if m.key in equivalents:
             m.status, m.reason = "equivalent", equivalents[m.key]
             continue
@@ -519,13 +542,20 @@ def main() -> None:
         timeout_of[rel] = 5 * seconds + 30  # generous: a load spike must not pass for a kill
         print(f"{rel}: {sum(m.file == rel and m.status == 'pending' for m in mutants)} mutants, clean run of "
               f"{len(tests)} tests {seconds:.1f} s", flush=True)
-    run_all(mutants, args.jobs, timeout_of)
-    seconds = time.perf_counter() - started
-    command = "nice -n 15 python scripts/mutation.py" + (f" --jobs {args.jobs}" if args.jobs != 1 else "") + (
-        f" --only {' '.join(args.only)}" if args.only else "")
-    score = write_report(mutants, REPO / args.out, command, seconds)
-    (REPO / args.json).write_text(json.dumps([m.__dict__ for m in mutants], indent=0) + "\n")
-    print(f"score {score:.1%}; report in {args.out}; {seconds / 60:.1f} min")
+    command = " ".join(["nice -n 15 python scripts/mutation.py", *sys.argv[1:]])
+    run = {"command": command, "mutants_run": sum(m.status == "pending" for m in mutants), "seconds": 0.0,
+           "date": time.strftime("%Y-%m-%d %H:%M"), "load": 0.0}
+    runs.append(run)
+
+    def save() -> None:
+        run["seconds"], run["load"] = time.perf_counter() - started, os.getloadavg()[0]
+        rows = [{**m.__dict__, "key": list(m.key)} for m in mutants]
+        (REPO / args.json).write_text(json.dumps({"runs": runs, "mutants": rows}, indent=0) + "\n")
+
+    run_all(mutants, args.jobs, timeout_of, save)
+    save()
+    score = write_report(mutants, REPO / args.out, runs)
+    print(f"score {score:.1%}; report in {args.out}; {run['seconds'] / 60:.1f} min")
 
 
 if __name__ == "__main__":
