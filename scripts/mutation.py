@@ -287,7 +287,7 @@ def coverage_map(files: list[Path], data_file: Path) -> dict[str, dict[int, set[
 
 
 def tests_for(mutant: Mutant, covered: dict[int, set[str]], first_line: dict[int, int],
-              durations: dict[str, float]) -> list[str]:
+              durations: dict[str, float], max_seconds: float) -> list[str]:
     """Tests that run the mutated statement (looked up on the node's line and its statement's first line); for a
     line run at import only (constants, defaults, class bodies), every test that runs any line of the file.
     Fastest first: with `-x` the first failure ends the run."""
@@ -295,6 +295,7 @@ def tests_for(mutant: Mutant, covered: dict[int, set[str]], first_line: dict[int
     tests = set().union(*(covered.get(line, set()) for line in lines))
     if not tests and any(line in covered for line in lines):  # run at import only
         tests = set().union(*covered.values())
+    tests = {t for t in tests if durations.get(t, 0.0) <= max_seconds}  # whole-run tests: too slow per mutant
     return sorted(tests, key=lambda t: (durations.get(t, math.inf), t))
 
 
@@ -344,6 +345,7 @@ def start_child(mutant: Optional[Mutant], tests: list[str]) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
+        os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # no entry-point scan of every installed package
         _purge_own_modules()
         if mutant is not None:
             path = REPO / mutant.file
@@ -465,7 +467,10 @@ def write_report(mutants: list[Mutant], out: Path, runs: list[dict]) -> float:
         nt = sum(m.status in ("no_tests", "error") for m in ms)
         lines.append(f"| `{rel}` | {len(ms)} | {k} | {s} | {eq} | {nt} | {k / max(len(ms) - eq, 1):.1%} |")
     lines += ["", "## Survivors (not killed, not equivalent)", ""]
-    survivors = [m for m in counted if m not in killed]
+    survivors = [m for m in counted if m not in killed and m.status != "pending"]
+    pending = [m for m in counted if m.status == "pending"]
+    if pending:
+        lines[2:2] = [f"**Incomplete: {len(pending)} mutants were not run** (counted as not killed above).", ""]
     lines += [f"- `{m.file}:{m.line}:{m.column}` ({m.function or 'module'}) {m.status}: `{m.description}` in "
               f"`{m.source}`" for m in survivors] or ["none"]
     lines += ["", "## Equivalent mutants", ""]
@@ -496,6 +501,10 @@ def main() -> None:
     parser.add_argument("--tests", nargs="*", help="test files instead of TESTS (a quick look at one file)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the killed mutants of --json and run the others again (after adding tests)")
+    parser.add_argument("--max-test-seconds", type=float, default=8.0,
+                        help="tests that took longer in the coverage run are not run against mutants (default 8: "
+                             "the few end-to-end Trainer runs; the unit tests are what should kill a mutant)")
+    parser.add_argument("--report-only", action="store_true", help="write the report from --json and exit")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     args = parser.parse_args()
     if args.tests:
@@ -510,6 +519,11 @@ def main() -> None:
         print(f"{len(mutants)} mutants")
         return
     runs: list[dict] = []
+    if args.report_only:
+        previous = json.loads((REPO / args.json).read_text())
+        done = [Mutant(**{k: v for k, v in m.items() if k != "key"}) for m in previous["mutants"]]
+        print(f"score {write_report(done, REPO / args.out, previous['runs']):.1%}; report in {args.out}")
+        return
     if args.resume:
         previous = json.loads((REPO / args.json).read_text())
         runs = previous["runs"]
@@ -529,7 +543,7 @@ def main() -> None:
         if m.key in equivalents:
             m.status, m.reason = "equivalent", equivalents[m.key]
             continue
-        m.tests = tests_for(m, covered.get(m.file, {}), first_lines[m.file], durations)
+        m.tests = tests_for(m, covered.get(m.file, {}), first_lines[m.file], durations, args.max_test_seconds)
         if not m.tests:
             m.status = "no_tests"
     preload()
