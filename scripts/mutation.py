@@ -51,9 +51,11 @@ TARGETS = (
 # tests of this list that run it.
 TESTS = (
     "tests/test_functional.py",
+    "tests/test_functional_edges.py",
     "tests/test_fidelity.py",
     "tests/test_passk.py",
     "tests/test_micro_batches.py",
+    "tests/test_micro_batch_tokens.py",
     "tests/test_value_prior_functional.py",
     "tests/test_ivon.py",
     "tests/test_param_noise.py",
