@@ -360,7 +360,7 @@ def main() -> None:
     runs: list[dict] = []
     if args.report_only:
         previous = json.loads((REPO / args.json).read_text())
-        done = [Mutant(**{k: v for k, v in m.items() if k != "key"}) for m in previous["mutants"]]
+        done = [Mutant(**{k: v for k, v in m.items() if k not in ("key", "tests")}) for m in previous["mutants"]]
         print(f"score {write_report(done, REPO / args.out, previous['runs']):.1%}; report in {args.out}")
         return
     if args.resume:
@@ -402,7 +402,7 @@ def main() -> None:
 
     def save() -> None:
         run["seconds"], run["load"] = time.perf_counter() - started, os.getloadavg()[0]
-        rows = [{**m.__dict__, "key": list(m.key)} for m in mutants]
+        rows = [{**{k: v for k, v in m.__dict__.items() if k != "tests"}, "key": list(m.key)} for m in mutants]
         (REPO / args.json).write_text(json.dumps({"runs": runs, "mutants": rows}, indent=0) + "\n")
 
     run_all(mutants, args.jobs, timeout_of, save)
