@@ -3,8 +3,8 @@ the tests claim to check would they notice if it broke?
 
 A small AST mutator of our own (the mutants: scripts/mutants.py; why not mutmut or cosmic-ray, and how to use it:
 docs/mutation.md). Each mutant changes one operator, constant or condition of a target file; it is *killed* when a
-test that runs the mutated line fails (or hangs past its timeout). Score = killed / (mutants − equivalent ones), the equivalent ones listed with their
-reason in scripts/mutation_equivalents.toml.
+test that runs the mutated line fails (or hangs past its timeout). Score = killed / (mutants − equivalent ones),
+the equivalent ones listed with their reason in scripts/mutation_equivalents.toml.
 
 How it stays cheap on two shared cores:
   1. one coverage run of the candidate tests (pytest-cov, a context per test) tells which tests run each line;
