@@ -295,8 +295,8 @@ def write_report(mutants: list[Mutant], out: Path, runs: list[dict]) -> float:
         "mutated and which tests may kill it). Equivalent mutants and their reasons: "
         "`scripts/mutation_equivalents.toml`.",
         "",
-        "| file | mutants | killed | survived | equivalent | no test runs the line | score |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| file | mutants | killed | survived | equivalent | no test runs the line | not run yet | score (run ones) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for rel in sorted({m.file for m in mutants}):
         ms = [m for m in mutants if m.file == rel]
@@ -304,7 +304,10 @@ def write_report(mutants: list[Mutant], out: Path, runs: list[dict]) -> float:
         eq = sum(m.status == "equivalent" for m in ms)
         s = sum(m.status == "survived" for m in ms)
         nt = sum(m.status in ("no_tests", "error") for m in ms)
-        lines.append(f"| `{rel}` | {len(ms)} | {k} | {s} | {eq} | {nt} | {k / max(len(ms) - eq, 1):.1%} |")
+        pend = sum(m.status == "pending" for m in ms)
+        run = len(ms) - eq - pend
+        lines.append(f"| `{rel}` | {len(ms)} | {k} | {s} | {eq} | {nt} | {pend} | "
+                     f"{f'{k / run:.1%}' if run else '—'} |")
     lines += ["", "## Survivors (not killed, not equivalent)", ""]
     survivors = [m for m in counted if m not in killed and m.status != "pending"]
     pending = [m for m in counted if m.status == "pending"]
