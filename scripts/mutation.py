@@ -312,7 +312,10 @@ def write_report(mutants: list[Mutant], out: Path, runs: list[dict]) -> float:
     survivors = [m for m in counted if m not in killed and m.status != "pending"]
     pending = [m for m in counted if m.status == "pending"]
     if pending:
-        lines[2:2] = [f"**Incomplete: {len(pending)} mutants were not run** (counted as not killed above).", ""]
+        ran = len(counted) - len(pending)
+        lines[2:2] = [f"**Incomplete: {len(pending)} mutants were not run yet** (counted as not killed above). Of "
+                      f"the {ran} non-equivalent mutants run, {len(killed)} were killed: "
+                      f"{len(killed) / max(ran, 1):.1%}. Finish with `--resume`.", ""]
     lines += [f"- `{m.file}:{m.line}:{m.column}` ({m.function or 'module'}) {m.status}: `{m.description}` in "
               f"`{m.source}`" for m in survivors] or ["none"]
     lines += ["", "## Equivalent mutants", ""]
