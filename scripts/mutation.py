@@ -199,9 +199,22 @@ def start_child(mutant: Optional[Mutant], tests: list[str]) -> int:
         os._exit(code)
 
 
-def run_all(mutants: list[Mutant], jobs: int, timeout_of: dict[str, float], save) -> None:
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, its finished children included) of a running process, from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime, stime, cutime, cstime
+
+
+def run_all(mutants: list[Mutant], jobs: int, cpu_limit: dict[int, float], save) -> None:
     """Run the pending mutants, `jobs` children at a time; fills status and seconds. Survivors are printed as they
-    are found; `save()` is called every 25 mutants (an interrupted run can be resumed from its JSON)."""
+    are found; `save()` is called every 25 mutants (an interrupted run can be resumed from its JSON).
+
+    The time limit is in CPU seconds (`cpu_limit[index]`), not wall seconds: on a loaded machine a starved child
+    is slow, not looping, and must not pass for a kill. A child still alive after an hour of wall time is
+    `hung` (not killed, run again by --resume)."""
     pending = [m for m in mutants if m.status == "pending"]
     running: dict[int, tuple[Mutant, float]] = {}
     done = 0
@@ -211,18 +224,19 @@ def run_all(mutants: list[Mutant], jobs: int, timeout_of: dict[str, float], save
         while pending and len(running) < jobs:
             mutant = pending.pop(0)
             running[start_child(mutant, mutant.tests)] = (mutant, time.perf_counter())
-        time.sleep(0.02)
+        time.sleep(0.05)
         for pid, (mutant, started) in list(running.items()):
             finished, status = os.waitpid(pid, os.WNOHANG)
             elapsed = time.perf_counter() - started
             if not finished:
-                if elapsed > timeout_of[mutant.file]:
+                over_cpu = cpu_seconds(pid) > cpu_limit[id(mutant)]
+                if over_cpu or elapsed > 3600:
                     try:
                         os.killpg(pid, 9)
                     except ProcessLookupError:  # not yet its own group
                         os.kill(pid, 9)
                     os.waitpid(pid, 0)
-                    mutant.status, mutant.seconds = "timeout", elapsed
+                    mutant.status, mutant.seconds = ("timeout" if over_cpu else "hung"), elapsed
                     del running[pid]
                     done += 1
                 continue
@@ -232,7 +246,7 @@ def run_all(mutants: list[Mutant], jobs: int, timeout_of: dict[str, float], save
                              "error" if code in (3, 4) or code < 0 else "killed")
             del running[pid]
             done += 1
-            if mutant.status != "killed":
+            if mutant.status not in ("killed", "timeout"):
                 print(f"  {mutant.status}: {mutant.file}:{mutant.line}:{mutant.column} `{mutant.description}` in "
                       f"`{mutant.source}`", flush=True)
             if done % 25 == 0 or done == total:
@@ -242,10 +256,12 @@ def run_all(mutants: list[Mutant], jobs: int, timeout_of: dict[str, float], save
                       flush=True)
 
 
-def clean_seconds(tests: list[str]) -> tuple[int, float]:
-    started = time.perf_counter()
-    _, status = os.waitpid(start_child(None, tests), 0)
-    return os.waitstatus_to_exitcode(status), time.perf_counter() - started
+def clean_check(tests: list[str]) -> None:
+    """The unmutated code passes `tests` in a child set up as the mutants' are (else every mutant would 'die')."""
+    _, status, usage = os.wait4(start_child(None, tests), 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        sys.exit(f"the tests fail on the unmutated code in a mutant's child: {' '.join(tests)}")
+    print(f"clean check: {len(tests)} tests pass in {usage.ru_utime + usage.ru_stime:.1f} CPU s", flush=True)
 
 
 def preload() -> None:
@@ -367,12 +383,19 @@ def main() -> None:
     if args.report_only:
         previous = json.loads((REPO / args.json).read_text())
         done = [Mutant(**{k: v for k, v in m.items() if k not in ("key", "tests")}) for m in previous["mutants"]]
+        equivalents = load_equivalents()
+        for m in done:
+            if m.status == "timeout" and not previous.get("cpu_limits"):
+                m.status = "hung"  # a wall-clock limit on a loaded machine: not evidence of a kill
+            if m.key in equivalents and m.status not in ("killed", "timeout"):
+                m.status, m.reason = "equivalent", equivalents[m.key]
         print(f"score {write_report(done, REPO / args.out, previous['runs']):.1%}; report in {args.out}")
         return
     if args.resume:
         previous = json.loads((REPO / args.json).read_text())
         runs = previous["runs"]
-        killed = {tuple(m["key"]) for m in previous["mutants"] if m["status"] in ("killed", "timeout")}
+        kept = ("killed", "timeout") if previous.get("cpu_limits") else ("killed",)  # wall timeouts: run again
+        killed = {tuple(m["key"]) for m in previous["mutants"] if m["status"] in kept}
         for m in mutants:
             if m.key in killed:
                 m.status = next(p["status"] for p in previous["mutants"] if tuple(p["key"]) == m.key)
@@ -392,15 +415,11 @@ def main() -> None:
         if not m.tests:
             m.status = "no_tests"
     preload()
-    timeout_of = {}
-    for rel in sorted({m.file for m in mutants if m.status == "pending"}):
-        tests = sorted(set().union(*(set(m.tests) for m in mutants if m.file == rel and m.tests)))
-        code, seconds = clean_seconds(tests)
-        if code != 0:
-            sys.exit(f"{rel}: its tests fail on the unmutated code (exit {code}): {' '.join(tests)}")
-        timeout_of[rel] = 5 * seconds + 30  # generous: a load spike must not pass for a kill
-        print(f"{rel}: {sum(m.file == rel and m.status == 'pending' for m in mutants)} mutants, clean run of "
-              f"{len(tests)} tests {seconds:.1f} s", flush=True)
+    # CPU limit per mutant: 5 × its tests' durations in the coverage run (slower than plain) + 20 s of imports
+    cpu_limit = {id(m): 5 * sum(durations.get(t, 1.0) for t in m.tests) + 20 for m in mutants}
+    fastest = sorted({t for m in mutants for t in m.tests}, key=lambda t: durations.get(t, math.inf))[:30]
+    if fastest:
+        clean_check(fastest)
     command = " ".join(["nice -n 15 python scripts/mutation.py", *sys.argv[1:]])
     run = {"command": command, "mutants_run": sum(m.status == "pending" for m in mutants), "seconds": 0.0,
            "date": time.strftime("%Y-%m-%d %H:%M"), "load": 0.0}
@@ -409,9 +428,9 @@ def main() -> None:
     def save() -> None:
         run["seconds"], run["load"] = time.perf_counter() - started, os.getloadavg()[0]
         rows = [{**{k: v for k, v in m.__dict__.items() if k != "tests"}, "key": list(m.key)} for m in mutants]
-        (REPO / args.json).write_text(json.dumps({"runs": runs, "mutants": rows}, indent=0) + "\n")
+        (REPO / args.json).write_text(json.dumps({"runs": runs, "mutants": rows, "cpu_limits": True}) + "\n")
 
-    run_all(mutants, args.jobs, timeout_of, save)
+    run_all(mutants, args.jobs, cpu_limit, save)
     save()
     score = write_report(mutants, REPO / args.out, runs)
     print(f"score {score:.1%}; report in {args.out}; {run['seconds'] / 60:.1f} min")
