@@ -304,8 +304,8 @@ def write_report(mutants: list[Mutant], out: Path, runs: list[dict]) -> float:
         "result (a run with `--resume` re-runs only the mutants the previous one did not kill, after tests were "
         "added; a killed mutant stays killed as long as the test that killed it is there):",
         "",
-        *[f"- `{r['command']}`: {r['mutants_run']} mutants run in {r['seconds'] / 60:.1f} min ({r['date']}, load "
-          f"average {r['load']:.1f} at the end)" for r in runs],
+        *[f"- `{r['command']}`: started with {r['mutants_run']} mutants to run, ran {r['seconds'] / 60:.1f} min "
+          f"({r['date']}, load average {r['load']:.1f} at its last save)" for r in runs],
         "",
         "The tool and its choices: `scripts/mutation.py` (module docstring; `TARGETS` and `TESTS` name what is "
         "mutated and which tests may kill it). Equivalent mutants and their reasons: "
