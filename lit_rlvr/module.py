@@ -386,8 +386,9 @@ class GRPOModule(pl.LightningModule):
         unit), so they do not depend on the micro-batching or the number of ranks."""
         hp = self.hparams
         tokens = rollouts.response_mask.sum(-1).double()  # [n]
+        seqs = F.sequence_rows(rollouts.response_mask).double()  # [n] the rows sequence means count (not empty ones)
         world = D.world_size()
-        totals = torch.tensor([float(tokens.sum()), float(rollouts.num_samples)], dtype=torch.float64)
+        totals = torch.tensor([float(tokens.sum()), float(seqs.sum())], dtype=torch.float64)
         total_tokens, total_seqs = D.all_reduce(totals).clamp_min(1).tolist()
         lengths = rollouts.prompt_mask.sum(-1) + rollouts.response_mask.sum(-1)  # [n]
         width = None if hp.micro_batch_tokens else rollouts.prompt_ids.shape[1] + rollouts.response_ids.shape[1]
@@ -403,7 +404,7 @@ class GRPOModule(pl.LightningModule):
             for i, micro in enumerate(micros + [torch.zeros(1, dtype=torch.long)] * padding):
                 real = i < len(micros)
                 token_w = float(tokens[micro].sum()) / total_tokens * world if real else 0.0
-                seq_w = len(micro) / total_seqs * world if real else 0.0
+                seq_w = float(seqs[micro].sum()) / total_seqs * world if real else 0.0
                 share = token_w if hp.loss_aggregation == "token-mean" else seq_w
                 part = rollouts.select(micro)
                 loss, metrics = self.micro_batch_loss(part.trim_padding() if hp.micro_batch_tokens else part, share)

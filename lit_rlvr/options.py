@@ -51,6 +51,11 @@ RANGES: dict[str, Rule] = {
     "algorithm.max_bad_steps": _at_least(1),
     "algorithm.warmup_steps": _at_least(0),
     "algorithm.micro_batch_tokens": (lambda v: v is None or v >= 1, "an integer >= 1 or null (off)"),
+    # DAPO's (lit_rlvr.algorithms.dapo)
+    "algorithm.max_refill_batches": _at_least(0),
+    "algorithm.overlong_cache_len": _at_least(0),
+    "algorithm.overlong_penalty_factor": (lambda v: v >= 0, "a number >= 0 (the largest length penalty; a negative "
+                                                            "one would reward length)"),
     **{f"algorithm.{k}": _at_least(1)
        for k in ("ppo_epochs", "mini_batches", "micro_batch_size", "max_new_tokens", "eval_samples")},
     "data.batch_size": (lambda v: v >= 1, "an integer >= 1 (prompts per RL step)"),
@@ -90,11 +95,16 @@ def range_problems(values: Mapping[str, Any], section: str, rules: Mapping[str, 
 
 def consistency_problems(options: Mapping[str, Any]) -> list[str]:
     """Rules between algorithm options (a dict of the module's arguments): one line each."""
+    problems = []
     cap, estimator = options.get("kl_k3_cap"), options.get("kl_estimator", "k3")
-    if cap is not None and estimator != "k3":
-        return [f"algorithm.kl_k3_cap={cap} caps the k3 estimator: it needs algorithm.kl_estimator=k3 (got "
-                f"{estimator!r}); null = no cap"]
-    return []
+    if cap is not None and estimator not in ("k3", "k3+"):
+        problems.append(f"algorithm.kl_k3_cap={cap} caps the k3 estimator: it needs algorithm.kl_estimator=k3 or "
+                        f"k3+ (got {estimator!r}); null = no cap")
+    cache, budget = options.get("overlong_cache_len"), options.get("max_new_tokens")
+    if cache is not None and budget is not None and cache > budget:
+        problems.append(f"algorithm.overlong_cache_len={cache} is longer than algorithm.max_new_tokens={budget}: "
+                        "the overlong penalty zone lies within the completion budget")
+    return problems
 
 
 def group_size_problem(group_size: int, counts_set_by: str | None) -> list[str]:

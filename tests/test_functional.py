@@ -174,3 +174,110 @@ def test_std_scaling_leaves_a_constant_group_around_a_baseline_alone():
     assert metrics["groups/zero_adv_frac"].item() == 0.0
     adv, metrics = F.grpo_advantages(rewards, group, 2, scale_by_std=True)  # around the group mean
     assert adv[:4].tolist() == [0.0] * 4 and metrics["groups/zero_adv_frac"].item() == 0.5
+
+
+# -- boundaries and edges (found by mutation testing: scripts/mutation.py) --------------------------------------------
+def test_gspo_with_behaviour_logprobs_away_from_zero():
+    """old = (−1.5, −1.7), logp = (−1, −2): log-ratios 0.5, −0.3, mean 0.1, s = e^0.1 = 1.10517. A = 2 with a
+    wide clip: loss −2s, d/dlogp_t = −2s/2 = −s each; the paper's clip: min(2s, 2·1.0004) = 2.0008; A = −2:
+    min(−2s, −2·1.0004) = −2s."""
+    old, mask = torch.tensor([[-1.5, -1.7]]), torch.ones(1, 2, dtype=torch.bool)
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    s = math.exp(0.1)
+    loss, metrics = F.gspo_loss(logp, old, torch.tensor([2.0]), mask, eps_low=0.5, eps_high=0.5)
+    assert loss.item() == pytest.approx(-2 * s, rel=1e-6) and metrics["loss/pg_clipfrac"].item() == 0.0
+    loss.backward()
+    assert logp.grad[0].tolist() == pytest.approx([-s, -s], rel=1e-6)
+    loss, metrics = F.gspo_loss(logp.detach(), old, torch.tensor([2.0]), mask)
+    assert loss.item() == pytest.approx(-2 * 1.0004, rel=1e-6) and metrics["loss/pg_clipfrac"].item() == 1.0
+    loss, _ = F.gspo_loss(logp.detach(), old, torch.tensor([-2.0]), mask)
+    assert loss.item() == pytest.approx(2 * s, rel=1e-6)
+    # below the band: s = e^−0.1 = 0.9048 < 1 − 3e-4; A = +1 takes the lower value s, A = −1 the clipped −0.9997
+    low = torch.tensor([[-1.6, -1.8]])
+    assert F.gspo_loss(low, old, torch.tensor([1.0]), mask)[0].item() == pytest.approx(-math.exp(-0.1), rel=1e-6)
+    loss, metrics = F.gspo_loss(low, old, torch.tensor([-1.0]), mask)
+    assert loss.item() == pytest.approx(1 - 3e-4, rel=1e-6) and metrics["loss/pg_clipfrac"].item() == 1.0
+    # approx_kl: ½ mean of the token log-ratios squared = ½ (0.01 + 0.01) / 2
+    assert metrics["loss/approx_kl"].item() == pytest.approx(0.5 * (0.01 + 0.01) / 2, rel=1e-5)
+
+
+def test_k1_k2_k3_away_from_log_r_one():
+    """log r = ref − logp = 3 and −0.5: k1 = −3, 0.5; k2 = 4.5, 0.125; k3 = e^3 − 4, e^−0.5 − 0.5;
+    ∂k2/∂logp = logp − ref = −3, 0.5; ∂k1/∂logp = 1."""
+    ref = torch.tensor([[-1.0, -2.5]])
+    k3 = ([math.exp(3) - 4, math.exp(-0.5) - 0.5], [1 - math.exp(3), 1 - math.exp(-0.5)])
+    for estimator, value, grad in (("k1", [-3.0, 0.5], [1.0, 1.0]), ("k2", [4.5, 0.125], [-3.0, 0.5]), ("k3", *k3)):
+        logp = torch.tensor([[-4.0, -2.0]], requires_grad=True)
+        kl = F.kl_penalty(logp, ref, estimator=estimator)
+        assert kl[0].tolist() == pytest.approx(value, rel=1e-6)
+        kl.sum().backward()
+        assert logp.grad[0].tolist() == pytest.approx(grad, rel=1e-6)
+
+
+def test_k3_clamp_from_below_and_a_cap_under_one():
+    """log r = −25 is clamped to −20: k3 = e^−20 − 1 + 20 = 19.000000002 (unclamped it would be 24); a cap of 0.5
+    (any cap > 0 is valid) caps k3 = e^1 − 2 = 0.718 at 0.5 and leaves e^−1 = 0.368 alone."""
+    low = F.kl_penalty(torch.tensor([[0.0]]), torch.tensor([[-25.0]]), estimator="k3")
+    assert low.item() == pytest.approx(19.0 + math.exp(-20), rel=1e-7)
+    capped = F.kl_penalty(torch.tensor([[-2.0, -1.0]]), torch.tensor([[-1.0, -2.0]]), estimator="k3", k3_cap=0.5)
+    assert capped[0].tolist() == pytest.approx([0.5, math.exp(-1)], rel=1e-6)
+
+
+def test_sequence_mask_keeps_a_ratio_of_exactly_tau():
+    """|Σ log-ratio| = log τ exactly (as float32) is kept, at both ends; one float32 step beyond is dropped."""
+    bound = torch.log(torch.tensor(2.0))  # float32 log 2
+    beyond = torch.nextafter(bound, torch.tensor(1.0))
+    logp = torch.stack([bound, -bound, beyond, -beyond])[:, None]  # [4, 1]
+    keep, metrics = F.sequence_importance_mask(logp, torch.zeros(4, 1), torch.ones(4, 1, dtype=torch.bool), tau=2.0)
+    assert keep.tolist() == [True, True, False, False]
+    assert metrics["loss/seq_mask_frac"].item() == 0.5
+    # only counted tokens enter the sum: a masked log-ratio of 5 changes nothing
+    keep, _ = F.sequence_importance_mask(torch.tensor([[0.1, 5.0]]), torch.zeros(1, 2), torch.tensor([[True, False]]))
+    assert keep.tolist() == [True]
+
+
+def test_ppo_metrics_count_only_masked_tokens():
+    """approx_kl = mean over counted tokens of ½(logp − old)²: tokens 0.3 and −0.5 (the third is masked out):
+    (0.045 + 0.125)/2 = 0.085; pg_clipfrac: token 0.3 with A = 1 (r = 1.35 > 1.2) is clipped, −0.5 not: 1/2.
+    No counted token: both metrics 0."""
+    logp = torch.tensor([[0.3, -0.5, 4.0]])
+    mask = torch.tensor([[True, True, False]])
+    _, metrics = F.ppo_clip_loss(logp, torch.zeros(1, 3), torch.tensor([1.0]), mask)
+    assert metrics["loss/approx_kl"].item() == pytest.approx(0.085, rel=1e-6)
+    assert metrics["loss/pg_clipfrac"].item() == pytest.approx(0.5)
+    loss, metrics = F.ppo_clip_loss(logp, torch.zeros(1, 3), torch.tensor([1.0]), torch.zeros(1, 3, dtype=torch.bool))
+    assert (loss.item(), metrics["loss/approx_kl"].item(), metrics["loss/pg_clipfrac"].item()) == (0.0, 0.0, 0.0)
+
+
+def test_ppo_clip_at_exactly_the_clip_bound_is_not_counted_clipped():
+    """r = 1 with ε_high = 0: clip(r) = r = 1, so nothing is clipped (the count uses a strict <); the loss is −1."""
+    loss, metrics = F.ppo_clip_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.tensor([1.0]),
+                                    torch.ones(1, 1, dtype=torch.bool), eps_high=0.0)
+    assert metrics["loss/pg_clipfrac"].item() == 0.0 and loss.item() == -1.0
+
+
+def test_zero_adv_frac_at_the_edges():
+    """Only groups with completions count: 4 groups, group 3 empty; group 0 constant (zero advantage), group 1 a
+    tiny spread (1e-3: its advantages are ±0.707, not zero), group 2 of one (zero): 2/3. No completions at all:
+    0, not NaN. The std eps shows on a spread of 2e-6: A = ±1e-6/(1.414e-6 + 1e-6) = ±0.414."""
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1e-3, 0.5])
+    group = torch.tensor([0, 0, 1, 1, 2])
+    adv, metrics = F.grpo_advantages(rewards, group, 4)
+    assert metrics["groups/zero_adv_frac"].item() == pytest.approx(2 / 3)
+    half_gap = 0.5e-3 / (math.sqrt(0.5e-6) + 1e-6)  # (r − mean) / (std + eps), std = 1e-3/√2
+    assert adv[2:4].tolist() == pytest.approx([-half_gap, half_gap], rel=1e-4)
+    _, metrics = F.grpo_advantages(torch.zeros(0), torch.zeros(0, dtype=torch.long), 2)
+    assert metrics["groups/zero_adv_frac"].item() == 0.0
+    adv, _ = F.grpo_advantages(torch.tensor([0.0, 2e-6], dtype=torch.float64), torch.tensor([0, 0]), 1)
+    spread = math.sqrt(2) * 1e-6
+    assert adv.tolist() == pytest.approx([-1e-6 / (spread + 1e-6), 1e-6 / (spread + 1e-6)], rel=1e-6)
+    adv, _ = F.grpo_advantages(torch.tensor([0.0, 2e-6], dtype=torch.float64), torch.tensor([0, 0]), 1, eps=0.0)
+    assert adv.tolist() == pytest.approx([-1 / math.sqrt(2), 1 / math.sqrt(2)], rel=1e-6)
+
+
+def test_group_helpers_with_empty_groups():
+    """Group 1 has no completions: mean 0, std 0, not constant; a group of one: std 0 (not NaN as torch.std)."""
+    values, group = torch.tensor([2.0, 4.0, 3.0]), torch.tensor([0, 0, 2])
+    assert F.group_mean(values, group, 3).tolist() == [3.0, 0.0, 3.0]
+    assert F.group_std(values, group, 3).tolist() == pytest.approx([math.sqrt(2), 0.0, 0.0])
+    assert F.constant_groups(values, group, 3).tolist() == [False, False, True]

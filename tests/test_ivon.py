@@ -369,3 +369,133 @@ def test_fsdp2_model_steps_like_plain_model(gloo_world_of_one):
         assert torch.equal(ga["hess"], gb["hess"])
     with pytest.raises(ValueError, match="sync=False"):
         IVON(sharded.parameters(), sync=True, **KW)
+
+
+# -- edges found by mutation testing (scripts/mutation.py) ---------------------------------------------------------
+def test_a_missing_grad_counts_as_a_zero_grad():
+    """The oracle: the same step with that parameter's .grad set to zeros. h, momentum and every weight equal."""
+    runs = []
+    for explicit_zero in (False, True):
+        model = _model()
+        opt = IVON(model.parameters(), **KW)
+        with opt.sampled_params(sample_index=0, train=True):
+            opt.zero_grad(set_to_none=True)
+            _loss(model, *_batch(0)).backward()
+            model[2].bias.grad = torch.zeros_like(model[2].bias) if explicit_zero else None
+        opt.step()
+        runs.append((model, opt))
+    _assert_same_state(runs[0][1], runs[1][1])
+    assert not torch.equal(runs[0][1].param_groups[0]["momentum"], torch.zeros_like(
+        runs[0][1].param_groups[0]["momentum"]))
+
+
+def test_non_contiguous_parameter_samples_and_steps_like_its_contiguous_copy():
+    """A transposed (non-contiguous) weight holds the same values as a contiguous one: the same seeded noise in
+    row-major order, the same step, and its storage (and strides) kept."""
+    torch.manual_seed(3)
+    values = torch.randn(4, 3)
+    plain = nn.Parameter(values.clone())
+    strided = nn.Parameter(values.t().contiguous().t())  # [4, 3] with strides (1, 4)
+    assert not strided.is_contiguous()
+    opts = [IVON([p], seed=5, **KW) for p in (plain, strided)]
+    ptr, stride = strided.data_ptr(), strided.stride()
+    x = torch.randn(4)
+    for opt, p in zip(opts, (plain, strided)):
+        with opt.sampled_params(sample_index=1, train=True):
+            theta = p.detach().clone()
+            opt.zero_grad()
+            (x @ p).square().sum().backward()
+        opt.step()
+        gen = torch.Generator().manual_seed(sample_seed(5, 0, 1, 0, 0))
+        sigma0 = (KW["ess"] * (KW["hess_init"] + KW["weight_decay"])) ** -0.5  # h = h0 before the first step
+        torch.testing.assert_close(theta, values + sigma0 * torch.randn(12, generator=gen).view(4, 3))
+    assert torch.equal(plain.detach(), strided.detach()) and not torch.equal(plain.detach(), values)
+    assert strided.data_ptr() == ptr and strided.stride() == stride
+
+
+def test_mc_samples_closure_is_called_per_sample_and_its_losses_averaged():
+    """mc_samples = 2 with a closure that records its own sample (ivon-opt's protocol): step() calls it twice,
+    returns the mean loss, and updates from the mean of the two gradients — the oracle: the same two samples
+    recorded by hand and one step() without a closure."""
+    model_a, model_b = _model(), _model()
+    opt_a = IVON(model_a.parameters(), mc_samples=2, **KW)
+    opt_b = IVON(model_b.parameters(), **KW)
+    calls, losses = [], []
+
+    def closure():
+        index = len(calls)
+        calls.append(index)
+        with opt_a.sampled_params(sample_index=index, train=True):
+            opt_a.zero_grad()
+            loss = _loss(model_a, *_batch(index))
+            loss.backward()
+        losses.append(loss.detach())
+        return loss
+
+    returned = opt_a.step(closure)
+    assert calls == [0, 1]
+    torch.testing.assert_close(returned.detach(), (losses[0] + losses[1]) / 2)
+    for index in (0, 1):
+        _train_sample(opt_b, model_b, index, index)
+    opt_b.step()
+    _assert_same_state(opt_a, opt_b)
+    # a closure that returns None (Lightning's in manual optimization) is called once
+    _train_sample(opt_a, model_a, 5, 0)
+    seen = []
+    assert opt_a.step(lambda: seen.append(1)) is None and seen == [1]
+
+
+def test_sample_seed_is_a_63_bit_blake2b_of_the_five_integers():
+    """The seed format is part of what a resumed run relies on (the same noise after a restart): blake2b with an
+    8-byte digest of the five little-endian int64s, top bit cleared. Over 200 inputs every bit 0..62 is set
+    somewhere and bit 63 nowhere."""
+    import hashlib
+    import struct
+
+    seeds = [sample_seed(s, t, j, r, i) for s, t, j, r, i in
+             [(0, 0, 0, 0, 0), (1, 2, 3, 4, 5), (-1, 7, 0, 2, 9)] + [(9, k, k % 3, 1, k % 7) for k in range(197)]]
+    for (s, t, j, r, i), seed in zip([(0, 0, 0, 0, 0), (1, 2, 3, 4, 5), (-1, 7, 0, 2, 9)], seeds):
+        digest = hashlib.blake2b(struct.pack("<5q", s, t, j, r, i), digest_size=8).digest()
+        assert seed == int.from_bytes(digest, "little") % 2**63
+    assert all(0 <= seed < 2**63 for seed in seeds)
+    union = 0
+    for seed in seeds:
+        union |= seed
+    assert union == 2**63 - 1
+
+
+class _Mesh:
+    def __init__(self, shape, coordinate):
+        self.shape, self.coordinate = shape, coordinate
+
+    def get_coordinate(self):
+        return self.coordinate
+
+    def size(self, dim):
+        return self.shape[dim]
+
+
+class _FakeDTensor:
+    def __init__(self, mesh, placements):
+        self.device_mesh, self.placements = mesh, placements
+
+
+def test_shard_keys_on_meshes_of_several_dimensions(monkeypatch):
+    """The shard key is the row-major index of the coordinate over the mesh dims the tensor is sharded on
+    (replicated dims left out, so replicas draw the same noise): on a 2 × 3 mesh sharded on both, the six ranks
+    get 0..5; sharded on dim 1 only, key = coordinate[1]; on dim 0 only, coordinate[0]; on a 2 × 2 × 3 mesh,
+    (c0·2 + c1)·3 + c2. A rank holding no part gets 0; a plain tensor, the optimizer's rank."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    import lit_rlvr.optim.ivon as ivon_module
+
+    monkeypatch.setattr(ivon_module, "DTensor", _FakeDTensor)
+    opt = type("Opt", (), {"rank": 7})()
+    key = lambda shape, coord, placements: IVON._shard_key(opt, _FakeDTensor(_Mesh(shape, coord), placements))  # noqa: E731
+    coords = [(a, b) for a in range(2) for b in range(3)]
+    assert [key((2, 3), c, [Shard(0), Shard(1)]) for c in coords] == [0, 1, 2, 3, 4, 5]
+    assert [key((2, 3), c, [Replicate(), Shard(0)]) for c in coords] == [0, 1, 2, 0, 1, 2]
+    assert [key((2, 3), c, [Shard(1), Replicate()]) for c in coords] == [0, 0, 0, 1, 1, 1]
+    assert key((2, 2, 3), (1, 0, 2), [Shard(0), Shard(1), Shard(0)]) == (1 * 2 + 0) * 3 + 2
+    assert key((2, 3), None, [Shard(0), Shard(1)]) == 0
+    assert IVON._shard_key(opt, torch.zeros(1)) == 7

@@ -23,7 +23,7 @@ from lit_rlvr.data.datamodule import RLVRDataModule
 from lit_rlvr.hooks import check_rl_callbacks
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.optim import IVON, sample_seed
-from lit_rlvr.rollout.batch import Rollouts
+from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 from tiny_options import TINY as TINY_OPTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -315,3 +315,113 @@ def test_train_py_c3po_writes_run_outputs(tmp_path):
     rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
     assert any(r.get("noise/sigma_mean") for r in rows) and any(r.get("loss/seq_mask_frac") for r in rows)
     assert (run_dir / "summary.json").exists() and (run_dir / "checkpoints" / "last.ckpt").exists()
+
+
+# -- options, hooks and edges (found by mutation testing: scripts/mutation.py) ---------------------------------------
+def test_every_documented_option_is_checked_at_its_boundary():
+    assert ParamNoise("b3po").num_samples == 1 and ParamNoise("m3po").num_samples == 4
+    assert ParamNoise("c3po", num_samples="2").num_samples == 2  # from a YAML string
+    assert ParamNoise("c3po", bf16_check_every=1).bf16_check_every == 1
+    for kwargs, key in ((dict(num_samples=0), "num_samples=0"), (dict(bf16_check_every=0), "bf16_check_every=0"),
+                        (dict(variant="b3po", num_samples=0), "num_samples=0")):
+        with pytest.raises(ValueError, match=rf"algorithm\.callbacks\.param_noise\.{key}"):
+            ParamNoise(**kwargs)
+    ParamNoise("c3po", num_samples=1, group_size=1)  # N = 1 divides every G
+
+
+def _chunked(rewards: list[float], source: list[int]) -> Rollouts:
+    n = len(rewards)
+    return Rollouts(prompt_ids=torch.zeros(n, 1, dtype=torch.long), prompt_mask=torch.ones(n, 1, dtype=torch.bool),
+                    response_ids=torch.zeros(n, 1, dtype=torch.long), response_mask=torch.ones(n, 1, dtype=torch.bool),
+                    old_logp=torch.zeros(n, 1), group=torch.zeros(n, dtype=torch.long), source=torch.tensor(source),
+                    num_groups=1, prompts=["p"], answers=["a"], rewards=torch.tensor(rewards))
+
+
+def test_partial_chunk_metric_with_positive_only_rewards():
+    """Rewards in {0, 1}: a success is a reward > 0, so a 0 is a failure (not a success, as `>= 0` would read it).
+    Chunk 0 has the only success: the group is partial."""
+    logged = {}
+    stub = SimpleNamespace(log_metrics=logged.update)
+    ParamNoise("c3po", num_samples=2).on_before_advantages(None, stub, _chunked([1.0, 0.0, 0.0, 0.0], [0, 0, 1, 1]))
+    assert float(logged["groups/partial_chunk_frac"]) == 1.0
+    ParamNoise("c3po", num_samples=2).on_before_advantages(None, stub, _chunked([0.0, 0.0, 0.0, 0.0], [0, 0, 1, 1]))
+    assert float(logged["groups/partial_chunk_frac"]) == 0.0  # no success at all: nothing to call partial
+
+
+def _ivon_trainer(seed: int = 3):
+    torch.manual_seed(seed)
+    weight = torch.nn.Parameter(torch.randn(3, 2))
+    opt = IVON([weight], lr=0.1, ess=1e3, hess_init=0.1, seed=seed)
+    return SimpleNamespace(optimizers=[opt]), opt, weight
+
+
+def test_plan_sources_contexts_and_stacks_are_ivon_samples():
+    trainer, opt, weight = _ivon_trainer()
+    mean = weight.detach().clone()
+    plan = RolloutPlan(["a"], [0], [[1]], [4])
+    ParamNoise("c3po", num_samples=2).on_rollout_plan(trainer, None, plan)
+    assert plan.num_weight_sources == 2 and not plan.uses_mean_weights
+    stacks = plan.weight_stacks(2)[weight]  # [2, 3, 2]
+    for source in (0, 1):
+        with plan.weight_context(source):
+            theta = weight.detach().clone()
+        gen = torch.Generator().manual_seed(sample_seed(3, 0, source, 0, 0))
+        torch.testing.assert_close(theta, mean + opt.sigma()[0] * torch.randn(6, generator=gen).view(3, 2))
+        assert torch.equal(stacks[source], theta)
+    assert torch.equal(weight.detach(), mean)
+    with pytest.raises(RuntimeError, match="weight sources"):
+        ParamNoise("c3po", num_samples=2).on_rollout_plan(trainer, None, plan)
+    with pytest.raises(TypeError, match="exactly one optimizer"):
+        ParamNoise("c3po")._ivon(SimpleNamespace(optimizers=[opt, opt]))
+
+
+@pytest.mark.parametrize("variant, loss_pass, index", [("c3po", 0, 2), ("m3po", 1, 1), ("b3po", 0, 0)])
+def test_loss_context_holds_the_right_sample_and_records_its_gradient(variant, loss_pass, index):
+    """C3PO's loss sample is a fresh index N (never a generating one); M3PO's and B3PO's is the pass's own."""
+    trainer, opt, weight = _ivon_trainer()
+    mean = weight.detach().clone()
+    callback = ParamNoise(variant, num_samples=1 if variant == "b3po" else 2)
+    weight.grad = torch.ones_like(weight)  # stale: the context clears it first
+    with callback.loss_context(trainer, None, None, loss_pass):
+        assert weight.grad is None
+        theta = weight.detach().clone()
+        (weight * 2).sum().backward()
+    gen = torch.Generator().manual_seed(sample_seed(3, 0, index, 0, 0))
+    torch.testing.assert_close(theta, mean + opt.sigma()[0] * torch.randn(6, generator=gen).view(3, 2))
+    assert opt.state["count"] == 1 and torch.equal(opt.state["avg_grad"], torch.full((6,), 2.0))
+
+
+def test_setup_checks_and_bf16_check_cadence(monkeypatch, caplog):
+    from lightning.pytorch.utilities.parsing import AttributeDict
+
+    hp = AttributeDict(optimizer="ivon", group_size=4, ppo_epochs=1, mini_batches=1, seq_mask_tau=2.0)
+    callback = ParamNoise("c3po", num_samples=2)
+    callback.setup(None, SimpleNamespace(hparams=hp), "fit")
+    assert "without the sequence importance mask" not in caplog.text
+    callback.setup(None, SimpleNamespace(hparams=AttributeDict(hp, seq_mask_tau=None)), "fit")
+    assert "without the sequence importance mask" in caplog.text
+    for epochs, minis in ((2, 1), (1, 2)):
+        with pytest.raises(ValueError, match="algorithm.ppo_epochs=1 and algorithm.mini_batches=1"):
+            callback.setup(None, SimpleNamespace(hparams=AttributeDict(hp, ppo_epochs=epochs, mini_batches=minis)),
+                           "fit")
+    trainer, opt, _ = _ivon_trainer()
+    checked = []
+    monkeypatch.setattr(ParamNoise, "_maybe_warn_bf16", lambda self, module, optimizer: checked.append(module.step))
+    callback = ParamNoise("c3po", num_samples=2, bf16_check_every=3)
+    for step in range(7):
+        logged = {}
+        callback.on_rl_step_end(trainer, SimpleNamespace(global_step=step, step=step, log_metrics=logged.update),
+                                None)
+        assert set(logged) == {"noise/sigma_mean", "noise/param_delta_rms"}
+    assert checked == [0, 3, 6]
+
+
+def test_engine_dtype_prefers_the_engines_own():
+    policy = torch.nn.Linear(2, 2)
+    from lit_rlvr.callbacks.param_noise import engine_dtype
+
+    assert engine_dtype(SimpleNamespace(engine=None, policy=policy)) == torch.float32
+    silent = SimpleNamespace(generation_dtype=lambda: None)
+    assert engine_dtype(SimpleNamespace(engine=silent, policy=policy)) == torch.float32
+    bf16 = SimpleNamespace(generation_dtype=lambda: torch.bfloat16)
+    assert engine_dtype(SimpleNamespace(engine=bf16, policy=policy)) == torch.bfloat16

@@ -418,3 +418,72 @@ def test_v0_is_built_on_the_strategys_device_not_where_the_module_still_is(monke
     module = types.SimpleNamespace(device=torch.device("cpu"), hparams={"group_size": 4, "scale_adv_by_std": False})
     ValuePrior().setup(trainer, module, "fit")
     assert built["device"] == "cuda:3"
+
+
+# ----------------------------------------------------------------------------------------------- options at their edges
+V = r"algorithm\.callbacks\.value_prior\."
+
+
+@pytest.mark.parametrize("kwargs, key", [
+    (dict(k_init=0), "k_init"), (dict(cost=-0.001), "cost"), (dict(min_active_frac=-0.01), "min_active_frac"),
+    (dict(min_active_frac=1.01), "min_active_frac"), (dict(pad_to=0), "pad_to"), (dict(round_size=0), "pad_to"),
+    (dict(reward_range=(0.0, 0.0)), "reward_range"), (dict(reward_range=(0.0, 0.5, 1.0)), "reward_range"),
+    (dict(noise_var=0.0), "noise_var"), (dict(min_context=0), "min_context"),
+    (dict(min_context=9, context_size=8), "min_context"), (dict(features="nope"), "features"),
+    (dict(precompute="sometimes"), "precompute"), (dict(precompute_max=0), "precompute_max"),
+    (dict(precompute_batch=0), "precompute_max"), (dict(bandwidth_refit=-0.1), "bandwidth_refit"),
+    (dict(bandwidth_refit=1.1), "bandwidth_refit"),
+])
+def test_each_option_out_of_range_names_its_key(kwargs, key):
+    with pytest.raises(ValueError, match=V + key):
+        ValuePrior(**kwargs)
+
+
+def test_each_option_at_its_valid_boundary_is_accepted():
+    """The edges of every range are valid values; a given value model skips the checks of V0's own options."""
+    cb = ValuePrior(k_init=16, k_max=16, cost=0.0, min_active_frac=0.0, pad_to=1, round_size=1, min_context=8,
+                    context_size=8, bandwidth_refit=0.0, precompute_max=1, precompute_batch=1, precompute="off")
+    assert (cb.k_init, cb.k_max, cb.cost, cb.pad_to, cb.round_size) == (16, 16, 0.0, 1, 1)
+    ValuePrior(min_active_frac=1.0, bandwidth_refit=1.0, min_context=1)
+    ValuePrior(value_model=StubV0({}), head="nope", features="nope")  # V0's options are not used then
+    # reward range (0, 1): σ² = ¼ (worst case (high − low)²/4), OSLA's price scales by ((high − low)/2)² = ¼
+    cb = ValuePrior(reward_range=(0.0, 1.0), cost=0.004)
+    assert cb.noise_var == 0.25 and cb._cost_f32 == pytest.approx(0.001)
+    assert ValuePrior(reward_range=(0.0, 1.0), noise_var=0.5).noise_var == 0.5
+
+
+def test_reward_scale_and_success_rate_maps():
+    """p̂ → V = low + (high − low)·p̂ and back, clamped to [0, 1]: on (2, 6), p̂ = 0.25 → 3; mean 5 → 0.75."""
+    cb = ValuePrior(reward_range=(2.0, 6.0))
+    assert cb.to_reward_scale(torch.tensor([0.25, 1.0])).tolist() == [3.0, 6.0]
+    assert cb.to_success_rate(torch.tensor([5.0, 7.0, 1.0])).tolist() == [0.75, 1.0, 0.0]
+    assert cb._to_success_rate_py([5.0, 7.0, 1.0]) == [0.75, 1.0, 0.0]
+
+
+class _Source:
+    def __init__(self, size: int, batch_size: int, ordered: bool):
+        self.size, self.batch_size = size, batch_size
+        self.order = (lambda epoch: list(range(size))) if ordered else None
+
+    def __len__(self):
+        return self.size
+
+
+@pytest.mark.parametrize("mode, size, max_steps, ordered, expected", [
+    ("auto", 100, -1, True, "all"),  # the whole set fits precompute_max (100): all of it, once
+    ("auto", 101, -1, True, "next"),  # one more than fits, order known: the coming steps' prompts
+    ("auto", 101, -1, False, "off"),  # order unknown and too large: in the steps
+    ("auto", 40, 5, True, "all"),  # the run draws 5 × 8 = 40 ≥ 40 prompts: all
+    ("auto", 41, 5, True, "next"),  # it draws fewer than the set: only what it draws
+    ("auto", 41, 5, False, "all"),  # ... but without an order, all (the set fits precompute_max)
+    ("next", 41, 5, False, "off"),  # "next" needs the order
+    ("next", 41, 5, True, "next"), ("all", 500, 5, False, "all"), ("off", 10, 5, True, "off"),
+])
+def test_precompute_mode_choice(mode, size, max_steps, ordered, expected):
+    cb = ValuePrior(value_model=StubV0({}), precompute=mode, precompute_max=100)
+    assert cb._resolve_precompute(_Source(size, 8, ordered), max_steps) == expected
+
+
+def test_precompute_without_a_dataset_is_off():
+    assert ValuePrior(value_model=StubV0({}))._resolve_precompute(None, 10) == "off"
+    assert ValuePrior(value_model=StubV0({}), precompute="all")._resolve_precompute(None, 10) == "off"

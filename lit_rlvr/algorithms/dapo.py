@@ -27,8 +27,9 @@ class DAPOModule(GRPOModule):
       correctness, as Eq. 11;
     * token-level loss (§3.3, Eq. 12): `loss_aggregation` = `token-mean`;
     * overlong reward shaping (§3.4, Eq. 13): the soft penalty of `functional.overlong_penalty` over the last
-      `overlong_cache_len` tokens before `max_new_tokens` is added to the reward before the advantages
-      (0 switches it off).
+      `overlong_cache_len` tokens before `max_new_tokens`, scaled by `overlong_penalty_factor` (verl's
+      `overlong_buffer.penalty_factor`; 1 = the paper's), is added to the reward before the advantages
+      (`overlong_cache_len` 0 switches it off).
 
     Metrics: `dapo/kept_groups` (groups trained on), `dapo/refill_rounds` (extra batches drawn),
     `dapo/cap_hit`, `reward/accuracy_generated` and `reward/mean_generated` (over *all* generated rollouts:
@@ -38,13 +39,10 @@ class DAPOModule(GRPOModule):
     """
 
     def __init__(self, eps_high: float = 0.28, loss_aggregation: str = "token-mean", dynamic_sampling: bool = True,
-                 max_refill_batches: int = 3, overlong_cache_len: int = 4, **kwargs):
+                 max_refill_batches: int = 3, overlong_cache_len: int = 4, overlong_penalty_factor: float = 1.0,
+                 **kwargs):
+        # the options' ranges are rows of lit_rlvr.options, checked with the base module's before the model loads
         super().__init__(eps_high=eps_high, loss_aggregation=loss_aggregation, **kwargs)
-        if max_refill_batches < 0:
-            raise ValueError(f"algorithm.max_refill_batches must be >= 0, got {max_refill_batches}")
-        if not 0 <= overlong_cache_len <= self.hparams.max_new_tokens:
-            raise ValueError(f"algorithm.overlong_cache_len must be in [0, max_new_tokens="
-                             f"{self.hparams.max_new_tokens}], got {overlong_cache_len}")
         self._data_iter: Optional[Iterator] = None
         self._refill = 0  # refill batches drawn this step; they sample from their own seeds (`seed_stream`)
 
@@ -121,7 +119,8 @@ class DAPOModule(GRPOModule):
         if hp.overlong_cache_len == 0:
             return super().compute_advantages(rollouts)
         lengths = rollouts.response_mask.sum(-1)  # [N]
-        penalty, metrics = F.overlong_penalty(lengths, max_len=hp.max_new_tokens, cache_len=hp.overlong_cache_len)
+        penalty, metrics = F.overlong_penalty(lengths, max_len=hp.max_new_tokens, cache_len=hp.overlong_cache_len,
+                                              factor=hp.overlong_penalty_factor)
         shaped = replace(rollouts, rewards=rollouts.rewards + penalty)  # [N]; a view of the batch, nothing copied
         adv, adv_metrics = super().compute_advantages(shaped)
         return adv, {**metrics, "reward/shaped_mean": shaped.rewards.mean(), **adv_metrics}

@@ -11,6 +11,7 @@ from lit_rlvr.functional.losses import (
     gspo_loss,
     ppo_clip_loss,
     sequence_importance_mask,
+    sequence_rows,
     token_logprobs,
 )
 from lit_rlvr.functional.micro_batches import micro_batches
@@ -33,5 +34,6 @@ __all__ = [
     "partial_chunk_success",
     "ppo_clip_loss",
     "sequence_importance_mask",
+    "sequence_rows",
     "token_logprobs",
 ]

@@ -22,20 +22,38 @@ def aggregate(values: Tensor, mask: Tensor, mode: str, *, norm_len: Optional[int
       sequence weighs by its length, and the loss scale grows with the response length).
     * `seq-mean-token-sum-norm`: token sum of each sequence divided by the constant `norm_len` (the maximum
       response length), then mean over sequences (Dr. GRPO, Liu et al. 2025, Eq. 2).
+
+    "Sequences" are the rows with at least one counted token (`sequence_rows`): a row whose mask is all False
+    has no term, so it does not dilute the mean of the others (verl's `agg_loss` excludes such rows too).
     """
     mask = mask.to(values.dtype)  # [N, T]
     if mode == "token-mean":
         return (values * mask).sum() / mask.sum().clamp_min(1.0)
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {mode!r}; valid: {', '.join(AGGREGATIONS)}")
+    if mode == "seq-mean-token-sum-norm" and norm_len is None:
+        raise ValueError("aggregation 'seq-mean-token-sum-norm' needs norm_len (the max response length)")
+    lengths = mask.sum(-1)  # [N]
+    num_seqs = sequence_rows(mask).sum().to(values.dtype).clamp_min(1.0)  # [] sequences, empty rows left out
+    sums = (values * mask).sum(-1)  # [N]: 0 for an empty row
     if mode == "seq-mean-token-mean":
-        per_seq = (values * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)  # [N]
-        return per_seq.mean()
+        return (sums / lengths.clamp_min(1.0)).sum() / num_seqs
     if mode == "seq-mean-token-sum":
-        return (values * mask).sum(-1).mean()
-    if mode == "seq-mean-token-sum-norm":
-        if norm_len is None:
-            raise ValueError("aggregation 'seq-mean-token-sum-norm' needs norm_len (the max response length)")
-        return ((values * mask).sum(-1) / norm_len).mean()
-    raise ValueError(f"unknown loss aggregation {mode!r}; valid: {', '.join(AGGREGATIONS)}")
+        return sums.sum() / num_seqs
+    return (sums / norm_len).sum() / num_seqs  # seq-mean-token-sum-norm
+
+
+def sequence_rows(mask: Tensor) -> Tensor:
+    """[N] bool: the rows of `mask` ([N, T]) with at least one counted token — the sequences that sequence means
+    (`aggregate`'s seq-mean modes, GSPO, the importance mask's drop fraction) average over."""
+    return mask.bool().any(-1)
+
+
+# verl clamps the token log-ratio to [−20, 20] before exp in its PPO losses: a finite loss and gradient when the
+# behaviour log-prob is far off (e^20 ≈ 4.9e8; fp32 exp overflows past 88), and no gradient beyond the bound
+LOG_RATIO_BOUND = 20.0
+# and GSPO's sequence log-ratio (a mean over tokens) from above at 10 (verl's compute_policy_loss_gspo)
+SEQ_LOG_RATIO_MAX = 10.0
 
 
 def ppo_clip_loss(
@@ -52,7 +70,8 @@ def ppo_clip_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate per token (Schulman et al. 2017, Eq. 7; asymmetric clip from DAPO, Eq. 10).
 
-    ratio = exp(logp − old); s = min(ratio·A, clip(ratio, 1−ε_low, 1+ε_high)·A); loss = −aggregate(s).
+    ratio = exp(clamp(logp − old, ±20)); s = min(ratio·A, clip(ratio, 1−ε_low, 1+ε_high)·A); loss = −aggregate(s).
+    The clamp is verl's (`LOG_RATIO_BOUND`): inside ±20 it changes nothing; a token past it gives no gradient.
     Dual-clip (Ye et al. 2020, arXiv 1912.09729, Eq. 5; verl's `clip_ratio_c`, 3.0 there): with `dual_clip` = c > 1,
     a token with A < 0 takes s = max(s, c·A), so a ratio that ran past c stops pushing its probability down
     (its gradient is 0). None (the default) turns it off. TRL's GRPO `delta` (two-sided clipping, off by default)
@@ -60,13 +79,14 @@ def ppo_clip_loss(
 
     Args: logp, old_logp, mask: [N, T]; advantages: [N] (one per completion, broadcast over its tokens).
     Returns: loss (scalar), metrics `loss/pg_clipfrac` (tokens where the clipped term is taken),
-    `loss/approx_kl` (token-mean of k2 = ½(logp − old)²; verl's `ppo_kl` is k1, the mean of old − logp) and, with
+    `loss/approx_kl` (token-mean of k2 = ½(logp − old)² of the clamped log-ratio; verl's `ppo_kl` is k1, the mean
+    of old − logp) and, with
     dual-clip, `loss/pg_clipfrac_lower` (tokens where c·A is taken).
     """
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"dual_clip={dual_clip}: the lower bound c of dual-clip PPO must be > 1 (verl: 3.0); "
                          f"None turns it off")
-    log_ratio = logp - old_logp  # [N, T]
+    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # [N, T]
     ratio = torch.exp(log_ratio)  # [N, T]
     adv = advantages[:, None].to(logp.dtype)  # [N, 1]
     unclipped = ratio * adv  # [N, T]
@@ -97,21 +117,24 @@ def gspo_loss(
     eps_high: float = 4e-4,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", Eq. 5–7): sequence-level ratio
-    s_i = exp(mean_t(logp − old)), clipped per sequence; loss = −mean_i min(s_i·A_i, clip(s_i)·A_i).
+    s_i = exp(min(mean_t(logp − old), 10)), clipped per sequence; loss = −mean_i min(s_i·A_i, clip(s_i)·A_i).
 
     The token-level form with a stop-gradient keeps the per-token gradient of Eq. 10:
     s_i,t = sg[s_i]·exp(logp_t − sg[logp_t]) equals s_i in value.
-    Defaults are the paper's clip range (3e-4, 4e-4).
+    Defaults are the paper's clip range (3e-4, 4e-4). The cap of the log-ratio at 10 is verl's
+    (`SEQ_LOG_RATIO_MAX`; no gradient past it). The mean is over `sequence_rows` (empty rows left out).
     """
     m = mask.to(logp.dtype)  # [N, T]
+    present = sequence_rows(mask)  # [N]
+    num_seqs = present.sum().to(logp.dtype).clamp_min(1.0)  # []
     lengths = m.sum(-1).clamp_min(1.0)  # [N]
-    seq_log_ratio = ((logp - old_logp) * m).sum(-1) / lengths  # [N]
+    seq_log_ratio = (((logp - old_logp) * m).sum(-1) / lengths).clamp(max=SEQ_LOG_RATIO_MAX)  # [N]
     seq_ratio = torch.exp(seq_log_ratio)  # [N]
     unclipped = seq_ratio * advantages  # [N]
     clipped = torch.clamp(seq_ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages  # [N]
-    loss = -torch.minimum(unclipped, clipped).mean()
+    loss = -(torch.minimum(unclipped, clipped) * present).sum() / num_seqs
     metrics = {
-        "loss/pg_clipfrac": (clipped < unclipped).to(logp.dtype).mean().detach(),
+        "loss/pg_clipfrac": ((clipped < unclipped) & present).sum().to(logp.dtype).detach() / num_seqs,
         "loss/approx_kl": (0.5 * ((logp - old_logp).detach() ** 2) * m).sum() / m.sum().clamp_min(1.0),
     }
     return loss, metrics
@@ -123,12 +146,16 @@ def sequence_importance_mask(
     """Keep a sequence only when its importance ratio exp(Σ_t(logp − old)) lies in [1/τ, τ] (3PO;
     docs/architecture.md §4).
 
-    Returns keep [N] bool and `loss/seq_mask_frac` (fraction dropped).
+    Returns keep [N] bool and `loss/seq_mask_frac` (fraction of the `sequence_rows` dropped; an empty row has
+    ratio 1 and is kept).
     """
     seq_log_ratio = ((logp - old_logp).detach() * mask.to(logp.dtype)).sum(-1)  # [N]
     bound = torch.log(torch.tensor(tau, dtype=logp.dtype))
     keep = seq_log_ratio.abs() <= bound  # [N]
-    return keep, {"loss/seq_mask_frac": 1.0 - keep.to(logp.dtype).mean()}
+    present = sequence_rows(mask)  # [N]
+    count = present.sum().to(logp.dtype)  # []
+    kept = (keep & present).sum().to(logp.dtype) / count.clamp_min(1.0)  # [] (as 1 − frac: keep.mean()'s bits)
+    return keep, {"loss/seq_mask_frac": torch.where(count > 0, 1.0 - kept, 0.0)}
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
