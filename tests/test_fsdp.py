@@ -111,8 +111,9 @@ def test_every_push_gives_each_rank_the_gathered_weights(runs):
         assert [p["digest"] for p in _pushes(runs[name], 0)] == [p["digest"] for p in _pushes(runs[name], 1)]
 
 
-# how each rank cut its own half of the batch into micro-batches (their count and padding), not what was learned
-LAYOUT = {"micro/count", "micro/padding_frac"}
+# how each rank cut its own half of the batch into micro-batches (their count and padding), not what was learned;
+# and the engine-trainer log-prob gap of the push check, float rounding (~1e-6) whose size follows the batch shape
+LAYOUT = {"micro/count", "micro/padding_frac", "engine/sync_logp_diff"}
 
 
 def test_two_ranks_match_one_rank_with_the_same_global_batch(runs):

@@ -326,7 +326,8 @@ def test_every_documented_option_is_checked_at_its_boundary():
                         (dict(variant="b3po", num_samples=0), "num_samples=0")):
         with pytest.raises(ValueError, match=rf"algorithm\.callbacks\.param_noise\.{key}"):
             ParamNoise(**kwargs)
-    ParamNoise("c3po", num_samples=1, group_size=1)  # N = 1 divides every G
+    ParamNoise("c3po", num_samples=1).check_module_options(
+        dict(optimizer="ivon", group_size=1, seq_mask_tau=2.0))  # N = 1 divides every G
 
 
 def _chunked(rewards: list[float], source: list[int]) -> Rollouts:
@@ -391,19 +392,16 @@ def test_loss_context_holds_the_right_sample_and_records_its_gradient(variant, l
     assert opt.state["count"] == 1 and torch.equal(opt.state["avg_grad"], torch.full((6,), 2.0))
 
 
-def test_setup_checks_and_bf16_check_cadence(monkeypatch, caplog):
-    from lightning.pytorch.utilities.parsing import AttributeDict
-
-    hp = AttributeDict(optimizer="ivon", group_size=4, ppo_epochs=1, mini_batches=1, seq_mask_tau=2.0)
+def test_option_checks_and_bf16_check_cadence(monkeypatch, caplog):
+    options = dict(optimizer="ivon", group_size=4, ppo_epochs=1, mini_batches=1, seq_mask_tau=2.0)
     callback = ParamNoise("c3po", num_samples=2)
-    callback.setup(None, SimpleNamespace(hparams=hp), "fit")
+    callback.check_module_options(options)
     assert "without the sequence importance mask" not in caplog.text
-    callback.setup(None, SimpleNamespace(hparams=AttributeDict(hp, seq_mask_tau=None)), "fit")
+    callback.check_module_options(dict(options, seq_mask_tau=None))
     assert "without the sequence importance mask" in caplog.text
     for epochs, minis in ((2, 1), (1, 2)):
         with pytest.raises(ValueError, match="algorithm.ppo_epochs=1 and algorithm.mini_batches=1"):
-            callback.setup(None, SimpleNamespace(hparams=AttributeDict(hp, ppo_epochs=epochs, mini_batches=minis)),
-                           "fit")
+            callback.check_module_options(dict(options, ppo_epochs=epochs, mini_batches=minis))
     trainer, opt, _ = _ivon_trainer()
     checked = []
     monkeypatch.setattr(ParamNoise, "_maybe_warn_bf16", lambda self, module, optimizer: checked.append(module.step))
@@ -412,7 +410,7 @@ def test_setup_checks_and_bf16_check_cadence(monkeypatch, caplog):
         logged = {}
         callback.on_rl_step_end(trainer, SimpleNamespace(global_step=step, step=step, log_metrics=logged.update),
                                 None)
-        assert set(logged) == {"noise/sigma_mean", "noise/param_delta_rms"}
+        assert set(logged) == {"noise/sigma_mean", "noise/param_delta_rms", "noise/numel"}
     assert checked == [0, 3, 6]
 
 
