@@ -84,7 +84,8 @@ def test_group_of_one_is_refused_before_training(tmp_path):
 BAD_CLI = {  # argument -> what the line must say; raised by a constructor, at fit start, or by the optimizer
     "--model.init_args.group_size=0": "model.init_args.group_size=0 is not valid: expected an integer >= 1",
     "--model.init_args.group_size=1": "model.init_args.group_size=1 is not valid: expected an integer >= 2",
-    "--model.init_args.lr=-1": "Invalid learning rate: -1.0",
+    "--model.init_args.lr=-1": "model.init_args.lr=-1.0 is not valid: expected a number > 0",
+    "--model.init_args.betas=[2.0, 0.999]": "Invalid beta parameter at index 0: 2.0",  # torch's AdamW, at fit
     "--data.batch_size=0": "data.batch_size must be >= 1, got 0",
     "--model.init_args.engine_options={mode: bad}": "engine.mode='bad' is not valid",
 }
