@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.rollout.batch import Rollouts
+from lit_rlvr.storage import append_text, writing
 
 COLUMNS = ["step", "prompt", "completion", "answer", "reward", "advantage", "length", "finish_reason", "malformed"]
 
@@ -40,9 +41,10 @@ class CompletionsLog(RLVRCallback):
     @rank_zero_only
     def _write(self, trainer: pl.Trainer, step: int, records: list[dict[str, Any]]) -> None:
         path = Path(self.path or Path(trainer.default_root_dir) / "completions.jsonl")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as handle:
-            handle.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        with writing(path, "the completions log"):
+            path.parent.mkdir(parents=True, exist_ok=True)
+        # a failed append is cut off again: the file keeps whole lines only
+        append_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), "the completions log")
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
                 logger.log_table("completions", columns=COLUMNS, data=[[r[c] for c in COLUMNS] for r in records])

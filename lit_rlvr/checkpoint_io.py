@@ -20,6 +20,8 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
+from lit_rlvr.storage import tensor_bytes, writing
+
 UNSUPPORTED = (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT)  # O_TMPFILE missing on this fs/kernel
 
 
@@ -63,8 +65,16 @@ def _link_fd(fd: int, target: Path) -> None:
 
 
 def atomic_save(obj: Any, path: Path) -> None:
-    """`torch.save(obj)` to `path`: complete and durable, or not there at all (the old file stays)."""
+    """`torch.save(obj)` to `path`: complete and durable, or not there at all (the old file stays). A full disk
+    (or an unwritable directory) is a one-line `StorageError` naming the file, the bytes needed and free."""
     path = Path(path)
+    hint = (f"Nothing saved is lost: the previous {path.name} is intact (continue with resume={path})"
+            if path.exists() else "No checkpoint was saved before this one")
+    with writing(path, "the checkpoint", needed=tensor_bytes(obj), hint=hint):
+        _atomic_save(obj, path)
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_name(path)
     fd = _open_unnamed(path.parent)

@@ -13,12 +13,32 @@ recipe with before/after evaluation and summary.json; this entry is plain Lightn
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningCLI
 
 import lit_rlvr.algorithms  # noqa: F401  (registers DAPOModule, DrGRPOModule, GSPOModule for short names)
+from lit_rlvr.checkpoint_io import AtomicCheckpointIO
 from lit_rlvr.data.datamodule import RLVRDataModule
-from lit_rlvr.entry import one_line_errors
+from lit_rlvr.errors import config_phase, one_line_errors, rename_keys, root_cause
 from lit_rlvr.module import GRPOModule
+from lit_rlvr.storage import check_writable_dir, debug
+
+
+# the recipe's key prefixes (in the checks' messages) -> where the same setting is in this CLI's config
+CLI_KEYS = {"algorithm.": "model.init_args.", "model.options.": "model.init_args.model_options.",
+            "reward.options.": "model.init_args.reward_options.", "engine.options.": "model.init_args.engine_options.",
+            "model.name_or_path": "model.init_args.model", "model.dtype": "model.init_args.dtype",
+            "reward.name": "model.init_args.reward", "engine.name": "model.init_args.engine"}
+
+
+def cli_keys(line: str) -> str:
+    """A check's message with train.py's key names (`algorithm.group_size`) as this CLI's
+    (`model.init_args.group_size`)."""
+    return rename_keys(line, CLI_KEYS)
 
 
 class RLVRCLI(LightningCLI):
@@ -26,11 +46,35 @@ class RLVRCLI(LightningCLI):
         parser.link_arguments("seed_everything", "model.init_args.seed")
         parser.link_arguments("seed_everything", "data.seed")
 
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """Checkpoints written as train.py writes them (`AtomicCheckpointIO`: whole or absent; a full disk is one
+        line naming the file), unless the config sets its own checkpoint IO."""
+        trainer = super().instantiate_trainer(**kwargs)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        key = "--trainer.logger.init_args.save_dir" if trainer.loggers else "--trainer.default_root_dir"
+        with config_phase():  # before config.yaml, metrics and checkpoints go there: a read-only dir is one line
+            check_writable_dir(Path(trainer.log_dir or trainer.default_root_dir).absolute(), key)
+        return trainer
+
+    def instantiate_classes(self) -> None:
+        """A constructor's check fails as itself (one line from `main`), not inside jsonargparse's wrappers."""
+        try:
+            with config_phase():
+                super().instantiate_classes()
+        except Exception as err:
+            root = root_cause(err)
+            if root is err or debug():
+                raise
+            with config_phase():
+                raise root from None
+
 
 def main(args=None) -> None:
     """Console script `lit-rlvr`; `args` (a list) instead of sys.argv for programmatic use. An option out of range
-    (lit_rlvr.options) exits with one line naming the CLI's key, as train.py does with its own."""
-    with one_line_errors(key_prefixes={"algorithm.": "model.init_args."}):
+    (lit_rlvr.options), another config error, or a file that cannot be written exits with one line naming the
+    CLI's key, as train.py does with its own (lit_rlvr/errors.py)."""
+    with one_line_errors(key_prefixes=CLI_KEYS):
         RLVRCLI(GRPOModule, RLVRDataModule, subclass_mode_model=True, seed_everything_default=0,
                 save_config_kwargs={"overwrite": True}, args=args)
 

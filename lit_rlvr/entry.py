@@ -2,7 +2,8 @@
 
 `lit-rlvr-train` reads the configs shipped in the package (`lit_rlvr.conf`, the clone's `conf/` folder), so it
 works from any directory; overrides are the same as train.py's. Config errors (a wrong type, a value out of
-range, a missing file named by a key) print one line and exit with code 2; LIT_RLVR_DEBUG=1 shows the
+range, a missing file named by a key, a constructor's check) and files that cannot be written (a full disk, a
+read-only directory) print one line and exit with code 2 (lit_rlvr/errors.py); LIT_RLVR_DEBUG=1 shows the
 traceback instead.
 """
 
@@ -16,17 +17,22 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from lit_rlvr.config_check import DEBUG_ENV, check_config
-from lit_rlvr.options import ConfigError
+from lit_rlvr.config_check import check_config
+from lit_rlvr.errors import config_phase, one_line_errors
 
 
 def run(cfg: DictConfig) -> None:
     """Check the config, then train or evaluate as `cfg.mode` says."""
+    with one_line_errors():
+        _run(cfg)
+
+
+def _run(cfg: DictConfig) -> None:
     from lit_rlvr import quiet
     from lit_rlvr.distributed import shutdown
     from lit_rlvr.recipe import check_run_dir, evaluate, print_summary, train
 
-    with one_line_errors():
+    with config_phase():
         check_config(cfg)
         check_run_dir(HydraConfig.get())
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -36,28 +42,6 @@ def run(cfg: DictConfig) -> None:
     else:
         print_summary(evaluate(cfg, run_dir), f"lit-rlvr eval ({run_dir})")
     shutdown()  # torchrun: close the process group before exit
-
-
-class one_line_errors:
-    """A `ConfigError` (or a ValueError about the run dir) exits with its lines on stderr, without a traceback.
-    `key_prefixes` renames config keys for an entry point that spells them otherwise (the Lightning CLI)."""
-
-    def __init__(self, key_prefixes: dict[str, str] | None = None) -> None:
-        self.key_prefixes = key_prefixes or {}
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, err, tb) -> bool:
-        if err is None or not isinstance(err, ValueError) or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
-            return False
-        lines = err.problems if isinstance(err, ConfigError) else [str(err)]
-        for line in lines:
-            for old, new in self.key_prefixes.items():
-                line = line.replace(old, new)
-            print(f"config error: {line}", file=sys.stderr)
-        print(f"(set {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
-        raise SystemExit(2)
 
 
 @hydra.main(config_path="pkg://lit_rlvr.conf", config_name="config", version_base="1.3")

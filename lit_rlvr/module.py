@@ -22,6 +22,7 @@ from torch import Tensor
 from lit_rlvr import distributed as D
 from lit_rlvr import functional as F
 from lit_rlvr.checkpoint_io import checkpoint_hint
+from lit_rlvr.errors import config_phase
 from lit_rlvr.freeze import FreezeSetupObjects
 from lit_rlvr.hooks import RLVRCallback, check_rl_callbacks
 from lit_rlvr.models import load_policy, resolve_model_path
@@ -156,7 +157,8 @@ class GRPOModule(pl.LightningModule):
         if self.engine is None:
             options = dict(self.hparams.engine_options or {})
             sync_check = SyncCheck.take_from(options)  # the driver's post-push check, not the engine's option
-            self.engine = build_engine(self.hparams.engine, self.policy, self.tokenizer, options)
+            with config_phase():  # the engine's option checks are config errors (one line from every entry)
+                self.engine = build_engine(self.hparams.engine, self.policy, self.tokenizer, options)
             self.driver = RolloutDriver(self.engine, self.tokenizer, self.reward_runner, self.sampling, self.policy,
                                         sync_check)
 
@@ -186,11 +188,12 @@ class GRPOModule(pl.LightningModule):
 
     def configure_optimizers(self):
         hp, trainer = self.hparams, self._trainer  # None when called outside a fit (tests, notebooks)
-        world = trainer.world_size if trainer else 1
-        optimizer = build_optimizer(hp.optimizer, trainable_parameters(self.policy), lr=self.lora.learning_rate(hp.lr),
-                                    betas=hp.betas, weight_decay=hp.weight_decay, options=hp.optimizer_options,
-                                    seed=hp.seed, rank=self.global_rank, world_size=world,
-                                    strategy=type(trainer.strategy).__name__ if trainer else "none")
+        with config_phase():  # the optimizer's own checks (torch: "Invalid learning rate") are config errors
+            optimizer = build_optimizer(hp.optimizer, trainable_parameters(self.policy),
+                                        lr=self.lora.learning_rate(hp.lr), betas=hp.betas,
+                                        weight_decay=hp.weight_decay, options=hp.optimizer_options, seed=hp.seed,
+                                        rank=self.global_rank, world_size=trainer.world_size if trainer else 1,
+                                        strategy=type(trainer.strategy).__name__ if trainer else "none")
         factor = functools.partial(warmup_factor, warmup_steps=hp.warmup_steps, from_zero=hp.warmup_from_zero)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

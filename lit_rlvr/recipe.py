@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import math
 import os
@@ -20,9 +21,11 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_rlvr import jsonsafe
+from lit_rlvr.errors import config_phase
 from lit_rlvr.hooks import check_rl_callbacks
 from lit_rlvr.run_checkpoint import RunCheckpoint
 from lit_rlvr.models.lora import is_adapter_dir, load_adapter_weights, options_from_adapter
+from lit_rlvr.storage import write_atomic
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.resume import RunConfig, check_config, check_weights_fit, load_checkpoint, resolved_config
 
@@ -140,24 +143,31 @@ def _check_resume(path: Path) -> None:
     raise FileNotFoundError(f"resume={str(path)!r}: no such checkpoint{hint}")
 
 
+def _build_run(cfg: DictConfig, run_dir: Path) -> tuple[pl.LightningDataModule, pl.Trainer, GRPOModule]:
+    """Data, trainer and module of a training run, every check passed; before any work, so a ValueError,
+    FileNotFoundError or ImportError raised here is a config error (one line from the entry points)."""
+    with config_phase():
+        resumed, overrides = {}, []
+        if cfg.resume is not None:  # checked before any work: nothing in the run dir is touched by a refused resume
+            _check_resume(Path(cfg.resume))
+            resumed = load_checkpoint(Path(cfg.resume))
+            allow = list(cfg.get("resume_allow") or [])
+            overrides = check_config(Path(cfg.resume), resumed, resolved_config(cfg), allow)
+        pl.seed_everything(cfg.seed, workers=True, verbose=False)
+        datamodule = _instantiate(cfg.data)
+        trainer = build_trainer(cfg, run_dir, overrides)
+        check_rl_callbacks(trainer.callbacks, algorithm_options(cfg))  # before the model loads
+        _load_data(datamodule, trainer, "fit")
+        module = build_module(cfg)
+        _check_prompt_tokens(datamodule, module)
+        check_weights_fit(Path(str(cfg.resume)), resumed, module, "resume", cfg.model.name_or_path)
+    return datamodule, trainer, module
+
+
 def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Evaluate, train, evaluate again; write summary.json; return the summary."""
-    resumed, overrides = {}, []
-    if cfg.resume is not None:  # checked before any work: nothing in the run dir is touched by a refused resume
-        _check_resume(Path(cfg.resume))
-        resumed = load_checkpoint(Path(cfg.resume))
-        allow = list(cfg.get("resume_allow") or [])
-        overrides = check_config(Path(cfg.resume), resumed, resolved_config(cfg), allow)
-    pl.seed_everything(cfg.seed, workers=True, verbose=False)
     started = time.perf_counter()
-    datamodule = _instantiate(cfg.data)
-    trainer = build_trainer(cfg, run_dir, overrides)
-    check_rl_callbacks(trainer.callbacks, algorithm_options(cfg))  # before the model loads
-    _load_data(datamodule, trainer, "fit")
-    module = build_module(cfg)
-    _check_prompt_tokens(datamodule, module)
-    check_weights_fit(Path(str(cfg.resume)), resumed, module, "resume", cfg.model.name_or_path)
-    del resumed  # memory-mapped; Lightning loads the checkpoint itself
+    datamodule, trainer, module = _build_run(cfg, run_dir)
     before = validate(trainer, module, datamodule) if cfg.eval_before and cfg.resume is None else {}
     if cfg.resume is not None:
         if trainer.is_global_zero:  # rank 0 writes metrics.csv; another rank here would race its logger
@@ -188,7 +198,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     stats = getattr(datamodule, "load_stats", {}).values()  # file data: rows dropped by on_bad_row=skip
     summary["data_rows_skipped"] = sum(s["skipped"] for s in stats)
     if trainer.is_global_zero:
-        (run_dir / SUMMARY_FILE).write_text(jsonsafe.dumps(summary, indent=2))  # NaN -> null
+        write_atomic(run_dir / SUMMARY_FILE, jsonsafe.dumps(summary, indent=2), "the run summary")  # NaN -> null
     return summary
 
 
@@ -204,12 +214,11 @@ def _read_rows(path: Path) -> list[dict[str, str]]:
 
 def _write_rows(path: Path, rows: list[dict[str, str]]) -> None:
     keys = sorted(set().union(*rows)) if rows else []
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(rows)
-    tmp.replace(path)
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=keys)
+    writer.writeheader()
+    writer.writerows(rows)
+    write_atomic(path, text.getvalue(), "the metrics file")
 
 
 def _merged(old: list[dict[str, str]], new: list[dict[str, str]]) -> list[dict[str, str]]:
@@ -237,35 +246,21 @@ def _merge_metrics_aside(run_dir: Path) -> None:
 
 def evaluate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """`mode=eval checkpoint=PATH`: held-out metrics of a checkpoint, written to eval.json."""
-    if not cfg.checkpoint or not Path(cfg.checkpoint).exists():
-        raise FileNotFoundError(f"checkpoint={cfg.checkpoint!r}: mode=eval needs an existing checkpoint file")
-    if is_adapter_dir(cfg.checkpoint):
+    if cfg.checkpoint and is_adapter_dir(cfg.checkpoint):
         return evaluate_adapter(cfg, run_dir)
-    from lit_rlvr.strategies import FSDP2Strategy
-
-    state = load_checkpoint(Path(cfg.checkpoint), "checkpoint")  # a corrupt file fails before any work
-    datamodule = _instantiate(cfg.data)
-    trainer = build_trainer(cfg, run_dir)
+    datamodule, trainer, module, state = _build_eval(cfg, run_dir)
     sharded = Path(cfg.checkpoint).is_dir()  # trainer.strategy.save_distributed_checkpoint=true: a shard per rank
-    if sharded and not isinstance(trainer.strategy, FSDP2Strategy):
-        raise ValueError(f"checkpoint={cfg.checkpoint!r} is a sharded checkpoint (a folder, one file per rank): "
-                         "evaluate it with the FSDP trainer that wrote it, e.g. torchrun --nproc_per_node N "
-                         "train.py mode=eval checkpoint=... trainer=fsdp32 (the run's trainer, model and engine)")
-    _load_data(datamodule, trainer, "validate")
-    module = build_module(cfg)
-    _check_prompt_tokens(datamodule, module)
     if sharded:  # the strategy reads each rank's shards straight into the sharded policy
         metrics = validate(trainer, module, datamodule, ckpt_path=str(cfg.checkpoint))
     else:
         # mmap: only the tensors loaded are read from disk, never the optimizer's states (2-3x the weights)
-        check_weights_fit(Path(cfg.checkpoint), state, module, "checkpoint", cfg.model.name_or_path)
         module.load_state_dict(state["state_dict"], strict=False)  # a reference model may differ
         metrics = validate(trainer, module, datamodule)
     result = {"checkpoint": str(cfg.checkpoint), "prompts": len(getattr(datamodule, "eval_set", None) or []),
               "samples_per_prompt": cfg.algorithm.eval_samples, "temperature": module.sampling.eval_temperature,
               **metrics}
     if trainer.is_global_zero:
-        (run_dir / "eval.json").write_text(jsonsafe.dumps(result, indent=2))
+        write_atomic(run_dir / "eval.json", jsonsafe.dumps(result, indent=2), "the evaluation result")
     return result
 
 
@@ -290,6 +285,29 @@ def evaluate_adapter(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     if trainer.is_global_zero:
         (run_dir / "eval.json").write_text(jsonsafe.dumps(result, indent=2))
     return result
+
+
+def _build_eval(cfg: DictConfig, run_dir: Path) -> tuple[Any, pl.Trainer, GRPOModule, dict[str, Any]]:
+    """Data, trainer, module and checkpoint state of `mode=eval`, every check passed (config errors: one line)."""
+    from lit_rlvr.strategies import FSDP2Strategy
+
+    with config_phase():
+        if not cfg.checkpoint or not Path(cfg.checkpoint).exists():
+            raise FileNotFoundError(f"checkpoint={cfg.checkpoint!r}: mode=eval needs an existing checkpoint file")
+        state = load_checkpoint(Path(cfg.checkpoint), "checkpoint")  # a corrupt file fails before any work
+        datamodule = _instantiate(cfg.data)
+        trainer = build_trainer(cfg, run_dir)
+        sharded = Path(cfg.checkpoint).is_dir()  # save_distributed_checkpoint=true: a shard per rank
+        if sharded and not isinstance(trainer.strategy, FSDP2Strategy):
+            raise ValueError(f"checkpoint={cfg.checkpoint!r} is a sharded checkpoint (a folder, one file per rank): "
+                             "evaluate it with the FSDP trainer that wrote it, e.g. torchrun --nproc_per_node N "
+                             "train.py mode=eval checkpoint=... trainer=fsdp32 (the run's trainer, model and engine)")
+        _load_data(datamodule, trainer, "validate")
+        module = build_module(cfg)
+        _check_prompt_tokens(datamodule, module)
+        if not sharded:
+            check_weights_fit(Path(cfg.checkpoint), state, module, "checkpoint", cfg.model.name_or_path)
+    return datamodule, trainer, module, state
 
 
 def _reward_means(metrics_csv: Path) -> list[float]:

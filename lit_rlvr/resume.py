@@ -156,12 +156,40 @@ def check_weights_fit(path: Path, state: dict[str, Any], module: pl.LightningMod
 
 
 class RunConfig(pl.Callback):
-    """Records the resolved config (and the accepted `resume_allow` differences) in every checkpoint, and applies
-    accepted optimizer settings after Lightning has restored the optimizer (which would put the old ones back)."""
+    """Records the resolved config (and the accepted `resume_allow` differences) and the optimizers' classes in
+    every checkpoint, and applies accepted optimizer settings after Lightning has restored the optimizer (which
+    would put the old ones back). A resume whose optimizer is not the checkpoint's (`resume_allow=[algorithm]`
+    from a c3po run into a grpo one: IVON's state has no AdamW `betas`) starts with fresh optimizer state, and
+    says so; the weights, data position, RNG and the lr schedule's step continue."""
 
     def __init__(self, config: dict[str, Any], overrides: Optional[list[dict]] = None):
         self.config, self.overrides = config, list(overrides or [])
         self._pending = [o for o in self.overrides if o["key"] in OPTIMIZER_KEYS]
+        self._loaded: Optional[dict] = None  # the checkpoint being restored, until its optimizer state is checked
+        self.fresh_optimizer = False
+
+    @override
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        self._loaded = checkpoint
+        if trainer.optimizers:  # a strategy that restores after its setup (FSDP2): the optimizers exist already
+            self._check_optimizer_state(trainer)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._check_optimizer_state(trainer)  # after the optimizers are built, before Lightning restores them
+
+    def _check_optimizer_state(self, trainer: pl.Trainer) -> None:
+        checkpoint, self._loaded = self._loaded, None
+        if checkpoint is None or not checkpoint.get("optimizer_states"):
+            return
+        why = optimizer_change(checkpoint, trainer.optimizers)
+        if why is not None:
+            log.warning("resume: %s; this run starts with fresh optimizer state (no moments%s), while the weights, "
+                        "data position, RNG and step count continue from the checkpoint", why,
+                        ", Hessian estimate or noise step" if any("IVON" in type(o).__name__
+                                                                  for o in trainer.optimizers) else "")
+            checkpoint["optimizer_states"] = []  # Lightning restores what is listed: nothing
+            self.fresh_optimizer = True
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -171,7 +199,28 @@ class RunConfig(pl.Callback):
 
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
-        checkpoint[CONFIG_KEY] = {"config": self.config, "overrides": self.overrides}
+        checkpoint[CONFIG_KEY] = {"config": self.config, "overrides": self.overrides,
+                                  "optimizers": [type(o).__qualname__ for o in trainer.optimizers]}
+
+
+def optimizer_change(checkpoint: dict, optimizers: list) -> Optional[str]:
+    """Why the checkpoint's optimizer state cannot be loaded into `optimizers`, or None when it can: another
+    optimizer class (recorded in the checkpoint; before that record: `algorithm.optimizer` of its config), or
+    other param groups."""
+    recorded = checkpoint.get(CONFIG_KEY) or {}
+    ours = [type(o).__qualname__ for o in optimizers]
+    theirs = recorded.get("optimizers")
+    if theirs is None and "config" in recorded:
+        saved = (recorded["config"].get("algorithm") or {}).get("optimizer", "adamw")
+        current = "ivon" if any("IVON" in name for name in ours) else "adamw"
+        theirs = ours if saved == current else [f"{saved} (algorithm.optimizer)"]
+    if theirs is not None and theirs != ours:
+        return f"the checkpoint's optimizer is {', '.join(theirs)}, this run's is {', '.join(ours)}"
+    states = checkpoint["optimizer_states"]
+    shapes = [[len(g["params"]) for g in s["param_groups"]] for s in states]
+    if shapes != [[len(g["params"]) for g in o.param_groups] for o in optimizers]:
+        return f"the checkpoint's optimizer has other parameter groups ({shapes})"
+    return None
 
 
 def apply_optimizer_setting(trainer: pl.Trainer, name: str, value: float) -> None:

@@ -26,6 +26,7 @@ from typing_extensions import override
 
 from lit_rlvr.checkpoint_io import AtomicCheckpointIO, sweep_temp_files
 from lit_rlvr.models.lora import is_lora, save_adapter
+from lit_rlvr.storage import writing
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,8 @@ class RunCheckpoint(pl.Callback):
             return
         if getattr(trainer.strategy, "_save_distributed_checkpoint", False):  # a folder, one file per rank
             tmp = self.last_path.with_name(self.FILE + ".tmp")
-            trainer.save_checkpoint(tmp, weights_only=False)
+            with writing(tmp, "the sharded checkpoint", hint=f"Nothing saved is lost: {self.last_path} is as it was"):
+                trainer.save_checkpoint(tmp, weights_only=False)
             if trainer.is_global_zero:
                 _replace(tmp, self.last_path)
         else:  # one file, through the strategy's checkpoint IO (AtomicCheckpointIO unless a user set another)

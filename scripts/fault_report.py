@@ -3,7 +3,7 @@ tests/test_reward_faults.py and prints what was injected, how many bad inputs ea
 survived (or stopped cleanly with last.ckpt intact), and the data lost (0: every stopped run resumes from its
 last.ckpt, and the resume tests check it is exact).
 
-    python scripts/fault_report.py        (~2 minutes on 2 CPU cores)
+    python scripts/fault_report.py        (~10 minutes on 2 quiet CPU cores)
 """
 
 from __future__ import annotations
@@ -25,14 +25,17 @@ def main() -> int:
         tests = ["tests/test_faults.py", "tests/test_resume.py", "tests/test_reward_faults.py"]
         tests += ["tests/test_default_run.py", "tests/test_resume_checks.py", "tests/test_checkpoint_io.py",
                   "tests/test_prompt_tokens.py"]  # defaults and signals, resume checks, kill mid-save, long prompts
+        # issue 34: reward values and arguments, full disks and unwritable dirs, the warm-up cache, one-line errors
+        tests += ["tests/test_reward_values.py", "tests/test_storage.py", "tests/test_warmup_cache.py",
+                  "tests/test_cli.py::test_config_errors_are_one_line_from_the_cli_as_from_train_py"]
         result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=REPO,
                                 env=env, capture_output=True, text=True)
         records = [json.loads(line) for line in records_path.read_text().splitlines()] if records_path.exists() else []
     print(result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-2000:])
-    print(f"\n{'fault':32} {'bad inputs':>10} {'run':>22} {'data lost':>10}")
+    print(f"\n{'fault':44} {'bad inputs':>10} {'run':>22} {'data lost':>10}")
     for r in records:
         outcome = "survived" if r["survived"] else ("stopped, ckpt intact" if r.get("stopped_cleanly") else "FAILED")
-        print(f"{r['fault']:32} {r['bad_inputs']:>10} {outcome:>22} {r['data_lost']:>10}")
+        print(f"{r['fault']:44} {r['bad_inputs']:>10} {outcome:>22} {r['data_lost']:>10}")
     survived = sum(r["survived"] for r in records)
     clean = sum(bool(r.get("stopped_cleanly")) for r in records)
     print(f"\nfaults injected: {len(records)}; bad inputs tried: {sum(r['bad_inputs'] for r in records)}; "

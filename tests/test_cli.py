@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_faults import report
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "conf" / "cli" / "tiny_grpo.yaml"
 
@@ -76,3 +78,51 @@ def test_group_of_one_is_refused_before_training(tmp_path):
                            "--model.init_args.group_size", "1", "--trainer.logger.init_args.save_dir", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode != 0 and "model.init_args.group_size" in done.stderr, done.stderr[-3000:]
+
+
+# -- issue 34, class 7: a constructor's or a check's config error is one line from every entry ---------------
+BAD_CLI = {  # argument -> what the line must say; raised by a constructor, at fit start, or by the optimizer
+    "--model.init_args.group_size=0": "model.init_args.group_size=0 is not valid: expected an integer >= 1",
+    "--model.init_args.group_size=1": "model.init_args.group_size=1 is not valid: expected an integer >= 2",
+    "--model.init_args.lr=-1": "model.init_args.lr=-1.0 is not valid: expected a number > 0",
+    "--model.init_args.betas=[2.0, 0.999]": "Invalid beta parameter at index 0: 2.0",  # torch's AdamW, at fit
+    "--data.batch_size=0": "data.batch_size must be >= 1, got 0",
+    "--model.init_args.engine_options={mode: bad}": "engine.mode='bad' is not valid",
+}
+
+
+def _cli(*args: str) -> subprocess.Popen:
+    exe = shutil.which("lit-rlvr")
+    command = [exe] if exe else [sys.executable, "-m", "lit_rlvr.cli"]
+    return subprocess.Popen([*command, "fit", "--config", str(CONFIG), "--trainer.max_steps", "1", *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _last_line(proc: subprocess.Popen) -> str:
+    """The error line; the output holds no traceback and ends with the hint to LIT_RLVR_DEBUG."""
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 2 and "Traceback" not in out + err, (out + err)[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[-1] == "(set LIT_RLVR_DEBUG=1 for the traceback)" and lines[-2].startswith("config error: "), lines
+    return lines[-2]
+
+
+def test_config_errors_are_one_line_from_the_cli_as_from_train_py(tmp_path):
+    procs = {arg: _cli(arg, "--trainer.logger.init_args.save_dir", str(tmp_path / str(i)))
+             for i, arg in enumerate(BAD_CLI)}
+    train = subprocess.Popen([sys.executable, "train.py", "algorithm.group_size=0", f"hydra.run.dir={tmp_path}/t"],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = {arg: _last_line(proc) for arg, proc in procs.items()}
+    for arg, line in lines.items():
+        assert BAD_CLI[arg] in line, (arg, line)
+    from lit_rlvr.cli import cli_keys
+
+    train_line = _last_line(train)  # the same check, the same words; each entry names its own key
+    assert cli_keys(train_line) == lines["--model.init_args.group_size=0"], (train_line, lines)
+    from lit_rlvr.module import GRPOModule
+
+    with pytest.raises(ValueError) as err:  # Python: the same line, as the exception's message
+        GRPOModule(group_size=0)
+    assert f"config error: {err.value}" == train_line
+    report(fault="config errors, one line (CLI, train.py, Python)", bad_inputs=len(BAD_CLI) + 2, survived=False,
+           stopped_cleanly=True, data_lost=0)

@@ -5,6 +5,7 @@ leaves metrics.csv where it was."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -143,8 +144,8 @@ def test_resume_with_a_changed_meaning_is_refused_before_any_work(first_run, tmp
                                           f"resume={run_dir}/checkpoints/last.ckpt"))
     for override, (run_dir, proc) in procs.items():
         rc, out = finish(proc)
-        assert rc != 0 and "CheckpointError" in out and REFUSED[override] in out, (override, out[-3000:])
-        assert "KeyError" not in out and "resume_allow=[" in out
+        assert rc == 2 and REFUSED[override] in out, (override, out[-3000:])  # one line (lit_rlvr/errors.py)
+        assert "Traceback" not in out and "resume_allow=[" in out
         assert (run_dir / "metrics.csv").exists() and not (run_dir / "metrics.before_resume.csv").exists()
         assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 1
     report(fault="resume with a changed config", bad_inputs=len(REFUSED), survived=False, stopped_cleanly=True,
@@ -172,3 +173,61 @@ def test_resume_allow_applies_a_new_lr_and_records_it(first_run, tmp_path):
     recorded = state["lit_rlvr_config"]
     assert recorded["config"]["algorithm"]["lr"] == 0.1
     assert recorded["overrides"] == [{"key": "algorithm.lr", "checkpoint": 0.0003, "new": 0.1, "step": 1}]
+
+
+# -- issue 34, class 5: a refusal's hint, followed exactly, never crashes ---------------------------------------
+def test_optimizer_change_is_read_from_the_record_or_the_config():
+    from lit_rlvr.resume import optimizer_change
+
+    adamw, ivon = type("AdamW", (), {})(), type("IVON", (), {})()  # only the class name and the groups matter
+    adamw.param_groups = ivon.param_groups = [{"params": [0, 1]}]
+    state = [{"param_groups": [{"params": [0, 1]}]}]
+
+    def ckpt(record):
+        return {"optimizer_states": state, "lit_rlvr_config": record}
+
+    assert optimizer_change(ckpt({"optimizers": ["AdamW"]}), [adamw]) is None
+    assert "IVON, this run's is AdamW" in optimizer_change(ckpt({"optimizers": ["IVON"]}), [adamw])
+    assert "AdamW, this run's is IVON" in optimizer_change(ckpt({"optimizers": ["AdamW"]}), [ivon])
+    # a checkpoint from before the record: its config's algorithm.optimizer (absent = adamw)
+    assert optimizer_change(ckpt({"config": {"algorithm": {}}}), [adamw]) is None
+    assert "ivon (algorithm.optimizer)" in optimizer_change(ckpt({"config": {"algorithm": {"optimizer": "ivon"}}}),
+                                                            [adamw])
+    assert "adamw (algorithm.optimizer)" in optimizer_change(ckpt({"config": {"algorithm": {}}}), [ivon])
+    other = {"optimizer_states": [{"param_groups": [{"params": [0]}, {"params": [1]}]}],
+             "lit_rlvr_config": {"optimizers": ["AdamW"]}}
+    assert "other parameter groups" in optimizer_change(other, [adamw])
+
+
+SWITCHES = {"c3po -> grpo": ("algorithm=c3po", "algorithm=grpo", "betas"),  # issue 34: KeyError 'betas' before
+            "grpo -> c3po": ("algorithm=grpo", "algorithm=c3po", "ess")}
+
+
+def test_following_the_hint_of_a_refused_algorithm_switch_exactly_resumes(first_run, tmp_path):
+    """The refusal lists every changed key in its resume_allow=[...] hint (19 for c3po -> grpo, the optimizer
+    among them); passing exactly that list resumes with fresh optimizer state, said in a warning."""
+    sources = {"algorithm=grpo": first_run}
+    c3po = tmp_path / "c3po_first"
+    rc, out = finish(train(c3po, "trainer.max_steps=1", "algorithm=c3po"))
+    assert rc == 0, out[-3000:]
+    sources["algorithm=c3po"] = c3po
+    refused = {}
+    for name, (source, target, _) in SWITCHES.items():
+        run_dir = _copy(sources[source], tmp_path, name.replace(" -> ", "_to_"))
+        refused[name] = (run_dir, train(run_dir, "trainer.max_steps=2", target,
+                                        f"resume={run_dir}/checkpoints/last.ckpt"))
+    hinted = {}
+    for name, (run_dir, proc) in refused.items():
+        rc, out = finish(proc)
+        allow = re.search(r"resume_allow=\[([^\]]*)\]", out)
+        assert rc == 2 and allow and "algorithm.optimizer" in allow.group(1), out[-3000:]
+        hinted[name] = train(run_dir, "trainer.max_steps=2", SWITCHES[name][1],
+                             f"resume={run_dir}/checkpoints/last.ckpt", f"resume_allow=[{allow.group(1)}]")
+    for name, proc in hinted.items():
+        rc, out = finish(proc)
+        assert rc == 0 and "Traceback" not in out, (name, out[-3000:])
+        assert "fresh optimizer state" in out, out[-3000:]
+        state = torch.load(refused[name][0] / "checkpoints" / "last.ckpt", weights_only=False)
+        assert state["global_step"] == 2
+        assert all(SWITCHES[name][2] in g for g in state["optimizer_states"][0]["param_groups"])  # the new one's
+    report(fault="resume hint followed (optimizer switch)", bad_inputs=len(SWITCHES), survived=True, data_lost=0)

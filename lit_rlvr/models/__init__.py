@@ -3,23 +3,23 @@
 from __future__ import annotations
 
 import inspect
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_CACHE = os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr")
 
 
 def resolve_model_path(name_or_path: str, options: dict[str, Any] | None = None) -> str:
     """`tiny` -> the warm-started tiny model (built on first use); anything else is an HF path or hub name."""
     options = dict(options or {})
     if name_or_path == "tiny":
+        from lit_rlvr.models.cache_entry import default_cache_dir
         from lit_rlvr.models.warmup import warm_start_tiny
 
-        cache_dir = options.pop("cache_dir", None) or DEFAULT_CACHE
+        cache_dir = options.pop("cache_dir", None)  # "" stays "": an empty LIT_RLVR_CACHE is refused, not the cwd
+        cache_dir = default_cache_dir() if cache_dir is None else cache_dir
         valid = [k for k in inspect.signature(warm_start_tiny).parameters if k != "cache_dir"]
         unknown = sorted(set(options) - set(valid))
         if unknown:  # e.g. `steps` from before the warm-up stopped at a target accuracy

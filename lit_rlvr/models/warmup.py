@@ -10,9 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
-import socket
 import time
 import warnings
 import zlib
@@ -24,7 +21,7 @@ import torch
 
 from lit_rlvr.data.tasks.arithmetic import ArithmeticTask, arithmetic_reward
 from lit_rlvr.data.tasks.arithmetic_cot import ArithmeticCoTTask, arithmetic_cot_reward
-from lit_rlvr.models import tiny
+from lit_rlvr.models import cache_entry, tiny
 
 try:
     import fcntl
@@ -83,9 +80,10 @@ def warm_start_tiny(
     working, then the marked answer); `max_new_tokens` bounds the checks' completions.
 
     Several processes (torchrun ranks) may ask at once: the first takes a lock on the cache entry and trains,
-    the others wait for it and load what it saved. It writes a temporary folder and renames it, so a
-    half-written cache is never reused (and where the lock is unavailable, e.g. across hosts on some network
-    filesystems, the first rename wins).
+    the others wait for it and load what it saved. The entry is complete or absent (`cache_entry`: written
+    aside with a manifest of checksums, renamed, verified on every use; a corrupt one is rebuilt, with a
+    warning naming it); where the lock is unavailable, e.g. across hosts on some network filesystems, the
+    first rename wins.
     """
     if not 0.0 < target <= 1.0:
         raise ValueError(f"model.options.target={target} must be in (0, 1]: the held-out sampled accuracy to stop at")
@@ -97,28 +95,32 @@ def warm_start_tiny(
     if task != "arithmetic":  # the default's key stays as it was, so its cached models stay valid
         settings.update(task=task, max_new_tokens=max_new_tokens)
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
-    path = Path(cache_dir).expanduser() / f"tiny-{key}"
-    if (path / "config.json").exists():
+    root = cache_entry.cache_root(cache_dir)
+    path = root / f"tiny-{key}"
+    problem = cache_entry.verify(path) if path.exists() else None
+    if path.exists() and problem is None:
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
+    cache_entry.prepare(root, cache_dir, path, problem)
     with _locked(path.with_name(f"{path.name}.lock")):
-        if (path / "config.json").exists():  # another process trained it while this one waited
+        problem = cache_entry.verify(path) if path.exists() else None
+        if path.exists() and problem is None:  # another process trained it while this one waited
             return path
+        if problem is not None:
+            cache_entry.discard(path, problem)
+        cache_entry.sweep(path)
         log.info("warm-starting the tiny model (to held-out mean@%d %.2f, at most %d steps) into %s",
                  eval_samples, target, max_steps, path)
         with torch.random.fork_rng(devices=[]):  # the caller's RNG must not depend on whether the cache was warm
             model, tokenizer, record = _train(settings)
         record = {**settings, **record}
         _warn_if_capped(record)
-        tmp = path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")  # unique on a shared filesystem
-        tiny.save(model, tokenizer, tmp)
-        (tmp / RECORD_FILE).write_text(json.dumps(record, indent=2))
-        try:
-            tmp.rename(path)  # atomic: a half-written cache is never reused
-        except OSError:  # another process finished the same warm-up first (same settings, same model)
-            if not (path / "config.json").exists():
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
+
+        def fill(folder: Path) -> None:
+            tiny.save(model, tokenizer, folder)
+            (folder / RECORD_FILE).write_text(json.dumps(record, indent=2))
+
+        needed = sum(p.numel() * p.element_size() for p in model.parameters()) + (1 << 20)  # + tokenizer, configs
+        cache_entry.write_entry(path, fill, needed, cache_dir)
     return path
 
 

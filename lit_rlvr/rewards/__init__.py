@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 from typing import Any, Optional
 
 from lit_rlvr.rewards.base import (DEFAULT_SCORE_BOUND, DEFAULT_TIMEOUT_S, RewardBatch, RewardFn, RewardResult,
-                                   RewardRunner)
+                                   RewardRunner, copied, plain_result)
+
+log = logging.getLogger(__name__)
 
 # name -> "module:attribute"; a class is instantiated with the reward options, a function used as is
 REWARDS = {
@@ -52,7 +55,18 @@ class _BatchRewardRunner(RewardRunner):
     """For rewards that score a whole batch themselves (the code sandbox runs its own worker pool)."""
 
     def __call__(self, prompts, completions, answers) -> RewardBatch:
-        results = self.fn.score_batch(list(prompts), list(completions), list(answers))
+        try:  # one copy per completion: scoring one cannot change what the next one (or a later step) sees
+            copies = [copied(args) for args in zip(prompts, completions, answers)]
+            columns = [[c[i] for c in copies] for i in range(3)]
+            results = list(self.fn.score_batch(*columns))
+            if len(results) != len(copies):
+                raise ValueError(f"score_batch returned {len(results)} results for {len(copies)} completions")
+        except BaseException as err:  # reward code is user code: every call of the batch fails, the run goes on
+            why = f"{type(err).__name__}: {str(err)[:500]}"
+            log.warning("reward score_batch failed: %s (the batch's %d completions scored as malformed)", why,
+                        len(prompts))
+            return self.contract.batch([self.contract.failed(why)] * len(prompts), len(prompts))
+        results = [plain_result(r) for r in results]
         failures = sum(isinstance(r, RewardResult) and r.info.startswith("error") for r in results)
         return self.contract.batch(results, failures)
 

@@ -1,9 +1,17 @@
 """Reward functions are plain callables: ``fn(prompt, completion, answer) -> RewardResult`` (or a plain number).
 
-The contract, enforced on every result (`RewardContract`): a `RewardResult` or a plain float/int/bool is a
-score; anything else (a str, None, a dict) is a malformed result, counted, with one warning naming the type; a
-score that is not finite or lies outside ±`score_bound` is malformed too (1e308 would turn the advantages into
-NaN). A reward that raises anything (SystemExit and KeyboardInterrupt included) is a counted failure.
+The contract, enforced on every result (the rule for each return type is in docs/rewards.md): a `RewardResult`
+or one real number is a score. A number is a Python bool/int/float, any `numbers.Real` (e.g. a Fraction), a
+`decimal.Decimal`, a numpy scalar (numpy.float32, numpy.bool_, ...) or a 0-d numpy array or torch tensor of a
+bool, integer or floating dtype; `float()` of it is the score. Anything else (a str, None, a dict, a tensor with
+a dimension, a complex number), a value that cannot become a finite float (10**400, NaN), a score outside
+±`score_bound`, and a RewardResult whose score or `malformed` breaks these rules are malformed results, counted,
+with one warning per kind. A reward that raises anything (SystemExit and KeyboardInterrupt included) is a
+counted failure. Results are made plain (`plain_result`) where the call ran, inside its time bound, so the
+trainer never calls into a returned object.
+
+Every call gets its own deep copy of its arguments (in worker processes: its own unpickled copy), so a reward
+that changes its prompt or answer cannot change what a later call, step or evaluation sees.
 
 `RewardRunner` scores a batch in the training process, each call on a watchdog thread bounded by `timeout_s`:
 an overrunning call is cut (an exception raised in its thread) and counted; a call that cannot be cut (blocked
@@ -13,7 +21,9 @@ in C code) is counted and sets `stop_reason`, on which the module saves a checkp
 
 from __future__ import annotations
 
+import copy
 import ctypes
+import decimal
 import logging
 import math
 import numbers
@@ -53,6 +63,82 @@ class RewardHangError(RuntimeError):
     """A reward call overran `reward.options.timeout_s` and could not be cut: the run stopped after saving."""
 
 
+@dataclass(frozen=True)
+class ContractBreach:
+    """A reward return that is not a score, described in plain strings (picklable; holds no returned object)."""
+
+    kind: str  # warned once per kind, e.g. "returned str"
+    detail: str
+
+
+class _NotAScore(Exception):
+    def __init__(self, kind: str, detail: str):
+        super().__init__(kind, detail)
+        self.kind, self.detail = kind, detail
+
+
+_MAX_INFO = 1000  # characters of RewardResult.info kept
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"
+
+
+def _scalar(value: Any, what: str) -> Any:
+    """The plain Python bool/int/float/Real/Decimal that `value` is; numpy scalars and 0-d arrays or tensors
+    through `.item()`. Raises `_NotAScore` for anything else."""
+    if isinstance(value, (bool, numbers.Real, decimal.Decimal)) and not hasattr(value, "ndim"):
+        return value
+    ndim, item = getattr(value, "ndim", None), getattr(value, "item", None)
+    name = type(value).__name__
+    if ndim is not None and callable(item):  # numpy scalars and arrays, torch tensors (duck-typed: none imported)
+        if ndim != 0:
+            shape = tuple(getattr(value, "shape", ()))
+            raise _NotAScore(f"{what} {name} with a dimension", f"shape {list(shape)}: one number per completion "
+                                                                 "(a 0-d tensor, or call .item())")
+        inner = item()
+        if isinstance(inner, (bool, int, float)):
+            return inner
+        raise _NotAScore(f"{what} {name} of {type(inner).__name__}", "a score is a real number")
+    raise _NotAScore(f"{what} {name}", "rewards return a number or a RewardResult (docs/rewards.md)")
+
+
+def _number(value: Any, what: str) -> float:
+    number = _scalar(value, what)
+    try:
+        return float(number)
+    except (OverflowError, ValueError, TypeError) as err:  # 10**400, Decimal('sNaN')
+        raise _NotAScore("score not a finite float", f"{_short(number)}: {type(err).__name__}: {err}") from None
+
+
+def _flag(value: Any) -> bool:
+    flag = _scalar(value, "RewardResult.malformed of type")
+    if isinstance(flag, bool) or (isinstance(flag, numbers.Integral) and flag in (0, 1)):
+        return bool(flag)
+    raise _NotAScore("RewardResult.malformed not a bool", f"{_short(flag)}: malformed is True or False")
+
+
+def plain_result(value: Any) -> "RewardResult | ContractBreach":
+    """What a reward returned as a `RewardResult` of plain Python types, or the `ContractBreach`; never raises
+    (a returned object whose conversion raises or misbehaves is a breach). Run where the call ran: in its time
+    bound, and in its worker process under isolation=process."""
+    try:
+        if isinstance(value, ContractBreach):
+            return value
+        if isinstance(value, RewardResult):
+            info = value.info if isinstance(value.info, str) else str(value.info)
+            return RewardResult(_number(value.score, "RewardResult.score of type"), _flag(value.malformed),
+                                info[:_MAX_INFO])
+        return RewardResult(_number(value, "returned"), False)
+    except _NotAScore as err:
+        return ContractBreach(err.kind, err.detail)
+    except _CallTimeout:  # the watchdog's cut landed here: the call is over either way
+        raise
+    except BaseException as err:  # a hostile __float__, .item() or __str__ (SystemExit included)
+        return ContractBreach("score conversion raised", f"{type(err).__name__}: {str(err)[:200]}")
+
+
 class RewardContract:
     """Turns raw reward returns into a `RewardBatch`; what breaks the contract is malformed and counted."""
 
@@ -67,22 +153,15 @@ class RewardContract:
 
     def check(self, value: Any) -> tuple[RewardResult, bool]:
         """(the result to use, whether `value` broke the contract)."""
-        if isinstance(value, RewardResult):
-            score = value.score
-        elif isinstance(value, numbers.Real):  # float, int, bool, numpy scalars: TRL-style rewards
-            score, value = value, RewardResult(float(value), False)
-        else:
-            return self._violation(f"returned {type(value).__name__}",
-                                   "rewards return a float or a RewardResult"), True
-        if not isinstance(score, numbers.Real):
-            return self._violation(f"score of type {type(score).__name__}", "a score is a number"), True
-        number = float(score)
-        if not math.isfinite(number):
-            return self._violation("non-finite score", f"score {score!r} is not a finite number"), True
-        if abs(number) > self.score_bound:
-            return self._violation("score out of bound", f"|score| {number:g} > reward.options.score_bound="
+        result = plain_result(value)
+        if isinstance(result, ContractBreach):
+            return self._violation(result.kind, result.detail), True
+        if not math.isfinite(result.score):
+            return self._violation("non-finite score", f"score {result.score!r} is not a finite number"), True
+        if abs(result.score) > self.score_bound:
+            return self._violation("score out of bound", f"|score| {result.score:g} > reward.options.score_bound="
                                                          f"{self.score_bound:g}"), True
-        return value, False
+        return result, False
 
     def _violation(self, kind: str, detail: str) -> RewardResult:
         if kind not in self._warned:
@@ -100,9 +179,14 @@ class RewardContract:
             result, broken = self.check(value)
             results.append(result)
             failures += broken
-        scores = torch.tensor([float(r.score) for r in results], dtype=torch.float32)  # [N]
-        malformed = torch.tensor([bool(r.malformed) for r in results], dtype=torch.bool)  # [N]
+        scores = torch.tensor([r.score for r in results], dtype=torch.float32)  # [N]
+        malformed = torch.tensor([r.malformed for r in results], dtype=torch.bool)  # [N]
         return RewardBatch(scores, malformed, failures)
+
+
+def copied(args: tuple) -> tuple:
+    """A deep copy of one call's (prompt, completion, answer): what the reward does to it stays in that call."""
+    return copy.deepcopy(args)
 
 
 class RewardRunner:
@@ -135,6 +219,10 @@ class RewardRunner:
 
     def _call(self, args: tuple) -> tuple[Any, Optional[str]]:
         """(value, None) or (None, why it failed)."""
+        try:
+            args = copied(args)
+        except Exception as err:
+            return None, f"its arguments cannot be copied ({type(err).__name__}: {err})"
         if self._thread is None:
             self._thread = _CallThread()
         job = self._thread.submit(self.fn, args)
@@ -200,7 +288,7 @@ class _CallThread(threading.Thread):
                 if job is None:
                     return
                 try:
-                    job.value = job.fn(*job.args)
+                    job.value = plain_result(job.fn(*job.args))  # in the call's time bound
                 except BaseException as err:  # SystemExit, KeyboardInterrupt too: the reward's, never the run's
                     job.error = f"{type(err).__name__}: {err}"
                 job.done.set()

@@ -60,15 +60,17 @@ def die_with(parent, watch):
 
 
 def serve(fn, inbox, outbox):
+    from lit_rlvr.rewards.base import plain_result  # the trainer receives plain numbers, never a returned object
+
     while True:
         try:
-            index, args = inbox.recv()
+            index, args = inbox.recv()  # a fresh unpickled copy: a reward that changes it changes only this call
         except EOFError:
             return
         try:
-            message = ("ok", index, fn(*args))
+            message = ("ok", index, plain_result(fn(*args)))
         except BaseException as err:  # SystemExit, KeyboardInterrupt too: contained as the call's failure
-            message = ("error", index, f"{type(err).__name__}: {err}")
+            message = ("error", index, f"{type(err).__name__}: {str(err)[:1000]}")
         try:
             outbox.send(message)
         except Exception as err:
@@ -216,7 +218,7 @@ class ProcessRewardRunner:
                     self._pool.append(self._fork())
                 for worker in list(self._pool):
                     if todo and worker.index is None:
-                        self._start(worker, todo, jobs)
+                        failures += self._start(worker, todo, jobs, results)
                 for conn in wait([w.outbox for w in self._pool], timeout=_POLL_S):
                     failures += self._receive(next(w for w in self._pool if w.outbox is conn), results)
                 failures += self._check_deadlines(results)
@@ -261,24 +263,30 @@ class ProcessRewardRunner:
         raise RuntimeError("ProcessRewardRunner: the reward worker process keeps dying while starting; can the "
                            "reward's module be imported in a fresh process? (its error is above)")
 
-    def _start(self, worker: _Worker, todo: deque, jobs: list) -> None:
+    def _start(self, worker: _Worker, todo: deque, jobs: list, results: list) -> int:
+        """Send the next call to `worker`; the number of calls that failed on the way (0 or 1)."""
         index = todo.popleft()
         try:
             worker.run(index, jobs[index])
         except OSError:  # the idle worker died since the last look (e.g. the OOM killer): not the call's fault
             todo.appendleft(index)
             self._replace(worker)
+        except Exception as err:  # arguments that cannot be pickled: nothing was sent, the worker stays idle
+            results[index] = self._failed(index, f"its arguments cannot be sent to a worker ({err!r:.200})")
+            return 1
+        return 0
 
     def _receive(self, worker: _Worker, results: list) -> int:
         """Handle one message of `worker` (or its death); the number of failed calls (0 or 1)."""
         try:
             kind, index, value = worker.outbox.recv()
-        except (EOFError, OSError):
+        except Exception as err:  # died (EOFError, OSError), or wrote something that is not a result message
             index = worker.index
             self._replace(worker)
             if index is None:
                 return 0
-            results[index] = self._failed(index, "worker crashed")
+            why = "worker crashed" if isinstance(err, (EOFError, OSError)) else f"unreadable result ({err!r:.200})"
+            results[index] = self._failed(index, why)
             return 1
         worker.index = None
         if kind == "ok":

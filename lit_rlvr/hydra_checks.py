@@ -1,0 +1,31 @@
+"""`RunDirCheck`: a Hydra callback (conf/config.yaml `hydra.callbacks`) that checks the run directory can be
+written before Hydra creates it, opens its log file and saves `.hydra/` in it: a read-only or full directory,
+or a path through a file, is one line naming `hydra.run.dir` (`hydra.sweep.dir` with -m), not two tracebacks
+from inside Hydra's logging setup.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from lit_rlvr.storage import check_writable_dir
+
+
+class RunDirCheck(Callback):
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config, "hydra.sweep.dir")
+
+    def _check(self, config: DictConfig, key: str) -> None:
+        from lit_rlvr.errors import config_phase, one_line_errors
+
+        HydraConfig.instance().set_config(config)  # as Hydra does next: the dir may refer to ${hydra:...}
+        with one_line_errors(), config_phase():
+            check_writable_dir(Path(str(OmegaConf.select(config, key))).absolute(), key)
