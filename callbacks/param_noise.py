@@ -101,6 +101,12 @@ class ParamNoise(RLVRCallback):
             # a second IVON step inside one RL step would move m and re-seed the samples the rollouts came from
             raise ValueError(f"3PO takes one IVON step per RL step: set algorithm.ppo_epochs=1 and "
                              f"algorithm.mini_batches=1 (got {hp.ppo_epochs} and {hp.mini_batches})")
+        if not pl_module.rollout_correction.options.bypass:
+            # π_old recomputed at the mean m: its IS weight π_m/π_engine(θ̂_c) would undo the weight noise
+            raise ValueError("3PO samples from IVON weight samples, but algorithm.rollout_correction recomputes π_old "
+                             "at the mean weights (bypass_mode=false, which rollout_is or rollout_rs imply when "
+                             "bypass_mode is null): set algorithm.rollout_correction.bypass_mode=true (rollout_rs "
+                             "works there, rollout_is does not)")
         if hp.get("seq_mask_tau") is None:
             log.warning("3PO without the sequence importance mask (algorithm.seq_mask_tau=null); the paper uses 2.0")
 
