@@ -81,9 +81,9 @@ def test_every_run_logs_the_mismatch(runs):
 
 def test_fp32_shared_engine_computes_what_the_trainer_computes(runs):
     """The HF engine samples with the trainer's own fp32 weights: its log-probs are the training forward's up to
-    float rounding (tests/test_engine.py: within 1e-5), so k3 ~ (1e-5)²/2 and every ratio is 1."""
+    float rounding (|log r| ~ 1e-6), so k3 ~ 1e-12 and every ratio is 1."""
     for row in runs["shared"]:
-        assert row["mismatch/kl"] < 1e-9
+        assert row["mismatch/kl"] < 1e-10
         assert row["mismatch/ppl_ratio"] == pytest.approx(1.0, abs=1e-5)
         assert row["mismatch/is_weight_max"] == pytest.approx(1.0, abs=1e-4)
     assert "mismatch/rs_masked_frac" not in runs["shared"][0]  # only when rejection is on
@@ -100,7 +100,7 @@ def test_a_dropped_push_shows_as_a_larger_mismatch(runs):
     """fp32 copy engine: steps 1 and 3 sample with the trainer's weights (no drift); the push after step 1 is
     lost, so step 2 samples with step 0's weights while the trainer has taken a step."""
     first, stale, fresh = runs["copy_stale"]
-    assert first["mismatch/kl"] < 1e-9 and fresh["mismatch/kl"] < 1e-9
+    assert first["mismatch/kl"] < 1e-10 and fresh["mismatch/kl"] < 1e-10
     assert stale["mismatch/kl"] > 1e-6 > 1000 * max(first["mismatch/kl"], fresh["mismatch/kl"])
 
 
@@ -173,7 +173,8 @@ def test_corrections_change_the_gradient_and_not_with_micro_batching(options):
     whole, metrics = gradient(m, rollouts, micro_batch_size=8)
     for size in (3, 1):
         part, _ = gradient(m, rollouts, micro_batch_size=size)
-        torch.testing.assert_close(part, whole, rtol=1e-5, atol=1e-7)
+        # decoupled mode recomputes π_old in this micro-batch layout too: its float rounding reaches the weights
+        torch.testing.assert_close(part, whole, rtol=1e-4, atol=5e-7)
     plain = module()
     baseline, _ = gradient(plain, rollouts)
     assert not torch.allclose(whole, baseline, rtol=1e-3, atol=1e-6)  # the correction reached the loss

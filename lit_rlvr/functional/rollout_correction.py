@@ -163,14 +163,17 @@ def mismatch_metrics(trainer_logp: Tensor, engine_logp: Tensor, mask: Tensor) ->
                                  per sequence, then the mean over sequences; verl `ppl_ratio`)
         mismatch/is_weight_max = max_t exp(clamp(log r_t, ±20))   (the largest untruncated token weight)
 
-    All are exact 0, 1, 1 when the engine computes what the trainer computes. trainer_logp, engine_logp, mask:
-    [N, T]. Returns the kl (scalar) and the metrics.
+    All are exact 0, 1, 1 when the engine computes what the trainer computes. The k3 is taken in float64 as
+    expm1(log r) − log r: verl's exp(log r) − 1 − log r in float32 rounds exp near 1 to ~6e-8, a noise floor of
+    ~1e-9 in the mean that is larger than an fp32 engine's whole drift (|log r| ~ 1e-6, k3 ~ 1e-12); the values
+    agree otherwise. trainer_logp, engine_logp, mask: [N, T]. Returns the kl (scalar) and the metrics.
     """
     m = mask.to(trainer_logp.dtype)  # [N, T]
     trainer_logp, engine_logp = trainer_logp.detach(), engine_logp.detach().to(trainer_logp.dtype)
     log_ratio = (trainer_logp - engine_logp) * m  # [N, T]
     count = m.sum().clamp_min(1.0)
-    kl = ((torch.exp(log_ratio) - 1.0 - log_ratio) * m).sum() / count
+    exact = log_ratio.double()  # [N, T]
+    kl = ((torch.expm1(exact) - exact) * m.double()).sum().to(trainer_logp.dtype) / count
     lengths = m.sum(-1).clamp_min(1.0)  # [N]
     log_ppl_diff = ((engine_logp - trainer_logp) * m).sum(-1) / lengths  # [N]
     weights = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)).masked_fill(~mask.bool(), float("-inf"))
