@@ -11,6 +11,9 @@ imported here; the same inputs go through lit-rlvr's functions and must agree to
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,3 +134,13 @@ def test_defaults_measure_only_and_a_correction_implies_decoupled_mode():
     assert RolloutCorrection.from_options({"rollout_rs": "sequence", "bypass_mode": True}).bypass
     assert not RolloutCorrection.from_options({"bypass_mode": False}).bypass
     assert RolloutCorrection.from_options({"rollout_rs": "sequence"}).rs_threshold == 2.0  # verl 0.6: the IS one
+
+
+def test_train_py_names_a_bad_option_in_one_line_before_any_work(tmp_path):
+    cmd = [sys.executable, "train.py", "algorithm.rollout_correction.rollout_rs=tokn", f"hydra.run.dir={tmp_path}"]
+    done = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env=os.environ.copy(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("config error:")]
+    assert len(errors) == 1 and "algorithm.rollout_correction.rollout_rs='tokn'" in errors[0], done.stderr[-2000:]
+    assert not (tmp_path / "metrics.csv").exists()
