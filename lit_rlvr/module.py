@@ -260,7 +260,7 @@ class GRPOModule(pl.LightningModule):
         hp = self.hparams
         return F.ppo_clip_loss(logp, old_logp, advantages, mask, eps_low=hp.eps_low, eps_high=hp.eps_high,
                                aggregation=hp.loss_aggregation, norm_len=hp.max_new_tokens, dual_clip=hp.dual_clip,
-                               token_weights=rollouts.token_weights)
+                               token_weights=getattr(rollouts, "token_weights", None))
 
     def forward_logprobs(self, model, rollouts: Rollouts) -> tuple[Tensor, Tensor]:
         """Log-probs [n, T] of the response tokens at the sampling temperature, and the logits [n, T, V]."""
