@@ -6,10 +6,10 @@ Three policies: π_engine, what the rollout engine sampled from (its log-probs c
 per-token log ratio is log r_t = log π_old(y_t) − log π_engine(y_t). References: Yao et al. 2025, "Your
 Efficient RL Framework Secretly Brings You Off-Policy RL Training" (truncated IS, TIS); Liu et al. 2025, "When
 Speed Kills Stability: Demystifying RL Collapse from the Training-Inference Mismatch" (sequence-level and
-geometric masking, MIS); IcePop (Ling team 2025: weights outside [lower, upper] are zeroed).
+geometric masking, MIS); IcePop (inclusionAI's Ling team 2025: weights outside [lower, upper] are zeroed).
 
-Shapes: N completions, T response tokens; `mask` [N, T] True = the token counts. Every function returns
-`(value, metrics)` with detached tensor metrics named `mismatch/*`.
+Shapes: N completions, T response tokens; `mask` [N, T] True = the token counts. The tensor functions return
+`(value, metrics)` with detached tensor metrics named `mismatch/*`; the threshold parsers raise ValueError.
 """
 
 from __future__ import annotations
