@@ -54,7 +54,18 @@ FIGURES = [("acc_before", "held-out before"), ("acc_after", "held-out after"), (
            ("kl_tail", "mismatch/kl (last 10%)"), ("ppl_ratio_mean", "mismatch/ppl_ratio"),
            ("is_max_max", "max IS weight"), ("rs_frac", "RS rejected"), ("is_clip_frac", "IS truncated"),
            ("step_s", "step s (median)"), ("old_logp_s", "extra forward s (median)")]
-DIGITS = {"kl_mean": 6, "kl_tail": 6, "ppl_ratio_mean": 5, "is_max_max": 2, "step_s": 2, "old_logp_s": 3}
+DIGITS = {"ppl_ratio_mean": 5, "is_max_max": 2, "step_s": 2, "old_logp_s": 3}
+SCIENTIFIC = {"kl_mean", "kl_tail", "rs_frac", "is_clip_frac", "kl_by_step"}  # they span 1e-13 .. 1e-2
+
+
+def fmt_pm(values: list[float], key: str) -> str:
+    """mean ± sd over seeds, in e-notation for the figures that span orders of magnitude."""
+    if key not in SCIENTIFIC:
+        return R.fmt_pm(values, DIGITS.get(key, 3))
+    m, sd = R.mean_sd(values)
+    if math.isnan(m):
+        return "—"
+    return f"{m:.1e}" if math.isnan(sd) else f"{m:.1e} ± {sd:.1e}"
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -154,19 +165,19 @@ def results_table(per_run: dict[str, list[dict]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm, runs in per_run.items():
         cells = [ARMS[arm][0], str(len(runs))]
-        cells += [R.fmt_pm([r[key] for r in runs], DIGITS.get(key, 3)) for key, _ in FIGURES]
+        cells += [fmt_pm([r[key] for r in runs], key) for key, _ in FIGURES]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def by_step_table(per_run: dict[str, list[dict]], key: str, steps: list[int], digits: int, label: str) -> str:
+def by_step_table(per_run: dict[str, list[dict]], key: str, steps: list[int], label: str) -> str:
     """Mean ± sd over seeds of a per-step figure at the given steps."""
     head = ["arm", *[f"{label} {s}" for s in steps]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm, runs in per_run.items():
         cells = [ARMS[arm][0]]
         for s in steps:
-            cells.append(R.fmt_pm([r[key][s] for r in runs if s in r[key]], digits))
+            cells.append(fmt_pm([r[key][s] for r in runs if s in r[key]], key))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -207,8 +218,8 @@ written by hand and kept when the script writes this file again. The guide: docs
 
 * {info['date']}; commit `{info['commit']}`; {info['machine']['cpu']}, {info['machine']['cores']} cores, Python
   {info['machine']['python']}, torch {info['machine']['torch']}; {args.jobs} run(s) at once
-* wall time {info['wall_s'] / 60:.1f} min ({info['runs_done']} runs trained, {info['runs_reused']} reused); load
-  average {info['load_start']} → {info['load_end']} (the machine is shared: step times are not benchmarks)
+{R.timing_lines(info)}
+* the machine was shared with other jobs (load averages above, on 2 cores): step times are not benchmarks
 
 ## Setup
 
@@ -231,10 +242,10 @@ is `time/old_logp_s`).
 
 Evaluated with each arm's own engine: the bf16 arms sample the held-out answers from bf16 weights too.
 
-{by_step_table(per_run, "val_by_step", vals, 3, "after") if vals else "_(no intermediate evaluations)_"}
+{by_step_table(per_run, "val_by_step", vals, "after") if vals else "_(no intermediate evaluations)_"}
 ### mismatch/kl over training
 
-{by_step_table(per_run, "kl_by_step", marks, 6, "step")}
+{by_step_table(per_run, "kl_by_step", marks, "step")}
 ### Paired by seed
 
 {paired_table(per_run)}
@@ -263,7 +274,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     info = {"argv": argv, "nice": os.nice(0), "commit": R.git_commit(), "machine": R.machine(),
             "date": time.strftime("%Y-%m-%d %H:%M"), "load_start": load_start,
             "load_end": " ".join(f"{x:.1f}" for x in os.getloadavg()), "wall_s": time.perf_counter() - started,
-            "runs_done": len(jobs) - reused, "runs_reused": reused}
+            "runs_done": len(jobs) - reused, "runs_reused": reused,
+            "sum_run_s": sum(r["wall_s"] for runs in per_run.values() for r in runs)}
+    info["invocations"] = R.record_invocation(Path(args.out_dir), info)
     doc = Path(args.doc)
     write_doc(args, per_run, doc, info)
     doc.with_suffix(".json").write_text(json.dumps({"settings": vars(args), "info": info, "runs": per_run},
