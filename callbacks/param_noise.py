@@ -34,6 +34,7 @@ from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.models.lora import trainable_parameters
 from lit_rlvr.optim import IVON, bf16_spacing_warning
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
+from lit_rlvr.rollout_correction import RolloutCorrection
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -98,6 +99,12 @@ class ParamNoise(RLVRCallback):
             # a second IVON step inside one RL step would move m and re-seed the samples the rollouts came from
             raise ValueError(f"3PO takes one IVON step per RL step: set algorithm.ppo_epochs=1 and "
                              f"algorithm.mini_batches=1 (got {epochs} and {minis})")
+        if not RolloutCorrection.from_options(options.get("rollout_correction")).bypass:
+            # π_old recomputed at the mean m: its IS weight π_m/π_engine(θ̂_c) would undo the weight noise
+            raise ValueError("3PO samples from IVON weight samples, but algorithm.rollout_correction recomputes π_old "
+                             "at the mean weights (bypass_mode=false, which rollout_is or rollout_rs imply when "
+                             "bypass_mode is null): set algorithm.rollout_correction.bypass_mode=true (rollout_rs "
+                             "works there, rollout_is does not)")
         if options.get("seq_mask_tau") is None and not self._tau_warned:
             log.warning("3PO without the sequence importance mask (algorithm.seq_mask_tau=null); the paper uses 2.0")
             self._tau_warned = True

@@ -43,7 +43,7 @@ def check_config(cfg: DictConfig) -> None:
         if target:
             problems += _check_types(f"{section}.", _resolved(node, skip=missing), _init_types(target))
     if not problems:
-        problems = _check_ranges(cfg) + _check_lora(cfg) + _check_extras(cfg)
+        problems = _check_ranges(cfg) + _check_lora(cfg) + _check_extras(cfg) + _check_rollout_correction(cfg)
     if problems:
         raise ConfigError(problems)
 
@@ -160,4 +160,17 @@ def _check_extras(cfg: DictConfig) -> list[str]:
                 problems.append(f"{key}: {message(name)}")
     return problems
 
+
+def _check_rollout_correction(cfg: DictConfig) -> list[str]:
+    """`algorithm.rollout_correction`, by the module's own check (it names the key)."""
+    node = OmegaConf.select(cfg, "algorithm.rollout_correction")
+    if node is None:
+        return []
+    from lit_rlvr.rollout_correction import RolloutCorrection
+
+    try:
+        RolloutCorrection.from_options(OmegaConf.to_container(node, resolve=True))
+    except ValueError as err:
+        return [str(err)]
+    return []
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 SUMMED_METRICS = frozenset({"rollouts/per_step", "rollouts/total"})  # counts: the global batch is the sum
-MAX_METRICS = frozenset({"response/len_max"})
+MAX_METRICS = frozenset({"response/len_max", "mismatch/is_weight_max"})
 
 
 def world_size() -> int:

@@ -38,6 +38,7 @@ from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 from lit_rlvr.rollout.driver import RolloutDriver, stop_token_ids
 from lit_rlvr.rollout.engine import EngineError, SamplingConfig
 from lit_rlvr.rollout.lora import SyncCheck
+from lit_rlvr.rollout_correction import RolloutCorrector
 from lit_rlvr.step_log import StepTimer, write_step_metrics
 from lit_rlvr.validation import ValidationMetrics
 
@@ -66,6 +67,7 @@ class GRPOModule(pl.LightningModule):
     `optimizer`: `adamw` (uses `betas`, `weight_decay`) or `ivon` (`lit_rlvr.optim.IVON`, for 3PO; `lr` plus
     `optimizer_options`: ess λ (required), hess_init, beta1, beta2, weight_decay δ, clip_radius, …); extra
     `optimizer_options` go to the optimizer's constructor either way. `lora`: adapters only (`models.lora`).
+    `rollout_correction`: verl's options for the engine's drift (`lit_rlvr.rollout_correction`).
     """
 
     # loss metrics that are means over response tokens, and over sequences (a subclass may move one)
@@ -95,6 +97,7 @@ class GRPOModule(pl.LightningModule):
         eps_high: float = 0.2,
         dual_clip: Optional[float] = None,
         seq_mask_tau: Optional[float] = None,
+        rollout_correction: Optional[dict[str, Any]] = None,
         loss_aggregation: str = "seq-mean-token-mean",
         scale_adv_by_std: bool = True,
         kl_coef: float = 0.0,
@@ -148,6 +151,7 @@ class GRPOModule(pl.LightningModule):
         if problems:
             raise ConfigError(problems)
         self.lora = LoraOptions.from_any(hp.lora)
+        self.rollout_correction = RolloutCorrector.from_options(hp.rollout_correction, type(self), GRPOModule)
         check_optimizer_options(hp.optimizer, hp.optimizer_options, lr=hp.lr, grad_clip=hp.grad_clip,
                                 weight_decay=hp.weight_decay, dtype=hp.dtype)
 
@@ -300,7 +304,8 @@ class GRPOModule(pl.LightningModule):
         """Surrogate loss of one micro-batch. logp, old_logp, mask: [n, T]; advantages: [n]."""
         hp = self.hparams
         return F.ppo_clip_loss(logp, old_logp, advantages, mask, eps_low=hp.eps_low, eps_high=hp.eps_high,
-                               aggregation=hp.loss_aggregation, norm_len=hp.max_new_tokens, dual_clip=hp.dual_clip)
+                               aggregation=hp.loss_aggregation, norm_len=hp.max_new_tokens, dual_clip=hp.dual_clip,
+                               token_weights=getattr(rollouts, "token_weights", None))
 
     def forward_logprobs(self, model, rollouts: Rollouts) -> tuple[Tensor, Tensor]:
         """Log-probs [n, T] of the response tokens at the sampling temperature, and the logits [n, T, V]."""
@@ -326,6 +331,7 @@ class GRPOModule(pl.LightningModule):
             # stay in every normalisation, as the micro-batch weights assume: the loss cannot depend on micro-batching
             keep, keep_metrics = F.sequence_importance_mask(logp, old, mask, tau=hp.seq_mask_tau)  # [n]
             advantages = advantages * keep  # [n]
+        rollouts = self.rollout_correction.in_loss(rollouts, logp, old, mask, record=weight > 0)  # verl's IS, RS
         loss, metrics = self.policy_loss(logp, old, advantages, mask, rollouts)
         metrics.update(keep_metrics)
         with torch.set_grad_enabled(hp.entropy_coef > 0):
@@ -357,6 +363,7 @@ class GRPOModule(pl.LightningModule):
             log.warning("step %d: a rank holds %d rollouts, fewer than algorithm.mini_batches=%d: %d optimizer steps",
                         self.global_step, fewest, hp.mini_batches, fewest)
         steps = min(hp.mini_batches, fewest)
+        rollouts = self.rollout_correction.before_update(self, rollouts)  # decoupled mode: π_old, IS weights, RS
         order = torch.arange(rollouts.num_samples)
         loss_sums: dict[str, Tensor] = {}  # per-pass metrics, summed over passes
         grad_norms: list[Tensor] = []
@@ -370,6 +377,7 @@ class GRPOModule(pl.LightningModule):
                         earlier_finite &= bool(torch.isfinite(self._grad_norm()))
                     self._backward_pass(rollouts.select(index), loss_pass, loss_sums)
                     passes += 1
+                self.log_metrics(self.rollout_correction.first_pass_metrics())  # mismatch/*, once per update
                 grad_norms.append(self._optimizer_step(optimizer, loss_sums, earlier_finite))
         self.log_metrics({k: v / passes for k, v in loss_sums.items()})
         self.log_metrics({"grad/norm": torch.stack(grad_norms).mean()})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
+import math
 import os
 import signal
 import subprocess
@@ -286,6 +287,8 @@ def test_train_with_vllm_writes_summary_metrics_and_checkpoint(runs, name, algor
     rows = _rows(runs[name])
     assert len(rows) == steps and all(r["response/len_mean"] > 0 for r in rows)
     assert all(r["groups/zero_adv_frac"] < 1.0 and r["grad/norm"] > 0 for r in rows)  # it trained: not a no-op
+    kl = [r.get("mismatch/kl") for r in rows]  # the engine's drift: logged and finite at every step
+    assert all(v is not None and math.isfinite(v) and v >= 0 for v in kl), kl
 
 
 def test_behaviour_logprobs_from_vllm_equal_the_trainers(runs):
@@ -293,6 +296,8 @@ def test_behaviour_logprobs_from_vllm_equal_the_trainers(runs):
     the PPO ratio is 1 (approx KL ~ 0, nothing clipped)."""
     first = _rows(runs["grpo"])[0]
     assert abs(first["loss/approx_kl"]) < 1e-6 and first["loss/pg_clipfrac"] == 0.0
+    # every GRPO step's loss forward runs at the weights vLLM sampled with: its drift is fp32 rounding (k3 ~ 1e-11)
+    assert all(r["mismatch/kl"] < 1e-8 and abs(r["mismatch/is_weight_max"] - 1) < 1e-3 for r in _rows(runs["grpo"]))
 
 
 def test_v05_prior_is_present_after_its_context_fills(runs):

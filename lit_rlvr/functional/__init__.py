@@ -15,6 +15,7 @@ from lit_rlvr.functional.losses import (
     token_logprobs,
 )
 from lit_rlvr.functional.micro_batches import micro_batches
+from lit_rlvr.functional.rollout_correction import mismatch_metrics, rejection_mask, truncated_is_weights
 from lit_rlvr.functional.shaping import overlong_penalty
 
 __all__ = [
@@ -30,10 +31,13 @@ __all__ = [
     "gspo_loss",
     "kl_penalty",
     "micro_batches",
+    "mismatch_metrics",
     "overlong_penalty",
     "partial_chunk_success",
     "ppo_clip_loss",
+    "rejection_mask",
     "sequence_importance_mask",
     "sequence_rows",
     "token_logprobs",
+    "truncated_is_weights",
 ]

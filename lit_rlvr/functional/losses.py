@@ -67,6 +67,7 @@ def ppo_clip_loss(
     aggregation: str = "seq-mean-token-mean",
     norm_len: Optional[int] = None,
     dual_clip: Optional[float] = None,
+    token_weights: Optional[Tensor] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate per token (Schulman et al. 2017, Eq. 7; asymmetric clip from DAPO, Eq. 10).
 
@@ -75,7 +76,9 @@ def ppo_clip_loss(
     Dual-clip (Ye et al. 2020, arXiv 1912.09729, Eq. 5; verl's `clip_ratio_c`, 3.0 there): with `dual_clip` = c > 1,
     a token with A < 0 takes s = max(s, c·A), so a ratio that ran past c stops pushing its probability down
     (its gradient is 0). None (the default) turns it off. TRL's GRPO `delta` (two-sided clipping, off by default)
-    gives the same loss for c ≥ 1 + ε_high.
+    gives the same loss for c ≥ 1 + ε_high. `token_weights` w [N, T] (the rollout correction's truncated IS
+    weights and rejection mask; None = 1) scale each token's term after clipping: s ← w·s, as verl weights its
+    per-token policy losses; the normaliser of the aggregation is unchanged.
 
     Args: logp, old_logp, mask: [N, T]; advantages: [N] (one per completion, broadcast over its tokens).
     Returns: loss (scalar), metrics `loss/pg_clipfrac` (tokens where the clipped term is taken),
@@ -103,6 +106,8 @@ def ppo_clip_loss(
         lower = (adv < 0) & (floor > surrogate)  # [N, T]
         surrogate = torch.where(lower, floor, surrogate)  # [N, T]
         metrics["loss/pg_clipfrac_lower"] = (lower.to(logp.dtype) * m).sum().detach() / count
+    if token_weights is not None:
+        surrogate = surrogate * token_weights.detach().to(surrogate.dtype)  # [N, T]
     loss = -aggregate(surrogate, mask, aggregation, norm_len=norm_len)
     return loss, metrics
 

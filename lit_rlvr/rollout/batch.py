@@ -51,6 +51,9 @@ class Rollouts:
     loss_pass: Optional[Tensor] = None  # [N] long: sample index of the loss pass (M3PO); None = one pass
     # [N] long: advantage group set by a callback (M3PO: prompt × source); None = group
     adv_group: Optional[Tensor] = None
+    # [N, T] float: factor on each token's loss term, set for the update by the rollout correction (truncated IS
+    # weight × rejection mask, 0 = rejected); None = 1
+    token_weights: Optional[Tensor] = None
 
     @property
     def num_samples(self) -> int:
@@ -96,7 +99,8 @@ class Rollouts:
         end = int(response_used.nonzero().max()) + 1 if bool(response_used.any()) else 1
         return replace(self, prompt_ids=self.prompt_ids[:, start:], prompt_mask=self.prompt_mask[:, start:],
                        response_ids=self.response_ids[:, :end], response_mask=self.response_mask[:, :end],
-                       old_logp=self.old_logp[:, :end])
+                       old_logp=self.old_logp[:, :end],
+                       token_weights=None if self.token_weights is None else self.token_weights[:, :end])
 
     def select_groups(self, keep: Tensor) -> "Rollouts":
         """The completions of the prompts where `keep` ([B] bool) is True; groups are renumbered 0..B'−1 and
@@ -163,6 +167,7 @@ class Rollouts:
             advantages=None,
             loss_pass=cat_optional("loss_pass"),
             adv_group=cat_optional("adv_group"),
+            token_weights=None,
         )
 
 

@@ -1,7 +1,9 @@
 """`HFEngine`: in-process KV-cached sampling with a transformers causal LM (CPU or one GPU).
 
 Modes: `shared` samples with the training module's own model (3PO perturbs it in place, nothing is copied);
-`copy` keeps its own model, updated only through `load_weights` — the same path as SGLang.
+`copy` keeps its own model, updated only through `load_weights` — the same path as SGLang. A `copy` engine may
+hold its weights in another dtype (`dtype`, e.g. bfloat16; pushes are cast to it): an engine that computes
+differently from the trainer, as SGLang and vLLM do on GPUs, on a CPU (the training-inference mismatch).
 """
 
 from __future__ import annotations
@@ -113,6 +115,21 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
             module.training = training
 
 
+def _engine_dtype(dtype: Optional[str], model: nn.Module, mode: str) -> torch.dtype:
+    """The dtype of the engine's weights: `dtype` (a torch dtype name), else the policy's."""
+    policy = next(model.parameters()).dtype
+    if dtype is None:
+        return policy
+    own = getattr(torch, str(dtype), None)
+    if not isinstance(own, torch.dtype) or not own.is_floating_point:
+        raise ValueError(f"engine.options.dtype={dtype!r} is not a floating torch dtype (e.g. bfloat16, float32); "
+                         "null = the policy's")
+    if mode == "shared" and own != policy:
+        raise ValueError(f"engine.options.dtype={dtype} needs engine.options.mode=copy: a shared engine samples with "
+                         f"the trainer's own {str(policy).removeprefix('torch.')} weights")
+    return own
+
+
 def _per_prompt(done: list[Completion], n_per_prompt: Sequence[int]) -> list[list[Completion]]:
     """Flat completions, prompt after prompt -> [B] lists."""
     out: list[list[Completion]] = []
@@ -143,16 +160,18 @@ class HFEngine(RolloutEngine):
         bucket_bytes: int = 256 << 20,
         share_prefill: bool = True,
         lora_sync: str = "adapter",
+        dtype: Optional[str] = None,
     ):
         from lit_rlvr.models.lora import is_lora
         from lit_rlvr.rollout.lora import check_lora_sync
 
         if mode not in ENGINE_MODES:
             raise ValueError(f"engine.mode={mode!r} is not valid; valid: {', '.join(ENGINE_MODES)}")
+        own_dtype = _engine_dtype(dtype, model, mode)
         self.mode = mode
         self.lora_sync = check_lora_sync(lora_sync)
         self.shares_weights = self.can_generate_stacked = mode == "shared"
-        self.model = model if mode == "shared" else copy.deepcopy(model)
+        self.model = model if mode == "shared" else copy.deepcopy(model).to(own_dtype)
         if mode == "copy" and is_lora(model):
             if lora_sync == "merged":  # a plain transformers model, as a server without LoRA holds it
                 self.model = self.model.merge_and_unload()
@@ -161,6 +180,7 @@ class HFEngine(RolloutEngine):
                 self.adapter_base_by_name = False
         if mode == "copy":
             self.model.requires_grad_(False)
+            self.weight_dtype = own_dtype if dtype is not None else None  # pushes are cast to it
         self.pad_id, self.eos_id = pad_id, eos_id
         self.use_cache = use_cache
         self.max_batch = max_batch

@@ -2,7 +2,9 @@
 run resumed from its last.ckpt pushes the weights its first part ended with, and two ranks (torchrun, FSDP2 over
 gloo) each drive their own engine. Runs go two at a time (each starts its own sglang engine: ~2 minutes)."""
 
+import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -75,6 +77,20 @@ def test_run_ends_with_summary(runs, name, steps):
     pushes = _pushes(runs[name])
     assert {p["step"] for p in pushes} >= set(range(1, steps + 1))  # a push after every optimizer step
     assert len({p["digest"] for p in pushes if p["holds_mean"]}) > 1  # the weights changed
+    kl = _column(runs[name], "mismatch/kl")
+    assert len(kl) == steps and all(math.isfinite(v) and v >= 0 for v in kl), kl  # the engine's drift, every step
+
+
+def test_fp32_sglang_engine_drifts_from_the_trainer_by_float_rounding_only(runs):
+    """GRPO: each step's loss forward runs at the weights SGLang sampled with (fp32 on a CPU, log-probs within 3e-7
+    of the trainer's), so the k3 of their log-probs is at float-rounding level and no IS weight leaves 1."""
+    assert max(_column(runs["grpo"], "mismatch/kl")) < 1e-8
+    assert all(abs(w - 1) < 1e-3 for w in _column(runs["grpo"], "mismatch/is_weight_max"))
+
+
+def _column(run_dir: Path, key: str) -> list[float]:
+    with (run_dir / "metrics.csv").open() as handle:
+        return [float(r[key]) for r in csv.DictReader(handle) if r.get(key)]
 
 
 def test_c3po_pushes_once_per_weight_sample(runs):

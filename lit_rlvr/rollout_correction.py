@@ -1,0 +1,221 @@
+"""`algorithm.rollout_correction`: verl's options for the training-inference mismatch, checked once.
+
+`GRPOModule`'s constructor builds a `RolloutCorrection` from its `rollout_correction` argument (a dict with verl's
+key names), so `train.py`, the Lightning CLI and Python share the checks and the defaults. The math is in
+`lit_rlvr.functional.rollout_correction`; docs/rollout_correction.md is the user guide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any, Mapping, Optional, Union
+
+import torch
+from torch import Tensor
+
+from lit_rlvr import distributed as D
+from lit_rlvr.functional import rollout_correction as RC
+from lit_rlvr.functional.micro_batches import micro_batches
+from lit_rlvr.rollout.batch import Rollouts
+
+KEY = "algorithm.rollout_correction"
+# verl keys that a verl config carries at these values; lit-rlvr does exactly that, so they are accepted as is
+VERL_FIXED = {"loss_type": "ppo_clip", "rollout_is_batch_normalize": False}
+Threshold = Union[float, str]
+
+
+@dataclass(frozen=True)
+class RolloutCorrection:
+    """verl's `algorithm.rollout_correction` (names and meanings of verl 0.9.1; docs/rollout_correction.md).
+
+    rollout_is: None | "token" | "sequence" — truncated importance weights π_old/π_engine on the loss terms.
+    rollout_is_threshold: C (weights capped at C, TIS) or "a_b" (weights outside [a, b] zeroed, IcePop).
+    rollout_rs: None | rejection options, comma-separated: "token", "sequence", "geometric" or verl's
+        "token_k1" … "seq_max_k3" (`functional.rollout_correction.rejection_mask`).
+    rollout_rs_threshold: the rejection bounds as verl parses them; None = rollout_is_threshold (verl 0.6's
+        rule; verl ≥ 0.7 requires it), so `rollout_rs=sequence` alone keeps sequence ratios in [1/2, 2].
+    bypass_mode: True — the engine's log-probs are π_old (no extra forward); the rejection mask is taken from the
+        current log-probs in every loss pass, and IS weights are refused (verl computes and ignores them with a
+        PPO-clip loss: the PPO ratio already is π_θ/π_engine). False — one extra no-grad forward per update gives
+        π_old, as verl's actor recomputes it; the IS weights and rejection come from π_old/π_engine, before the
+        update. None (default) — False when a correction is on (verl's default), True when none is (today's
+        loss, no extra forward).
+    """
+
+    rollout_is: Optional[str] = None
+    rollout_is_threshold: Threshold = 2.0
+    rollout_rs: Optional[str] = None
+    rollout_rs_threshold: Optional[Threshold] = None
+    bypass_mode: Optional[bool] = None
+
+    @classmethod
+    def from_options(cls, options: Optional[Mapping[str, Any]]) -> "RolloutCorrection":
+        """From the module's `rollout_correction` dict (None = all defaults); unknown keys fail, naming them."""
+        options = dict(options or {})
+        names = [f.name for f in fields(cls)]
+        for key, fixed in VERL_FIXED.items():
+            value = options.pop(key, fixed)
+            if value != fixed:
+                raise ValueError(f"{KEY}.{key}={value!r}: lit-rlvr's loss is PPO-clip with raw weights (verl's "
+                                 f"{key}={fixed!r}); remove the key, or subclass GRPOModule.policy_loss")
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise ValueError(f"{KEY}.{unknown[0]} is not an option; valid: {', '.join(names)}")
+        return cls(**options)
+
+    def __post_init__(self) -> None:
+        if self.rollout_is is not None and self.rollout_is not in RC.IS_LEVELS:
+            raise ValueError(f"{KEY}.rollout_is={self.rollout_is!r}; valid: null, {', '.join(RC.IS_LEVELS)}")
+        try:
+            RC.is_threshold_bounds(self.rollout_is_threshold)
+        except ValueError as err:
+            raise ValueError(f"{KEY}.rollout_is_threshold={self.rollout_is_threshold!r}: {err}; use a number C > 0 "
+                             "(truncate at C) or a quoted 'lower_upper' string (zero outside)") from None
+        if self.rollout_rs is not None:
+            try:
+                RC.rs_options(self.rollout_rs)
+            except ValueError as err:
+                raise ValueError(f"{KEY}.rollout_rs={self.rollout_rs!r}: {err}; null turns it off") from None
+            try:
+                RC.rs_threshold_bounds(self.rollout_rs, self.rs_threshold)
+            except ValueError as err:
+                inherited = " (null: rollout_is_threshold's)" if self.rollout_rs_threshold is None else ""
+                raise ValueError(f"{KEY}.rollout_rs_threshold={self.rs_threshold!r}{inherited} for rollout_rs="
+                                 f"{self.rollout_rs!r}: {err}") from None
+        if self.bypass_mode not in (None, True, False):
+            raise ValueError(f"{KEY}.bypass_mode={self.bypass_mode!r}; valid: true, false, null (false when a "
+                             "correction is on)")
+        if self.bypass_mode is True and self.rollout_is is not None:
+            raise ValueError(f"{KEY}.rollout_is={self.rollout_is!r} needs bypass_mode=false: in bypass mode the PPO "
+                             f"ratio π_θ/π_engine already is the importance weight (verl computes it and ignores "
+                             f"it); set {KEY}.bypass_mode=false (or null), or rollout_is=null")
+
+    # -- what the module asks ----------------------------------------------------------------------------------
+    @property
+    def corrects(self) -> bool:
+        """Whether the loss is changed at all (IS weights or rejection)."""
+        return self.rollout_is is not None or self.rollout_rs is not None
+
+    @property
+    def bypass(self) -> bool:
+        """The resolved `bypass_mode`."""
+        return (not self.corrects) if self.bypass_mode is None else self.bypass_mode
+
+    @property
+    def rs_threshold(self) -> Threshold:
+        return self.rollout_is_threshold if self.rollout_rs_threshold is None else self.rollout_rs_threshold
+
+    def check_loss_class(self, module_class: type, base: type) -> None:
+        """A correction weights each token's loss term: the class that defines `policy_loss` must be `base`
+        (GRPOModule, whose loss applies `rollouts.token_weights`) or say it applies them too, with a class attribute
+        `policy_loss_applies_token_weights = True`."""
+        owner = next(c for c in module_class.__mro__ if "policy_loss" in vars(c))
+        if self.corrects and owner is not base and not vars(owner).get("policy_loss_applies_token_weights", False):
+            raise ValueError(f"{KEY}: rollout_is / rollout_rs weight each token's loss term, but {owner.__name__}."
+                             "policy_loss does not apply rollouts.token_weights; set both to null (the mismatch/* "
+                             "metrics are logged anyway)")
+
+    def weights(self, old_logp: Tensor, engine_logp: Tensor,
+                mask: Tensor) -> tuple[Optional[Tensor], dict[str, Tensor]]:
+        """Decoupled mode: the loss's token weights [N, T] (IS weights × rejection mask; None when both are off)
+        and the mismatch metrics, all from π_old/π_engine. old_logp, engine_logp, mask: [N, T]."""
+        _, metrics = RC.mismatch_metrics(old_logp, engine_logp, mask)
+        log_ratio = old_logp - engine_logp.to(old_logp.dtype)  # [N, T]
+        weights = None
+        if self.rollout_is is not None:
+            weights, is_metrics = RC.truncated_is_weights(log_ratio, mask, level=self.rollout_is,
+                                                          threshold=self.rollout_is_threshold)
+            metrics.update(is_metrics)
+        if self.rollout_rs is not None:
+            keep, rs_metrics = RC.rejection_mask(log_ratio, mask, modes=self.rollout_rs, threshold=self.rs_threshold)
+            metrics.update(rs_metrics)
+            keep = keep.to(old_logp.dtype)
+            weights = keep if weights is None else weights * keep
+        return weights, metrics
+
+
+class RolloutCorrector:
+    """What `GRPOModule` runs of the correction in one update: before it (`before_update`), in each micro-batch
+    loss (`in_loss`) and after the first mini-batch's loss passes (`first_pass_metrics`)."""
+
+    def __init__(self, options: RolloutCorrection):
+        self.options = options
+        self._rows: Optional[list[tuple[Tensor, Tensor, Tensor]]] = None  # bypass: the first pass's forwards
+
+    @classmethod
+    def from_options(cls, options: Optional[Mapping[str, Any]], module_class: type, base: type) -> "RolloutCorrector":
+        """The module's `rollout_correction` dict, checked (`RolloutCorrection`), for `module_class` (`base`: the
+        class whose `policy_loss` applies token weights)."""
+        checked = RolloutCorrection.from_options(options)
+        checked.check_loss_class(module_class, base)
+        return cls(checked)
+
+    def before_update(self, module: Any, rollouts: Rollouts) -> Rollouts:
+        """Bypass mode: the engine's log-probs stay π_old; the loss forwards before the first optimizer step (at the
+        weights that sampled) give the `mismatch/*` metrics, at no cost. Decoupled mode: one extra no-grad forward
+        (`time/old_logp_s`) gives the trainer's π_old, which becomes the loss's old log-probs; the metrics, IS
+        weights and rejection mask come from π_old/π_engine."""
+        options = self.options
+        if options.bypass:
+            self._rows = []
+            return rollouts
+        self._rows = None
+        with module.timer("old_logp_s"):
+            old = old_logprobs(module, rollouts)  # [N, T]
+        weights, metrics = options.weights(old, rollouts.old_logp, rollouts.response_mask)
+        module.log_metrics(metrics)
+        return replace(rollouts, old_logp=old, token_weights=weights)
+
+    def in_loss(self, rollouts: Rollouts, logp: Tensor, engine_logp: Tensor, mask: Tensor, *,
+                record: bool = True) -> Rollouts:
+        """The micro-batch with its token weights on `logp`'s device; in bypass mode times the rejection mask
+        from the current log-probs (as verl's bypass loss takes it: rejected terms become 0 and stay in the
+        normalisers). logp, engine_logp, mask: [n, T]. `record`: False for a stand-in micro-batch (FSDP's
+        zero-weight ones), which the first pass's metrics must not count."""
+        weights = None if rollouts.token_weights is None else rollouts.token_weights.to(logp.device)  # [n, T]
+        if self.options.bypass and self.options.rollout_rs is not None:
+            keep, _ = RC.rejection_mask(logp.detach() - engine_logp.to(logp.dtype), mask,
+                                        modes=self.options.rollout_rs, threshold=self.options.rs_threshold)
+            weights = keep.to(logp.dtype) if weights is None else weights * keep
+        if self._rows is not None and record:
+            self._rows.append((logp.detach(), engine_logp, mask))
+        return replace(rollouts, token_weights=weights)
+
+    def first_pass_metrics(self) -> dict[str, Tensor]:
+        """Bypass mode, once per update: the mismatch metrics (and rejected fraction) of the recorded forwards
+        ([n_i, T_i] rows; widths may differ); {} afterwards and in decoupled mode."""
+        rows, self._rows = self._rows, None
+        if not rows:
+            return {}
+        width = max(r[0].shape[1] for r in rows)
+        logp, engine, mask = (torch.cat([_pad(r[i], width) for r in rows]) for i in range(3))  # [N, T]
+        _, metrics = RC.mismatch_metrics(logp, engine, mask)
+        if self.options.rollout_rs is not None:
+            _, rs_metrics = RC.rejection_mask(logp - engine.to(logp.dtype), mask, modes=self.options.rollout_rs,
+                                              threshold=self.options.rs_threshold)
+            metrics.update(rs_metrics)
+        return metrics
+
+
+@torch.no_grad()
+def old_logprobs(module: Any, rollouts: Rollouts) -> Tensor:
+    """The trainer's log-probs [N, T] of the sampled tokens at the module's current weights (verl's recomputed
+    π_old; 0 on padding), micro-batched as the update is."""
+    hp = module.hparams
+    lengths = rollouts.prompt_mask.sum(-1) + rollouts.response_mask.sum(-1)  # [N]
+    width = None if hp.micro_batch_tokens else rollouts.prompt_ids.shape[1] + rollouts.response_ids.shape[1]
+    micros, _ = micro_batches(lengths, max_rows=hp.micro_batch_size, max_tokens=hp.micro_batch_tokens, width=width)
+    padding = D.global_max(len(micros)) - len(micros)  # FSDP: every rank runs as many forwards
+    old = torch.zeros_like(rollouts.old_logp)  # [N, T]
+    for i, micro in enumerate(micros + [torch.zeros(1, dtype=torch.long)] * padding):
+        part = rollouts.select(micro)
+        logp, _ = module.forward_logprobs(module.policy, part.trim_padding() if hp.micro_batch_tokens else part)
+        if i < len(micros):
+            width = logp.shape[1]
+            old[micro, :width] = logp.float().cpu() * part.response_mask[:, :width]
+    return old
+
+
+def _pad(t: Tensor, width: int) -> Tensor:
+    """Right-pad [n, T'] to [n, width] with zeros (False for a mask)."""
+    return torch.nn.functional.pad(t.detach().cpu(), (0, width - t.shape[1]))
