@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 
-BUDGETS = {"c3po_over_grpo": 1.10, "prior_frac": 0.05}  # docs/architecture.md §9
+BUDGETS = {"c3po_over_grpo": 1.10, "prior_frac": 0.05, **common.MFU_BUDGETS}  # docs/architecture.md §9
 
 
 def warmup_for(cfg, warmup: int) -> int:
@@ -50,7 +50,7 @@ def run_algorithm(name: str, overrides: list[str], total_steps: int, baton=None)
     recorder = common.StepRecorder(name, baton)
     module, datamodule, trainer = common.build_run(common.compose(name, overrides), total_steps, recorder)
     trainer.fit(module, datamodule=datamodule)
-    return {"rows": recorder.rows, "peak_rss_mb": common.peak_rss_mb()}
+    return {"rows": recorder.rows, "peak_rss_mb": common.peak_rss_mb(), "peak_flops": module.flops.peak}
 
 
 def measure(algorithms: list[str], steps: int, warmup: int, block: int, overrides: list[str],
@@ -74,6 +74,7 @@ def measure(algorithms: list[str], steps: int, warmup: int, block: int, override
             raise RuntimeError(f"{name}: {len(rows)} steps recorded, expected {warm + steps}")
         out[name] = {"algorithm": name, "steps": steps, "warmup": warm, **common.summarise_rows(rows, warm)}
         out[name]["_walls"] = [r["wall_s"] for r in rows[warm:]]
+        out[name]["peak_flops"] = run["peak_flops"]  # what mfu_* divide by (lit_rlvr.perf)
     return out, max(run["peak_rss_mb"] for run in runs.values())
 
 
@@ -83,6 +84,8 @@ def single(args) -> dict:
     summary.pop("_walls")
     result = {"algorithm": summary.pop("algorithm"), "steps": summary.pop("steps"), **summary,
               "peak_rss_mb": peak_rss, **common.context()}
+    if "mfu_update" in result:
+        result.update({f"{k}_budget": v for k, v in common.MFU_BUDGETS.items()})
     if "prior_frac" in result:
         result["prior_frac_budget"] = BUDGETS["prior_frac"]
     return result
