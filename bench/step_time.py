@@ -12,6 +12,8 @@ Lightning training batch (hooks and logging included); `gen_s`, `reward_s`, `tra
 `prior_s`) are the module's own per-step timings; all are medians. For V0.5, `prior_frac` = median(prior_s) /
 median(module step) is the ≤ 5% budget, `rollouts_per_step` what OSLA decided to spend; the default warm-up
 lasts until its context holds `min_context` records, so the timed steps run with the prior present.
+`mfu_gen`, `mfu_update` are the medians of the module's `perf/mfu_*` (docs/mfu.md; budgets on the long workload
+0.35 and 0.50), `gen_flops`, `update_flops` the model FLOPs per step, `peak_flops` what the MFU divides by.
 `prior_frac_mean` uses the mean prior_s instead; `prior_ahead_s` is the time V0.5 spent computing prompt features
 ahead of the steps (`precompute`: at train start and in look-ahead chunks, warm-up included), outside prior_s,
 and `prior_ahead_per_step_s` that spread over the run's steps.
