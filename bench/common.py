@@ -177,6 +177,13 @@ def compose(algorithm: str, overrides: Iterable[str] = ()) -> Any:
                                                   *extra, *overrides])
 
 
+def cache_dir() -> str:
+    """The run cache dir conf/config.yaml resolves (`LIT_RLVR_CACHE`, else ~/.cache/lit_rlvr)."""
+    from lit_rlvr.models import DEFAULT_CACHE
+
+    return DEFAULT_CACHE
+
+
 def model_path(cfg: Any) -> str:
     """The directory of the (warm-started, cached) model of `cfg`."""
     from omegaconf import OmegaConf
