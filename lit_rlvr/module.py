@@ -28,7 +28,7 @@ from lit_rlvr.models import load_policy, resolve_model_path
 from lit_rlvr.optim.build import build_optimizer, check_optimizer_options
 from lit_rlvr.optim.schedule import warmup_factor
 from lit_rlvr.options import ConfigError, consistency_problems, range_problems
-from lit_rlvr.perf import StepFlops
+from lit_rlvr.perf import StepFlops, recomputes_forward
 from lit_rlvr.rewards import build_reward_runner
 from lit_rlvr.rewards.base import RewardHangError
 from lit_rlvr.rng import rng_states, seed_of, set_rng_states
@@ -470,7 +470,7 @@ class GRPOModule(pl.LightningModule):
             **{f"time/{k}": torch.tensor(v) for k, v in self.timer.times.items()},
             **self.flops.metrics(rollouts, self.timer.times, passes=self.hparams.ppo_epochs,
                                  reference=self.ref_policy is not None,
-                                 recompute=bool(getattr(self.policy, "is_gradient_checkpointing", False))),
+                                 recompute=recomputes_forward(self.policy)),
         }
         self.log_metrics(metrics)
         self.step_metrics = D.reduce_metrics(self.step_metrics)  # the global batch's figures, on every rank

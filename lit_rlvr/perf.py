@@ -69,6 +69,13 @@ def transformer_shape(config: Any) -> Optional[dict[str, int]]:
     return shape
 
 
+def recomputes_forward(model: torch.nn.Module) -> bool:
+    """Whether the backward runs the decoder layers' forward again (activation checkpointing; transformers
+    renamed the flag `is_activation_checkpointing`, the old name warns)."""
+    flag = getattr(model, "is_activation_checkpointing", None)
+    return bool(getattr(model, "is_gradient_checkpointing", False) if flag is None else flag)
+
+
 def compute_dtype(precision: str, param_dtype: torch.dtype, strategy_dtype: Optional[torch.dtype] = None
                   ) -> torch.dtype:
     """The dtype the matmuls run in: a sharding strategy's compute dtype (FSDP2's `param_dtype`), else as

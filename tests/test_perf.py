@@ -138,3 +138,14 @@ def test_step_flops_counts_a_prefill_per_prompt_and_weight_source():
     assert metrics["perf/flops_per_s_gen"] == pytest.approx(float(gen) / 2.0, rel=1e-6)
     assert metrics["perf/flops_per_s_update"] == pytest.approx(float(update) / 4.0, rel=1e-6)
     assert metrics["perf/mfu_update"] == pytest.approx(float(update) / 4.0 / 1e9, rel=1e-6)
+
+
+def test_activation_checkpointing_is_read_without_a_deprecation_warning(recwarn):
+    from lit_rlvr.models.tiny import build_tiny
+
+    model, _ = build_tiny()
+    assert not perf.recomputes_forward(model)
+    model.gradient_checkpointing_enable()
+    recwarn.clear()
+    assert perf.recomputes_forward(model)
+    assert not [w for w in recwarn if issubclass(w.category, FutureWarning)]  # read every step: no warning
