@@ -58,7 +58,6 @@ def setup(overrides: list[str]):
 
 def generate(engine, prompts, group: int, params, config: str) -> tuple[float, float, list, dict[str, float]]:
     """(seconds, CPU seconds per thread, completions, split) of one generation with `config`."""
-    import functools
     from unittest import mock
 
     import torch
@@ -68,12 +67,12 @@ def generate(engine, prompts, group: int, params, config: str) -> tuple[float, f
     split = {"prefill_s": 0.0, "decode_s": 0.0, "pick_s": 0.0}
     forward, pick = engine._forward, engine._pick
 
-    def timed_forward(ids, mask, cache=None, last=1):
+    def timed_forward(ids, mask, cache=None, last=1, **kwargs):
         # a decode step feeds one token into a cache that holds the earlier ones; the prefill's cache is empty
         key = "decode_s" if cache is not None and cache.get_seq_length() > 0 else "prefill_s"
         t0 = time.perf_counter()
         try:
-            return forward(ids, mask, cache, last)
+            return forward(ids, mask, cache, last, **kwargs)
         finally:
             split[key] += time.perf_counter() - t0
 
@@ -90,7 +89,7 @@ def generate(engine, prompts, group: int, params, config: str) -> tuple[float, f
         patches.append(mock.patch.object(engine, "share_prefill", False))
     elif config.startswith("shrink_"):
         shrink = float(config.removeprefix("shrink_"))
-        patches.append(mock.patch.object(hf, "decoding_rows", functools.partial(hf.decoding_rows, shrink=shrink)))
+        patches.append(mock.patch.object(hf, "ROW_CUT_SHRINK", shrink))
     for patch in patches:
         patch.start()
     try:
