@@ -180,10 +180,12 @@ class StepFlops:
     for each generated batch (all of DAPO's refills too), `metrics` when the step is logged."""
 
     def __init__(self, peak_flops: Optional[float] = None, cache_dir: Optional[str] = None):
-        if peak_flops is not None and not (isinstance(peak_flops, (int, float)) and peak_flops > 0):
-            raise ValueError(f"{KEY}={peak_flops!r}: the device's peak FLOP/s, a positive number (e.g. 989.4e12 for "
-                             f"an H100 in bf16), or null to measure it (CPU) or look it up (GPU)")
         from lit_rlvr.models import DEFAULT_CACHE
+        from lit_rlvr.options import ConfigError, range_problems
+
+        problems = range_problems({"peak_flops": peak_flops}, "perf")  # the row train.py checks too
+        if problems:
+            raise ConfigError(problems)
 
         self.override, self.cache_dir = peak_flops, cache_dir or DEFAULT_CACHE
         self.shape: Optional[dict[str, int]] = None

@@ -92,10 +92,23 @@ def test_compute_dtype_follows_lightning_precision():
     assert perf.compute_dtype("32-true", torch.float32, torch.bfloat16) == torch.bfloat16  # FSDP2's param_dtype
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, "fast"])
+@pytest.mark.parametrize("bad", [0, -1.0, "fast", True])
 def test_a_bad_override_names_the_key(bad):
-    with pytest.raises(ValueError, match=r"^perf\.peak_flops="):
+    with pytest.raises(ValueError, match=r"^perf\.peak_flops=.* is not valid: expected the device's peak FLOP/s"):
         perf.StepFlops(peak_flops=bad)
+
+
+def test_train_py_refuses_a_bad_peak_before_any_work():
+    from hydra import compose, initialize_config_dir
+
+    from lit_rlvr.config_check import check_config
+    from lit_rlvr.options import ConfigError
+
+    conf = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "conf")
+    with initialize_config_dir(config_dir=conf, version_base="1.3"):
+        cfg = compose("config", overrides=["perf.peak_flops=-5"])
+    with pytest.raises(ConfigError, match=r"^perf\.peak_flops=-5 is not valid"):
+        check_config(cfg)
 
 
 def test_shape_of_a_config():
