@@ -43,9 +43,11 @@ LONG = {"data": "arithmetic_cot", "data.levels": "[1,3,5,7,8,9]", "algorithm.max
         "task_max_new_tokens": 256, "model.options.hidden_size": 256, "model.options.target": 0.05,
         "model.options.eval_problems": 64, "model.options.eval_samples": 2}
 WORKLOADS = {"tiny": {}, "long": LONG}  # overrides on top of REFERENCE
+MFU_BUDGETS = {"mfu_gen": 0.35, "mfu_update": 0.50}  # the long workload's model FLOPs utilisation (docs/mfu.md)
 METRICS = ("time/step_s", "time/gen_s", "time/reward_s", "time/train_s", "time/sync_s", "time/prior_s",
            "perf/tokens_per_s", "rollouts/per_step", "response/len_mean", "response/len_max", "micro/padding_frac",
-           "v05/prior_present", "time/prior_setup_s", "time/prior_prefetch_s")
+           "v05/prior_present", "time/prior_setup_s", "time/prior_prefetch_s", "perf/mfu_gen", "perf/mfu_update",
+           "perf/flops_per_s_gen", "perf/flops_per_s_update")
 
 
 def quiet(threads: int = THREADS) -> None:
@@ -146,8 +148,10 @@ def context() -> dict[str, Any]:
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:  # pragma: no cover
         load = "n/a"
+    from lit_rlvr.perf import cpu_name
+
     return {"loadavg": load, "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT")}
+            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"), "cpu": cpu_name()}
 
 
 # -- the reference workload ----------------------------------------------------------------------------------------
@@ -171,6 +175,13 @@ def compose(algorithm: str, overrides: Iterable[str] = ()) -> Any:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return hydra_compose("config", overrides=[f"algorithm={algorithm}", "~logger", "callbacks.progress=null",
                                                   *extra, *overrides])
+
+
+def cache_dir() -> str:
+    """The run cache dir conf/config.yaml resolves (`LIT_RLVR_CACHE`, else ~/.cache/lit_rlvr)."""
+    from lit_rlvr.models.cache_entry import default_cache_dir
+
+    return default_cache_dir()
 
 
 def model_path(cfg: Any) -> str:
@@ -370,6 +381,10 @@ def summarise_rows(rows: list[dict[str, float]], warmup: int) -> dict[str, float
         "rollouts_per_step": median(col("rollouts/per_step")),
         "response_len_mean": median(col("response/len_mean")),
     }
+    if col("perf/mfu_update"):  # model FLOPs utilisation (lit_rlvr.perf) and each phase's model FLOPs per step
+        out["mfu_gen"], out["mfu_update"] = median(col("perf/mfu_gen")), median(col("perf/mfu_update"))
+        out["gen_flops"] = median(r["perf/flops_per_s_gen"] * r["time/gen_s"] for r in timed)
+        out["update_flops"] = median(r["perf/flops_per_s_update"] * r["time/train_s"] for r in timed)
     if col("response/len_max"):  # the long workload's length spread, and what a micro-batch computes on padding
         out["response_len_max"] = max(col("response/len_max"))
     if col("micro/padding_frac"):

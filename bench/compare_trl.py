@@ -53,10 +53,12 @@ class TRLReward:
         self.__name__ = f"{name}_reward"
         self.reward = resolve_reward(name, options)
         self.mean_lengths: list[float] = []
+        self.batches: list[tuple[list[str], list[int]]] = []  # per call: prompts, completion lengths (FLOPs)
 
     def __call__(self, prompts, completions, answer, completion_ids=None, **_unused) -> list[float]:
         if completion_ids is not None:
             self.mean_lengths.append(sum(len(ids) for ids in completion_ids) / max(len(completion_ids), 1))
+            self.batches.append((list(prompts), [len(ids) for ids in completion_ids]))
         return [self.reward(p, c, a).score for p, c, a in zip(prompts, completions, answer)]
 
 
@@ -157,6 +159,27 @@ def build_trl(cfg, hp, steps: int, rows: list[dict], baton, output_dir: str):
     return trainer, timer, reward
 
 
+def trl_flops(model, tokenizer, batches: list[tuple[list[str], list[int]]]) -> list[tuple[float, float]]:
+    """(generation, update) model FLOPs of each TRL step from its prompts and completion lengths (EOS included),
+    counted as `lit_rlvr.perf` counts ours, with what TRL's step runs: transformers' `generate` prefills every
+    row (no prompt sharing); the loss runs one forward + backward (num_iterations = 1, β = 0: no old or reference
+    log-probs)."""
+    import torch
+
+    from lit_rlvr import functional as F
+    from lit_rlvr.perf import transformer_shape
+
+    shape = transformer_shape(model.config)
+    out = []
+    for prompts, lengths in batches:
+        prompt = torch.tensor([len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts])  # [N]
+        response = torch.tensor(lengths)  # [N]
+        gen, _ = F.generation_flops(prompt, prompt, response, **shape)
+        update, _ = F.update_flops(prompt, response, **shape)
+        out.append((float(gen), float(update)))
+    return out
+
+
 def run_ours(overrides: list[str], total: int, baton) -> dict:
     """Our side (a child process of `common.run_in_turns`): per-step rows, the lr in effect, peak RSS."""
     from lit_rlvr.rollout.hf import HFEngine
@@ -166,7 +189,8 @@ def run_ours(overrides: list[str], total: int, baton) -> dict:
     recorder.time_calls(HFEngine, "_forward", "gen_forward_s")  # the transformers forwards inside generation
     module, datamodule, trainer = common.build_run(cfg, total, recorder)
     trainer.fit(module, datamodule=datamodule)
-    return {"rows": recorder.rows, "lr": module.hparams.lr, "peak_rss_mb": common.peak_rss_mb()}
+    return {"rows": recorder.rows, "lr": module.hparams.lr, "peak_rss_mb": common.peak_rss_mb(),
+            "peak_flops": module.flops.peak}
 
 
 def run_trl(overrides: list[str], total: int, baton) -> dict:
@@ -179,6 +203,7 @@ def run_trl(overrides: list[str], total: int, baton) -> dict:
         trainer, timer, reward = build_trl(cfg, hp, total, step_prompts(cfg, total), baton, output_dir)
         trainer.train()
     return {"walls": timer.walls, "gens": timer.gens, "lengths": reward.mean_lengths,
+            "flops": trl_flops(trainer.model, trainer.processing_class, reward.batches),
             "version": __import__("trl").__version__, "peak_rss_mb": common.peak_rss_mb()}
 
 
@@ -200,6 +225,38 @@ def run(args) -> dict:
     trl_walls = walls[args.warmup :]
     paired = [o["wall_s"] / t for o, t in zip(rows[args.warmup :], trl_walls)]
     ours_s, trl_s = ours_summary["median_step_s"], common.median(trl_walls)
+    return {**run_result(args, ours, trl, ours_summary, paired, ours_s, trl_s),
+            **mfu_result(args, ours, trl, ours_summary, trl_s)}
+
+
+def mfu_result(args, ours: dict, trl: dict, summary: dict, trl_s: float) -> dict:
+    """Each side's model FLOPs utilisation (docs/mfu.md) against the same peak, and where the ratio would be if our
+    step ran at the peak (`ratio_at_peak`) or at the MFU budgets (`ratio_at_budget_mfu`): how low `ratio` can go by
+    running closer to the hardware's limit, with the FLOPs our step does."""
+    peak = ours["peak_flops"]
+    if "mfu_update" not in summary or not peak:
+        return {}
+    gens, walls = trl["gens"][args.warmup :], trl["walls"][args.warmup :]
+    flops = trl["flops"][args.warmup :]
+    ours_flops = summary["gen_flops"] + summary["update_flops"]
+    return {
+        "peak_flops": peak,
+        "ours_mfu_gen": summary["mfu_gen"], "ours_mfu_update": summary["mfu_update"],
+        "trl_mfu_gen": common.median(f[0] / g for f, g in zip(flops, gens)) / peak,
+        # TRL's rest of the step: reward, loss forward/backward, clip, AdamW (ours: the update alone)
+        "trl_mfu_update": common.median(f[1] / (w - g) for f, w, g in zip(flops, walls, gens)) / peak,
+        "ours_gen_flops": summary["gen_flops"], "ours_update_flops": summary["update_flops"],
+        "trl_gen_flops": common.median(f[0] for f in flops), "trl_update_flops": common.median(f[1] for f in flops),
+        "ratio_at_peak": ours_flops / peak / trl_s,
+        "ratio_at_budget_mfu": (summary["gen_flops"] / common.MFU_BUDGETS["mfu_gen"]
+                                + summary["update_flops"] / common.MFU_BUDGETS["mfu_update"]) / peak / trl_s,
+    }
+
+
+def run_result(args, ours: dict, trl: dict, ours_summary: dict, paired: list[float], ours_s: float,
+               trl_s: float) -> dict:
+    """The step times, their ratio and split."""
+    trl_walls = trl["walls"][args.warmup :]
     return {
         "ours_median_step_s": ours_s,
         "trl_median_step_s": trl_s,

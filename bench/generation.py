@@ -11,11 +11,16 @@ rounds:
 - `no_row_cut`: finished rows decoded to the end, as a plain batched loop (and transformers' `generate`) does;
 - `concat_cache`: transformers' own `DynamicCache`, which concatenates the whole cache at every token;
 - `prefill_per_row`: a prefill for every row instead of one per distinct prompt.
+- `shrink_<x>` (with `--shrink x,…`): finished rows cut once the batch shrinks to x of its size (shipped: 0.75;
+  a higher x cuts more often: less decoding of finished rows, more cache copies).
+Each configuration's seconds are wall time (`<config>_s`) and the process's CPU time over the threads
+(`<config>_cpu_s` = CPU seconds / threads): on a shared machine the latter moves less with other processes' load.
 None of them changes what is sampled: `<config>_rows_differing` counts the completions whose tokens differ from
 `all_on`'s (0 expected; float rounding across batch sizes could flip a draw on another BLAS), `max_logprob_diff`
 the largest log-prob difference. For `all_on` the time is split into the prefill forward, the decode forwards,
 sampling (`pick_s`: softmax, inverse CDF) and the rest (stop checks, bookkeeping, the row cuts' cache copies),
-from timers around `HFEngine._forward` and `_pick`.
+from timers around `HFEngine._forward` and `_pick`. `all_on_mfu` is the batch's model FLOPs (docs/mfu.md) over
+`all_on`'s seconds and this CPU's measured peak (`all_on_mfu_cpu`: over its CPU seconds per thread).
 """
 
 from __future__ import annotations
@@ -51,21 +56,23 @@ def setup(overrides: list[str]):
     return engine, prompts, cfg.algorithm.group_size, params
 
 
-def generate(engine, prompts, group: int, params, config: str) -> tuple[float, list, dict[str, float]]:
-    """(seconds, completions, split) of one generation with `config`."""
+def generate(engine, prompts, group: int, params, config: str) -> tuple[float, float, list, dict[str, float]]:
+    """(seconds, CPU seconds per thread, completions, split) of one generation with `config`."""
     from unittest import mock
+
+    import torch
 
     from lit_rlvr.rollout import hf
 
     split = {"prefill_s": 0.0, "decode_s": 0.0, "pick_s": 0.0}
     forward, pick = engine._forward, engine._pick
 
-    def timed_forward(ids, mask, cache=None, last=1):
+    def timed_forward(ids, mask, cache=None, last=1, **kwargs):
         # a decode step feeds one token into a cache that holds the earlier ones; the prefill's cache is empty
         key = "decode_s" if cache is not None and cache.get_seq_length() > 0 else "prefill_s"
         t0 = time.perf_counter()
         try:
-            return forward(ids, mask, cache, last)
+            return forward(ids, mask, cache, last, **kwargs)
         finally:
             split[key] += time.perf_counter() - t0
 
@@ -80,32 +87,38 @@ def generate(engine, prompts, group: int, params, config: str) -> tuple[float, l
         patches.append(mock.patch.object(hf, "growing_cache", lambda *args: None))  # transformers makes its own
     elif config == "prefill_per_row":
         patches.append(mock.patch.object(engine, "share_prefill", False))
+    elif config.startswith("shrink_"):
+        shrink = float(config.removeprefix("shrink_"))
+        patches.append(mock.patch.object(hf, "ROW_CUT_SHRINK", shrink))
     for patch in patches:
         patch.start()
     try:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = engine.generate(prompts, [group] * len(prompts), params)
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, (time.process_time() - c0) / torch.get_num_threads()
     finally:
         for patch in reversed(patches):
             patch.stop()
     split["other_s"] = seconds - sum(split.values())
-    return seconds, [c for cs in out for c in cs], split
+    return seconds, cpu, [c for cs in out for c in cs], split
 
 
 def run(args) -> dict:
     import torch
 
     engine, prompts, group, params = setup(args.override)
-    times: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    configs = [*CONFIGS, *(f"shrink_{x.strip()}" for x in args.shrink.split(",") if x.strip())]
+    times: dict[str, list[float]] = {c: [] for c in configs}
+    cpu_times: dict[str, list[float]] = {c: [] for c in configs}
     splits: list[dict[str, float]] = []
     outputs = {}
     for i in range(args.warmup + args.repeats):
-        for config in common.rotated(list(CONFIGS), i):
-            seconds, completions, split = generate(engine, prompts, group, params, config)
+        for config in common.rotated(configs, i):
+            seconds, cpu, completions, split = generate(engine, prompts, group, params, config)
             outputs[config] = completions
             if i >= args.warmup:
                 times[config].append(seconds)
+                cpu_times[config].append(cpu)
                 if config == "all_on":
                     splits.append(split)
     base = outputs["all_on"]
@@ -115,23 +128,46 @@ def run(args) -> dict:
               "max_logprob_diff": max((float((a.logprobs - b.logprobs).abs().max()) for config in CONFIGS[1:]
                                        for a, b in zip(base, outputs[config]) if torch.equal(a.token_ids, b.token_ids)),
                                       default=0.0)}
-    for config in CONFIGS[1:]:
+    for config in configs[1:]:
         result[f"{config}_rows_differing"] = sum(not torch.equal(a.token_ids, b.token_ids)
                                                  for a, b in zip(base, outputs[config], strict=True))
-    all_on = common.median(times["all_on"])
-    for config in CONFIGS:
+    all_on, all_on_cpu = common.median(times["all_on"]), common.median(cpu_times["all_on"])
+    for config in configs:
         result[f"{config}_s"] = common.median(times[config])
+        result[f"{config}_cpu_s"] = common.median(cpu_times[config])
         if config != "all_on":
             result[f"all_on_over_{config}"] = all_on / result[f"{config}_s"]
+            result[f"all_on_over_{config}_cpu"] = all_on_cpu / result[f"{config}_cpu_s"]
     for key in ("prefill_s", "decode_s", "pick_s", "other_s"):
         result[f"all_on_{key}"] = common.median([s[key] for s in splits])
+    result.update(generation_mfu(engine, prompts, group, base, all_on, all_on_cpu))
     result["spread"] = {c: [round(t, 3) for t in ts] for c, ts in times.items()}
+    result["spread_cpu"] = {c: [round(t, 3) for t in ts] for c, ts in cpu_times.items()}
     result.update(common.context())
     return result
 
 
+def generation_mfu(engine, prompts, group: int, completions, seconds: float, cpu_seconds: float) -> dict[str, float]:
+    """The batch's model FLOPs (one prefill per prompt, as `all_on` runs it; docs/mfu.md) and the MFU of `all_on`
+    against this CPU's peak, by wall time and by CPU time per thread."""
+    import torch
+
+    from lit_rlvr import functional as F
+    from lit_rlvr.perf import cpu_peak, transformer_shape
+
+    lengths = torch.tensor([len(p) for p in prompts])  # [B]
+    response = torch.tensor([len(c.token_ids) for c in completions])  # [B·G]
+    flops, _ = F.generation_flops(lengths, lengths.repeat_interleave(group), response,
+                                  **transformer_shape(engine.model.config))
+    peak = cpu_peak(next(engine.model.parameters()).dtype, cache_dir=common.cache_dir())
+    return {"all_on_flops": float(flops), "peak_flops": peak, "all_on_mfu": float(flops) / seconds / peak,
+            "all_on_mfu_cpu": float(flops) / cpu_seconds / peak}
+
+
 def main(argv=None) -> None:
     parser = common.rounds_parser(__doc__.split("\n\n")[0], "timed rounds (each runs every configuration once)")
+    parser.add_argument("--shrink", default="", help="comma-separated row-cut thresholds to time beside the "
+                        "shipped 0.75, e.g. 0.875,0.9 (configurations shrink_<x>)")
     args = common.parse_bench_args(parser, argv)
     common.emit(run(args), args.json)
 

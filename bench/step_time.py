@@ -12,6 +12,8 @@ Lightning training batch (hooks and logging included); `gen_s`, `reward_s`, `tra
 `prior_s`) are the module's own per-step timings; all are medians. For V0.5, `prior_frac` = median(prior_s) /
 median(module step) is the ≤ 5% budget, `rollouts_per_step` what OSLA decided to spend; the default warm-up
 lasts until its context holds `min_context` records, so the timed steps run with the prior present.
+`mfu_gen`, `mfu_update` are the medians of the module's `perf/mfu_*` (docs/mfu.md; budgets on the long workload
+0.35 and 0.50), `gen_flops`, `update_flops` the model FLOPs per step, `peak_flops` what the MFU divides by.
 `prior_frac_mean` uses the mean prior_s instead; `prior_ahead_s` is the time V0.5 spent computing prompt features
 ahead of the steps (`precompute`: at train start and in look-ahead chunks, warm-up included), outside prior_s,
 and `prior_ahead_per_step_s` that spread over the run's steps.
@@ -34,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 
-BUDGETS = {"c3po_over_grpo": 1.10, "prior_frac": 0.05}  # docs/architecture.md §9
+BUDGETS = {"c3po_over_grpo": 1.10, "prior_frac": 0.05, **common.MFU_BUDGETS}  # docs/architecture.md §9
 
 
 def warmup_for(cfg, warmup: int) -> int:
@@ -50,7 +52,7 @@ def run_algorithm(name: str, overrides: list[str], total_steps: int, baton=None)
     recorder = common.StepRecorder(name, baton)
     module, datamodule, trainer = common.build_run(common.compose(name, overrides), total_steps, recorder)
     trainer.fit(module, datamodule=datamodule)
-    return {"rows": recorder.rows, "peak_rss_mb": common.peak_rss_mb()}
+    return {"rows": recorder.rows, "peak_rss_mb": common.peak_rss_mb(), "peak_flops": module.flops.peak}
 
 
 def measure(algorithms: list[str], steps: int, warmup: int, block: int, overrides: list[str],
@@ -74,6 +76,7 @@ def measure(algorithms: list[str], steps: int, warmup: int, block: int, override
             raise RuntimeError(f"{name}: {len(rows)} steps recorded, expected {warm + steps}")
         out[name] = {"algorithm": name, "steps": steps, "warmup": warm, **common.summarise_rows(rows, warm)}
         out[name]["_walls"] = [r["wall_s"] for r in rows[warm:]]
+        out[name]["peak_flops"] = run["peak_flops"]  # what mfu_* divide by (lit_rlvr.perf)
     return out, max(run["peak_rss_mb"] for run in runs.values())
 
 
@@ -83,6 +86,8 @@ def single(args) -> dict:
     summary.pop("_walls")
     result = {"algorithm": summary.pop("algorithm"), "steps": summary.pop("steps"), **summary,
               "peak_rss_mb": peak_rss, **common.context()}
+    if "mfu_update" in result:
+        result.update({f"{k}_budget": v for k, v in common.MFU_BUDGETS.items()})
     if "prior_frac" in result:
         result["prior_frac_budget"] = BUDGETS["prior_frac"]
     return result

@@ -30,6 +30,7 @@ from lit_rlvr.models.lora import LoraOptions, apply_lora, reference_model, train
 from lit_rlvr.optim.build import build_optimizer, check_optimizer_options
 from lit_rlvr.optim.schedule import warmup_factor
 from lit_rlvr.options import ConfigError, consistency_problems, range_problems
+from lit_rlvr.perf import StepFlops, recomputes_forward
 from lit_rlvr.rewards import build_reward_runner
 from lit_rlvr.rewards.base import RewardHangError
 from lit_rlvr.rng import rng_states, seed_of, set_rng_states
@@ -67,7 +68,9 @@ class GRPOModule(pl.LightningModule):
     `optimizer`: `adamw` (uses `betas`, `weight_decay`) or `ivon` (`lit_rlvr.optim.IVON`, for 3PO; `lr` plus
     `optimizer_options`: ess λ (required), hess_init, beta1, beta2, weight_decay δ, clip_radius, …); extra
     `optimizer_options` go to the optimizer's constructor either way. `lora`: adapters only (`models.lora`).
-    `rollout_correction`: verl's options for the engine's drift (`lit_rlvr.rollout_correction`).
+    `rollout_correction`: verl's options for the engine's drift (`lit_rlvr.rollout_correction`). `perf_options`
+    (config `perf`): `peak_flops`, the device's peak FLOP/s that `perf/mfu_*` divide by (None: measured on a CPU,
+    published on a GPU; `lit_rlvr.perf`), and `cache_dir`, where a CPU's measured peak is kept.
     """
 
     # loss metrics that are means over response tokens, and over sequences (a subclass may move one)
@@ -118,10 +121,12 @@ class GRPOModule(pl.LightningModule):
         eval_temperature: float = 0.0,
         max_bad_steps: int = 5,
         seed: int = 0,
+        perf_options: Optional[dict[str, Any]] = None,
     ):
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = False
+        self.flops = StepFlops(**(perf_options or {}))  # perf/*: model FLOPs and MFU of each step
         self._check_options()
         path = resolve_model_path(model, model_options)
         self.policy, self.tokenizer = load_policy(path, dtype)
@@ -174,6 +179,7 @@ class GRPOModule(pl.LightningModule):
 
     def on_fit_start(self) -> None:
         self._engine_to_device()
+        self.flops.setup(self.policy, self.device, self.trainer)
 
     def configure_callbacks(self) -> list[pl.Callback]:
         return [FreezeSetupObjects()]
@@ -214,6 +220,7 @@ class GRPOModule(pl.LightningModule):
     # -- one RL step -----------------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, list], batch_idx: int):
         self.timer.reset()
+        self.flops.reset()
         self.step_metrics = {}
         self.step_rollouts_start = self.counters["rollouts_total"]
         rollouts = self.collect_rollouts(batch)  # plan → callbacks edit it → generate and score
@@ -265,6 +272,7 @@ class GRPOModule(pl.LightningModule):
         self.counters["reward_failures"] += result.reward_failures
         if result.stop_reason:  # a hung reward call is left running: finish the step, save, stop
             self.trainer.should_stop = True
+        self.flops.add_generation(result.rollouts)
         return result.rollouts
 
     def seed_key(self) -> tuple[int, int]:
@@ -486,6 +494,9 @@ class GRPOModule(pl.LightningModule):
             "perf/tokens_per_s": torch.tensor(rollouts.num_tokens() / max(step_s, 1e-9)),
             "time/step_s": torch.tensor(step_s),
             **{f"time/{k}": torch.tensor(v) for k, v in self.timer.times.items()},
+            **self.flops.metrics(rollouts, self.timer.times, passes=self.hparams.ppo_epochs,
+                                 reference=self.ref_policy is not None,
+                                 recompute=recomputes_forward(self.policy)),
         }
         self.log_metrics(metrics)
         self.step_metrics = D.reduce_metrics(self.step_metrics)  # the global batch's figures, on every rank

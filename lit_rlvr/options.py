@@ -64,6 +64,9 @@ RANGES: dict[str, Rule] = {
     "trainer.max_steps": (lambda v: v >= 1 or v == -1, "an integer >= 1 (optimizer steps), or -1"),
     "checkpoint_every": _at_least(1),
     "mode": (lambda v: v in ("train", "eval"), "train or eval"),
+    "perf.peak_flops": (lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0),
+                        "the device's peak FLOP/s, a number > 0 (e.g. 989.4e12: an H100 in bf16), or null (a CPU's "
+                        "measured, a GPU's published; docs/mfu.md)"),
 }
 # one engine call's options (`SamplingParams`): the algorithm's rows, where temperature 0 (greedy) is valid
 RANGES.update({f"sampling.{k}": RANGES[f"algorithm.{k}"] for k in ("top_p", "top_k", "max_new_tokens")})

@@ -62,6 +62,7 @@ def build_module(cfg: DictConfig) -> GRPOModule:
         engine=cfg.engine.name,
         engine_options=OmegaConf.to_container(cfg.engine.options, resolve=True),
         seed=cfg.seed,
+        perf_options=OmegaConf.to_container(cfg.perf, resolve=True) if cfg.get("perf") is not None else None,
         _convert_="all",
     )
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU smoke check (not in CI): 5 GRPO and 5 C3PO steps on one GPU, then the same through FSDP2 (torchrun, one
-# rank, NCCL, bf16 compute over fp32 master weights); prints tokens/s and weight-sync seconds per run.
+# rank, NCCL, bf16 compute over fp32 master weights); prints tokens/s, weight-sync seconds and the model FLOPs
+# utilisation of generation and update (perf/mfu_gen, perf/mfu_update against the GPU's published bf16 peak,
+# lit_rlvr.perf; PEAK_FLOPS=FLOP/s sets it for a GPU the table lacks) per run.
 #
 #   scripts/gpu_smoke.sh                 # the built-in tiny model, saved to disk by its warm-up
 #   scripts/gpu_smoke.sh /path/to/model  # any local HF causal LM (e.g. Qwen3-4B), with the arithmetic task
@@ -22,6 +24,8 @@ if [ "${LIT_RLVR_SKIP_INSTALL:-0}" != 1 ]; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, torch.cuda.get_device_name())"
+# the peak perf/mfu_* divide by: trainer=gpu and trainer=fsdp compute in bf16
+$PY -c "import torch; from lit_rlvr.perf import published_peak; p = published_peak(torch.cuda.get_device_name(), torch.bfloat16); print('peak bf16 FLOP/s:', p or 'not in lit_rlvr.perf.PUBLISHED_PEAKS (set PEAK_FLOPS=...)')"
 
 if $PY -c "import sglang" 2>/dev/null; then
   ENGINE=(engine=sglang)
@@ -35,6 +39,7 @@ fi
 
 if [ "$MODEL" = tiny ]; then MODEL_ARGS=(model=tiny); else MODEL_ARGS=(model=qwen3_4b "model.name_or_path=$MODEL"); fi
 COMMON=("${MODEL_ARGS[@]}" "trainer.max_steps=$STEPS" data.num_test=64 callbacks.progress=null)
+if [ -n "${PEAK_FLOPS:-}" ]; then COMMON+=("perf.peak_flops=$PEAK_FLOPS"); fi
 
 run() {  # name, launcher..., -- overrides...
   local name=$1; shift
@@ -56,13 +61,16 @@ import csv, json, statistics, sys
 from pathlib import Path
 
 out = Path(sys.argv[1])
-print(f"{'run':<11} {'steps':>5} {'tokens/s':>9} {'sync_s':>8} {'gen_s':>7} {'train_s':>7} {'step_s':>7} {'reward':>7} {'acc before→after':>18}")
+print(f"{'run':<11} {'steps':>5} {'tokens/s':>9} {'sync_s':>8} {'gen_s':>7} {'train_s':>7} {'step_s':>7} "
+      f"{'mfu_gen':>8} {'mfu_upd':>8} {'reward':>7} {'acc before→after':>18}")
 for name in ("grpo", "c3po", "fsdp_grpo", "fsdp_c3po"):
     rows = [r for r in csv.DictReader((out / name / "metrics.csv").open()) if r.get("reward/mean")]
     med = lambda k: statistics.median(float(r[k]) for r in rows[1:] or rows)  # step 1 includes warm-up work
+    pct = lambda k: f"{100 * med(k):.3g}%" if rows[-1].get(k) else "n/a"  # no peak known: no MFU column
     s = json.loads((out / name / "summary.json").read_text())
     print(f"{name:<11} {len(rows):>5} {med('perf/tokens_per_s'):>9.0f} {med('time/sync_s'):>8.4f} {med('time/gen_s'):>7.3f} "
-          f"{med('time/train_s'):>7.3f} {med('time/step_s'):>7.3f} {float(rows[-1]['reward/mean']):>7.3f} "
-          f"{s['accuracy_before']:>8.3f} → {s['accuracy_after']:.3f}")
-print("medians over steps 2..N; sync_s = weight pushes into the engine per step (C3PO: one per weight sample)")
+          f"{med('time/train_s'):>7.3f} {med('time/step_s'):>7.3f} {pct('perf/mfu_gen'):>8} {pct('perf/mfu_update'):>8} "
+          f"{float(rows[-1]['reward/mean']):>7.3f} {s['accuracy_before']:>8.3f} → {s['accuracy_after']:.3f}")
+print("medians over steps 2..N; sync_s = weight pushes into the engine per step (C3PO: one per weight sample);")
+print("mfu_* = model FLOPs of the phase / its seconds / the peak above, per GPU (docs/mfu.md)")
 EOF

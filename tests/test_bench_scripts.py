@@ -47,3 +47,38 @@ def test_scaling_points_fix_the_length_and_move_one_axis():
     assert not any(o.startswith("task_max_new_tokens") for o in length)  # would retrain the cached model
     width = scaling.point_overrides("width", 512)
     assert "model.options.hidden_size=512" in width and "algorithm.max_new_tokens=64" in width
+
+
+def test_step_time_reports_model_flops_utilisation(tmp_path):
+    """`step_time.py --json` carries the medians of the module's perf/mfu_* and the peak they divide by."""
+    done = subprocess.run([sys.executable, str(ROOT / "bench/step_time.py"), "--steps", "2", "--warmup", "0",
+                           "--json"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["peak_flops"] > 0 and result["cpu"]
+    for phase in ("gen", "update"):
+        assert 0 < result[f"mfu_{phase}"] and result[f"{phase}_flops"] > 0
+        # the MFU is the phase's model FLOPs over its seconds and the peak
+        seconds = result["gen_s" if phase == "gen" else "train_s"]
+        assert math.isclose(result[f"mfu_{phase}"], result[f"{phase}_flops"] / seconds / result["peak_flops"],
+                            rel_tol=0.5)  # medians of per-step ratios against ratios of medians
+
+
+def test_trl_flops_prefill_every_row():
+    """TRL's generation prefills each of its rows (transformers' `generate`); its update is one forward +
+    backward."""
+    import compare_trl
+    import torch
+
+    from lit_rlvr import functional as F
+    from lit_rlvr.models.tiny import build_tiny
+    from lit_rlvr.perf import transformer_shape
+
+    model, tokenizer = build_tiny()
+    prompts = ["1+2=", "1+2=", "30+4=", "30+4="]
+    (gen, update), = compare_trl.trl_flops(model, tokenizer, [(prompts, [3, 5, 2, 7])])
+    shape = transformer_shape(model.config)
+    p, r = torch.tensor([4, 4, 5, 5]), torch.tensor([3, 5, 2, 7])
+    assert gen == float(F.generation_flops(p, p, r, **shape)[0])
+    assert gen > float(F.generation_flops(torch.tensor([4, 5]), p, r, **shape)[0])  # ours: one per prompt
+    assert update == float(F.update_flops(p, r, **shape)[0])

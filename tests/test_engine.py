@@ -234,7 +234,7 @@ def test_finished_rows_leave_the_decoding_batch_without_changing_samples(policy,
         engine = HFEngine(model, pad_id=0, eos_id=2)
         rows = []
         forward = engine._forward
-        engine._forward = lambda ids, mask, cache=None: rows.append(len(ids)) or forward(ids, mask, cache)
+        engine._forward = lambda ids, mask, cache=None, **kw: rows.append(len(ids)) or forward(ids, mask, cache, **kw)
         if not cut:
             monkeypatch.setattr(hf, "decoding_rows", lambda *a: None)
         if stacked:

@@ -38,8 +38,11 @@ def test_run_writes_metrics_summary_and_checkpoint(default_run):
     assert len(rows) == 80
     for name in ("reward/accuracy", "reward/malformed_frac", "groups/zero_adv_frac", "response/len_mean",
                  "loss/policy", "loss/pg_clipfrac", "loss/approx_kl", "loss/entropy", "grad/norm",
-                 "time/gen_s", "time/reward_s", "time/train_s", "time/sync_s", "time/step_s", "perf/tokens_per_s"):
+                 "time/gen_s", "time/reward_s", "time/train_s", "time/sync_s", "time/step_s", "perf/tokens_per_s",
+                 "perf/mfu_gen", "perf/mfu_update", "perf/flops_per_s_gen", "perf/flops_per_s_update"):
         assert rows[-1][name] != "", name
+    for name in ("perf/mfu_gen", "perf/mfu_update"):  # every step, against this CPU's measured peak (docs/mfu.md)
+        assert all(0 < float(r[name]) < float("inf") for r in rows), name
     assert "accuracy_after" in stdout  # the printed summary table
 
 

@@ -1,8 +1,10 @@
-"""Pure tensor math of the papers: advantages, policy losses, KL estimators, aggregation, V0.5 fusion and OSLA.
+"""Pure tensor math of the papers: advantages, policy losses, KL estimators, aggregation, V0.5 fusion and OSLA;
+and the model FLOPs of a step (flops.py).
 Functions take tensors plus keyword hyperparameters and return `(value, metrics)` where metrics are detached."""
 
 from lit_rlvr.functional.advantages import constant_groups, group_mean, group_std, grpo_advantages
 from lit_rlvr.functional.chunks import chunk_groups, partial_chunk_success
+from lit_rlvr.functional.flops import forward_flops, generation_flops, update_flops
 from lit_rlvr.functional.kl import KL_ESTIMATORS, kl_penalty
 from lit_rlvr.functional.losses import (
     AGGREGATIONS,
@@ -25,6 +27,8 @@ __all__ = [
     "chunk_groups",
     "constant_groups",
     "entropy_from_logits",
+    "forward_flops",
+    "generation_flops",
     "group_mean",
     "group_std",
     "grpo_advantages",
@@ -40,4 +44,5 @@ __all__ = [
     "sequence_rows",
     "token_logprobs",
     "truncated_is_weights",
+    "update_flops",
 ]

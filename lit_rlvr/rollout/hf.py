@@ -57,14 +57,18 @@ def _shift_right(z: Tensor, k: int) -> Tensor:
     return (z >> k) & ((1 << (64 - k)) - 1)
 
 
-def counter_uniforms(row_seeds: Tensor, step: int) -> Tensor:
+def counter_uniforms(row_seeds: Tensor, step: int | Tensor) -> Tensor:
     """A uniform in [0, 1) per row for token `step`: splitmix64 (Steele et al. 2014) of (row seed, step).
 
     Counter-based, so a row's draws depend on its own seed only, never on which other rows share the batch:
     the same prompt samples the same tokens on 1 rank or 8, in any batch order (`HFEngine` docstring).
-    row_seeds [R] int64 -> [R] float64. int64 products wrap around, as the hash wants.
+    row_seeds [R] int64, step an int -> [R] float64; steps [T] long -> [R, T] (every step's draw at once, the
+    same bits). int64 products wrap around, as the hash wants.
     """
-    z = row_seeds + torch.full_like(row_seeds, step + 1) * _GOLDEN  # [R]
+    if isinstance(step, Tensor):
+        z = row_seeds[:, None] + (step[None, :] + 1) * _GOLDEN  # [R, T]
+    else:
+        z = row_seeds + torch.full_like(row_seeds, step + 1) * _GOLDEN  # [R]
     z = (z ^ _shift_right(z, 30)) * _MIX1
     z = (z ^ _shift_right(z, 27)) * _MIX2
     z = z ^ _shift_right(z, 31)
@@ -82,7 +86,10 @@ def row_seeds(prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[
     return torch.tensor(seeds, dtype=torch.long) * 2654435761  # spread the 32-bit crc over 64 bits
 
 
-def decoding_rows(finished: Tensor, block: Tensor, blocks: int, shrink: float = 0.75) -> Optional[Tensor]:
+ROW_CUT_SHRINK = 0.75  # `decoding_rows`: cut the batch once it has shrunk to this share of its rows
+
+
+def decoding_rows(finished: Tensor, block: Tensor, blocks: int, shrink: float = ROW_CUT_SHRINK) -> Optional[Tensor]:
     """Which rows of a decoding batch to keep once some have finished, or None to keep them all.
 
     finished [A] bool, block [A] long (the weight source of each row, rows block by block). Each block keeps its
@@ -284,12 +291,15 @@ class HFEngine(RolloutEngine):
                     done[s].extend(out[s * size : (s + 1) * size])
         return [_per_prompt(d, counts) for d, counts in zip(done, counts_per_source)]
 
-    def _forward(self, ids: Tensor, mask: Tensor, cache=None, last: int = 1):
+    def _forward(self, ids: Tensor, mask: Tensor, cache=None, last: int = 1, position_ids: Optional[Tensor] = None):
+        """(logits [R, V] of the last position, cache). `position_ids` [R, n]: those of `ids` when the caller
+        knows them (a decode step), else counted from `mask`."""
         device = next(self.model.parameters()).device
+        position_ids = positions(mask)[:, -ids.shape[1] :] if position_ids is None else position_ids
         out = self.model(
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
-            position_ids=positions(mask)[:, -ids.shape[1] :].to(device),
+            position_ids=position_ids.to(device),
             use_cache=self.use_cache,
             logits_to_keep=last,
             **({self._cache_arg: cache} if cache is not None else {}),
@@ -325,37 +335,52 @@ class HFEngine(RolloutEngine):
 
     def _sample(self, rows: list[list[int]], params: SamplingParams, seeds: Tensor,
                 blocks: int = 1) -> list[Completion]:
-        num_rows = len(rows)
-        stop_ids = [] if params.ignore_eos else sorted({self.eos_id, *params.stop_token_ids})
-        stop = torch.tensor(stop_ids, dtype=torch.long)
-        tokens = torch.full((num_rows, params.max_new_tokens), self.pad_id, dtype=torch.long)  # [R, T]
-        logprobs = torch.zeros((num_rows, params.max_new_tokens))  # [R, T]
-        finished = torch.zeros(num_rows, dtype=torch.bool)  # [R]
-        lengths = torch.full((num_rows,), params.max_new_tokens, dtype=torch.long)  # [R]
-        ids, mask, logits, cache = self._prefill(rows, blocks, params.max_new_tokens)  # [R, P], [R, P], [R, V]
+        """Decode `rows` token by token. Per step only what must be per step (every draw's uniform is made up
+        front; a finished row keeps decoding until a row cut drops it, its tokens past the stop unread); lengths
+        and finish reasons come from each row's first stop token at the end."""
+        num_rows, steps = len(rows), params.max_new_tokens
+        stop = torch.tensor([] if params.ignore_eos else sorted({self.eos_id, *params.stop_token_ids}),
+                            dtype=torch.long)
+        tokens = torch.full((num_rows, steps), self.pad_id, dtype=torch.long)  # [R, T]
+        logprobs = torch.zeros((num_rows, steps))  # [R, T]
+        ids, mask, logits, cache = self._prefill(rows, blocks, steps)  # [R, P], [R, P], [R, V]
+        width = mask.shape[1]
+        position = mask.sum(-1)  # [R]: the first decoded token's position (left padding skipped)
+        mask = torch.cat([mask, torch.ones((num_rows, steps), dtype=torch.bool)], dim=1)  # [R, P+T]: step t, P+t+1
+        uniforms = counter_uniforms(seeds, torch.arange(steps))  # [R, T]
         live = torch.arange(num_rows)  # [A] the rows that ids, mask, logits and the cache hold, in their order
+        done = torch.zeros(num_rows, dtype=torch.bool)  # [A]
         cut = can_select_rows(cache)  # e.g. a linear-attention layer's state cannot drop rows
-        for t in range(params.max_new_tokens):
-            token, logp = self._pick(logits, params, counter_uniforms(seeds[live], t))  # [A], [A]
-            done = finished[live]  # [A]
-            token = token.masked_fill(done, self.pad_id)
-            tokens[live, t], logprobs[live, t] = token, logp.masked_fill(done, 0.0)
-            hit = torch.isin(token, stop) & ~done  # [A]
-            lengths[live[hit]] = t + 1
-            finished[live[hit]] = True
-            if bool(finished.all()) or t + 1 == params.max_new_tokens:
+        for t in range(steps):
+            token, logp = self._pick(logits, params, uniforms[:, t])  # [A], [A]
+            tokens[live, t], logprobs[live, t] = token, logp
+            done |= torch.isin(token, stop)
+            unfinished = int((~done).sum())  # the step's one sync
+            if unfinished == 0 or t + 1 == steps:
                 break
-            keep = decoding_rows(finished[live], live // (num_rows // blocks), blocks) if cut else None  # [A']
+            # decoding_rows keeps every row while more than `shrink` of them are unfinished: no call needed then
+            shrink = ROW_CUT_SHRINK
+            keep = (decoding_rows(done, live // (num_rows // blocks), blocks, shrink)
+                    if cut and unfinished <= shrink * len(live) else None)  # [A']
             if keep is not None:  # drop finished rows from the batch: they would be decoded for nothing
-                live, token, ids, mask = live[keep], token[keep], ids[keep], mask[keep]
+                live, token, done, uniforms, position, mask, ids = (
+                    x[keep] for x in (live, token, done, uniforms, position, mask, ids))
                 if cache is not None:
                     cache.batch_select_indices(keep.to(next(self.model.parameters()).device))
-            mask = torch.cat([mask, torch.ones((len(live), 1), dtype=torch.bool)], dim=1)  # [A, P+t+1]
             if self.use_cache:
-                logits, cache = self._forward(token[:, None], mask, cache)
+                logits, cache = self._forward(token[:, None], mask[:, : width + t + 1], cache,
+                                              position_ids=(position + t)[:, None])
             else:
                 ids = torch.cat([ids, token[:, None]], dim=1)
-                logits, _ = self._forward(ids, mask)
+                logits, _ = self._forward(ids, mask[:, : width + t + 1])
+        return self._completions(tokens, logprobs, stop)
+
+    @staticmethod
+    def _completions(tokens: Tensor, logprobs: Tensor, stop: Tensor) -> list[Completion]:
+        """Each row up to and including its first stop token ("stop"), or all of it ("length")."""
+        is_stop = torch.isin(tokens, stop)  # [R, T]
+        finished = is_stop.any(-1)  # [R]
+        lengths = torch.where(finished, is_stop.int().argmax(-1) + 1, tokens.shape[1])  # argmax: the first stop
         return [Completion(tokens[r, :n], logprobs[r, :n], "stop" if f else "length")
                 for r, (n, f) in enumerate(zip(lengths.tolist(), finished.tolist()))]
 

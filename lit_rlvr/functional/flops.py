@@ -1,0 +1,82 @@
+"""Model FLOPs of a decoder-only transformer's forwards: what one RL step's generation and update compute.
+
+Model FLOPs count the matrix multiplies a step needs for its real tokens (Chowdhery et al. 2022, "PaLM", App. B;
+Narayanan et al. 2021): 2 FLOPs per multiply-add, padding excluded, elementwise work (norms, rotary, softmax,
+activations, the optimizer) left out. For a model with L layers, hidden size d, MLP width I (gated: gate, up and
+down projections), H query heads and K key/value heads of size e, vocabulary V:
+
+    W = L·(2·d·H·e + 2·d·K·e + 3·d·I)       multiply-adds of the projections per position (q, o; k, v; MLP)
+
+A forward over n new positions of a row whose cache already holds c positions, with the LM head at k positions:
+
+    F(n, c, k) = 2·W·n                      the projections
+               + 2·d·V·k                    the LM head (tied or not: the same matmul)
+               + 4·L·H·e·(n·c + n(n+1)/2)   attention: QKᵀ and AV, each 2·H·e per (query, key) pair,
+                                            new position j (1..n) attending to its c + j keys (causal)
+
+The embedding lookup is a gather (0 FLOPs). A backward costs twice its forward (the gradients of each matmul's
+two inputs), so a forward + backward is 3·F.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+SHAPE_KEYS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab")
+
+
+def forward_flops(new: Tensor, cached: Tensor, head: Tensor, *, layers: int, hidden: int, intermediate: int,
+                  heads: int, kv_heads: int, head_dim: int, vocab: int) -> tuple[Tensor, dict[str, Tensor]]:
+    """F(n, c, k) of the module docstring summed over rows: new, cached, head [R] (positions per row).
+
+    Returns (FLOPs [] float64, {"linear", "head", "attention"}: its three terms)."""
+    n, c, k = (x.to(torch.float64) for x in (new, cached, head))  # [R]: float64, exact to 2^53
+    attention_proj = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim  # q, o; k, v
+    per_position = layers * (attention_proj + 3 * hidden * intermediate)  # W
+    linear = 2.0 * per_position * n.sum()
+    head_flops = 2.0 * hidden * vocab * k.sum()
+    pairs = (n * c + n * (n + 1) / 2).sum()  # (query, key) pairs of the causal new positions
+    attention = 4.0 * layers * heads * head_dim * pairs
+    return linear + head_flops + attention, {"linear": linear, "head": head_flops, "attention": attention}
+
+
+def generation_flops(prefill_lengths: Tensor, prompt_lengths: Tensor, response_lengths: Tensor, *, layers: int,
+                     hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
+                     vocab: int) -> tuple[Tensor, dict[str, Tensor]]:
+    """Model FLOPs of sampling: each prefill, then each completion's decode steps.
+
+    prefill_lengths [U]: the prompts prefilled (one per distinct prompt and weight source of an engine call, as
+    `HFEngine` shares a group's prefill), F(p, 0, 1) each: the LM head runs at the last position only.
+    prompt_lengths, response_lengths [N]: per completion of r tokens, the first comes from the prefill's logits
+    and r − 1 decode steps feed the others one by one: F(r − 1, p, r − 1) (token j, 1 ≤ j < r, sees p + j keys).
+    Returns (FLOPs [] float64, {"prefill", "decode"})."""
+    shape = dict(layers=layers, hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=kv_heads,
+                 head_dim=head_dim, vocab=vocab)
+    prefill, _ = forward_flops(prefill_lengths, torch.zeros_like(prefill_lengths), torch.ones_like(prefill_lengths),
+                               **shape)
+    steps = (response_lengths - 1).clamp_min(0)  # [N]
+    decode, _ = forward_flops(steps, prompt_lengths, steps, **shape)
+    return prefill + decode, {"prefill": prefill, "decode": decode}
+
+
+def update_flops(prompt_lengths: Tensor, response_lengths: Tensor, *, passes: int = 1, reference: bool = False,
+                 recompute: bool = False, layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int,
+                 head_dim: int, vocab: int) -> tuple[Tensor, dict[str, Tensor]]:
+    """Model FLOPs of the update over completions with these prompt and response lengths ([N] each).
+
+    Each of `passes` passes over the batch (PPO epochs; M3PO's per-sample loss passes split a batch, they do not
+    repeat it) runs a forward + backward over prompt and response, the LM head at the response positions:
+    3·F(p + r, 0, r). `reference`: a frozen reference model's forward (KL penalty), F(p + r, 0, r) per pass.
+    `recompute`: activation checkpointing runs the decoder layers' forward again in the backward,
+    F(p + r, 0, 0) per pass. Returns (FLOPs [] float64, {"forward_backward", "reference", "recompute"})."""
+    shape = dict(layers=layers, hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=kv_heads,
+                 head_dim=head_dim, vocab=vocab)
+    zero = torch.zeros_like(prompt_lengths)
+    tokens = prompt_lengths + response_lengths  # [N]
+    forward, _ = forward_flops(tokens, zero, response_lengths, **shape)
+    body, _ = forward_flops(tokens, zero, zero, **shape)
+    parts = {"forward_backward": 3.0 * passes * forward,
+             "reference": passes * forward * float(reference),
+             "recompute": passes * body * float(recompute)}
+    return parts["forward_backward"] + parts["reference"] + parts["recompute"], parts
