@@ -22,6 +22,7 @@ from torch import Tensor
 from lit_rlvr import distributed as D
 from lit_rlvr import functional as F
 from lit_rlvr.checkpoint_io import checkpoint_hint
+from lit_rlvr.envs import build_environment
 from lit_rlvr.freeze import FreezeSetupObjects
 from lit_rlvr.hooks import RLVRCallback, check_rl_callbacks
 from lit_rlvr.models import load_policy, resolve_model_path
@@ -35,6 +36,7 @@ from lit_rlvr.rollout import build_engine
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 from lit_rlvr.rollout.driver import RolloutDriver, stop_token_ids
 from lit_rlvr.rollout.engine import EngineError, SamplingConfig
+from lit_rlvr.rollout.multi_turn import env_metrics
 from lit_rlvr.step_log import StepTimer, write_step_metrics
 from lit_rlvr.validation import ValidationMetrics
 
@@ -62,7 +64,9 @@ class GRPOModule(pl.LightningModule):
     warm-up over the first W optimizer updates (`warmup_from_zero`: verl's shape, from lr 0).
     `optimizer`: `adamw` (uses `betas`, `weight_decay`) or `ivon` (`lit_rlvr.optim.IVON`, for 3PO; `lr` plus
     `optimizer_options`: ess λ (required), hess_init, beta1, beta2, weight_decay δ, clip_radius, …); extra
-    `optimizer_options` go to the optimizer's constructor either way.
+    `optimizer_options` go to the optimizer's constructor either way. `env`: multi-turn rollouts with an
+    environment (`lit_rlvr.envs`; None or "none": single-turn), `env_options` its `max_turns`, `max_tokens`,
+    `timeout_s`, `stop` and the environment class's `options` (docs/environments.md).
     """
 
     # loss metrics that are means over response tokens, and over sequences (a subclass may move one)
@@ -111,11 +115,14 @@ class GRPOModule(pl.LightningModule):
         eval_temperature: float = 0.0,
         max_bad_steps: int = 5,
         seed: int = 0,
+        env: Optional[str] = None,
+        env_options: Optional[dict[str, Any]] = None,
     ):
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = False
         self._check_options()
+        self.environment = build_environment(env, env_options, reward=reward, reward_options=reward_options)
         path = resolve_model_path(model, model_options)
         self.policy, self.tokenizer = load_policy(path, dtype)
         self.policy.train()  # from_pretrained returns eval mode; Lightning toggles modes itself from here
@@ -149,7 +156,8 @@ class GRPOModule(pl.LightningModule):
         check_rl_callbacks(self.rl_callbacks(), self.hparams)  # the Lightning CLI and Python reach this first
         if self.engine is None:
             self.engine = build_engine(self.hparams.engine, self.policy, self.tokenizer, self.hparams.engine_options)
-            self.driver = RolloutDriver(self.engine, self.tokenizer, self.reward_runner, self.sampling, self.policy)
+            self.driver = RolloutDriver(self.engine, self.tokenizer, self.reward_runner, self.sampling, self.policy,
+                                        environment=self.environment, chat_template=self.hparams.chat_template)
 
     def configure_model(self) -> None:
         """Lightning's parallelism hook: a sharding strategy (`FSDP2Strategy.parallelize`) shards here."""
@@ -287,9 +295,10 @@ class GRPOModule(pl.LightningModule):
                                aggregation=hp.loss_aggregation, norm_len=hp.max_new_tokens, dual_clip=hp.dual_clip)
 
     def forward_logprobs(self, model, rollouts: Rollouts) -> tuple[Tensor, Tensor]:
-        """Log-probs [n, T] of the response tokens at the sampling temperature, and the logits [n, T, V]."""
+        """Log-probs [n, T] of the response tokens at the sampling temperature, and the logits [n, T, V]. Every token
+        of the sequence is attended to, observations included (`response_attention_mask`); the loss masks them."""
         ids = torch.cat([rollouts.prompt_ids, rollouts.response_ids], dim=1).to(self.device)  # [n, P+T]
-        mask = torch.cat([rollouts.prompt_mask, rollouts.response_mask], dim=1).to(self.device)  # [n, P+T]
+        mask = torch.cat([rollouts.prompt_mask, rollouts.response_attention_mask], dim=1).to(self.device)  # [n, P+T]
         position_ids = (mask.long().cumsum(-1) - 1).clamp_min(0)
         width = rollouts.response_ids.shape[1]
         logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
@@ -375,7 +384,7 @@ class GRPOModule(pl.LightningModule):
         world = D.world_size()
         totals = torch.tensor([float(tokens.sum()), float(rollouts.num_samples)], dtype=torch.float64)
         total_tokens, total_seqs = D.all_reduce(totals).clamp_min(1).tolist()
-        lengths = rollouts.prompt_mask.sum(-1) + rollouts.response_mask.sum(-1)  # [n]
+        lengths = rollouts.prompt_mask.sum(-1) + rollouts.response_attention_mask.sum(-1)  # [n] forward widths
         width = None if hp.micro_batch_tokens else rollouts.prompt_ids.shape[1] + rollouts.response_ids.shape[1]
         micros, micro_metrics = F.micro_batches(lengths, max_rows=hp.micro_batch_size, max_tokens=hp.micro_batch_tokens,
                                                 width=width)  # untrimmed fixed micro-batches run at the full width
@@ -460,6 +469,7 @@ class GRPOModule(pl.LightningModule):
             "perf/tokens_per_s": torch.tensor(rollouts.num_tokens() / max(step_s, 1e-9)),
             "time/step_s": torch.tensor(step_s),
             **{f"time/{k}": torch.tensor(v) for k, v in self.timer.times.items()},
+            **env_metrics(rollouts),  # multi-turn only: env/turns_mean, env/tool_calls_mean, ...
         }
         self.log_metrics(metrics)
         self.step_metrics = D.reduce_metrics(self.step_metrics)  # the global batch's figures, on every rank

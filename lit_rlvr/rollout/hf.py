@@ -260,6 +260,7 @@ class HFEngine(RolloutEngine):
         num_rows = len(rows)
         stop_ids = [] if params.ignore_eos else sorted({self.eos_id, *params.stop_token_ids})
         stop = torch.tensor(stop_ids, dtype=torch.long)
+        sequences = [] if params.ignore_eos else [torch.tensor(q, dtype=torch.long) for q in params.stop_sequences if q]
         tokens = torch.full((num_rows, params.max_new_tokens), self.pad_id, dtype=torch.long)  # [R, T]
         logprobs = torch.zeros((num_rows, params.max_new_tokens))  # [R, T]
         finished = torch.zeros(num_rows, dtype=torch.bool)  # [R]
@@ -273,6 +274,9 @@ class HFEngine(RolloutEngine):
             token = token.masked_fill(done, self.pad_id)
             tokens[live, t], logprobs[live, t] = token, logp.masked_fill(done, 0.0)
             hit = torch.isin(token, stop) & ~done  # [A]
+            for q in sequences:  # an environment's stop string, as tokens, just completed
+                if t + 1 >= len(q):
+                    hit |= (tokens[live, t + 1 - len(q) : t + 1] == q).all(-1) & ~done
             lengths[live[hit]] = t + 1
             finished[live[hit]] = True
             if bool(finished.all()) or t + 1 == params.max_new_tokens:
