@@ -1,8 +1,7 @@
 """An environment of your own, in one class: after a wrong answer it gives the right answer's last digit as a
 hint, and the model answers once more (docs/environments.md walks through it).
 
-    python train.py env=retry env.name=examples.environments.digit_hint:DigitHintEnv \
-        'env.options={reward: null, bonus: 0.5}' env.max_turns=2
+    python train.py --config-dir examples/environments env=digit_hint     (env/digit_hint.yaml beside this file)
 
 It follows skyrl-gym's `BaseTextEnv` contract, so it runs under SkyRL too (`skyrl_gym.register` it).
 """
