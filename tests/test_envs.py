@@ -140,3 +140,15 @@ def test_our_environments_run_under_skyrl_gym():
     prompt, _ = env.init([{"role": "user", "content": "47*86="}])
     assert env.step("<calc>47*86</calc>")["observations"] == "4042"
     assert env.step("\nAnswer: 4042")["reward"] == 1.0
+
+
+def test_resume_refuses_another_environment_and_accepts_checkpoints_from_before_env():
+    from lit_rlvr.resume import config_differences
+
+    before_env = {"seed": 0, "algorithm": {"lr": 1.0}}  # a checkpoint written before the env group existed
+    assert config_differences(before_env, {**before_env, "env": {"name": "none"}}) == []
+    calculator = {**before_env, "env": {"name": "calculator", "max_turns": 4, "timeout_s": 10}}
+    assert [k for k, _, _ in config_differences(calculator, {**before_env, "env": {"name": "none"}})] == [
+        "env.max_turns", "env.name"]
+    slower = {**calculator, "env": {**calculator["env"], "timeout_s": 60}}
+    assert config_differences(calculator, slower) == []  # a time bound does not change what the run computes
