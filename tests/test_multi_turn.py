@@ -226,8 +226,12 @@ def test_every_turn_of_a_weight_source_runs_inside_its_weight_context(tiny):
     driver = driver_for(model, tokenizer, environment(steps=3, obs="|"))
     seen = []
     generate = driver.engine.generate
-    driver.engine.generate = lambda p, n, params: seen.append((active["source"], float(weight.sum()))) or generate(
-        p, n, params)
+
+    def recorded(prompts, n, params):
+        seen.append((active["source"], float(weight.detach().sum())))
+        return generate(prompts, n, params)
+
+    driver.engine.generate = recorded
     plan = plan_of(tokenizer, ["1+2=", "3+4="], n=4, num_weight_sources=2, weight_context=Context)
     r = driver.rollout(plan, step=0, seed_key=(0,)).rollouts
     assert [s for s, _ in seen] == [0, 0, 0, 1, 1, 1]  # three turns of source 0, then three of source 1

@@ -245,9 +245,9 @@ def _train(s: dict):
         if step % s["eval_every"] == 0 or step == s["max_steps"]:
             model.eval()
             checked = time.perf_counter()
+            with_tool = {"env": "calculator"} if s.get("tool_frac") else {}  # checked as RL will sample
             accuracy = sampled_accuracy(model, tokenizer, dev, s["eval_samples"], reward=reward,
-                                        max_new_tokens=s.get("max_new_tokens", 8),
-                                        env="calculator" if s.get("tool_frac") else "none")
+                                        max_new_tokens=s.get("max_new_tokens", 8), **with_tool)
             eval_s += time.perf_counter() - checked
             history.append([step, round(accuracy, 4)])
             log.info("warm-up step %d: dev mean@%d %.3f (target %.2f)", step, s["eval_samples"], accuracy, s["target"])
