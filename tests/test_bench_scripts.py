@@ -47,3 +47,16 @@ def test_scaling_points_fix_the_length_and_move_one_axis():
     assert not any(o.startswith("task_max_new_tokens") for o in length)  # would retrain the cached model
     width = scaling.point_overrides("width", 512)
     assert "model.options.hidden_size=512" in width and "algorithm.max_new_tokens=64" in width
+
+
+
+def test_multi_turn_bench_runs_three_turns_and_reports_both_ratios(tmp_path):
+    """bench/multi_turn.py on a smaller workload: it checks every rollout took its 3 turns and prints the budgets'
+    keys (the figures themselves are measured, not tested)."""
+    done = subprocess.run([sys.executable, str(ROOT / "bench/multi_turn.py"), "--json", "--repeats", "1", "--warmup",
+                           "0", "--turn-tokens", "4", "--sleep-ms", "1"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {"slow_over_instant", "overhead_frac", "instant_gen_s"} <= set(result) and result["turns"] == 3
+    assert result["instant_gen_s"] > 0 and result["overhead_frac"] >= 0 and result["rollouts"] == 64
