@@ -1,8 +1,9 @@
 """`CompletionsLog`: every N RL steps, a sample of what the model wrote, to read beside the metrics.
 
 Each sampled completion becomes one JSON line of `completions.jsonl` in the run dir (step, prompt, completion,
-answer, reward, advantage, length in tokens, finish reason, malformed) and one row of a table for the loggers
-that draw tables: `WandbLogger.log_table` ("completions"), TensorBoard's text tab (a markdown table).
+answer, reward, advantage, length in tokens, finish reason, malformed; for multi-turn rollouts also `turns`, each
+{"role": "assistant" | "observation", "text": ...}, `tool_calls`, `env_error` and `cut`) and one row of a table for
+the loggers that draw tables: `WandbLogger.log_table` ("completions"), TensorBoard's text tab (a markdown table).
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def rows(rollouts: Rollouts, step: int, samples: int, seed: int = 0) -> list[dic
             "finish_reason": rollouts.finish_reason[i] if rollouts.finish_reason else None,
             "malformed": bool(rollouts.malformed[i]) if rollouts.malformed is not None else None,
         })
+        if rollouts.transcripts:  # multi-turn: the turns with their roles
+            t = rollouts.transcripts[i].to_dict()
+            out[-1].update(turns=t["turns"], tool_calls=t["tool_calls"], env_error=t["error"], cut=t["cut"])
     return out
 
 

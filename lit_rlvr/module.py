@@ -22,6 +22,7 @@ from torch import Tensor
 from lit_rlvr import distributed as D
 from lit_rlvr import functional as F
 from lit_rlvr.checkpoint_io import checkpoint_hint
+from lit_rlvr.envs import build_environment
 from lit_rlvr.errors import config_phase
 from lit_rlvr.freeze import FreezeSetupObjects
 from lit_rlvr.hooks import RLVRCallback, check_rl_callbacks
@@ -40,6 +41,7 @@ from lit_rlvr.rollout.driver import RolloutDriver, stop_token_ids
 from lit_rlvr.rollout.engine import EngineError, SamplingConfig
 from lit_rlvr.rollout.lora import SyncCheck
 from lit_rlvr.rollout_correction import RolloutCorrector
+from lit_rlvr.rollout.multi_turn import env_metrics
 from lit_rlvr.step_log import StepTimer, write_step_metrics
 from lit_rlvr.validation import ValidationMetrics
 
@@ -71,6 +73,9 @@ class GRPOModule(pl.LightningModule):
     `rollout_correction`: verl's options for the engine's drift (`lit_rlvr.rollout_correction`). `perf_options`
     (config `perf`): `peak_flops`, the device's peak FLOP/s that `perf/mfu_*` divide by (None: measured on a CPU,
     published on a GPU; `lit_rlvr.perf`), and `cache_dir`, where a CPU's measured peak is kept.
+    `env`: multi-turn rollouts with an
+    environment (`lit_rlvr.envs`; None or "none": single-turn), `env_options` its `max_turns`, `max_tokens`,
+    `timeout_s`, `stop` and the environment class's `options` (docs/environments.md).
     """
 
     # loss metrics that are means over response tokens, and over sequences (a subclass may move one)
@@ -122,12 +127,15 @@ class GRPOModule(pl.LightningModule):
         max_bad_steps: int = 5,
         seed: int = 0,
         perf_options: Optional[dict[str, Any]] = None,
+        env: Optional[str] = None,
+        env_options: Optional[dict[str, Any]] = None,
     ):
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.flops = StepFlops(**(perf_options or {}))  # perf/*: model FLOPs and MFU of each step
         self._check_options()
+        self.environment = build_environment(env, env_options, reward=reward, reward_options=reward_options)
         path = resolve_model_path(model, model_options)
         self.policy, self.tokenizer = load_policy(path, dtype)
         self.policy = apply_lora(self.policy, self.lora, seed=seed)  # only the adapters require grad
@@ -169,7 +177,8 @@ class GRPOModule(pl.LightningModule):
             with config_phase():  # the engine's option checks are config errors (one line from every entry)
                 self.engine = build_engine(self.hparams.engine, self.policy, self.tokenizer, options)
             self.driver = RolloutDriver(self.engine, self.tokenizer, self.reward_runner, self.sampling, self.policy,
-                                        sync_check)
+                                        sync_check, environment=self.environment,
+                                        chat_template=self.hparams.chat_template)
 
     def configure_model(self) -> None:
         """Lightning's parallelism hook: a sharding strategy (`FSDP2Strategy.parallelize`) shards here."""
@@ -316,9 +325,10 @@ class GRPOModule(pl.LightningModule):
                                token_weights=getattr(rollouts, "token_weights", None))
 
     def forward_logprobs(self, model, rollouts: Rollouts) -> tuple[Tensor, Tensor]:
-        """Log-probs [n, T] of the response tokens at the sampling temperature, and the logits [n, T, V]."""
+        """Log-probs [n, T] of the response tokens at the sampling temperature, and the logits [n, T, V]. Every token
+        of the sequence is attended to, observations included (`response_attention_mask`); the loss masks them."""
         ids = torch.cat([rollouts.prompt_ids, rollouts.response_ids], dim=1).to(self.device)  # [n, P+T]
-        mask = torch.cat([rollouts.prompt_mask, rollouts.response_mask], dim=1).to(self.device)  # [n, P+T]
+        mask = torch.cat([rollouts.prompt_mask, rollouts.response_attention_mask], dim=1).to(self.device)  # [n, P+T]
         position_ids = (mask.long().cumsum(-1) - 1).clamp_min(0)
         width = rollouts.response_ids.shape[1]
         logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
@@ -409,7 +419,7 @@ class GRPOModule(pl.LightningModule):
         world = D.world_size()
         totals = torch.tensor([float(tokens.sum()), float(seqs.sum())], dtype=torch.float64)
         total_tokens, total_seqs = D.all_reduce(totals).clamp_min(1).tolist()
-        lengths = rollouts.prompt_mask.sum(-1) + rollouts.response_mask.sum(-1)  # [n]
+        lengths = rollouts.prompt_mask.sum(-1) + rollouts.response_attention_mask.sum(-1)  # [n] forward widths
         width = None if hp.micro_batch_tokens else rollouts.prompt_ids.shape[1] + rollouts.response_ids.shape[1]
         micros, micro_metrics = F.micro_batches(lengths, max_rows=hp.micro_batch_size, max_tokens=hp.micro_batch_tokens,
                                                 width=width)  # untrimmed fixed micro-batches run at the full width
@@ -497,6 +507,7 @@ class GRPOModule(pl.LightningModule):
             **self.flops.metrics(rollouts, self.timer.times, passes=self.hparams.ppo_epochs,
                                  reference=self.ref_policy is not None,
                                  recompute=recomputes_forward(self.policy)),
+            **env_metrics(rollouts),  # multi-turn only: env/turns_mean, env/tool_calls_mean, ...
         }
         self.log_metrics(metrics)
         self.step_metrics = D.reduce_metrics(self.step_metrics)  # the global batch's figures, on every rank

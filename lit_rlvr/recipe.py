@@ -61,10 +61,18 @@ def build_module(cfg: DictConfig) -> GRPOModule:
         reward_options=OmegaConf.to_container(cfg.reward.options, resolve=True),
         engine=cfg.engine.name,
         engine_options=OmegaConf.to_container(cfg.engine.options, resolve=True),
+        **env_arguments(cfg),
         seed=cfg.seed,
         perf_options=OmegaConf.to_container(cfg.perf, resolve=True) if cfg.get("perf") is not None else None,
         _convert_="all",
     )
+
+
+def env_arguments(cfg: DictConfig) -> dict[str, Any]:
+    """The module's `env` and `env_options` from the `env` group (none: single-turn, the module's defaults)."""
+    env = OmegaConf.to_container(cfg.get("env") or {"name": "none"}, resolve=True)
+    name = env.pop("name", "none")
+    return {} if name == "none" else {"env": name, "env_options": env}
 
 
 def _instantiate(node: Any, **kwargs: Any) -> Any:

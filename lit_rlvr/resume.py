@@ -23,7 +23,7 @@ from typing_extensions import override
 log = logging.getLogger(__name__)
 
 CONFIG_KEY = "lit_rlvr_config"  # the checkpoint entry: {"config": resolved config, "overrides": [...]}
-FROZEN = ("seed", "algorithm", "model", "engine", "reward", "data", "trainer.accelerator", "trainer.devices",
+FROZEN = ("seed", "algorithm", "model", "engine", "reward", "data", "env", "trainer.accelerator", "trainer.devices",
           "trainer.num_nodes", "trainer.precision", "trainer.strategy", "trainer.accumulate_grad_batches")
 # evaluation settings, memory knobs (same math) and paths inside the frozen sections
 MUTABLE = ("algorithm.eval_samples", "algorithm.eval_temperature", "algorithm.max_bad_steps",
@@ -35,9 +35,11 @@ MUTABLE = ("algorithm.eval_samples", "algorithm.eval_temperature", "algorithm.ma
            "engine.options.base_port", "engine.options.port_stride", "engine.options.bucket_bytes",
            "engine.options.mem_fraction_static", "engine.options.server_args.max_total_tokens",
            "engine.options.gpu_memory_utilization", "engine.options.kv_cache_memory_bytes",
-           "engine.options.sleep_level", "engine.options.enforce_eager",
+           "engine.options.sleep_level", "engine.options.enforce_eager", "env.timeout_s",
            # the post-push check only watches (it never changes what is sampled)
            "engine.options.sync_check_tol", "engine.options.sync_check_every")
+# keys added after checkpoints were written without them: absent there means this value
+ADDED_LATER = {"env.name": "none"}
 # optimizer settings that a checkpoint's optimizer state would silently put back: applied after the restore
 OPTIMIZER_KEYS = {"algorithm.lr": "lr", "algorithm.weight_decay": "weight_decay"}
 
@@ -112,7 +114,7 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[t
     for key in sorted(set(old) | set(new)):
         if not _under(key, FROZEN) or _under(key, MUTABLE):
             continue
-        a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
+        a, b = old.get(key, ADDED_LATER.get(key, "<absent>")), new.get(key, "<absent>")
         if not _same(a, b):
             diffs.append((key, a, b))
     return diffs

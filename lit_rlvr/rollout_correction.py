@@ -179,6 +179,8 @@ class RolloutCorrector:
             weights = keep.to(logp.dtype) if weights is None else weights * keep
         if self._rows is not None and record:
             self._rows.append((logp.detach(), engine_logp, mask))
+        if weights is rollouts.token_weights:  # nothing to add: the caller's batch as it is
+            return rollouts
         return replace(rollouts, token_weights=weights)
 
     def first_pass_metrics(self) -> dict[str, Tensor]:

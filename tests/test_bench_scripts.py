@@ -82,3 +82,15 @@ def test_trl_flops_prefill_every_row():
     assert gen == float(F.generation_flops(p, p, r, **shape)[0])
     assert gen > float(F.generation_flops(torch.tensor([4, 5]), p, r, **shape)[0])  # ours: one per prompt
     assert update == float(F.update_flops(p, r, **shape)[0])
+
+
+def test_multi_turn_bench_runs_three_turns_and_reports_both_ratios(tmp_path):
+    """bench/multi_turn.py on a smaller workload: it checks every rollout took its 3 turns and prints the budgets'
+    keys (the figures themselves are measured, not tested)."""
+    done = subprocess.run([sys.executable, str(ROOT / "bench/multi_turn.py"), "--json", "--repeats", "1", "--warmup",
+                           "0", "--turn-tokens", "4", "--sleep-ms", "1"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {"slow_over_instant", "overhead_frac", "instant_gen_s"} <= set(result) and result["turns"] == 3
+    assert result["instant_gen_s"] > 0 and result["overhead_frac"] >= 0 and result["rollouts"] == 64

@@ -322,3 +322,13 @@ def test_two_ranks_sample_what_one_rank_samples(runs):
         assert a["reward/mean"] == pytest.approx(b["reward/mean"], rel=1e-6), step
         for key in a.keys() - {"micro/count", "micro/padding_frac"}:  # each rank's own micro-batch layout
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (step, key)
+
+
+def test_multi_turn_rollouts_equal_hf(engine, policy):
+    """Multi-turn rollouts continue from token ids on vLLM as on HF: greedy transcripts token for token (vLLM runs
+    past the stop string, the loop cuts it), sampled ones consistent with the policy's forward."""
+    from multi_turn_live import assert_greedy_transcripts_equal_hf, assert_sampled_rollouts_are_consistent
+
+    model, tokenizer = policy
+    assert_greedy_transcripts_equal_hf(engine, model, tokenizer)
+    assert_sampled_rollouts_are_consistent(engine, model, tokenizer)

@@ -114,12 +114,16 @@ class DAPOModule(GRPOModule):
 
     def compute_advantages(self, rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
         """GRPO advantages of the reward plus the overlong penalty (Eq. 13); `rollouts.rewards` stays the task
-        reward (so `reward/accuracy` keeps its meaning)."""
+        reward (so `reward/accuracy` keeps its meaning). With an environment the budget is the rollout's,
+        `env.max_tokens`, over its whole response (turns and observations), not one turn's `max_new_tokens`."""
         hp = self.hparams
         if hp.overlong_cache_len == 0:
             return super().compute_advantages(rollouts)
-        lengths = rollouts.response_mask.sum(-1)  # [N]
-        penalty, metrics = F.overlong_penalty(lengths, max_len=hp.max_new_tokens, cache_len=hp.overlong_cache_len,
+        if self.environment is None:
+            lengths, max_len = rollouts.response_mask.sum(-1), hp.max_new_tokens  # [N]
+        else:
+            lengths, max_len = rollouts.response_attention_mask.sum(-1), self.environment.max_tokens  # [N]
+        penalty, metrics = F.overlong_penalty(lengths, max_len=max_len, cache_len=hp.overlong_cache_len,
                                               factor=hp.overlong_penalty_factor)
         shaped = replace(rollouts, rewards=rollouts.rewards + penalty)  # [N]; a view of the batch, nothing copied
         adv, adv_metrics = super().compute_advantages(shaped)

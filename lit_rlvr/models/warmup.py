@@ -21,6 +21,7 @@ import torch
 
 from lit_rlvr.data.tasks.arithmetic import ArithmeticTask, arithmetic_reward
 from lit_rlvr.data.tasks.arithmetic_cot import ArithmeticCoTTask, arithmetic_cot_reward
+from lit_rlvr.envs.calculator import demonstration
 from lit_rlvr.models import cache_entry, tiny
 
 try:
@@ -32,14 +33,20 @@ log = logging.getLogger(__name__)
 
 
 def sft_batch(tokenizer, examples: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded prompt+answer+eos ids [B, L], attention mask [B, L], labels [B, L] (-100 off the answer)."""
+    """Right-padded prompt+answer+eos ids [B, L], attention mask [B, L], labels [B, L] (-100 off the answer, and off
+    the segments an example marks as not written by the model: a tool's results)."""
     rows, label_rows = [], []
     for ex in examples:
         prompt = tokenizer(ex["prompt"])["input_ids"]
-        text = ex.get("target", str(ex["answer"]))  # arithmetic_cot: the written working and the marked answer
-        target = tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append(prompt + target)
-        label_rows.append([-100] * len(prompt) + target)
+        # arithmetic_cot: the written working and the marked answer; with a tool: (text, trained) segments
+        segments = ex.get("segments") or [(ex.get("target", str(ex["answer"])), True)]
+        target, labels = [], []
+        for text, trained in segments:
+            ids = tokenizer(text)["input_ids"]
+            target += ids
+            labels += ids if trained else [-100] * len(ids)
+        rows.append(prompt + target + [tokenizer.eos_token_id])
+        label_rows.append([-100] * len(prompt) + labels + [tokenizer.eos_token_id])
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id)
     labels = torch.full((len(rows), width), -100)
@@ -67,6 +74,7 @@ def warm_start_tiny(
     split_seed: int = 0,
     task: str = "arithmetic",
     max_new_tokens: int = 8,
+    tool_frac: float = 0.0,
 ) -> Path:
     """Path of the warmed-up tiny model; trains and saves it unless the same settings are cached.
 
@@ -77,7 +85,9 @@ def warm_start_tiny(
     evaluates on) reaches `target`, or after `max_steps` with a warning: a step count alone lands at different
     accuracies on different CPUs (float order, compounded near a fast-learning phase). `warmup.json` in the
     folder records where it stopped. `task` is `arithmetic` (answers only) or `arithmetic_cot` (the written
-    working, then the marked answer); `max_new_tokens` bounds the checks' completions.
+    working, then the marked answer); `max_new_tokens` bounds the checks' completions. `tool_frac` (arithmetic_cot):
+    that share of the problems is written as a calculator call, its result and the answer (`env=calculator`), and
+    the checks run with the calculator environment, as RL will.
 
     Several processes (torchrun ranks) may ask at once: the first takes a lock on the cache entry and trains,
     the others wait for it and load what it saved. The entry is complete or absent (`cache_entry`: written
@@ -89,11 +99,16 @@ def warm_start_tiny(
         raise ValueError(f"model.options.target={target} must be in (0, 1]: the held-out sampled accuracy to stop at")
     if task not in WARMUP_TASKS:
         raise ValueError(f"model.options.task={task!r} is not valid; valid: {', '.join(WARMUP_TASKS)}")
+    if not 0.0 <= tool_frac < 1.0 or (tool_frac > 0 and task != "arithmetic_cot"):
+        raise ValueError(f"model.options.tool_frac={tool_frac} must be in [0, 1), and 0 unless the task is "
+                         f"arithmetic_cot (env=calculator's warm-up format is for data=arithmetic_cot)")
     settings = dict(target=target, max_steps=max_steps, eval_every=eval_every, eval_problems=eval_problems,
                     eval_samples=eval_samples, batch_size=batch_size, lr=lr, warmup_steps=warmup_steps, seed=seed,
                     levels=list(levels), hidden_size=hidden_size, layers=layers, split_seed=split_seed, version=3)
     if task != "arithmetic":  # the default's key stays as it was, so its cached models stay valid
         settings.update(task=task, max_new_tokens=max_new_tokens)
+    if tool_frac > 0:  # the keys of models warmed up without the tool stay as they were
+        settings.update(tool_frac=tool_frac)
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     root = cache_entry.cache_root(cache_dir)
     path = root / f"tiny-{key}"
@@ -169,26 +184,39 @@ def _in_dev_slice(task: ArithmeticTask, prompt: str) -> bool:
 DEV_PERCENT = 5  # of the train split's problems (a few hundred per level)
 
 
-def _training_problems(task: ArithmeticTask) -> Iterator[dict]:
-    """The train split in order, without the dev slice."""
+def _training_problems(task: ArithmeticTask, tool_frac: float = 0.0) -> Iterator[dict]:
+    """The train split in order, without the dev slice; a `tool_frac` share (by a hash of the problem) written
+    with the calculator tool."""
     index = 0
     while True:
         problem = task.problem(index, "train")
         if not _in_dev_slice(task, problem["prompt"]):
+            if tool_frac and zlib.crc32(f"tool:{problem['prompt']}".encode()) % 10_000 < tool_frac * 10_000:
+                problem = {**problem, "segments": demonstration(problem["prompt"].rstrip("="))}
             yield problem
         index += 1
 
 
 @torch.no_grad()
 def sampled_accuracy(model, tokenizer, problems: list[dict], samples: int, seed: int = 0, *,
-                     reward=arithmetic_reward, max_new_tokens: int = 8) -> float:
-    """mean@`samples` at T=1 over `problems`, sampled as RL's held-out evaluation samples (`HFEngine`, batched)."""
+                     reward=arithmetic_reward, max_new_tokens: int = 8, env: str = "none") -> float:
+    """mean@`samples` at T=1 over `problems`, sampled as RL's held-out evaluation samples (`HFEngine`, batched);
+    with `env` (calculator), multi-turn rollouts scored by the environment."""
     from lit_rlvr.rollout.engine import SamplingParams
     from lit_rlvr.rollout.hf import HFEngine
 
     engine = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id)
     prompts = [tokenizer(p["prompt"])["input_ids"] for p in problems]
     params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, seed=seed)
+    if env != "none":
+        from lit_rlvr.envs import build_environment
+        from lit_rlvr.rollout.multi_turn import MultiTurn
+
+        environment = build_environment(env, {"options": {"reward": reward}, "max_tokens": 2 * max_new_tokens})
+        episodes = MultiTurn(environment, tokenizer).run(engine.generate, prompts, [p["prompt"] for p in problems],
+                                                         [p["answer"] for p in problems], [samples] * len(prompts),
+                                                         params)
+        return sum(e.reward > 0 for e in episodes) / len(episodes)
     completions = engine.generate(prompts, [samples] * len(prompts), params)
     correct = [reward(p["prompt"], tokenizer.decode(c.token_ids, skip_special_tokens=True),
                                  p["answer"]).score > 0 for p, per in zip(problems, completions) for c in per]
@@ -203,7 +231,7 @@ def _train(s: dict):
     task_class, reward = WARMUP_TASKS[s.get("task", "arithmetic")]
     task = task_class(levels=tuple(s["levels"]), seed=s["split_seed"])
     dev = dev_problems(task, s["eval_problems"])
-    stream = _training_problems(task)
+    stream = _training_problems(task, s.get("tool_frac", 0.0))
     optimizer = torch.optim.AdamW(model.parameters(), lr=s["lr"], weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / max(s["warmup_steps"], 1)))
     accuracy, step, history, eval_s, started = 0.0, 0, [], 0.0, time.perf_counter()
@@ -219,8 +247,9 @@ def _train(s: dict):
         if step % s["eval_every"] == 0 or step == s["max_steps"]:
             model.eval()
             checked = time.perf_counter()
+            with_tool = {"env": "calculator"} if s.get("tool_frac") else {}  # checked as RL will sample
             accuracy = sampled_accuracy(model, tokenizer, dev, s["eval_samples"], reward=reward,
-                                        max_new_tokens=s.get("max_new_tokens", 8))
+                                        max_new_tokens=s.get("max_new_tokens", 8), **with_tool)
             eval_s += time.perf_counter() - checked
             history.append([step, round(accuracy, 4)])
             log.info("warm-up step %d: dev mean@%d %.3f (target %.2f)", step, s["eval_samples"], accuracy, s["target"])

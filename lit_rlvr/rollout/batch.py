@@ -2,13 +2,16 @@
 
 Shapes: B prompts in the step, N completions in all (N = B·G for a plain group of G; V0.5 may give prompts
 different counts), P prompt tokens (left-padded), T response tokens (right-padded).
-Mask convention: `response_mask` True = the token counts.
+Mask convention: True = the token counts. `response_mask` says what counts in the loss (the model's sampled
+tokens), `response_attention_mask` what is in the sequence (sampled and observation tokens; False = padding): the
+forward attends to and positions by the second, every loss term, normaliser, ratio, KL and entropy uses the first.
+Single-turn rollouts have no observation tokens: the two are equal.
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
@@ -26,6 +29,19 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, T
     lengths = torch.tensor([len(s) for s in sequences])  # [R]
     mask = torch.arange(width - 1, -1, -1) < lengths[:, None]  # [R, P]: the last len(s) positions
     return ids, mask
+
+
+@dataclass
+class Transcript:
+    """One multi-turn rollout's turns, for logs and metrics (lit_rlvr.rollout.multi_turn)."""
+
+    turns: list[tuple[str, str]] = field(default_factory=list)  # (role, text): "assistant" or "observation"
+    tool_calls: int = 0  # steps that ran a tool
+    error: Optional[str] = None  # the environment raised or hung: malformed, nothing trained on
+    cut: Optional[str] = None  # "max_turns" | "max_tokens": a limit ended it before the environment did
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "turns": [{"role": r, "text": t} for r, t in self.turns]}
 
 
 @dataclass
@@ -54,6 +70,13 @@ class Rollouts:
     # [N, T] float: factor on each token's loss term, set for the update by the rollout correction (truncated IS
     # weight × rejection mask, 0 = rejected); None = 1
     token_weights: Optional[Tensor] = None
+    # [N, T] bool, True = a token in the sequence (sampled or observation); None at construction = `response_mask`
+    response_attention_mask: Optional[Tensor] = None
+    transcripts: list[Transcript] = field(default_factory=list)  # [N] multi-turn rollouts' turns; [] = single-turn
+
+    def __post_init__(self) -> None:
+        if self.response_attention_mask is None:
+            self.response_attention_mask = self.response_mask.clone()
 
     @property
     def num_samples(self) -> int:
@@ -84,7 +107,7 @@ class Rollouts:
             per_sample = isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == self.num_samples
             if per_sample and f.name != "baseline":
                 value = value[index]
-            elif f.name in ("completions", "finish_reason") and value:
+            elif f.name in ("completions", "finish_reason", "transcripts") and value:
                 value = [value[i] for i in index.tolist()]
             out[f.name] = value
         return Rollouts(**out)
@@ -94,13 +117,14 @@ class Rollouts:
         right of the last response token any row counts. The loss does not change (those positions are
         masked out); the forward is narrower (token-budget micro-batches)."""
         prompt_used = self.prompt_mask.any(0)  # [P] columns some row's prompt uses (left-padded)
-        response_used = self.response_mask.any(0)  # [T]
+        response_used = self.response_attention_mask.any(0)  # [T] columns some row's sequence uses
         start = int(prompt_used.long().argmax()) if bool(prompt_used.any()) else self.prompt_mask.shape[1]
         end = int(response_used.nonzero().max()) + 1 if bool(response_used.any()) else 1
         return replace(self, prompt_ids=self.prompt_ids[:, start:], prompt_mask=self.prompt_mask[:, start:],
                        response_ids=self.response_ids[:, :end], response_mask=self.response_mask[:, :end],
                        old_logp=self.old_logp[:, :end],
-                       token_weights=None if self.token_weights is None else self.token_weights[:, :end])
+                       token_weights=None if self.token_weights is None else self.token_weights[:, :end],
+                       response_attention_mask=self.response_attention_mask[:, :end])
 
     def select_groups(self, keep: Tensor) -> "Rollouts":
         """The completions of the prompts where `keep` ([B] bool) is True; groups are renumbered 0..B'−1 and
@@ -157,11 +181,13 @@ class Rollouts:
             prompt_mask=cat("prompt_mask", left=True, value=False),
             response_ids=cat("response_ids", value=pad_id),
             response_mask=cat("response_mask", value=False),
+            response_attention_mask=cat("response_attention_mask", value=False),
             old_logp=cat("old_logp", value=0.0),
             group=torch.cat([p.group for p in parts]),
             source=torch.cat([p.source for p in parts]),
             completions=sum((p.completions for p in parts), []),
             finish_reason=sum((p.finish_reason for p in parts), []),
+            transcripts=sum((p.transcripts for p in parts), []),
             rewards=cat_optional("rewards"),
             malformed=cat_optional("malformed"),
             advantages=None,
@@ -238,18 +264,23 @@ def rollouts_from_completions(
     prompt_ids, prompt_mask = prompt_ids[group], prompt_mask[group]  # [N, P]
     lengths = torch.tensor([len(c.token_ids) for c in flat], dtype=torch.long)  # [N]
     width = max(int(lengths.max()) if flat else 0, 1)
-    response_mask = torch.arange(width) < lengths[:, None]  # [N, T]
+    present = torch.arange(width) < lengths[:, None]  # [N, T]
     response_ids = torch.full((len(flat), width), pad_id, dtype=torch.long)  # [N, T]
     old_logp = torch.zeros((len(flat), width))  # [N, T]
+    response_mask = present.clone()  # [N, T]
     if flat:  # one scatter of all rows' tokens into the right-padded grid
-        response_ids[response_mask] = torch.cat([c.token_ids for c in flat])
-        old_logp[response_mask] = torch.cat([c.logprobs for c in flat]).float()
+        response_ids[present] = torch.cat([c.token_ids for c in flat])
+        old_logp[present] = torch.cat([c.logprobs for c in flat]).float()
+        if any(c.token_mask is not None for c in flat):  # multi-turn: observation tokens do not count
+            response_mask[present] = torch.cat([c.token_mask if c.token_mask is not None
+                                                else torch.ones(len(c.token_ids), dtype=torch.bool) for c in flat])
     return Rollouts(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
         response_ids=response_ids,
         response_mask=response_mask,
         old_logp=old_logp,
+        response_attention_mask=present,
         group=group,
         source=torch.full((len(flat),), source, dtype=torch.long),
         num_groups=plan.num_prompts,

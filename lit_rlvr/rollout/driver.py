@@ -2,7 +2,9 @@
 
 It asks the engine for the plan's samples weight source by weight source (one stacked call when the engine can),
 round after round while the plan's budget rule asks for more, decodes and scores them, and keeps the engine's
-weights in step with the policy. It is built from explicit parts (engine, tokenizer, reward runner, sampling
+weights in step with the policy. With an environment (`env=`), each sample is a multi-turn rollout
+(lit_rlvr.rollout.multi_turn): all turns of a weight source's samples run inside its weight context, and the
+environment scores them. It is built from explicit parts (engine, tokenizer, reward runner, sampling
 options, the policy whose weights it pushes) and called with what changes per step (the plan, the step, the seed
 key); it returns the batch with its counts and timings and never reads a module or a trainer.
 """
@@ -17,12 +19,14 @@ import torch
 from torch import Tensor, nn
 
 from lit_rlvr import distributed as D
+from lit_rlvr.envs import Environment
 from lit_rlvr.rewards.base import RewardHangError
 from lit_rlvr.rng import seed_of
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts, rollouts_from_completions
-from lit_rlvr.rollout.engine import EngineError, RolloutEngine, SamplingConfig
+from lit_rlvr.rollout.engine import Completion, EngineError, RolloutEngine, SamplingConfig, SamplingParams
 from lit_rlvr.rollout.lora import (SyncCheck, can_generate_with_adapters, check_engine_sync, generate_with_adapters,
                                    probe_prompt, push_policy)
+from lit_rlvr.rollout.multi_turn import Episode, MultiTurn, score_episodes
 from lit_rlvr.step_log import StepTimer
 
 
@@ -35,7 +39,8 @@ class RolloutResult:
     num_tokens: int  # response tokens generated
     reward_failures: int  # reward calls that crashed or timed out (their rollouts are malformed)
     stop_reason: Optional[str]  # set when a reward call hung: the run should save and stop
-    seconds: dict[str, float] = field(default_factory=dict)  # gen_s, reward_s, sync_s (sync_s is within gen_s)
+    # gen_s, reward_s, sync_s, env_s (sync_s and env_s, the environments' time, are within gen_s)
+    seconds: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, Tensor] = field(default_factory=dict)  # the pushes' checks (`engine/sync_logp_diff`)
 
 
@@ -76,12 +81,16 @@ class RolloutDriver:
         policy: the trained model, whose weights `push` sends to an engine that keeps its own copy (LoRA: its
             adapters, or the merged weights: lit_rlvr.rollout.lora).
         sync_check: the post-push check that an engine with its own weights samples the policy (None: off).
+        environment: multi-turn rollouts with this environment (None: single-turn, scored by `reward_runner`).
+        chat_template: observations given as chat messages are rendered with the tokenizer's chat template.
     """
 
     def __init__(self, engine: RolloutEngine, tokenizer: Any, reward_runner: Any, sampling: SamplingConfig,
-                 policy: nn.Module, sync_check: Optional[SyncCheck] = None):
+                 policy: nn.Module, sync_check: Optional[SyncCheck] = None, environment: Optional[Environment] = None,
+                 chat_template: bool = False):
         self.engine, self.tokenizer, self.reward_runner = engine, tokenizer, reward_runner
         self.sampling, self.policy, self.sync_check = sampling, policy, sync_check
+        self.multi_turn = MultiTurn(environment, tokenizer, chat_template=chat_template) if environment else None
         self._holds_mean = False  # whether the engine holds the mean weights of step `engine.version`
         self._pushes = 0  # pushes to a non-shared engine so far (the post-push check runs every k-th)
 
@@ -136,9 +145,30 @@ class RolloutDriver:
                 self._tallied_push(step, mean, tally)
             if sum(counts) == 0:
                 return None
+            if self.multi_turn is not None:  # every turn of this source's rollouts, inside its weight context
+                episodes = self._run_episodes(plan, counts, self.sampling.params(seed), step, tally.timer)
+            else:
+                with self._engine_errors(step):
+                    completions = self.engine.generate(plan.prompt_token_ids, counts, self.sampling.params(seed))
+        if self.multi_turn is None:
+            return rollouts_from_completions(plan, completions, source=source, pad_id=self.tokenizer.pad_token_id)
+        packed = [[e.completion() for e in episodes if e.group == b] for b in range(plan.num_prompts)]
+        part = rollouts_from_completions(plan, packed, source=source, pad_id=self.tokenizer.pad_token_id)
+        score_episodes(part, episodes, self.tokenizer)
+        return part
+
+    def _run_episodes(self, plan: RolloutPlan, counts: list[int], params: SamplingParams, step: int,
+                      timer: Optional[StepTimer] = None) -> list[Episode]:
+        """The multi-turn rollouts of `counts` (prompt after prompt); engine failures become `EngineError`s."""
+        def generate(prompts: list[list[int]], n: list[int], turn_params: SamplingParams) -> list[list[Completion]]:
             with self._engine_errors(step):
-                completions = self.engine.generate(plan.prompt_token_ids, counts, self.sampling.params(seed))
-        return rollouts_from_completions(plan, completions, source=source, pad_id=self.tokenizer.pad_token_id)
+                return self.engine.generate(prompts, n, turn_params)
+
+        episodes = self.multi_turn.run(generate, plan.prompt_token_ids, plan.prompts, plan.answers, counts, params)
+        if timer is not None:
+            timer.add("env_s", self.multi_turn.env_seconds)
+        self.multi_turn.env_seconds = 0.0
+        return episodes
 
     def _can_stack(self, plan: RolloutPlan, per_source: list[list[int]]) -> bool:
         """One stacked engine call for all weight sources: an engine that has one, sharing the model, and
@@ -146,6 +176,7 @@ class RolloutDriver:
         totals = {sum(c) for c in per_source}
         stackable = self.engine.shares_weights or can_generate_with_adapters(self.engine, self.policy)
         return (plan.num_weight_sources > 1 and self.engine.can_generate_stacked and stackable
+                and self.multi_turn is None  # multi-turn: one source after another
                 and len(totals) == 1 and totals != {0})
 
     def _generate_stacked(self, plan: RolloutPlan, per_source: list[list[int]], seeds: list[int], step: int,
@@ -181,6 +212,8 @@ class RolloutDriver:
 
     def _score(self, plan: RolloutPlan, part: Rollouts, timer: StepTimer) -> int:
         """Decode the packed completions and score them in place; returns the number of failed reward calls."""
+        if part.transcripts:  # multi-turn: its environment scored it
+            return 0
         pad = self.tokenizer.pad_token_id
         part.completions = self.tokenizer.batch_decode(part.response_ids.masked_fill(~part.response_mask, pad),
                                                        skip_special_tokens=True)
@@ -207,6 +240,10 @@ class RolloutDriver:
         if not self._holds_mean or self.engine.version != step:
             self.push(step=step)
         params = self.sampling.params(seed, evaluation=True)
+        if self.multi_turn is not None:  # correct: the environment's reward is positive
+            episodes = self._run_episodes(plan, [n] * plan.num_prompts, params, step)
+            correct = [e.reward > 0 and e.transcript.error is None for e in episodes]
+            return torch.tensor(correct).view(plan.num_prompts, n)
         with self._engine_errors(step):
             completions = self.engine.generate(plan.prompt_token_ids, [n] * plan.num_prompts, params)
         texts = [[self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in per] for per in completions]

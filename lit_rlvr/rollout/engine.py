@@ -30,6 +30,9 @@ class SamplingParams:
     seed: int = 0
     ignore_eos: bool = False  # benchmarks: nothing stops a completion before max_new_tokens (eos, stop_token_ids)
     adapter: Optional[str] = None  # LoRA: the loaded adapter to sample with (None: the one pushed last)
+    # token sequences that end a completion once sampled (an environment's stop strings, tokenized): HFEngine stops
+    # on them; other engines run on, and the multi-turn loop cuts the turn at the stop string either way
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         problems = range_problems({"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
@@ -72,6 +75,7 @@ class Completion:
     token_ids: Tensor  # [t] long, including the stop token when one was produced
     logprobs: Tensor  # [t] float: log-prob of each token under softmax(logits / temperature)
     finish_reason: str  # "stop" | "length"
+    token_mask: Optional[Tensor] = None  # [t] bool, True = sampled (False: an environment's observation); None = all
 
 
 class RolloutEngine:

@@ -341,6 +341,8 @@ class HFEngine(RolloutEngine):
         num_rows, steps = len(rows), params.max_new_tokens
         stop = torch.tensor([] if params.ignore_eos else sorted({self.eos_id, *params.stop_token_ids}),
                             dtype=torch.long)
+        # an environment's stop strings, as token sequences: a row also stops where one of them ends
+        sequences = [] if params.ignore_eos else [torch.tensor(q, dtype=torch.long) for q in params.stop_sequences if q]
         tokens = torch.full((num_rows, steps), self.pad_id, dtype=torch.long)  # [R, T]
         logprobs = torch.zeros((num_rows, steps))  # [R, T]
         ids, mask, logits, cache = self._prefill(rows, blocks, steps)  # [R, P], [R, P], [R, V]
@@ -355,6 +357,9 @@ class HFEngine(RolloutEngine):
             token, logp = self._pick(logits, params, uniforms[:, t])  # [A], [A]
             tokens[live, t], logprobs[live, t] = token, logp
             done |= torch.isin(token, stop)
+            for q in sequences:
+                if t + 1 >= len(q):
+                    done |= (tokens[live, t + 1 - len(q) : t + 1] == q).all(-1)
             unfinished = int((~done).sum())  # the step's one sync
             if unfinished == 0 or t + 1 == steps:
                 break
@@ -373,12 +378,17 @@ class HFEngine(RolloutEngine):
             else:
                 ids = torch.cat([ids, token[:, None]], dim=1)
                 logits, _ = self._forward(ids, mask[:, : width + t + 1])
-        return self._completions(tokens, logprobs, stop)
+        return self._completions(tokens, logprobs, stop, sequences)
 
     @staticmethod
-    def _completions(tokens: Tensor, logprobs: Tensor, stop: Tensor) -> list[Completion]:
-        """Each row up to and including its first stop token ("stop"), or all of it ("length")."""
+    def _completions(tokens: Tensor, logprobs: Tensor, stop: Tensor,
+                     sequences: Sequence[Tensor] = ()) -> list[Completion]:
+        """Each row up to and including its first stop token or the end of its first stop sequence ("stop"), or
+        all of it ("length")."""
         is_stop = torch.isin(tokens, stop)  # [R, T]
+        for q in sequences:
+            if len(q) <= tokens.shape[1]:  # the window starting at i ends at i + len(q) - 1
+                is_stop[:, len(q) - 1 :] |= (tokens.unfold(1, len(q), 1) == q).all(-1)
         finished = is_stop.any(-1)  # [R]
         lengths = torch.where(finished, is_stop.int().argmax(-1) + 1, tokens.shape[1])  # argmax: the first stop
         return [Completion(tokens[r, :n], logprobs[r, :n], "stop" if f else "length")
