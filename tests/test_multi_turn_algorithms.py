@@ -34,8 +34,17 @@ def run(tmp_path: Path, tiny_path: str, *overrides: str) -> tuple[dict, list[dic
     return summary, rows
 
 
-@pytest.mark.parametrize("algorithm, extra", [(a, ()) for a in ALGORITHMS] + [("grpo", ("engine.options.mode=copy",))],
-                         ids=ALGORITHMS + ["grpo-copy-engine"])
+# with the other capabilities: an engine with its own weights, LoRA adapters (pushed to a copy engine: C3PO's sampled
+# adapters through every turn), the rollout correction's decoupled π_old forward over observation-bearing rows
+COMPOSED = {"grpo-copy-engine": ("grpo", ("engine.options.mode=copy",)),
+            "grpo-lora": ("grpo", ("model.lora.rank=4",)),
+            "c3po-lora-copy-engine": ("c3po", ("model.lora.rank=4", "engine.options.mode=copy")),
+            "grpo-rollout-correction": ("grpo", ("engine.options.mode=copy", "engine.options.dtype=bfloat16",
+                                                  "algorithm.rollout_correction.rollout_is=token"))}
+
+
+@pytest.mark.parametrize("algorithm, extra", [(a, ()) for a in ALGORITHMS] + list(COMPOSED.values()),
+                         ids=ALGORITHMS + list(COMPOSED))
 def test_every_algorithm_trains_on_multi_turn_rollouts(algorithm, extra, tiny_path, tmp_path):
     group = {"m3po": 8, "c3po": 8, "c3po_v05": 8}.get(algorithm, 4)
     summary, rows = run(tmp_path, tiny_path, f"algorithm={algorithm}", f"algorithm.group_size={group}", *extra)
