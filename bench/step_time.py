@@ -23,7 +23,9 @@ process, and reports `b_over_a` = median step(b) / median step(a). vLLM on a CPU
 tiny model's 16 is not: pass a model with larger heads to both (`--override model.name_or_path=DIR`).
 
 `--compare a,b,…` runs the algorithms in processes that take turns (`--block` steps each, never
-two at once), and reports each one's medians and `b_over_a` = median step(b) / median step(a).
+two at once), and reports each one's medians, peak RSS and `b_over_a` = median step(b) / median step(a). An entry
+may carry its own Hydra overrides after `+`, e.g. `--compare grpo,grpo+model.lora.rank=8` (full fine-tuning
+against rank-8 LoRA in one run).
 """
 
 from __future__ import annotations
@@ -47,10 +49,16 @@ def warmup_for(cfg, warmup: int) -> int:
     return max(warmup, math.ceil(prior.min_context / cfg.data.batch_size))
 
 
+def entry(name: str, overrides: list[str]) -> tuple[str, list[str]]:
+    """`grpo` or `grpo+KEY=VALUE+…`: the algorithm, and the shared overrides followed by the entry's own."""
+    algorithm, *own = name.split("+")
+    return algorithm, [*overrides, *own]
+
+
 def run_algorithm(name: str, overrides: list[str], total_steps: int, baton=None) -> dict:
     """One algorithm's run (in this process, or a child of `common.run_in_turns`): its per-step rows and peak RSS."""
     recorder = common.StepRecorder(name, baton)
-    module, datamodule, trainer = common.build_run(common.compose(name, overrides), total_steps, recorder)
+    module, datamodule, trainer = common.build_run(common.compose(*entry(name, overrides)), total_steps, recorder)
     trainer.fit(module, datamodule=datamodule)
     return {"rows": recorder.rows, "peak_rss_mb": common.peak_rss_mb(), "peak_flops": module.flops.peak}
 
@@ -59,7 +67,7 @@ def measure(algorithms: list[str], steps: int, warmup: int, block: int, override
             threads: int = common.THREADS) -> tuple[dict[str, dict], float]:
     """Run each algorithm for its warm-up plus `steps` timed steps, several in processes taking turns; returns
     their summaries and the largest peak RSS."""
-    warm = max(warmup_for(common.compose(name, overrides), warmup) for name in algorithms)
+    warm = max(warmup_for(common.compose(*entry(name, overrides)), warmup) for name in algorithms)
     if len(algorithms) == 1:
         runs = {algorithms[0]: run_algorithm(algorithms[0], overrides, warm + steps)}
     else:
@@ -77,6 +85,7 @@ def measure(algorithms: list[str], steps: int, warmup: int, block: int, override
         out[name] = {"algorithm": name, "steps": steps, "warmup": warm, **common.summarise_rows(rows, warm)}
         out[name]["_walls"] = [r["wall_s"] for r in rows[warm:]]
         out[name]["peak_flops"] = run["peak_flops"]  # what mfu_* divide by (lit_rlvr.perf)
+        out[name]["peak_rss_mb"] = run["peak_rss_mb"]
     return out, max(run["peak_rss_mb"] for run in runs.values())
 
 
