@@ -63,3 +63,11 @@ def test_installed_wheel_trains_from_another_directory(wheel, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert (elsewhere / "run" / "summary.json").exists()
     assert (elsewhere / "run" / "checkpoints" / "last.ckpt").exists()
+
+
+def test_the_wheel_holds_every_package_of_the_source(wheel):
+    """A package missing from setup.cfg's list fails only where it is imported; check them all at once."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for init in sorted((REPO / "lit_rlvr").rglob("__init__.py")):
+        inside = init.relative_to(REPO).as_posix()
+        assert inside in names, f"{inside} is not in the wheel: add its package to setup.cfg's packages"
