@@ -265,6 +265,12 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         # mmap: only the tensors loaded are read from disk, never the optimizer's states (2-3x the weights)
         module.load_state_dict(state["state_dict"], strict=False)  # a reference model may differ
         metrics = validate(trainer, module, datamodule)
+    return _write_eval(cfg, run_dir, trainer, module, datamodule, metrics)
+
+
+def _write_eval(cfg: DictConfig, run_dir: Path, trainer: pl.Trainer, module: GRPOModule, datamodule: Any,
+                metrics: dict[str, Any]) -> dict[str, Any]:
+    """eval.json: the checkpoint, what was evaluated and how, and the metrics (written whole or not at all)."""
     result = {"checkpoint": str(cfg.checkpoint), "prompts": len(getattr(datamodule, "eval_set", None) or []),
               "samples_per_prompt": cfg.algorithm.eval_samples, "temperature": module.sampling.eval_temperature,
               **metrics}
@@ -277,23 +283,18 @@ def evaluate_adapter(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """`mode=eval checkpoint=DIR` where DIR holds a LoRA adapter in PEFT's format (a run's checkpoints/adapter):
     the base model of `model.name_or_path` with that adapter (its rank, alpha and targets from its config)."""
     directory = Path(cfg.checkpoint)
-    options = options_from_adapter(directory)
-    cfg = cfg.copy()
-    with open_dict(cfg):
-        cfg.model.lora = OmegaConf.create(options.as_dict())
-    datamodule = _instantiate(cfg.data)
-    trainer = build_trainer(cfg, run_dir)
-    _load_data(datamodule, trainer, "validate")
-    module = build_module(cfg)
-    _check_prompt_tokens(datamodule, module)
-    load_adapter_weights(module.policy, directory)
-    metrics = validate(trainer, module, datamodule)
-    result = {"checkpoint": str(directory), "prompts": len(getattr(datamodule, "eval_set", None) or []),
-              "samples_per_prompt": module.hparams.eval_samples, "temperature": module.hparams.eval_temperature,
-              **metrics}
-    if trainer.is_global_zero:
-        (run_dir / "eval.json").write_text(jsonsafe.dumps(result, indent=2))
-    return result
+    with config_phase():  # as _build_eval: a bad adapter, config or data is one line
+        options = options_from_adapter(directory)
+        cfg = cfg.copy()
+        with open_dict(cfg):
+            cfg.model.lora = OmegaConf.create(options.as_dict())
+        datamodule = _instantiate(cfg.data)
+        trainer = build_trainer(cfg, run_dir)
+        _load_data(datamodule, trainer, "validate")
+        module = build_module(cfg)
+        _check_prompt_tokens(datamodule, module)
+        load_adapter_weights(module.policy, directory)
+    return _write_eval(cfg, run_dir, trainer, module, datamodule, validate(trainer, module, datamodule))
 
 
 def _build_eval(cfg: DictConfig, run_dir: Path) -> tuple[Any, pl.Trainer, GRPOModule, dict[str, Any]]:
