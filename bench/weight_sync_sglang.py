@@ -33,11 +33,13 @@ def push_bandwidth(mb: float, repeats: int) -> dict[str, float]:
     from omegaconf import OmegaConf
 
     from lit_rlvr.models import load_policy
+    from lit_rlvr.rollout.lora import SyncCheck
     from lit_rlvr.rollout.sglang import SGLangEngine
     from lit_rlvr.rollout.weights import push_weights
     from weight_sync import synthetic_model
 
     options = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "engine" / "sglang_cpu.yaml").options)
+    SyncCheck.take_from(options)  # the rollout driver's post-push check, not an engine argument
     model = synthetic_model(mb)
     _, tokenizer = load_policy(common.model_path(common.compose("grpo")), "float32")
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -32,7 +32,10 @@ def cpu_options(**overrides) -> dict:
     """`engine.options` of conf/engine/sglang_cpu.yaml (one set of CPU arguments for tests and runs)."""
     from omegaconf import OmegaConf
 
+    from lit_rlvr.rollout.lora import SyncCheck
+
     options = OmegaConf.to_container(OmegaConf.load(CPU_CONFIG).options)
+    SyncCheck.take_from(options)  # the rollout driver's post-push check, not an engine argument
     server_args = {**options.pop("server_args"), **overrides.pop("server_args", {})}
     return {**options, **overrides, "server_args": server_args}
 
