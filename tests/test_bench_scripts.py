@@ -94,3 +94,12 @@ def test_multi_turn_bench_runs_three_turns_and_reports_both_ratios(tmp_path):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert {"slow_over_instant", "overhead_frac", "instant_gen_s"} <= set(result) and result["turns"] == 3
     assert result["instant_gen_s"] > 0 and result["overhead_frac"] >= 0 and result["rollouts"] == 64
+
+
+def test_compare_entries_carry_their_own_overrides():
+    """`--compare grpo,grpo+model.lora.rank=8`: an entry's own overrides come after the shared ones."""
+    import step_time
+
+    assert step_time.entry("grpo", ["data.batch_size=4"]) == ("grpo", ["data.batch_size=4"])
+    assert step_time.entry("grpo+model.lora.rank=8+model.lora.alpha=16", ["data.batch_size=4"]) == (
+        "grpo", ["data.batch_size=4", "model.lora.rank=8", "model.lora.alpha=16"])
