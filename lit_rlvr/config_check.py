@@ -18,7 +18,7 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lit_rlvr.options import RANGES, ConfigError, group_size_problem, problem_line
+from lit_rlvr.options import RANGES, ConfigError, group_size_problem, problem_line, range_problems
 
 DEBUG_ENV = "LIT_RLVR_DEBUG"  # =1: config errors raise with their traceback instead of one line
 
@@ -110,17 +110,8 @@ def _describe(expected: Any) -> str:
 
 
 def _check_ranges(cfg: DictConfig) -> list[str]:
-    problems = []
-    for key, (valid, expected) in RANGES.items():
-        value = OmegaConf.select(cfg, key, default=MISSING)
-        if value is MISSING or value == MISSING:
-            continue
-        try:
-            ok = valid(value)
-        except TypeError:  # e.g. null where a number is needed
-            ok = False
-        if not ok:
-            problems.append(problem_line(key, value, expected))
+    values = {key: OmegaConf.select(cfg, key, default=MISSING) for key in RANGES}  # the table's keys, dotted
+    problems = range_problems({k: v for k, v in values.items() if v is not MISSING and v != MISSING}, "")
     group_size = OmegaConf.select(cfg, "algorithm.group_size", default=None)
     if isinstance(group_size, int) and group_size >= 1:
         has_prior = OmegaConf.select(cfg, PRIOR_GROUP) is not None
