@@ -23,6 +23,7 @@ import struct
 from pathlib import Path
 from typing import Callable, Optional, Union
 
+from lit_rlvr.processes import pid_alive
 from lit_rlvr.storage import STORAGE_ERRNOS, StorageError, write_atomic, writing
 
 log = logging.getLogger(__name__)
@@ -189,20 +190,12 @@ def sweep(entry: Path) -> None:
     host = socket.gethostname()
     for stale in entry.parent.glob(f"{entry.name}.tmp-{host}-*"):
         pid = stale.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
     for stale in entry.parent.glob(f"{entry.name}.corrupt-*"):
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _hint(cache_dir: Union[str, Path]) -> str:

@@ -15,6 +15,8 @@ import sys
 import threading
 import time
 
+from lit_rlvr.processes import pid_alive
+
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -52,7 +54,7 @@ class WeightReceiver:
         engine_core = os.getppid()
 
         def watch() -> None:
-            while _alive(owner_pid):
+            while pid_alive(owner_pid):
                 time.sleep(1.0)
             if engine_core != 1:
                 os.kill(engine_core, signal.SIGKILL)
@@ -60,18 +62,3 @@ class WeightReceiver:
 
         threading.Thread(target=watch, name="lit_rlvr_owner_watch", daemon=True).start()
         return True
-
-
-def _alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie, dead but not yet reaped by its parent, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:  # gone, or no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return not os.path.isdir("/proc")  # /proc exists but had no entry: gone
