@@ -188,7 +188,7 @@ class GRPOModule(pl.LightningModule):
 
     def on_fit_start(self) -> None:
         self._engine_to_device()
-        self.flops.setup(self.policy, self.device, self.trainer)
+        self.flops.setup(self.policy, self.device, self.trainer, self.engine)
 
     def configure_callbacks(self) -> list[pl.Callback]:
         return [FreezeSetupObjects()]
@@ -506,7 +506,8 @@ class GRPOModule(pl.LightningModule):
             **{f"time/{k}": torch.tensor(v) for k, v in self.timer.times.items()},
             **self.flops.metrics(rollouts, self.timer.times, passes=self.hparams.ppo_epochs,
                                  reference=self.ref_policy is not None,
-                                 recompute=recomputes_forward(self.policy)),
+                                 recompute=recomputes_forward(self.policy),
+                                 old_forward=not self.rollout_correction.options.bypass),
             **env_metrics(rollouts),  # multi-turn only: env/turns_mean, env/tool_calls_mean, ...
         }
         self.log_metrics(metrics)

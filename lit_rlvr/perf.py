@@ -190,12 +190,18 @@ class StepFlops:
         self.override, self.cache_dir = peak_flops, cache_root(cache_dir or default_cache_dir())
         self.shape: Optional[dict[str, int]] = None
         self.peak: Optional[float] = None
+        self.adapter = self.gen_adapter = 0  # LoRA's P (functional.flops) in the update and in generation
         self._generated: list[tuple[Tensor, Tensor, Tensor]] = []
 
-    def setup(self, model: torch.nn.Module, device: torch.device, trainer: Any) -> None:
+    def setup(self, model: torch.nn.Module, device: torch.device, trainer: Any, engine: Any = None) -> None:
         """The model's shape and the peak for the trainer's device and compute dtype (one peak for both phases:
-        generation runs in the training step, under the same precision)."""
+        generation runs in the training step, under the same precision); a LoRA policy's adapter size, which
+        generation computes where the engine runs the adapters (the trainer's modules, or an engine serving LoRA)
+        and not where it holds merged weights."""
         self.shape = transformer_shape(model.config)
+        self.adapter = sum(p.numel() for name, p in model.named_parameters() if ".lora_" in name)
+        unmerged = engine is not None and (engine.shares_weights or engine.serves_lora)
+        self.gen_adapter = self.adapter if unmerged else 0
         if self.shape is None:
             log.warning("perf/*: the model's config (%s) is not a dense decoder this FLOP count describes; "
                         "no FLOP/s or MFU metrics", type(model.config).__name__)
@@ -220,14 +226,16 @@ class StepFlops:
         self._generated.append((prefill, prompt, rollouts.response_mask.sum(-1)))
 
     def metrics(self, rollouts: Any, times: Mapping[str, float], *, passes: int, reference: bool,
-                recompute: bool) -> dict[str, Tensor]:
+                recompute: bool, old_forward: bool = False) -> dict[str, Tensor]:
         """perf/flops_per_s_gen, perf/flops_per_s_update and (with a peak) perf/mfu_gen, perf/mfu_update."""
         if self.shape is None:
             return {}
         shape = {k: self.shape[k] for k in SHAPE_KEYS}
-        gen = sum((F.generation_flops(*counts, **shape)[0] for counts in self._generated), torch.tensor(0.0))
+        gen = sum((F.generation_flops(*counts, adapter=self.gen_adapter, **shape)[0] for counts in self._generated),
+                  torch.tensor(0.0))
         update, _ = F.update_flops(rollouts.prompt_mask.sum(-1), rollouts.response_mask.sum(-1), passes=passes,
-                                   reference=reference, recompute=recompute, **shape)
+                                   reference=reference, recompute=recompute, old_forward=old_forward,
+                                   adapter=self.adapter, **shape)
         out = {}
         for name, flops, phase in (("gen", gen, "gen_s"), ("update", update, "train_s")):
             rate = flops / max(times.get(phase, 0.0), 1e-9)

@@ -13,6 +13,7 @@ formula for: it would not see attention at all, hence eager attention here. Padd
 counter would count it), so the inputs here have none; `test_hand_worked_forward` covers the lengths.
 """
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -71,6 +72,16 @@ def test_hand_worked_forward():
     full, _ = forward_flops(torch.tensor([7]), torch.tensor([0]), torch.tensor([3]), **dims)
     body, _ = forward_flops(torch.tensor([7]), torch.tensor([0]), torch.tensor([0]), **dims)
     assert float(upd) == 2 * (3 * float(full) + float(full) + float(body))
+    # the decoupled rollout correction's forward for π_old: one more forward, once (not per pass)
+    upd_old, parts = F.update_flops(torch.tensor([4]), torch.tensor([3]), passes=2, old_forward=True, **dims)
+    assert float(upd_old) == 2 * 3 * float(full) + float(full) and float(parts["old_forward"]) == float(full)
+    # LoRA with P = 10 adapter multiply-adds per position, frozen base: projections and head 2 forwards, attention
+    # 3, the adapters 6·P per position (7 positions); generation adds 2·P per prefilled and decoded position
+    _, terms = forward_flops(torch.tensor([7]), torch.tensor([0]), torch.tensor([3]), **dims)
+    lora, _ = F.update_flops(torch.tensor([4]), torch.tensor([3]), adapter=10, **dims)
+    assert float(lora) == 2 * float(full) + float(terms["attention"]) + 6 * 10 * 7
+    gen_lora, _ = F.generation_flops(torch.tensor([4]), torch.tensor([4]), torch.tensor([3]), adapter=10, **dims)
+    assert float(gen_lora) == float(gen) + 2 * 10 * (4 + 2)
 
 
 def test_forward_matches_the_counter(model, shape):
@@ -100,6 +111,32 @@ def test_forward_backward_matches_the_counter(model, shape):
     ours, _ = F.update_flops(torch.full((rows,), prompt), torch.full((rows,), response), **shape)
     dropped_logits = 3 * 2.0 * shape["hidden"] * shape["vocab"] * rows  # forward + backward of the extra position
     assert seen == float(ours) + 3 * masked_half(shape, rows, prompt + response) + dropped_logits
+
+
+def test_lora_forward_backward_matches_the_counter(model, shape):
+    """The update on rank-4 adapters over every linear layer (the base frozen): the counter and ours. Two terms ours
+    leaves out: the extra LM-head position (now 2 forwards: the frozen head's input gradient only), and the first
+    layer's q, k, v projections and their adapters' A, whose input (the embeddings, frozen) needs no gradient."""
+    from lit_rlvr.models.lora import LoraOptions, apply_lora, lora_layers
+
+    policy = apply_lora(copy.deepcopy(model), LoraOptions(rank=4))
+    adapter = sum(p.numel() for n, p in policy.named_parameters() if ".lora_" in n)
+    assert adapter == sum(4 * (layer.in_features + layer.out_features) for _, layer in lora_layers(policy))
+    rows, prompt, response = 3, 5, 8
+    ids = torch.randint(4, 101, (rows, prompt + response), generator=torch.Generator().manual_seed(4))
+
+    def update():
+        logits = policy(input_ids=ids, logits_to_keep=response + 1).logits[:, :-1]
+        F.token_logprobs(logits, ids[:, prompt:], temperature=1.0).sum().backward()
+
+    seen = counted(update)
+    ours, _ = F.update_flops(torch.full((rows,), prompt), torch.full((rows,), response), adapter=adapter, **shape)
+    tokens = rows * (prompt + response)
+    dropped_logits = 2 * 2.0 * shape["hidden"] * shape["vocab"] * rows
+    qkv_out = (shape["heads"] + 2 * shape["kv_heads"]) * shape["head_dim"]
+    first_layer_inputs = 2.0 * tokens * (shape["hidden"] * qkv_out + 3 * 4 * shape["hidden"])
+    assert seen == float(ours) + 3 * masked_half(shape, rows, prompt + response) + dropped_logits \
+        - first_layer_inputs
 
 
 def _engine_case(shape, prompts: int, group: int, prompt_len: int, new: int, sources: int = 1):

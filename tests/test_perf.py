@@ -162,3 +162,34 @@ def test_activation_checkpointing_is_read_without_a_deprecation_warning(recwarn)
     recwarn.clear()
     assert perf.recomputes_forward(model)
     assert not [w for w in recwarn if issubclass(w.category, FutureWarning)]  # read every step: no warning
+
+
+def test_step_flops_counts_the_adapters_where_they_run():
+    """A LoRA policy: the update counts its adapters (and the frozen base's cheaper backward); generation counts
+    them on an engine that runs them (the trainer's modules, or one serving LoRA), not on a merged copy."""
+    from types import SimpleNamespace
+
+    from lit_rlvr import functional as F
+    from lit_rlvr.models.lora import LoraOptions, apply_lora
+    from lit_rlvr.models.tiny import build_tiny
+
+    policy = apply_lora(build_tiny(seed=0)[0], LoraOptions(rank=2))
+    adapter = sum(p.numel() for n, p in policy.named_parameters() if ".lora_" in n)
+    trainer = SimpleNamespace(precision="32-true", strategy=None)
+    rollouts = _rollouts([3, 3], [4, 2], [0, 0], [0, 0])
+    seen = {}
+    for name, shares, serves in (("shared", True, False), ("served", False, True), ("merged", False, False)):
+        meter = perf.StepFlops(peak_flops=1e9)
+        meter.setup(policy, torch.device("cpu"), trainer, SimpleNamespace(shares_weights=shares, serves_lora=serves))
+        meter.reset()
+        meter.add_generation(rollouts)
+        seen[name] = meter.metrics(rollouts, {"gen_s": 1.0, "train_s": 1.0}, passes=1, reference=False,
+                                   recompute=False)
+    assert meter.adapter == adapter > 0
+    prefill, prompt, response = meter._generated[0]
+    update, _ = F.update_flops(prompt, response, adapter=adapter, **meter.shape)
+    for name, gen_adapter in (("shared", adapter), ("served", adapter), ("merged", 0)):
+        gen, _ = F.generation_flops(prefill, prompt, response, adapter=gen_adapter, **meter.shape)
+        assert float(seen[name]["perf/flops_per_s_gen"]) == pytest.approx(float(gen), rel=1e-6)
+        assert float(seen[name]["perf/flops_per_s_update"]) == pytest.approx(float(update), rel=1e-6)
+    assert seen["shared"]["perf/flops_per_s_gen"] > seen["merged"]["perf/flops_per_s_gen"]

@@ -16,6 +16,11 @@ A forward over n new positions of a row whose cache already holds c positions, w
 
 The embedding lookup is a gather (0 FLOPs). A backward costs twice its forward (the gradients of each matmul's
 two inputs), so a forward + backward is 3·F.
+
+LoRA adapters (rank r on a layer [out, in]: x·Aᵀ then ·Bᵀ) add r·(in + out) multiply-adds per position, their
+parameter count; P = that summed over the adapted layers, so a forward adds 2·P per position. With the base
+frozen, the backward of its matmuls computes the input gradients only (no weight gradients): projections and head
+cost 2·F in all, attention (no weights) still 3·F, the adapters 3·2·P per position.
 """
 
 from __future__ import annotations
@@ -41,8 +46,8 @@ def forward_flops(new: Tensor, cached: Tensor, head: Tensor, *, layers: int, hid
     return linear + head_flops + attention, {"linear": linear, "head": head_flops, "attention": attention}
 
 
-def generation_flops(prefill_lengths: Tensor, prompt_lengths: Tensor, response_lengths: Tensor, *, layers: int,
-                     hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
+def generation_flops(prefill_lengths: Tensor, prompt_lengths: Tensor, response_lengths: Tensor, *, adapter: int = 0,
+                     layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
                      vocab: int) -> tuple[Tensor, dict[str, Tensor]]:
     """Model FLOPs of sampling: each prefill, then each completion's decode steps.
 
@@ -50,6 +55,7 @@ def generation_flops(prefill_lengths: Tensor, prompt_lengths: Tensor, response_l
     `HFEngine` shares a group's prefill), F(p, 0, 1) each: the LM head runs at the last position only.
     prompt_lengths, response_lengths [N]: per completion of r tokens, the first comes from the prefill's logits
     and r − 1 decode steps feed the others one by one: F(r − 1, p, r − 1) (token j, 1 ≤ j < r, sees p + j keys).
+    `adapter`: P of an engine that runs LoRA adapters unmerged (0 for merged weights), 2·P per position.
     Returns (FLOPs [] float64, {"prefill", "decode"})."""
     shape = dict(layers=layers, hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=kv_heads,
                  head_dim=head_dim, vocab=vocab)
@@ -57,26 +63,35 @@ def generation_flops(prefill_lengths: Tensor, prompt_lengths: Tensor, response_l
                                **shape)
     steps = (response_lengths - 1).clamp_min(0)  # [N]
     decode, _ = forward_flops(steps, prompt_lengths, steps, **shape)
+    prefill = prefill + 2.0 * adapter * prefill_lengths.to(torch.float64).sum()
+    decode = decode + 2.0 * adapter * steps.to(torch.float64).sum()
     return prefill + decode, {"prefill": prefill, "decode": decode}
 
 
 def update_flops(prompt_lengths: Tensor, response_lengths: Tensor, *, passes: int = 1, reference: bool = False,
-                 recompute: bool = False, layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int,
-                 head_dim: int, vocab: int) -> tuple[Tensor, dict[str, Tensor]]:
+                 recompute: bool = False, old_forward: bool = False, adapter: int = 0, layers: int, hidden: int,
+                 intermediate: int, heads: int, kv_heads: int, head_dim: int,
+                 vocab: int) -> tuple[Tensor, dict[str, Tensor]]:
     """Model FLOPs of the update over completions with these prompt and response lengths ([N] each).
 
     Each of `passes` passes over the batch (PPO epochs; M3PO's per-sample loss passes split a batch, they do not
     repeat it) runs a forward + backward over prompt and response, the LM head at the response positions:
-    3·F(p + r, 0, r). `reference`: a frozen reference model's forward (KL penalty), F(p + r, 0, r) per pass.
-    `recompute`: activation checkpointing runs the decoder layers' forward again in the backward,
-    F(p + r, 0, 0) per pass. Returns (FLOPs [] float64, {"forward_backward", "reference", "recompute"})."""
+    3·F(p + r, 0, r), or with LoRA adapters (`adapter` = P > 0, the base frozen) 2·F + F_attention + 6·P per
+    position. `reference`: a frozen reference model's forward (KL penalty; LoRA's is the base without adapters),
+    F(p + r, 0, r) per pass. `recompute`: activation checkpointing runs the decoder layers' forward again in the
+    backward, F(p + r, 0, 0) (+ 2·P) per pass. `old_forward`: the decoupled rollout correction's one forward for
+    π_old before the passes, F(p + r, 0, r) (+ 2·P).
+    Returns (FLOPs [] float64, {"forward_backward", "reference", "recompute", "old_forward"})."""
     shape = dict(layers=layers, hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=kv_heads,
                  head_dim=head_dim, vocab=vocab)
     zero = torch.zeros_like(prompt_lengths)
     tokens = prompt_lengths + response_lengths  # [N]
-    forward, _ = forward_flops(tokens, zero, response_lengths, **shape)
+    forward, terms = forward_flops(tokens, zero, response_lengths, **shape)
     body, _ = forward_flops(tokens, zero, zero, **shape)
-    parts = {"forward_backward": 3.0 * passes * forward,
+    lora = 2.0 * adapter * tokens.to(torch.float64).sum()  # the adapters' forward
+    forward_backward = 2.0 * forward + terms["attention"] + 3.0 * lora if adapter else 3.0 * forward
+    parts = {"forward_backward": passes * forward_backward,
              "reference": passes * forward * float(reference),
-             "recompute": passes * body * float(recompute)}
-    return parts["forward_backward"] + parts["reference"] + parts["recompute"], parts
+             "recompute": passes * (body + lora) * float(recompute),
+             "old_forward": (forward + lora) * float(old_forward)}
+    return sum(parts.values()), parts
