@@ -372,3 +372,20 @@ def test_real_sglang_greedy_equals_hf_engine(tiny_path):
             assert g.token_ids.tolist() == w.token_ids.tolist() and g.finish_reason == w.finish_reason
             assert torch.allclose(g.logprobs, w.logprobs, atol=1e-3)
     assert [g[0].token_ids.tolist() for g in again] == [g[0].token_ids.tolist() for g in want]
+
+
+def test_lora_server_args_serve_the_policys_adapters():
+    """A LoRA policy with lora_sync=adapter starts sglang with its rank, the short names of the layers it adapts
+    and the adapters a batch may mix; on a CPU with the pure-torch LoRA kernels (sglang's default are Triton's)."""
+    from lit_rlvr.models.lora import LoraOptions, apply_lora
+    from lit_rlvr.models.tiny import build_tiny
+    from lit_rlvr.rollout.sglang import lora_server_args
+
+    policy = apply_lora(build_tiny(seed=0)[0], LoraOptions(rank=4, target_modules=("q_proj", "v_proj")))
+    args = lora_server_args(policy, max_loras=5)
+    assert args == {"enable_lora": True, "max_lora_rank": 4, "lora_target_modules": ["q_proj", "v_proj"],
+                    "max_loras_per_batch": 5}
+    assert lora_server_args(policy, max_loras=5, cpu=True)["lora_backend"] == "torch_native"
+    every = lora_server_args(apply_lora(build_tiny(seed=0)[0], LoraOptions(rank=2)), max_loras=8)
+    assert every["lora_target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
+                                            "v_proj"]

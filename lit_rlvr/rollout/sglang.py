@@ -168,10 +168,25 @@ def _import_engine_module():
 
 
 def _check(result, what: str) -> None:
-    """sglang's weight-update calls return (success, message), flush_cache a FlushCacheReqOutput; none raises."""
-    success, message = result if isinstance(result, tuple) else (result.success, result.message)
+    """sglang's weight-update calls return (success, message), flush_cache a FlushCacheReqOutput, the LoRA calls a
+    LoRAUpdateOutput; none raises."""
+    if isinstance(result, tuple):
+        success, message = result
+    else:
+        success, message = result.success, getattr(result, "message", None) or getattr(result, "error_message", "")
     if not success:
         raise RuntimeError(f"sglang {what} failed: {message}")
+
+
+def lora_server_args(model: nn.Module, max_loras: int, cpu: bool = False) -> dict[str, Any]:
+    """`sglang.Engine` arguments that serve the policy's LoRA adapters: its rank, the module names they adapt
+    (the last part of peft's paths), and how many adapters one batch may mix (C3PO's N samples and the mean); on a
+    CPU the pure-torch LoRA kernels (sglang's default ones are Triton's)."""
+    config = model.peft_config["default"]
+    targets = config.target_modules
+    names = sorted({t.rsplit(".", 1)[-1] for t in ([targets] if isinstance(targets, str) else targets)})
+    return {"enable_lora": True, "max_lora_rank": int(config.r), "lora_target_modules": names,
+            "max_loras_per_batch": int(max_loras), **({"lora_backend": "torch_native"} if cpu else {})}
 
 
 class SGLangEngine(RolloutEngine):
@@ -182,13 +197,17 @@ class SGLangEngine(RolloutEngine):
     def __init__(self, model: nn.Module, tokenizer, *, mem_fraction_static: float = 0.5, bucket_bytes: int = 256 << 20,
                  base_port: int = 30000, port_stride: int = 10, seed: int = 0, deterministic: bool = False,
                  dtype: Optional[str] = None, model_path: Optional[str] = None, server_args: Optional[dict] = None,
-                 lora_sync: str = "merged"):
-        if lora_sync != "merged":
-            # sglang 0.5.23 has multi-LoRA serving (Engine.load_lora_adapter_from_tensors, generate(lora_path=...)),
-            # not wired here yet: a LoRA policy reaches it as merged weights under the base names
-            raise ValueError(f"engine.options.lora_sync={lora_sync!r}: engine=sglang takes a LoRA policy as merged "
-                             "weights (W + BA); set engine.options.lora_sync=merged")
-        self.lora_sync = lora_sync
+                 lora_sync: str = "adapter", max_loras: int = 8):
+        from lit_rlvr.models.lora import is_lora
+        from lit_rlvr.rollout.lora import check_lora_sync
+
+        self.lora_sync = check_lora_sync(lora_sync)
+        self._adapters: set[str] = set()  # names of the adapters it holds
+        server_args = dict(server_args or {})
+        if is_lora(model) and lora_sync == "adapter":  # sglang's multi-LoRA serving: an adapter per request
+            self.serves_lora = self.serves_many_adapters = self.can_generate_stacked = True
+            server_args = {**lora_server_args(model, max_loras, cpu=server_args.get("device") == "cpu"),
+                           **server_args}
         module = _import_engine_module()
         # sglang's sampler returns log softmax(logits / T) unless this is set (then: before temperature scaling)
         if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "false").lower() in ("1", "true"):
@@ -210,7 +229,7 @@ class SGLangEngine(RolloutEngine):
         self.weight_dtype = weight_dtype  # pushes are cast to it before bucketing (bf16 halves the bytes sent)
         kwargs = engine_args(model_path, weight_dtype, rank=rank, local_rank=local_rank, base_port=base_port,
                              port_stride=port_stride, seed=seed, mem_fraction_static=mem_fraction_static,
-                             deterministic=deterministic, server_args=dict(server_args or {}))
+                             deterministic=deterministic, server_args=server_args)
         self._module, self._engine, self._death = module, None, None
         self._engine = self._start(module, kwargs)
         atexit.unregister(self._engine.shutdown)  # its blanket kill would end every child of this process
@@ -324,6 +343,9 @@ class SGLangEngine(RolloutEngine):
         if self._asleep or self._engine is None:
             return
         self.end_weight_update()
+        for name in sorted(self._adapters):  # the next push brings base and adapter again, under a new name
+            self._unload_adapter(name)
+        self.active_adapter = None
         self._wait_idle()
         self._call("release memory", self._engine.release_memory_occupation)
         self._asleep, self._has_weights, self.version, self.holds_base = True, False, -1, False
@@ -346,9 +368,66 @@ class SGLangEngine(RolloutEngine):
         input_ids, sampling = build_requests(prompt_token_ids, n_per_prompt, params, self.eos_id)
         if not input_ids:  # sglang rejects an empty batch
             return [[] for _ in prompt_token_ids]
+        adapter = self._adapter(params.adapter)
+        lora = {} if adapter is None else {"lora_path": [adapter] * len(input_ids)}
         outputs = self._call("generate", self._engine.generate, input_ids=input_ids, sampling_params=sampling,
-                             return_logprob=True)
+                             return_logprob=True, **lora)
         return parse_outputs(outputs, n_per_prompt)
+
+    def generate_stacked(self, prompt_token_ids: Sequence[Sequence[int]], counts_per_source: list[list[int]],
+                         params_per_source: list[SamplingParams], stacks=None) -> list[list[list[Completion]]]:
+        """Every weight source's rows in one `Engine.generate` call, each request with its source's adapter
+        (`params.adapter`, loaded by `load_adapter`) and seeds: C3PO's N sampled adapters over one base."""
+        self.wake()
+        self.end_weight_update()
+        input_ids, sampling, adapters = [], [], []
+        for counts, params in zip(counts_per_source, params_per_source):
+            rows, kwargs = build_requests(prompt_token_ids, counts, params, self.eos_id)
+            input_ids += rows
+            sampling += kwargs
+            adapters += [self._adapter(params.adapter)] * len(rows)
+        outputs = (self._call("generate", self._engine.generate, input_ids=input_ids, sampling_params=sampling,
+                              return_logprob=True, lora_path=adapters if self.serves_lora else None)
+                   if input_ids else [])
+        out, start = [], 0
+        for counts in counts_per_source:
+            out.append(parse_outputs(outputs[start:start + sum(counts)], counts))
+            start += sum(counts)
+        return out
+
+    # -- LoRA adapters ----------------------------------------------------------------------------------------
+    def load_adapter(self, name: str, tensors: dict[str, Tensor], config: dict, activate: bool = True) -> None:
+        """Hand the adapter's tensors (PEFT file keys) to sglang under `name`; adapters of earlier weight versions
+        are unloaded first (their slots free)."""
+        if not self.serves_lora:
+            raise RuntimeError("SGLangEngine serves adapters only with a LoRA policy and lora_sync=adapter")
+        self.wake()
+        self.end_weight_update()
+        version = name.rsplit("_", 1)[0]
+        for old in [n for n in self._adapters if n.rsplit("_", 1)[0] != version and n != self.active_adapter]:
+            self._unload_adapter(old)
+        cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+        _check(self._call("load a LoRA adapter", self._engine.load_lora_adapter_from_tensors, name, cpu, config),
+               f"load_lora_adapter_from_tensors({name!r})")
+        self._adapters.add(name)
+        if activate:
+            self.active_adapter = name
+
+    def _unload_adapter(self, name: str) -> None:
+        _check(self._call("unload a LoRA adapter", self._engine.unload_lora_adapter, name),
+               f"unload_lora_adapter({name!r})")
+        self._adapters.discard(name)
+
+    def _adapter(self, name: Optional[str]) -> Optional[str]:
+        """The adapter a request runs with: `name`, else the active one (None: the base alone)."""
+        if not self.serves_lora:
+            if name is not None:
+                raise RuntimeError(f"SGLangEngine serves no adapters; asked for {name!r}")
+            return None
+        name = name or self.active_adapter
+        if name is not None and name not in self._adapters:
+            raise RuntimeError(f"SGLangEngine holds no adapter {name!r} (it holds {sorted(self._adapters)})")
+        return name
 
     def shutdown(self) -> None:
         """End this engine's scheduler and detokenizer processes (and their children) only."""

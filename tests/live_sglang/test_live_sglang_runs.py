@@ -1,6 +1,7 @@
 """Whole `python train.py engine=sglang_cpu` runs on a CPU: GRPO, C3PO and V0.5 end with summary.json, a GRPO
-run resumed from its last.ckpt pushes the weights its first part ended with, and two ranks (torchrun, FSDP2 over
-gloo) each drive their own engine. Runs go two at a time (each starts its own sglang engine: ~2 minutes)."""
+run resumed from its last.ckpt pushes the weights its first part ended with, C3PO on LoRA adapters samples its N
+weight samples as N adapters over one base, and two ranks (torchrun, FSDP2 over gloo) each drive their own engine.
+Runs go two at a time (each starts its own sglang engine: ~2 minutes)."""
 
 import csv
 import json
@@ -24,6 +25,7 @@ RUNS = {  # name: (overrides, engine base port); distinct ports: engines of para
     "c3po": (["algorithm=c3po", "trainer.max_steps=3"], 31100),
     "v05": ([*V05, "trainer.max_steps=2"], 31200),
     "part": (["algorithm=grpo", "trainer.max_steps=2", "checkpoint_every=1"], 31300),
+    "c3po_lora": (["algorithm=c3po", "model.lora.rank=4", "trainer.max_steps=2"], 31600),
 }
 TIMEOUT_S = 1200
 
@@ -66,7 +68,7 @@ def runs(tiny_path, tmp_path_factory):
         _wait(*[_start(dirs[name], *RUNS[name]) for name in pair])
     resumed = root / "resumed"
     _wait(_start(resumed, ["algorithm=grpo", "trainer.max_steps=3", f"resume={dirs['part']}/checkpoints/last.ckpt"],
-                 31400))
+                 31400), _start(dirs["c3po_lora"], *RUNS["c3po_lora"]))
     return {**dirs, "resumed": resumed}
 
 
@@ -91,6 +93,24 @@ def test_fp32_sglang_engine_drifts_from_the_trainer_by_float_rounding_only(runs)
 def _column(run_dir: Path, key: str) -> list[float]:
     with (run_dir / "metrics.csv").open() as handle:
         return [float(r[key]) for r in csv.DictReader(handle) if r.get(key)]
+
+
+def test_c3po_on_lora_samples_adapters_over_one_base(runs):
+    """C3PO on rank-4 adapters through sglang's multi-LoRA serving: the noise covers the adapters alone, the engine
+    serves the trained adapter after every push (the post-push check, fp32: float rounding), and its N weight
+    samples go as adapters in one call (no push of sampled weights: every recorded push holds the mean)."""
+    summary = json.loads((runs["c3po_lora"] / "summary.json").read_text())
+    assert summary["steps"] == 2
+    from safetensors.torch import load_file
+
+    adapter = load_file(runs["c3po_lora"] / "checkpoints" / "adapter" / "adapter_model.safetensors")
+    numel = _column(runs["c3po_lora"], "noise/numel")
+    assert numel and set(numel) == {float(sum(t.numel() for t in adapter.values()))}, numel
+    diffs = _column(runs["c3po_lora"], "engine/sync_logp_diff")
+    assert diffs and all(d < 1e-4 for d in diffs), diffs
+    pushes = _pushes(runs["c3po_lora"])
+    assert pushes and all(p["holds_mean"] for p in pushes)
+    assert len({p["digest"] for p in pushes}) > 1  # the adapters trained
 
 
 def test_c3po_pushes_once_per_weight_sample(runs):

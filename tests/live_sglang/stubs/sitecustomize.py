@@ -3,6 +3,8 @@
 Why: PyPI's torch 2.14.1 is a CUDA build; with no GPU, `torch.get_device_module()` still answers `torch.cuda`,
 and sglang's `release_memory_occupation` calls its `.synchronize()` ("Found no NVIDIA driver"). Where CUDA is
 unavailable it answers `torch.cpu`, patched right after torch is imported (no torch import at start-up here).
+Likewise sglang's LoRA layers allocate their offset tables with `pin_memory=True` (page-locked host memory for
+CUDA copies, which needs the driver): with no GPU, pinning is a no-op here (plain host memory, same values).
 """
 
 import importlib.abc
@@ -19,6 +21,18 @@ def _patch(torch) -> None:
         return original(device)
 
     torch.get_device_module = get_device_module
+    if torch.cuda.is_available():
+        return
+
+    def unpinned(factory):
+        def make(*args, **kwargs):
+            kwargs.pop("pin_memory", None)
+            return factory(*args, **kwargs)
+        return make
+
+    for name in ("tensor", "empty", "zeros", "ones", "full", "arange", "empty_strided"):
+        setattr(torch, name, unpinned(getattr(torch, name)))
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
 
 
 class _AfterTorch(importlib.abc.MetaPathFinder):

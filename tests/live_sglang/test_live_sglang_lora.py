@@ -1,0 +1,137 @@
+"""SGLang serving a LoRA policy, live on a CPU (`lora_sync=adapter`, sglang's `torch_native` LoRA kernels): the base
+arrives once by HF name, then each adapter as tensors (`Engine.load_lora_adapter_from_tensors`); what it samples
+with the adapter matches the trainer's LoRA policy; C3PO's N sampled adapters decode in one call, each request with
+its own adapter; a dropped adapter is caught by the post-push check; a sleep drops the adapters and the next push
+brings base and adapter again. Policy: the tiny model, untrained, with random adapters (B ≠ 0)."""
+
+import pytest
+import torch
+
+from lit_rlvr.rollout.engine import SamplingParams
+from sglang_live import cpu_options, live
+
+pytestmark = live
+PROMPTS = ["12+34=", "5+5=", "71-18="]
+
+
+def randomise_adapters(model, seed: int, scale: float = 0.3) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(scale * torch.randn(p.shape, generator=gen))
+
+
+@pytest.fixture(scope="module")
+def lora_policy():
+    from lit_rlvr.models.lora import LoraOptions, apply_lora
+    from lit_rlvr.models.tiny import build_tiny
+
+    model, tokenizer = build_tiny(seed=0)
+    model = apply_lora(model, LoraOptions(rank=4), seed=0).eval()
+    randomise_adapters(model, seed=1)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def engine(lora_policy):
+    from lit_rlvr.rollout.lora import push_policy
+    from lit_rlvr.rollout.sglang import SGLangEngine
+
+    model, tokenizer = lora_policy
+    eng = SGLangEngine(model, tokenizer, **cpu_options(max_loras=4, base_port=32000))
+    assert eng.serves_lora and eng.serves_many_adapters and eng.lora_sync == "adapter"
+    pushed = push_policy(eng, model, version=0)
+    eng.version = 0
+    base = sum(p.numel() * 4 for n, p in model.named_parameters() if ".lora_" not in n)
+    adapter = sum(p.numel() * 4 for n, p in model.named_parameters() if ".lora_" in n)
+    assert pushed == base + adapter  # the first push: the base by name, then the adapter
+    assert push_policy(eng, model, version=0) == adapter  # later pushes: the adapter alone
+    yield eng
+    eng.shutdown()
+
+
+def _ids(tokenizer, prompts=PROMPTS):
+    return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+
+
+def _hf_engine(model, tokenizer):
+    from lit_rlvr.rollout.hf import HFEngine
+
+    return HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id)
+
+
+def test_sampling_with_the_pushed_adapter_matches_the_trainers_lora_policy(engine, lora_policy):
+    model, tokenizer = lora_policy
+    prompts = _ids(tokenizer)
+    params = SamplingParams(temperature=0.0, max_new_tokens=10)
+    ours = engine.generate(prompts, [1] * len(prompts), params)
+    want = _hf_engine(model, tokenizer).generate(prompts, [1] * len(prompts), params)
+    for (a,), (b,) in zip(ours, want):
+        assert a.token_ids.tolist() == b.token_ids.tolist()
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+    with torch.no_grad(), model.disable_adapter():  # the adapter does change what is sampled
+        base = _hf_engine(model, tokenizer).generate(prompts, [1] * len(prompts), params)
+    assert [c[0].token_ids.tolist() for c in base] != [c[0].token_ids.tolist() for c in ours]
+
+
+def test_c3po_sampled_adapters_decode_in_one_call_each_with_its_own(engine, lora_policy):
+    from lit_rlvr.rollout.lora import generate_with_adapters
+
+    model, tokenizer = lora_policy
+    prompts = _ids(tokenizer)[:2]
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    gen = torch.Generator().manual_seed(5)
+    stacks = {p: p.detach() + 0.3 * torch.randn((3, *p.shape), generator=gen) for p in adapters}
+    params = [SamplingParams(temperature=0.0, max_new_tokens=8, seed=s) for s in range(3)]
+    calls, real = [], engine._engine.generate
+    engine._engine.generate = lambda *a, **k: calls.append(len(k["input_ids"])) or real(*a, **k)
+    try:
+        got = generate_with_adapters(engine, model, prompts, [[1, 1]] * 3, params, stacks, version=7)
+    finally:
+        del engine._engine.generate
+    assert calls == [6]  # one engine call for the 3 adapters' rows
+    saved = [p.detach().clone() for p in adapters]
+    hf, outs = _hf_engine(model, tokenizer), []
+    try:
+        for s in range(3):
+            with torch.no_grad():
+                for p in adapters:
+                    p.copy_(stacks[p][s])
+            want = hf.generate(prompts, [1, 1], params[s])
+            outs.append([c[0].token_ids.tolist() for c in want])
+            assert [c[0].token_ids.tolist() for c in got[s]] == outs[-1], s
+            for g, w in zip(got[s], want):
+                torch.testing.assert_close(g[0].logprobs, w[0].logprobs, rtol=0, atol=1e-5)
+    finally:
+        with torch.no_grad():
+            for p, v in zip(adapters, saved):
+                p.copy_(v)
+    assert len({str(o) for o in outs}) > 1  # the samples differ: each block ran its own adapter
+    assert engine.active_adapter.startswith("lit_rlvr_v0_")  # the samples were loaded aside: the mean is the default
+
+
+def test_an_adapter_that_never_arrives_is_caught_and_a_sleep_starts_over(engine, lora_policy):
+    from lit_rlvr.rollout.lora import EngineSyncError, SyncCheck, check_engine_sync, probe_prompt, push_policy
+
+    model, tokenizer = lora_policy
+    check = SyncCheck()
+    assert float(check_engine_sync(engine, model, probe_prompt(tokenizer), check=check, version=0)) < 1e-5
+    saved = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    randomise_adapters(model, seed=9)  # a training step's new adapter ...
+    engine.load_adapter = lambda *a, **k: None  # ... that the engine drops
+    try:
+        push_policy(engine, model, version=1)
+        with pytest.raises(EngineSyncError, match="not sampling the policy being trained"):
+            check_engine_sync(engine, model, probe_prompt(tokenizer), check=check, version=1)
+    finally:
+        del engine.load_adapter
+        with torch.no_grad():
+            for p, v in zip([p for p in model.parameters() if p.requires_grad], saved):
+                p.copy_(v)
+    engine.sleep()  # adapters unloaded, the base released: the next push brings both
+    assert engine.version == -1 and engine.active_adapter is None and not engine._adapters
+    base = sum(p.numel() * 4 for n, p in model.named_parameters() if ".lora_" not in n)
+    assert push_policy(engine, model, version=2) > base
+    engine.version = 2
+    assert float(check_engine_sync(engine, model, probe_prompt(tokenizer), check=check, version=2)) < 1e-5
