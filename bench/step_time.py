@@ -102,6 +102,18 @@ def single(args) -> dict:
     return result
 
 
+def flops_floor(base: dict, other: dict) -> float | None:
+    """The step ratio other/base if `other` ran its generation and update at `base`'s FLOP rates: base's step with
+    each phase's seconds scaled by the phases' model-FLOP ratio (docs/mfu.md). What the ratio owes to more work
+    (C3PO: each weight sample prefills its own prompts; longer completions), not to slower code."""
+    keys = ("gen_s", "train_s", "gen_flops", "update_flops", "median_step_s")
+    if not all(base.get(k) and other.get(k) for k in keys):
+        return None
+    extra = (base["gen_s"] * (other["gen_flops"] / base["gen_flops"] - 1)
+             + base["train_s"] * (other["update_flops"] / base["update_flops"] - 1))
+    return 1 + extra / base["median_step_s"]
+
+
 def compare(args) -> dict:
     names = [n.strip() for n in args.compare.split(",") if n.strip()]
     if len(names) < 2 or len(set(names)) != len(names):
@@ -117,6 +129,9 @@ def compare(args) -> dict:
         if "noise_s" in summaries[name] and "noise_s" not in summaries[base]:
             # the noise draws alone, on top of the base step: the ratio cannot go below this
             result[f"{key}_noise_floor"] = 1 + summaries[name]["noise_s"] / summaries[base]["median_step_s"]
+        floor = flops_floor(summaries[base], summaries[name])
+        if floor is not None:
+            result[f"{key}_flops_floor"] = floor
         if key in BUDGETS:
             result[f"{key}_budget"] = BUDGETS[key]
     for name in names:

@@ -103,3 +103,14 @@ def test_compare_entries_carry_their_own_overrides():
     assert step_time.entry("grpo", ["data.batch_size=4"]) == ("grpo", ["data.batch_size=4"])
     assert step_time.entry("grpo+model.lora.rank=8+model.lora.alpha=16", ["data.batch_size=4"]) == (
         "grpo", ["data.batch_size=4", "model.lora.rank=8", "model.lora.alpha=16"])
+
+
+def test_flops_floor_scales_each_phase_by_its_flop_ratio():
+    """GRPO: 2 s generation of 10 GFLOP, 1 s update of 30 GFLOP, 4 s step. An entry that generates 20% more FLOPs
+    and updates as many would take 4 + 2·0.2 = 4.4 s at GRPO's rates: floor 1.1."""
+    import step_time
+
+    grpo = {"gen_s": 2.0, "train_s": 1.0, "gen_flops": 10e9, "update_flops": 30e9, "median_step_s": 4.0}
+    c3po = {**grpo, "gen_flops": 12e9, "median_step_s": 4.6}
+    assert math.isclose(step_time.flops_floor(grpo, c3po), 1.1)
+    assert step_time.flops_floor(grpo, {**c3po, "gen_flops": None}) is None  # a model the count does not cover
