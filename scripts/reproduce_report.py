@@ -175,8 +175,8 @@ pass@{args.eval_samples}), before and after training{during}.
 GRPO-family runs: AdamW, lr {task.grpo_lr:g}, grad clip 1.0. C3PO runs: IVON with the tiny preset of
 `conf/algorithm/c3po.yaml` (λ = 1e8, h0 = 1e-3, clip radius 1, N = 4, τ = 2) at lr {task.ivon_lr:g}. V0.5:
 `conf/algorithm/callbacks/value_prior.yaml` (k_init 4, k_max 16, c = 0.0039, pad to 32, 25% rule, MiniLM backbone +
-kernel head, context 256, prior from 32 records on). LoRA rows: rank 8, alpha 32, every linear layer, the adapters'
-lr 10 × the method's (`model.lora.lr_scale=10`, docs/lora.md).
+kernel head, context 256, prior from 32 records on). LoRA rows: rank 8, alpha 32, every linear layer; the adapters'
+lr is GRPO's × 10 (`model.lora.lr_scale=10`, docs/lora.md) and C3PO's × {task.c3po_lora_lr_scale:g}.
 Seeds 0..{args.seeds - 1}: a seed fixes the data order and the sampling, the same for every method; the held-out
 split is fixed (`data.split_seed=0`, the warm-up's split), so every seed scores the same held-out prompts.
 Every override is in each run's `repro_overrides.json`; `scripts/reproduce_settings.py` lists them."""

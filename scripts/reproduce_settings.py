@@ -21,8 +21,8 @@ VP = "algorithm.callbacks.value_prior"
 V05 = [f"{VP}.k_init=4", f"{VP}.k_max=16", f"{VP}.cost=0.0039", f"{VP}.min_active_frac=0.25", f"{VP}.pad_to=32",
        f"{VP}.round_size=1", f"{VP}.context_size=256", f"{VP}.min_context=32",
        f"{VP}.backbone=minilm", f"{VP}.head=kernel", f"{VP}.features=auto", f"{VP}.max_length=128"]
-LORA8 = ["model.lora.rank=8", "model.lora.alpha=32", "model.lora.target_modules=all-linear", "model.lora.dropout=0.0",
-         "model.lora.lr_scale=10.0"]  # the adapters' lr = 10 x the full-weight lr (docs/lora.md), both optimizers
+LORA8 = ["model.lora.rank=8", "model.lora.alpha=32", "model.lora.target_modules=all-linear", "model.lora.dropout=0.0"]
+GRPO_LORA_LR_SCALE = 10.0  # GRPO's adapters: lr = 10 x the full-weight lr (the library's default rule, docs/lora.md)
 
 
 def adamw(lr: float) -> list[str]:
@@ -51,6 +51,7 @@ class Task:
     loop: list[str]  # completion budget, micro-batching, checkpoints
     grpo_lr: float
     ivon_lr: float  # C3PO's step size on this task
+    c3po_lora_lr_scale: float  # C3PO on adapters: their IVON lr = ivon_lr x this (model.lora.lr_scale)
     methods: list[str]  # run by default
     scale: dict = field(default_factory=dict)  # defaults of the scale flags (steps, batch_size, ...)
     setup: str = ""  # the doc's sentence on what is specific to this task
@@ -65,7 +66,7 @@ ARITHMETIC = Task(
     data=["data=arithmetic", "reward=arithmetic", "data.levels=[2,3,4]", "data.split_seed=0", "data.num_train=100000",
           "data.eval_batch_size=128"],
     loop=["algorithm.max_new_tokens=8", "checkpoint_every=1000000"],
-    grpo_lr=3e-4, ivon_lr=0.03,
+    grpo_lr=3e-4, ivon_lr=0.03, c3po_lora_lr_scale=10.0,
     methods=["grpo_g16", "grpo_g4", "v05", "c3po", "c3po_v05"],
     scale=dict(steps=150, batch_size=32, num_test=512, eval_samples=8, eval_every=25, oracle_every=10,
                oracle_samples=32),
@@ -86,9 +87,9 @@ ARITHMETIC_COT = Task(
     data=["data=arithmetic_cot", "reward=arithmetic_cot", f"data.levels={COT_LEVELS}", "data.split_seed=0",
           "data.num_train=100000", "data.eval_batch_size=128"],
     loop=["algorithm.max_new_tokens=64", "algorithm.micro_batch_tokens=2048", "checkpoint_every=10"],
-    grpo_lr=3e-4, ivon_lr=0.03,
+    grpo_lr=3e-4, ivon_lr=0.3, c3po_lora_lr_scale=1.0,  # from the pilots (the doc's "Pilots")
     methods=["grpo_g16", "grpo_g4", "v05", "c3po", "c3po_v05", "grpo_g16_lora8", "c3po_lora8"],
-    scale=dict(steps=60, batch_size=32, num_test=256, eval_samples=4, eval_every=10, oracle_every=10,
+    scale=dict(steps=50, batch_size=32, num_test=256, eval_samples=4, eval_every=10, oracle_every=10,
                oracle_samples=16),
     setup="completions that write their working (30-60 tokens, at most 64 new tokens); levels 1-6 (2-4-digit "
           "sums, 3-4-digit differences, 2-digit by 1-digit products)",
@@ -117,9 +118,9 @@ def method_overrides(method: str, task: Task) -> list[str]:
         "c3po": ["algorithm=c3po", "algorithm.group_size=16", "algorithm.scale_adv_by_std=true", *c3po],
         "c3po_v05": ["algorithm=c3po_v05", "algorithm.scale_adv_by_std=false", *c3po, *V05],
         "grpo_g16_lora8": ["algorithm=grpo", "algorithm.group_size=16", "algorithm.scale_adv_by_std=true", *grpo,
-                           *LORA8],
+                           *LORA8, f"model.lora.lr_scale={GRPO_LORA_LR_SCALE}"],
         "c3po_lora8": ["algorithm=c3po", "algorithm.group_size=16", "algorithm.scale_adv_by_std=true", *c3po,
-                       *LORA8],
+                       *LORA8, f"model.lora.lr_scale={task.c3po_lora_lr_scale}"],
     }[method]
 
 
