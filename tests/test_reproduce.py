@@ -227,3 +227,23 @@ def test_reproduce_tasks_pin_their_settings():
     assert reproduce.parse_args([]).methods == ["grpo_g16", "grpo_g4", "v05", "c3po", "c3po_v05"]  # the 3-token table
     with pytest.raises(SystemExit):
         reproduce.parse_args(["--task", "arithmetic_cot", "--methods", "nope"])
+
+
+def test_weight_change_of_full_and_lora_runs():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from weight_change import weight_change
+
+    start = {"model.layers.0.mlp.up_proj.weight": torch.ones(3, 2), "model.norm.weight": torch.ones(2)}
+    full = {"state_dict": {"policy.model.layers.0.mlp.up_proj.weight": torch.full((3, 2), 1.5),
+                           "policy.model.norm.weight": torch.ones(2)}, "hyper_parameters": {"lora": None}}
+    change = weight_change(start, full)
+    assert torch.equal(change["model.layers.0.mlp.up_proj.weight"], torch.full((3, 2), 0.5))
+    assert torch.equal(change["model.norm.weight"], torch.zeros(2))
+    a, b = torch.ones(1, 2), torch.arange(3.0)[:, None]  # rank 1: (α/r)·B·A
+    peft = "policy.base_model.model.model.layers.0.mlp.up_proj"
+    lora = {"state_dict": {f"{peft}.base_layer.weight": torch.ones(3, 2), f"{peft}.lora_A.default.weight": a,
+                           f"{peft}.lora_B.default.weight": b,
+                           "policy.base_model.model.model.norm.weight": torch.ones(2)},
+            "hyper_parameters": {"lora": {"rank": 1, "alpha": 2.0}}}
+    change = weight_change(start, lora)
+    assert torch.equal(change["model.layers.0.mlp.up_proj.weight"], 2.0 * b @ a)  # the adapter, not the base
