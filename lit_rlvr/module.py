@@ -153,7 +153,7 @@ class GRPOModule(pl.LightningModule):
         self.driver: Optional[RolloutDriver] = None
         self.val_metrics = ValidationMetrics(eval_samples)
         self.counters = {"rollouts_total": 0, "tokens_generated": 0, "skipped_steps": 0, "bad_steps_in_row": 0,
-                         "reward_failures": 0}
+                         "reward_failures": 0, "rl_steps": 0}
         self.timer = StepTimer()
         self.step_metrics: dict[str, Tensor] = {}
 
@@ -242,6 +242,7 @@ class GRPOModule(pl.LightningModule):
         self.sync_engine()
         self.call_rl_hooks("on_rl_step_end", rollouts)
         self._log_step(rollouts, self.timer.elapsed())
+        self.counters["rl_steps"] += 1
         return None
 
     def collect_rollouts(self, batch: dict[str, list]) -> Rollouts:
@@ -526,6 +527,10 @@ class GRPOModule(pl.LightningModule):
     def on_validation_epoch_end(self) -> None:
         self.log_dict(self.val_metrics.compute(), on_epoch=True, prog_bar=True)
         self.val_metrics.reset()
+        if self.trainer.state.fn == "fit":  # a row logged inside fit carries the step before the policy's: say which
+            counters = self.global_counters()
+            self.log_dict({"val/rl_steps": float(counters["rl_steps"]),
+                           "val/rollouts_total": float(counters["rollouts_total"])}, on_epoch=True)
 
     SUMMED_COUNTERS = ("rollouts_total", "tokens_generated", "reward_failures")  # per rank; the run's is the sum
 

@@ -31,6 +31,7 @@ PANELS = [
     ("rollouts/per_step", "Rollouts generated per step", "rollouts"),
 ]
 VAL = "val/accuracy"
+IN_FIT_STEPS = "val/rl_steps"  # logged by a validation inside fit: the RL updates the evaluated policy has had
 # a run that trains on a subset of what it generated (DAPO drops constant groups) also logs `<name>_generated`
 # over all its rollouts; panels and table prefer those, so filtering does not flatter a method
 GENERATED = ("reward/accuracy", "reward/mean")
@@ -70,8 +71,13 @@ def read_metrics(path: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     val_cols = [c for c in frame.columns if c.startswith("val/")]
     val = frame[frame[val_cols].notna().any(axis=1)][["step", *val_cols]] if val_cols else frame.iloc[:0][["step"]]
     val = val.copy()
+    if IN_FIT_STEPS in val:
+        # a validation inside fit (trainer.val_check_interval) is logged one step before the updates its policy had;
+        # the module says how many (and the rollouts consumed by then)
+        in_fit = val[IN_FIT_STEPS].notna()
+        val.loc[in_fit, "step"] = val.loc[in_fit, IN_FIT_STEPS].astype(int)
     if "rollouts/total" in train and len(val):
-        # a validation at global step S sees the policy after S updates, i.e. after train rows 0..S-1
+        # a validation at step S (after the column above) sees the policy after S updates: after train rows 0..S-1
         totals = dict(zip(train["step"] + 1, train["rollouts/total"]))
         val["rollouts"] = [0.0 if s == 0 else totals.get(s, math.nan) for s in val["step"]]
     return train.reset_index(drop=True), val.reset_index(drop=True)

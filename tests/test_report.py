@@ -40,6 +40,23 @@ def test_read_metrics_sparse_rows(tmp_path):
         report.load_run(tmp_path / "missing")
 
 
+def test_read_metrics_places_validations_inside_fit(tmp_path):
+    # before fit (step 0), inside fit after updates 1 and 2 (Lightning logs them at steps 0 and 1, the module adds
+    # val/rl_steps), after fit (step 2, by trainer.validate): each at the updates its policy had
+    (tmp_path / "metrics.csv").write_text(
+        "epoch,step,reward/accuracy,rollouts/total,val/accuracy,val/rl_steps\n"
+        ",0,,,0.25,\n"
+        "0,0,0.5,64,,\n"
+        "0,0,,,0.30,1\n"
+        "0,1,0.75,128,,\n"
+        "0,1,,,0.40,2\n"
+        ",2,,,0.40,\n")
+    val = report.load_run(tmp_path).val
+    assert val["step"].tolist() == [0, 1, 2, 2]
+    assert val["val/accuracy"].tolist() == [0.25, 0.30, 0.40, 0.40]
+    assert val["rollouts"].tolist() == [0.0, 64.0, 128.0, 128.0]
+
+
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory) -> list[Path]:
     """Two short train.py runs (grpo and dr_grpo), side by side."""

@@ -183,7 +183,7 @@ def test_oracle_callback_checks_arguments():
 def test_reproduce_tiny(tmp_path):
     doc = tmp_path / "reproduction.md"
     cmd = [sys.executable, "scripts/reproduce.py", "--steps", "2", "--seeds", "1", "--methods", "grpo_g4,v05",
-           "--batch-size", "4", "--num-test", "16", "--eval-samples", "2", "--oracle-every", "1",
+           "--batch-size", "4", "--num-test", "16", "--eval-samples", "2", "--eval-every", "1", "--oracle-every", "1",
            "--oracle-samples", "4", "--out-dir", str(tmp_path / "runs"), "--doc", str(doc)]
     env = {**os.environ, "LIT_RLVR_CACHE": os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr")}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -191,15 +191,59 @@ def test_reproduce_tiny(tmp_path):
     text = doc.read_text()
     table = text.split("## Results (mean ± sd over seeds)", 1)[1].strip().split("\n\n", 1)[0].splitlines()
     head = [c.strip() for c in table[0].strip("|").split("|")]
-    for column in ("held-out acc after", "rollouts consumed", "grad-norm mean", "grad-norm sd (over steps)",
-                   "entropy (last 10%)", "zero-advantage groups", "malformed", "baseline MSE vs oracle"):
+    for column in ("held-out mean@k after", "held-out pass@k after", "rollouts consumed", "tokens generated",
+                   "grad-norm mean", "grad-norm sd (over steps)",
+                   "entropy (last 10%)", "zero-advantage groups", "malformed", "baseline MSE vs oracle",
+                   "completion length (last 10%)", "truncated (last 10%)"):
         assert column in head
     rows = [line for line in table[2:] if line.startswith("|")]
     assert [r.split("|")[1].strip() for r in rows] == ["GRPO (G = 4)", "V0.5 (k_init = 4, OSLA ≤ 16)"]
     mse = head.index("baseline MSE vs oracle")
     assert all(r.strip("|").split("|")[mse].strip() != "—" for r in rows)  # the oracle ran
     assert "python scripts/reproduce.py --steps 2" in text and "<!-- analysis:start -->" in text
-    assert (tmp_path / "reproduction.png").stat().st_size > 10_000
+    for figure in ("reproduction.png", "reproduction_heldout.png"):
+        assert (tmp_path / figure).stat().st_size > 10_000
     raw = json.loads((tmp_path / "reproduction.json").read_text())
-    assert raw["runs"]["grpo_g4"][0]["rollouts"] == 2 * 4 * 4  # steps × prompts × G: oracle rollouts not counted
-    assert all(r[0]["steps"] == 2 for r in raw["runs"].values())
+    seeds = {m: raw["methods"][m]["seeds"] for m in ("grpo_g4", "v05")}
+    assert seeds["grpo_g4"][0]["rollouts"] == 2 * 4 * 4  # steps × prompts × G: oracle rollouts not counted
+    assert all(s[0]["steps"] == 2 for s in seeds.values())
+    # the held-out curve: before training, after step 1 (eval every step inside fit), after training
+    curve = seeds["grpo_g4"][0]["curve"]
+    assert [p["step"] for p in curve] == [0, 1, 2]
+    assert [p["rollouts"] for p in curve] == [0, 16, 32]
+
+
+def test_reproduce_tasks_pin_their_settings():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import reproduce
+    from reproduce_settings import TASKS
+
+    args = reproduce.parse_args(["--task", "arithmetic_cot"])
+    assert args.methods == TASKS["arithmetic_cot"].methods and "c3po_lora8" in args.methods
+    assert args.doc == "docs/results/reproduction_cot.md"
+    run = reproduce.overrides(TASKS["arithmetic_cot"], "c3po_lora8", 2, args, Path("/tmp/x"))
+    assert "data=arithmetic_cot" in run and "model.lora.rank=8" in run and "seed=2" in run
+    assert f"algorithm.lr={TASKS['arithmetic_cot'].ivon_lr}" in run and "algorithm.optimizer=ivon" in run
+    assert reproduce.parse_args([]).methods == ["grpo_g16", "grpo_g4", "v05", "c3po", "c3po_v05"]  # the 3-token table
+    with pytest.raises(SystemExit):
+        reproduce.parse_args(["--task", "arithmetic_cot", "--methods", "nope"])
+
+
+def test_weight_change_of_full_and_lora_runs():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from weight_change import weight_change
+
+    start = {"model.layers.0.mlp.up_proj.weight": torch.ones(3, 2), "model.norm.weight": torch.ones(2)}
+    full = {"state_dict": {"policy.model.layers.0.mlp.up_proj.weight": torch.full((3, 2), 1.5),
+                           "policy.model.norm.weight": torch.ones(2)}, "hyper_parameters": {"lora": None}}
+    change = weight_change(start, full)
+    assert torch.equal(change["model.layers.0.mlp.up_proj.weight"], torch.full((3, 2), 0.5))
+    assert torch.equal(change["model.norm.weight"], torch.zeros(2))
+    a, b = torch.ones(1, 2), torch.arange(3.0)[:, None]  # rank 1: (α/r)·B·A
+    peft = "policy.base_model.model.model.layers.0.mlp.up_proj"
+    lora = {"state_dict": {f"{peft}.base_layer.weight": torch.ones(3, 2), f"{peft}.lora_A.default.weight": a,
+                           f"{peft}.lora_B.default.weight": b,
+                           "policy.base_model.model.model.norm.weight": torch.ones(2)},
+            "hyper_parameters": {"lora": {"rank": 1, "alpha": 2.0}}}
+    change = weight_change(start, lora)
+    assert torch.equal(change["model.layers.0.mlp.up_proj.weight"], 2.0 * b @ a)  # the adapter, not the base

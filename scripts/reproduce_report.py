@@ -1,0 +1,247 @@
+"""The tables, verdicts, figures and the markdown doc of `scripts/reproduce.py` (from per-run figures)."""
+
+from __future__ import annotations
+
+import math
+import os
+import shlex
+import statistics
+from pathlib import Path
+from typing import Any
+
+from reproduce_settings import CLAIMS, DIGITS, EQUAL_ROLLOUTS, FIGURES, LABELS, Task
+
+START, END = "<!-- analysis:start -->", "<!-- analysis:end -->"
+Runs = dict[str, list[dict[str, Any]]]  # method -> one figures dict per seed (seed order)
+
+
+def mean_sd(values: list[float]) -> tuple[float, float]:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan
+
+
+def fmt(value: float, digits: int) -> str:
+    return "—" if value is None or math.isnan(value) else f"{value:.{digits}f}"
+
+
+def fmt_pm(values: list[float], digits: int) -> str:
+    m, sd = mean_sd(values)
+    return fmt(m, digits) if math.isnan(sd) else f"{fmt(m, digits)} ± {fmt(sd, digits)}"
+
+
+def results_table(per_run: Runs) -> str:
+    head = ["method", "seeds", *[h for _, h in FIGURES]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for method, runs in per_run.items():
+        cells = [LABELS[method], str(len(runs))]
+        cells += [fmt_pm([r[key] for r in runs], DIGITS.get(key, 3)) for key, _ in FIGURES]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def verdict(diffs: list[float], sign: int) -> str:
+    """`supported` when every seed shows the claimed direction and |mean| ≥ 2·sd/√n (a t of at least 2);
+    `contradicted` when the same holds for the opposite direction; else `not resolved`."""
+    n = len(diffs)
+    if n < 2:
+        return "not resolved (one seed)"
+    m, sd = mean_sd(diffs)
+    if math.isnan(m):
+        return "not resolved (no data)"
+    strong = abs(m) >= 2 * sd / math.sqrt(n) if sd > 0 else m != 0
+    if strong and all(sign * d > 0 for d in diffs):
+        return "supported"
+    if strong and all(sign * d < 0 for d in diffs):
+        return "contradicted"
+    return "not resolved"
+
+
+def interp(x: float, xs: list[float], ys: list[float]) -> float:
+    """Linear interpolation of the curve (xs increasing) at x; NaN outside it."""
+    if not xs or x < xs[0] or x > xs[-1]:
+        return math.nan
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return ys[-1]
+
+
+def paired_figure(key: str, run: dict[str, Any], ref: dict[str, Any]) -> tuple[float, float]:
+    """(method's value, reference's value) of one seed. `acc_at_equal_rollouts`: each held-out accuracy curve
+    (against rollouts consumed) read at the smaller of the two runs' rollout totals, so the run that spent more
+    is judged at the point where it had spent what the other spent in all."""
+    if key != EQUAL_ROLLOUTS:
+        return run[key], ref[key]
+    budget = min(run["rollouts"], ref["rollouts"])
+    read = lambda r: interp(budget, [p["rollouts"] for p in r["curve"]], [p["acc"] for p in r["curve"]])  # noqa: E731
+    return read(run), read(ref)
+
+
+def claims_table(per_run: Runs) -> str:
+    head = ["claim", "figure", "method − reference, per seed", "mean ± sd", "seeds in the claimed direction", "verdict"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for claim, method, ref, key, sign in CLAIMS:
+        if method not in per_run or ref not in per_run:
+            continue
+        pairs = [paired_figure(key, a, b) for a, b in zip(per_run[method], per_run[ref])]  # same seed
+        diffs = [a - b for a, b in pairs]
+        digits = DIGITS.get(key, 3)
+        agree = sum(sign * d > 0 for d in diffs)
+        cells = [claim, key, ", ".join(f"{d:+.{digits}f}" for d in diffs), fmt_pm(diffs, digits),
+                 f"{agree}/{len(diffs)}", verdict(diffs, sign)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# -- figures ---------------------------------------------------------------------------------------------------------
+def heldout_figure(per_run: Runs, out: Path, title: str, eval_samples: int) -> None:
+    """Held-out mean@k and pass@k against RL steps and against rollouts consumed: each method's mean over its
+    seeds with a ± one sd band (the evaluations are at the same steps in every seed; the rollout axis is the
+    seeds' mean rollouts at that step)."""
+    from lit_rlvr.extras import require
+
+    matplotlib = require("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(15, 10), constrained_layout=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for k, (method, runs) in enumerate(per_run.items()):
+        steps = sorted(set.intersection(*[{p["step"] for p in r["curve"]} for r in runs]))
+        for row, (metric, name) in enumerate([("acc", f"held-out mean@{eval_samples}"),
+                                              ("pass", f"held-out pass@{eval_samples}")]):
+            values = [[next(p[metric] for p in r["curve"] if p["step"] == s) for r in runs] for s in steps]
+            rollouts = [statistics.fmean(next(p["rollouts"] for p in r["curve"] if p["step"] == s) for r in runs)
+                        for s in steps]
+            mean = [mean_sd(v)[0] for v in values]
+            sd = [0.0 if len(v) < 2 else mean_sd(v)[1] for v in values]
+            for col, (xs, xlabel) in enumerate([(steps, "RL step"), (rollouts, "rollouts consumed")]):
+                ax = axes[row, col]
+                ax.plot(xs, mean, color=colors[k % len(colors)], marker="o", ms=4, lw=2, label=LABELS[method])
+                ax.fill_between(xs, [m - s for m, s in zip(mean, sd)], [m + s for m, s in zip(mean, sd)],
+                                color=colors[k % len(colors)], alpha=0.15, lw=0)
+                ax.set_title(f"{name} vs {xlabel}")
+                ax.set_xlabel(xlabel)
+                ax.set_ylabel(name)
+                ax.grid(alpha=0.3)
+    seeds = max(len(r) for r in per_run.values())
+    fig.suptitle(f"Held-out accuracy on {title}: mean of {seeds} seed(s), band = ± 1 sd over seeds", fontsize=13)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 4), fontsize=11)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=70)
+    plt.close(fig)
+    _shrink(out)
+
+
+def _shrink(path: Path) -> None:
+    from PIL import Image  # matplotlib's own dependency
+
+    Image.open(path).convert("RGB").quantize(colors=128).save(path, optimize=True)  # a committed figure: keep it small
+
+
+# -- the doc ---------------------------------------------------------------------------------------------------------
+def timing_lines(info: dict[str, Any]) -> str:
+    records = info["invocations"]
+    training = [r for r in records if r["runs_trained"] > 0]
+    total = sum(r["wall_s"] for r in training)
+    lines = [f"* wall time of the command, over the invocation(s) that trained runs: **{total / 60:.1f} min**; the sum "
+             f"of the runs' own wall times (model load, held-out evaluations and training, without process start) is "
+             f"{info['sum_run_s'] / 60:.1f} min"]
+    for r in records:
+        lines.append(f"  * {r['when']}: {r['wall_s'] / 60:.1f} min, {r['runs_trained']} runs trained, "
+                     f"{r['runs_reused']} reused (commit {r['commit']}; load average {r['load_start']} → "
+                     f"{r['load_end']})" + (f"; {r['note']}" if r.get("note") else ""))
+    return "\n".join(lines)
+
+
+def kept_analysis(doc: Path) -> str:
+    if doc.exists():
+        text = doc.read_text()
+        if START in text and END in text:
+            return text.split(START, 1)[1].split(END, 1)[0].strip("\n")
+    return "_(not written yet: read the tables and the figures, then write what they support here)_"
+
+
+def setup_text(args, task: Task) -> str:
+    settings = ", ".join(f"`{o}`" for o in [*task.model, *task.data])
+    during = (f", and every {args.eval_every} steps during training (the curves)" if args.eval_every else "")
+    return f"""Every run is `python train.py` with the same pinned settings ({task.setup}): {settings}; {args.steps}
+optimizer steps (one per RL step) of {args.batch_size} prompts; temperature 1.0, no KL, no entropy bonus; held-out:
+{args.num_test} test prompts × {args.eval_samples} samples at temperature 1.0 (mean@{args.eval_samples} and
+pass@{args.eval_samples}), before and after training{during}.
+GRPO-family runs: AdamW, lr {task.grpo_lr:g}, grad clip 1.0. C3PO runs: IVON with the tiny preset of
+`conf/algorithm/c3po.yaml` (λ = 1e8, h0 = 1e-3, clip radius 1, N = 4, τ = 2) at lr {task.ivon_lr:g}. V0.5:
+`conf/algorithm/callbacks/value_prior.yaml` (k_init 4, k_max 16, c = 0.0039, pad to 32, 25% rule, MiniLM backbone +
+kernel head, context 256, prior from 32 records on). LoRA rows: rank 8, alpha 32, every linear layer; the adapters'
+lr is GRPO's × 10 (`model.lora.lr_scale=10`, docs/lora.md) and C3PO's × {task.c3po_lora_lr_scale:g}.
+Seeds 0..{args.seeds - 1}: a seed fixes the data order and the sampling, the same for every method; the held-out
+split is fixed (`data.split_seed=0`, the warm-up's split), so every seed scores the same held-out prompts.
+Every override is in each run's `repro_overrides.json`; `scripts/reproduce_settings.py` lists them."""
+
+
+FIGURES_TEXT = """Figures per run: held-out mean@k = `val/accuracy` after training (gain = after − before), pass@k the
+unbiased pass@k over the same k samples; train rollout acc = accuracy of the training rollouts over the last 10%
+of steps; rollouts consumed = `rollouts_total`, tokens generated = `tokens_generated` (the oracle's extra rollouts
+and the evaluations are not counted); gradient norm before clipping, mean and sd over the steps; entropy = token
+entropy of the policy on its rollouts, last 10% of steps; equal-reward groups = `groups/zero_adv_frac` (all rewards
+of a prompt equal); zero-advantage groups = prompts whose advantages are all zero (`repro/all_zero_adv_frac`: the
+same for GRPO and C3PO, but V0.5's fused baseline gives an equal-reward group a nonzero advantage); malformed =
+fraction of rollouts without a readable answer; baseline MSE = mean over the sampled steps (every {every}th) of
+mean over prompts (b − μ)², where b is the baseline the method's advantages used (group mean, or V0.5's fused
+baseline) and μ the expected reward of the same prompts under the same weights, estimated by {samples} extra
+rollouts per prompt (C3PO: spread over the same N weight samples) and debiased for the oracle's own noise
+(`callbacks/oracle_baseline.py`); completion length = mean tokens of the training completions and truncated =
+the share cut at the token budget, both over the last 10% of steps. `acc_at_equal_rollouts` (a claim's figure):
+each run's held-out curve against rollouts consumed, read (linearly between evaluations) at the smaller of the two
+runs' rollout totals."""
+
+
+def write_doc(args, task: Task, per_run: Runs, figures: list[Path], doc: Path, info: dict[str, Any]) -> None:
+    nice = f"nice -n {info['nice']} " if info["nice"] else ""
+    command = f"{nice}python scripts/reproduce.py" + ("" if not info["argv"] else " " + shlex.join(info["argv"]))
+    pictures = "\n\n".join(f"![{f.stem}]({os.path.relpath(f, doc.parent)})" for f in figures)
+    machine = info["machine"]
+    text = f"""# Reproducing the papers' claims at small scale: {task.title}
+
+Generated by `scripts/reproduce.py --task {task.name}` (the tables, command, machine and timing; the analysis
+section is written by hand and kept when the script writes this file again).
+
+## Command, machine, time
+
+```bash
+{command}
+```
+
+* commit `{info['commit']}`; {machine['cpu']}, {machine['cores']} cores, Python {machine['python']}, torch
+{machine['torch']}
+* {args.jobs} runs at once, {max(1, args.threads // args.jobs)} torch thread(s) each
+{timing_lines(info)}
+
+## Setup
+
+{setup_text(args, task)}
+
+{FIGURES_TEXT.format(every=args.oracle_every, samples=args.oracle_samples)}
+
+## Results (mean ± sd over seeds)
+
+{results_table(per_run)}
+## The claims, seed by seed
+
+Differences are paired by seed. Verdict rule: *supported* when every seed shows the claimed direction and
+|mean| ≥ 2·sd/√n; *contradicted* when the same holds the other way; otherwise *not resolved*.
+
+{claims_table(per_run)}
+{pictures}
+
+## What this supports, and what it does not
+
+{START}
+{kept_analysis(doc)}
+{END}
+"""
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)
