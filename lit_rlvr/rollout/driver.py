@@ -186,8 +186,9 @@ class RolloutDriver:
         with tally.timer("gen_s"):
             num = plan.num_weight_sources
             stacks = plan.weight_stacks(num) if plan.weight_stacks is not None else self._stacks_from_contexts(plan)
-            # shared mode: no copy; the version bookkeeping of `_generate`
-            self._tallied_push(step, False, tally)
+            # the policy holds the mean (the samples are in `stacks`): shared mode copies nothing, adapter mode
+            # sends the mean adapter, and the sampled ones go aside below
+            self._tallied_push(step, True, tally)
             sampling = [self.sampling.params(s) for s in seeds]
             with self._engine_errors(step):
                 if self.engine.shares_weights:
