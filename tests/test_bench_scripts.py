@@ -51,7 +51,9 @@ def test_scaling_points_fix_the_length_and_move_one_axis():
 
 def test_step_time_reports_model_flops_utilisation(tmp_path):
     """`step_time.py --json` carries the medians of the module's perf/mfu_* and the peak they divide by."""
-    done = subprocess.run([sys.executable, str(ROOT / "bench/step_time.py"), "--steps", "2", "--warmup", "0",
+    # one timed step: its medians are that step's figures, so the MFU's relation holds exactly (with several,
+    # a median of per-step ratios is not the ratio of medians, and a loaded machine pulls them apart)
+    done = subprocess.run([sys.executable, str(ROOT / "bench/step_time.py"), "--steps", "1", "--warmup", "0",
                            "--json"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -61,7 +63,7 @@ def test_step_time_reports_model_flops_utilisation(tmp_path):
         # the MFU is the phase's model FLOPs over its seconds and the peak
         seconds = result["gen_s" if phase == "gen" else "train_s"]
         assert math.isclose(result[f"mfu_{phase}"], result[f"{phase}_flops"] / seconds / result["peak_flops"],
-                            rel_tol=0.5)  # medians of per-step ratios against ratios of medians
+                            rel_tol=1e-3)
 
 
 def test_trl_flops_prefill_every_row():
