@@ -172,3 +172,13 @@ def expand_rows(prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequenc
         rows += [[int(t) for t in prompt] for _ in range(n)]
     stop = [] if params.ignore_eos else sorted({*params.stop_token_ids, *([] if eos_id is None else [eos_id])})
     return rows, stop
+
+
+def split_by_source(outputs: Sequence, counts_per_source: Sequence[Sequence[int]], parse) -> list:
+    """A request-per-sample engine's one call over every weight source's rows, back into per-source completions:
+    `parse(outputs_of_one_source, its_counts)` for each source's slice, in order."""
+    out, start = [], 0
+    for counts in counts_per_source:
+        out.append(parse(outputs[start:start + sum(counts)], counts))
+        start += sum(counts)
+    return out

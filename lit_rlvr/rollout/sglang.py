@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from lit_rlvr.rollout.engine import (Completion, EngineError, RolloutEngine, SamplingParams, expand_rows,
-                                     save_policy_config)
+                                     save_policy_config, split_by_source)
 
 FINISH_REASONS = {"stop": "stop", "length": "length"}  # sglang finish_reason["type"] -> ours; "abort" raises
 # Explicit so server-side `preferred_sampling_params` cannot add penalties that change the behaviour log-probs.
@@ -389,11 +389,7 @@ class SGLangEngine(RolloutEngine):
         outputs = (self._call("generate", self._engine.generate, input_ids=input_ids, sampling_params=sampling,
                               return_logprob=True, lora_path=adapters if self.serves_lora else None)
                    if input_ids else [])
-        out, start = [], 0
-        for counts in counts_per_source:
-            out.append(parse_outputs(outputs[start:start + sum(counts)], counts))
-            start += sum(counts)
-        return out
+        return split_by_source(outputs, counts_per_source, parse_outputs)
 
     # -- LoRA adapters ----------------------------------------------------------------------------------------
     def load_adapter(self, name: str, tensors: dict[str, Tensor], config: dict, activate: bool = True) -> None:

@@ -23,7 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from lit_rlvr.models.lora import is_lora
-from lit_rlvr.rollout.engine import Completion, RolloutEngine, SamplingParams, expand_rows, save_policy_config
+from lit_rlvr.rollout.engine import (Completion, RolloutEngine, SamplingParams, expand_rows, save_policy_config,
+                                     split_by_source)
 from lit_rlvr.rollout.lora import check_lora_sync
 from lit_rlvr.rollout.hf import row_seeds
 
@@ -270,11 +271,7 @@ class VLLMEngine(RolloutEngine):
         outputs = self._llm.generate([{"prompt_token_ids": p} for p in prompts],
                                      [self._vllm.SamplingParams(**s) for s in sampling], use_tqdm=False,
                                      lora_request=loras if self.serves_lora else None)
-        out, start = [], 0
-        for counts in counts_per_source:
-            out.append(parse_outputs(outputs[start:start + sum(counts)], counts))
-            start += sum(counts)
-        return out
+        return split_by_source(outputs, counts_per_source, parse_outputs)
 
     # -- LoRA adapters ----------------------------------------------------------------------------------------
     def load_adapter(self, name: str, tensors: dict[str, Tensor], config: dict, activate: bool = True) -> None:
