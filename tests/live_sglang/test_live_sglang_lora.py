@@ -7,8 +7,14 @@ brings base and adapter again. Policy: the tiny model, untrained, with random ad
 import pytest
 import torch
 
+import sys
+from pathlib import Path
+
 from lit_rlvr.rollout.engine import SamplingParams
 from sglang_live import cpu_options, live
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared checks
+from lora_live import assert_blocks_match_each_adapter  # noqa: E402
 
 pytestmark = live
 PROMPTS = ["12+34=", "5+5=", "71-18="]
@@ -91,23 +97,7 @@ def test_c3po_sampled_adapters_decode_in_one_call_each_with_its_own(engine, lora
     finally:
         del engine._engine.generate
     assert calls == [6]  # one engine call for the 3 adapters' rows
-    saved = [p.detach().clone() for p in adapters]
-    hf, outs = _hf_engine(model, tokenizer), []
-    try:
-        for s in range(3):
-            with torch.no_grad():
-                for p in adapters:
-                    p.copy_(stacks[p][s])
-            want = hf.generate(prompts, [1, 1], params[s])
-            outs.append([c[0].token_ids.tolist() for c in want])
-            assert [c[0].token_ids.tolist() for c in got[s]] == outs[-1], s
-            for g, w in zip(got[s], want):
-                torch.testing.assert_close(g[0].logprobs, w[0].logprobs, rtol=0, atol=1e-5)
-    finally:
-        with torch.no_grad():
-            for p, v in zip(adapters, saved):
-                p.copy_(v)
-    assert len({str(o) for o in outs}) > 1  # the samples differ: each block ran its own adapter
+    assert_blocks_match_each_adapter(got, model, tokenizer, prompts, [1, 1], params, stacks, atol=1e-5)
     assert engine.active_adapter.startswith("lit_rlvr_v0_")  # the samples were loaded aside: the mean is the default
 
 
