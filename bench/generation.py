@@ -21,6 +21,14 @@ the largest log-prob difference. For `all_on` the time is split into the prefill
 sampling (`pick_s`: softmax, inverse CDF) and the rest (stop checks, bookkeeping, the row cuts' cache copies),
 from timers around `HFEngine._forward` and `_pick`. `all_on_mfu` is the batch's model FLOPs (docs/mfu.md) over
 `all_on`'s seconds and this CPU's measured peak (`all_on_mfu_cpu`: over its CPU seconds per thread).
+
+The ceiling: one more `all_on` generation under torch.profiler splits the time by kernel: the matmuls of the
+projections and LM head (`kernel_gemm_s`: aten::mm, addmm, bmm), attention (`kernel_attention_s`: the SDPA
+kernel), everything else (`kernel_other_s`: norms, rotary, activations, sampling, the Python between them).
+`gemm_mfu` is the projections' and head's model FLOPs over their kernels' time (how close matmuls of the decode's
+shapes, a few dozen rows, run to the large-matmul peak), `attention_mfu` the same for attention (it reads the whole
+KV cache for one query per row: memory-bound), and `mfu_ceiling` the generation's MFU had nothing but these
+kernels taken time: what removing the per-step overhead (compiling the step, fusing sampling) could reach at most.
 """
 
 from __future__ import annotations
@@ -141,6 +149,7 @@ def run(args) -> dict:
     for key in ("prefill_s", "decode_s", "pick_s", "other_s"):
         result[f"all_on_{key}"] = common.median([s[key] for s in splits])
     result.update(generation_mfu(engine, prompts, group, base, all_on, all_on_cpu))
+    result.update(kernel_ceiling(engine, prompts, group, params, base, result["peak_flops"]))
     result["spread"] = {c: [round(t, 3) for t in ts] for c, ts in times.items()}
     result["spread_cpu"] = {c: [round(t, 3) for t in ts] for c, ts in cpu_times.items()}
     result.update(common.context())
@@ -162,6 +171,38 @@ def generation_mfu(engine, prompts, group: int, completions, seconds: float, cpu
     peak = cpu_peak(next(engine.model.parameters()).dtype, cache_dir=common.cache_dir())
     return {"all_on_flops": float(flops), "peak_flops": peak, "all_on_mfu": float(flops) / seconds / peak,
             "all_on_mfu_cpu": float(flops) / cpu_seconds / peak}
+
+
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
+
+
+def kernel_ceiling(engine, prompts, group: int, params, completions, peak: float) -> dict[str, float]:
+    """The time of one `all_on` generation by kernel under torch.profiler, and the MFU each kernel kind reaches
+    (module docstring)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from lit_rlvr import functional as F
+    from lit_rlvr.perf import transformer_shape
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.generate(prompts, [group] * len(prompts), params)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events) / 1e6
+    gemm = sum(e.self_cpu_time_total for e in events if e.key in GEMM_OPS) / 1e6
+    attention = sum(e.self_cpu_time_total for e in events if "scaled_dot_product" in e.key) / 1e6
+    # the same FLOPs as generation_flops, split into the projections + head and attention
+    shape = transformer_shape(engine.model.config)
+    prompt = torch.tensor([len(p) for p in prompts])  # [B]
+    steps = (torch.tensor([len(c.token_ids) for c in completions]) - 1).clamp_min(0)  # [B·G]
+    _, prefill = F.forward_flops(prompt, torch.zeros_like(prompt), torch.ones_like(prompt), **shape)
+    _, decode = F.forward_flops(steps, prompt.repeat_interleave(group), steps, **shape)
+    matmul = float(sum(part["linear"] + part["head"] for part in (prefill, decode)))
+    attention_flops = float(prefill["attention"] + decode["attention"])
+    return {"kernel_total_s": total, "kernel_gemm_s": gemm, "kernel_attention_s": attention,
+            "kernel_other_s": total - gemm - attention, "gemm_mfu": matmul / gemm / peak,
+            "attention_mfu": attention_flops / attention / peak if attention else float("nan"),
+            "mfu_ceiling": (matmul + attention_flops) / (gemm + attention) / peak}
 
 
 def main(argv=None) -> None:

@@ -43,7 +43,8 @@ def check_config(cfg: DictConfig) -> None:
         if target:
             problems += _check_types(f"{section}.", _resolved(node, skip=missing), _init_types(target))
     if not problems:
-        problems = _check_ranges(cfg) + _check_lora(cfg) + _check_extras(cfg) + _check_rollout_correction(cfg)
+        problems = (_check_ranges(cfg) + _check_lora(cfg) + _check_extras(cfg) + _check_rollout_correction(cfg)
+                    + _check_compile(cfg))
     if problems:
         raise ConfigError(problems)
 
@@ -129,6 +130,12 @@ def _check_lora(cfg: DictConfig) -> list[str]:
     except (ValueError, TypeError) as err:
         return [str(err)]
     return []
+
+
+def _check_compile(cfg: DictConfig) -> list[str]:
+    """`model.compile` is a bool (the module refuses it with a sharding strategy, in setup)."""
+    value = OmegaConf.select(cfg, "model.compile")
+    return [] if value is None or isinstance(value, bool) else [problem_line("model.compile", value, "true or false")]
 
 
 def _check_extras(cfg: DictConfig) -> list[str]:

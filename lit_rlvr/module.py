@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 import lightning.pytorch as pl
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lit_rlvr import distributed as D
 from lit_rlvr import functional as F
@@ -30,7 +30,7 @@ from lit_rlvr.models import load_policy, resolve_model_path
 from lit_rlvr.models.lora import LoraOptions, apply_lora, reference_model, trainable_parameters
 from lit_rlvr.optim.build import build_optimizer, check_optimizer_options
 from lit_rlvr.optim.schedule import warmup_factor
-from lit_rlvr.options import ConfigError, consistency_problems, range_problems
+from lit_rlvr.options import ConfigError, consistency_problems, problem_line, range_problems
 from lit_rlvr.perf import StepFlops, recomputes_forward
 from lit_rlvr.rewards import build_reward_runner
 from lit_rlvr.rewards.base import RewardHangError
@@ -73,6 +73,9 @@ class GRPOModule(pl.LightningModule):
     `rollout_correction`: verl's options for the engine's drift (`lit_rlvr.rollout_correction`). `perf_options`
     (config `perf`): `peak_flops`, the device's peak FLOP/s that `perf/mfu_*` divide by (None: measured on a CPU,
     published on a GPU; `lit_rlvr.perf`), and `cache_dir`, where a CPU's measured peak is kept.
+    `compile_update` (config `model.compile`): the update's forward and backward run through
+    `torch.compile(policy, dynamic=True)`, compiled at the first update (a minute on a CPU; docs/mfu.md); sampling,
+    the reference model and π_old's forward stay eager. Not with FSDP.
     `env`: multi-turn rollouts with an
     environment (`lit_rlvr.envs`; None or "none": single-turn), `env_options` its `max_turns`, `max_tokens`,
     `timeout_s`, `stop` and the environment class's `options` (docs/environments.md).
@@ -127,6 +130,7 @@ class GRPOModule(pl.LightningModule):
         max_bad_steps: int = 5,
         seed: int = 0,
         perf_options: Optional[dict[str, Any]] = None,
+        compile_update: bool = False,
         env: Optional[str] = None,
         env_options: Optional[dict[str, Any]] = None,
     ):
@@ -156,6 +160,7 @@ class GRPOModule(pl.LightningModule):
                          "reward_failures": 0, "rl_steps": 0}
         self.timer = StepTimer()
         self.step_metrics: dict[str, Tensor] = {}
+        self._compiled: dict[str, nn.Module] = {}  # a dict: the compiled wrapper must not register as a submodule
 
     def _check_options(self) -> None:
         """The table of ranges that train.py checks too (lit_rlvr.options), before the model loads."""
@@ -171,6 +176,9 @@ class GRPOModule(pl.LightningModule):
     # -- Lightning plumbing ----------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         check_rl_callbacks(self.rl_callbacks(), self.hparams)  # the Lightning CLI and Python reach this first
+        if self.hparams.compile_update and hasattr(self.trainer.strategy, "parallelize"):
+            raise ConfigError([problem_line("model.compile", True, "false with a sharding strategy (FSDP shards "
+                                             "the policy's layers; compiling the sharded model is not supported)")])
         if self.engine is None:
             options = dict(self.hparams.engine_options or {})
             sync_check = SyncCheck.take_from(options)  # the driver's post-push check, not the engine's option
@@ -337,10 +345,19 @@ class GRPOModule(pl.LightningModule):
         return (F.token_logprobs(logits, rollouts.response_ids.to(self.device), temperature=self.sampling.temperature),
                 logits)
 
+    def update_policy(self) -> nn.Module:
+        """The policy as the update's loss runs it: compiled with `compile_update` (dynamic shapes: micro-batches
+        of any size and width reuse one graph), itself otherwise. Same parameters either way."""
+        if not self.hparams.compile_update:
+            return self.policy
+        if "policy" not in self._compiled:
+            self._compiled["policy"] = torch.compile(self.policy, dynamic=True)
+        return self._compiled["policy"]
+
     def micro_batch_loss(self, rollouts: Rollouts, weight: float) -> tuple[Tensor, dict[str, Tensor]]:
         """Loss of one micro-batch, scaled by its share `weight` of the pass so micro-batches sum exactly."""
         hp = self.hparams
-        logp, logits = self.forward_logprobs(self.policy, rollouts)  # [n, T], [n, T, V]
+        logp, logits = self.forward_logprobs(self.update_policy(), rollouts)  # [n, T], [n, T, V]
         mask = rollouts.response_mask.to(self.device)
         old = rollouts.old_logp.to(self.device)
         advantages = rollouts.advantages.to(self.device)  # [n]

@@ -57,6 +57,7 @@ def build_module(cfg: DictConfig) -> GRPOModule:
         model_options=OmegaConf.to_container(cfg.model.options, resolve=True),
         dtype=cfg.model.dtype,
         lora=OmegaConf.to_container(cfg.model.lora, resolve=True) if cfg.model.get("lora") else None,
+        compile_update=bool(cfg.model.get("compile") or False),
         reward=cfg.reward.name,
         reward_options=OmegaConf.to_container(cfg.reward.options, resolve=True),
         engine=cfg.engine.name,

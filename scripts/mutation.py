@@ -53,6 +53,8 @@ TESTS = (
     "tests/test_functional.py",
     "tests/test_functional_edges.py",
     "tests/test_fidelity.py",
+    "tests/test_flops.py",
+    "tests/test_rollout_correction.py",
     "tests/test_passk.py",
     "tests/test_micro_batches.py",
     "tests/test_micro_batch_tokens.py",

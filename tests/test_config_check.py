@@ -50,6 +50,7 @@ def test_missing_path_is_named():
     ("algorithm.lr=-1e-4", "algorithm.lr=-0.0001", "> 0"),
     ("data.batch_size=0", "data.batch_size=0", ">= 1"),
     ("algorithm.top_p=1.5", "algorithm.top_p=1.5", "(0, 1]"),
+    ("model.compile=yes", "model.compile='yes'", "true or false"),
 ])
 def test_bad_value_names_key_value_and_expectation(override, key, expected):
     with pytest.raises(ConfigError) as err:

@@ -3,9 +3,12 @@ each against a hand-worked number."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lit_rlvr import functional as F
+from lit_rlvr.functional.passk import pass_at_k
+from lit_rlvr.functional.rollout_correction import is_threshold_bounds
 
 
 def test_zero_adv_frac_of_a_single_group():
@@ -75,3 +78,71 @@ def test_expected_mse_reduction_wants_a_first_sample_and_bounds_the_rest():
 
     gain = expected_mse_reduction([0.0, 1.0, 0.5], [0.5, float("nan"), 0.5], [0, 3, 4], 1.0)
     assert gain[0] == float("inf") and abs(gain[1] - 1 / 12) < 1e-7 and gain[2] == 0.0
+
+
+def test_dual_clip_leaves_positive_advantages_below_one_alone():
+    """Dual-clip floors only A < 0: a token with 0 < A < 1 keeps its PPO term (c·A would be larger than it)."""
+    logp = torch.tensor([[0.1, -0.3]], requires_grad=True)
+    old, mask, adv = torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool), torch.tensor([0.5])
+    plain, _ = F.ppo_clip_loss(logp, old, adv, mask, aggregation="token-mean")
+    dual, metrics = F.ppo_clip_loss(logp, old, adv, mask, aggregation="token-mean", dual_clip=3.0)
+    assert dual.item() == plain.item()
+    assert metrics["loss/pg_clipfrac_lower"].item() == 0.0
+
+
+def test_dual_clip_at_exactly_c_keeps_the_gradient_as_verl():
+    """ratio = c exactly, A < 0: the floor c·A equals the PPO term. Strictly below the floor only is a token
+    floored (verl's `clip_pg_losses1 > pg_losses3`), so this one still gets its gradient and is not counted."""
+    c = float(torch.exp(torch.tensor(0.7, dtype=torch.float64)))  # the same exp the loss computes
+    logp = torch.tensor([[0.7]], dtype=torch.float64, requires_grad=True)
+    old, mask = torch.zeros(1, 1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.bool)
+    loss, metrics = F.ppo_clip_loss(logp, old, torch.tensor([-1.0]), mask, aggregation="token-mean", dual_clip=c)
+    loss.backward()
+    assert metrics["loss/pg_clipfrac_lower"].item() == 0.0
+    assert logp.grad.item() == c  # d(−ratio·A)/d logp = ratio at A = −1
+
+
+def test_gspo_approx_kl_off_the_unit_log_ratio():
+    """k2 = ½(logp − old)² token mean: at log-ratios 0.5 and −2 it is (0.125 + 2) / 2."""
+    logp = torch.tensor([[0.5, -2.0]])
+    _, metrics = F.gspo_loss(logp, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.bool))
+    assert metrics["loss/approx_kl"].item() == (0.125 + 2.0) / 2
+
+
+def test_sequence_importance_mask_default_tau_is_two():
+    """3PO's default τ = 2: a summed log-ratio of 0.69 (ratio 1.99) is kept, 0.70 (2.01) dropped."""
+    logp = torch.tensor([[0.69], [0.70], [-0.70]])
+    keep, _ = F.sequence_importance_mask(logp, torch.zeros(3, 1), torch.ones(3, 1, dtype=torch.bool))
+    assert keep.tolist() == [True, False, False]
+
+
+def test_micro_batches_refuse_zero_rows_whatever_the_token_budget():
+    with pytest.raises(ValueError, match="max_rows"):
+        F.micro_batches(torch.tensor([3, 2]), max_rows=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        F.micro_batches(torch.tensor([3, 2]), max_rows=2, max_tokens=0)
+
+
+def test_micro_batches_of_equal_lengths_keep_the_batch_order():
+    """Ties are split in the order of the batch (a stable sort): the same rollouts form the same micro-batches on
+    every run and rank, whatever the sort algorithm does with ties at this size."""
+    lengths = torch.tensor([5, 7] * 40)  # 80 rows: large enough for torch's unstable sort to reorder ties
+    micros, _ = F.micro_batches(lengths, max_rows=8, max_tokens=1000)
+    assert torch.cat(micros).tolist() == list(range(1, 80, 2)) + list(range(0, 80, 2))
+
+
+def test_micro_batches_of_an_empty_batch_have_no_padding():
+    micros, metrics = F.micro_batches(torch.zeros(0, dtype=torch.long), max_rows=2, max_tokens=8)
+    assert micros == [] and metrics["micro/padding_frac"].item() == 0.0
+
+
+def test_pass_at_1_when_every_sample_is_correct():
+    """c = n: pass@1 = 1 (the factor i = 1 of Π(1 − k/i) is 0), for n = 1 and n = 4."""
+    value, _ = pass_at_k(torch.tensor([1, 4]), torch.tensor([1, 4]), 1)
+    assert value.tolist() == [1.0, 1.0]
+
+
+def test_is_threshold_below_one_is_a_valid_truncation():
+    """verl's TIS truncates at any C > 0; C = 0.5 is a (strict) cap, not an error."""
+    assert is_threshold_bounds(0.5) == (0.5, None)
+    assert is_threshold_bounds("0.5_0.8") == (0.8, 0.5)
