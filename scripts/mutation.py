@@ -65,6 +65,10 @@ TESTS = (
     "tests/test_algorithms.py",
     "tests/test_batch.py",
     "tests/test_multi_weight.py",
+    "tests/test_ivon_edges.py",
+    "tests/test_value_prior_edges.py",
+    "tests/test_param_noise_edges.py",
+    "tests/test_batch_edges.py",
 )
 EQUIVALENTS = REPO / "scripts" / "mutation_equivalents.toml"
 # every pytest run: quiet, no cache writes, the end-to-end runs left out (minutes each)

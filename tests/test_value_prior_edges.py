@@ -1,0 +1,1 @@
+"""Edges that scripts/mutation.py found unchecked (docs/mutation.md): each test kills named mutants."""
