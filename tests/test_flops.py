@@ -82,6 +82,14 @@ def test_hand_worked_forward():
     assert float(lora) == 2 * float(full) + float(terms["attention"]) + 6 * 10 * 7
     gen_lora, _ = F.generation_flops(torch.tensor([4]), torch.tensor([4]), torch.tensor([3]), adapter=10, **dims)
     assert float(gen_lora) == float(gen) + 2 * 10 * (4 + 2)
+    # with adapters, a recomputed forward (activation checkpointing) and π_old's forward run them too: + 2·P each
+    _, lora_parts = F.update_flops(torch.tensor([4]), torch.tensor([3]), adapter=10, recompute=True,
+                                   old_forward=True, **dims)
+    assert float(lora_parts["recompute"]) == float(body) + 2 * 10 * 7
+    assert float(lora_parts["old_forward"]) == float(full) + 2 * 10 * 7
+    # an empty completion has no decode step (its first token would come from the prefill): the prefill alone
+    empty, empty_parts = F.generation_flops(torch.tensor([4]), torch.tensor([4]), torch.tensor([0]), **dims)
+    assert float(empty_parts["decode"]) == 0.0 and float(empty) == float(prefill)
 
 
 def test_forward_matches_the_counter(model, shape):

@@ -146,3 +146,10 @@ def test_is_threshold_below_one_is_a_valid_truncation():
     """verl's TIS truncates at any C > 0; C = 0.5 is a (strict) cap, not an error."""
     assert is_threshold_bounds(0.5) == (0.5, None)
     assert is_threshold_bounds("0.5_0.8") == (0.8, 0.5)
+
+
+def test_dual_clip_accepts_any_bound_above_one():
+    """c must only exceed 1 (verl's default is 3): c = 1.5 is valid and floors a token whose ratio ran past it."""
+    logp, old = torch.tensor([[1.0]]), torch.zeros(1, 1)  # ratio e ≈ 2.72 > 1.5
+    _, metrics = F.ppo_clip_loss(logp, old, torch.tensor([-1.0]), torch.ones(1, 1, dtype=torch.bool), dual_clip=1.5)
+    assert metrics["loss/pg_clipfrac_lower"].item() == 1.0

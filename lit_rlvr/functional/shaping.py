@@ -16,7 +16,8 @@ def overlong_penalty(lengths: Tensor, *, max_len: int, cache_len: int,
 
     so the penalty grows linearly from 0 to −factor over the last `cache_len` tokens before `max_len`.
     Paper: L_max = 20480, L_cache = 4096, factor 1 (Eq. 13 has none; verl's `overlong_buffer.penalty_factor`,
-    1.0 by default). `cache_len=0` switches the shaping off.
+    1.0 by default). `cache_len=0` leaves only the hard −factor past `max_len` (DAPO's module skips this function then:
+    `overlong_cache_len=0` switches the shaping off).
 
     Args: lengths [N] response lengths in tokens. Returns penalty [N] (≤ 0) and `reward/overlong_frac`
     (fraction of responses with a penalty < 0).
