@@ -103,10 +103,13 @@ def test_dual_clip_at_exactly_c_keeps_the_gradient_as_verl():
 
 
 def test_gspo_approx_kl_off_the_unit_log_ratio():
-    """k2 = ½(logp − old)² token mean: at log-ratios 0.5 and −2 it is (0.125 + 2) / 2."""
-    logp = torch.tensor([[0.5, -2.0]])
+    """k2 = ½(logp − old)² token mean: at log-ratios 0.5 and −1 it is (0.125 + 0.5) / 2."""
+    logp = torch.tensor([[0.5, -1.0]])
     _, metrics = F.gspo_loss(logp, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.bool))
-    assert metrics["loss/approx_kl"].item() == (0.125 + 2.0) / 2
+    assert metrics["loss/approx_kl"].item() == (0.125 + 0.5) / 2
+    # one counted token of two: the mean is over that one
+    _, metrics = F.gspo_loss(logp, torch.zeros(1, 2), torch.tensor([1.0]), torch.tensor([[True, False]]))
+    assert metrics["loss/approx_kl"].item() == 0.125
 
 
 def test_sequence_importance_mask_default_tau_is_two():
@@ -153,3 +156,36 @@ def test_dual_clip_accepts_any_bound_above_one():
     logp, old = torch.tensor([[1.0]]), torch.zeros(1, 1)  # ratio e ≈ 2.72 > 1.5
     _, metrics = F.ppo_clip_loss(logp, old, torch.tensor([-1.0]), torch.ones(1, 1, dtype=torch.bool), dual_clip=1.5)
     assert metrics["loss/pg_clipfrac_lower"].item() == 1.0
+
+
+def test_dual_clip_floor_scales_with_the_advantage():
+    """The floor is c·A: at A = −2, c = 3 a token whose ratio ran far past c has the term −6 (loss 6), and a masked
+    token neither counts in the clip fraction nor spoils it."""
+    logp, old = torch.tensor([[3.0, 3.0]]), torch.zeros(1, 2)  # ratio e³ ≈ 20 > 3
+    mask = torch.tensor([[True, False]])
+    loss, metrics = F.ppo_clip_loss(logp, old, torch.tensor([-2.0]), mask, aggregation="token-mean", dual_clip=3.0)
+    assert loss.item() == 6.0
+    assert metrics["loss/pg_clipfrac_lower"].item() == 1.0
+
+
+def test_sequence_importance_mask_uses_the_log_ratio_to_old():
+    """logp = old = 0.5 per token: ratio 1, kept; and with a single row present its fraction is 0 or 1."""
+    logp, mask = torch.full((1, 1), 0.5), torch.ones(1, 1, dtype=torch.bool)
+    keep, metrics = F.sequence_importance_mask(logp, torch.full((1, 1), 0.5), mask)
+    assert keep.tolist() == [True] and metrics["loss/seq_mask_frac"].item() == 0.0
+    keep, metrics = F.sequence_importance_mask(logp, torch.full((1, 1), -0.5), mask)  # log-ratio 1 > log 2
+    assert keep.tolist() == [False] and metrics["loss/seq_mask_frac"].item() == 1.0
+
+
+def test_micro_batches_take_a_budget_of_one_token():
+    """max_tokens = 1 is valid: every row past the first goes alone (a row is never dropped for its length)."""
+    micros, _ = F.micro_batches(torch.tensor([3, 2]), max_rows=4, max_tokens=1)
+    assert [m.tolist() for m in micros] == [[0], [1]]
+
+
+def test_is_threshold_bounds_edges():
+    """A bool or a list is not a threshold; a lower bound must be > 0; lower = upper is a valid (narrow) band."""
+    for bad in (True, [2.0], "0_2"):
+        with pytest.raises(ValueError):
+            is_threshold_bounds(bad)
+    assert is_threshold_bounds("1.5_1.5") == (1.5, 1.5)

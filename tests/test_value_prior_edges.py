@@ -121,6 +121,11 @@ def test_ieee_division_by_zero_gives_nan_for_zero_or_nan_and_signed_inf_otherwis
     assert lib._div(1.0, 4.0) == 0.25
 
 
+def test_osla_never_asks_past_k_max():
+    """OSLA asks for sample k+1 only while k < k_max: at k = k_max it stops however large the gain."""
+    assert lib.osla_wants_more([1.0, 1.0, 1.0], [15, 16, 17], cost=0.0039, k_max=16) == [True, False, False]
+
+
 def test_group_mean_of_a_single_sample_is_that_sample():
     """A group of one has its one reward as mean; an empty group has mean 0 and count 0."""
     means, counts = lib.group_mean_py([1.0, -1.0, -1.0], [0, 2, 2], 3)
