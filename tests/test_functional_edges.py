@@ -8,7 +8,8 @@ import torch
 
 from lit_rlvr import functional as F
 from lit_rlvr.functional.passk import pass_at_k
-from lit_rlvr.functional.rollout_correction import is_threshold_bounds
+from lit_rlvr.functional.rollout_correction import (is_threshold_bounds, rejection_mask, rs_threshold_bounds,
+                                                    truncated_is_weights)
 
 
 def test_zero_adv_frac_of_a_single_group():
@@ -189,3 +190,33 @@ def test_is_threshold_bounds_edges():
         with pytest.raises(ValueError):
             is_threshold_bounds(bad)
     assert is_threshold_bounds("1.5_1.5") == (1.5, 1.5)
+
+
+def test_rollout_correction_defaults_are_verls_threshold_of_two():
+    """verl's default threshold 2.0: a token ratio of 3 is truncated to 2 and rejected, 1.5 is neither."""
+    log_ratio, mask = torch.log(torch.tensor([[3.0, 1.5]])), torch.ones(1, 2, dtype=torch.bool)
+    weights, metrics = truncated_is_weights(log_ratio, mask)
+    torch.testing.assert_close(weights, torch.tensor([[2.0, 1.5]]))
+    assert metrics["mismatch/is_clip_frac"].item() == 0.5
+    keep, _ = rejection_mask(log_ratio, mask)
+    assert keep.tolist() == [[False, True]]
+
+
+def test_is_weights_at_exactly_the_bounds_are_kept_and_not_counted():
+    """A weight equal to C (TIS) or to a or b (IcePop) is inside the band: unchanged, not in the clip fraction (verl
+    counts ratio > upper and < lower). One counted token of two: the fraction is over that one."""
+    log_ratio = torch.tensor([[0.5, 0.0]])
+    at = float(torch.exp(log_ratio[0, 0]))  # the same float32 exp the function takes
+    one = torch.tensor([[True, False]])
+    for threshold in (at, f"{at!r}_{at + 1}", f"{at - 1!r}_{at!r}"):
+        weights, metrics = truncated_is_weights(log_ratio, one, threshold=threshold)
+        assert weights[0, 0].item() == at and metrics["mismatch/is_clip_frac"].item() == 0.0
+    _, metrics = truncated_is_weights(log_ratio, one, threshold=1.2)
+    assert metrics["mismatch/is_clip_frac"].item() == 1.0
+
+
+def test_one_rejection_threshold_serves_every_option():
+    """One spec for two options applies to both; a k2/k3 bound must be > 0."""
+    assert rs_threshold_bounds("token_k1,token_k2", 2.0) == [("token_k1", 0.5, 2.0), ("token_k2", None, 2.0)]
+    with pytest.raises(ValueError, match="must be > 0"):
+        rs_threshold_bounds("token_k2", 0)
