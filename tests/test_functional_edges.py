@@ -3,13 +3,15 @@ each against a hand-worked number."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from lit_rlvr import functional as F
 from lit_rlvr.functional.passk import pass_at_k
-from lit_rlvr.functional.rollout_correction import (is_threshold_bounds, rejection_mask, rs_threshold_bounds,
-                                                    truncated_is_weights)
+from lit_rlvr.functional.rollout_correction import (is_threshold_bounds, mismatch_metrics, rejection_mask,
+                                                    rs_threshold_bounds, truncated_is_weights)
 
 
 def test_zero_adv_frac_of_a_single_group():
@@ -220,3 +222,23 @@ def test_one_rejection_threshold_serves_every_option():
     assert rs_threshold_bounds("token_k1,token_k2", 2.0) == [("token_k1", 0.5, 2.0), ("token_k2", None, 2.0)]
     with pytest.raises(ValueError, match="must be > 0"):
         rs_threshold_bounds("token_k2", 0)
+
+
+def test_rejection_keeps_a_statistic_at_exactly_its_bound():
+    """verl keeps lower ≤ stat ≤ upper: k2 = ½·0.5² = 0.125 at the bound 0.125 passes, and k1 = ±1 at log-bounds ±1
+    passes. One counted token of two, rejected: the masked fraction is over that one."""
+    one = torch.tensor([[True, False]])
+    keep, _ = rejection_mask(torch.tensor([[0.5, 0.0]]), one, modes="token_k2", threshold=0.125)
+    assert keep.tolist() == [[True, False]]
+    e = math.exp(1.0)
+    for log_ratio in (1.0, -1.0):  # k1 = −log r = ∓1 against [log(1/e), log e]
+        keep, _ = rejection_mask(torch.tensor([[log_ratio, 0.0]]), one, modes="token_k1", threshold=f"{1 / e!r}_{e!r}")
+        assert keep.tolist() == [[True, False]]
+    keep, metrics = rejection_mask(torch.tensor([[3.0, 0.0]]), one, modes="token_k1", threshold=2.0)
+    assert keep.tolist() == [[False, False]] and metrics["mismatch/rs_masked_frac"].item() == 1.0
+
+
+def test_mismatch_kl_of_one_counted_token():
+    """k3 = r − 1 − log r of the one counted token (the padding's value does not enter the mean)."""
+    kl, _ = mismatch_metrics(torch.tensor([[0.1, 5.0]]), torch.zeros(1, 2), torch.tensor([[True, False]]))
+    assert kl.item() == pytest.approx(math.expm1(0.1) - 0.1, rel=1e-6)
