@@ -16,10 +16,10 @@ The two trainers run in two processes that take turns (`--block` steps each, nev
 from `on_step_begin` to `on_step_end` (generation, reward, loss, backward, clip, optimizer step), ours from
 Lightning's batch start to batch end. Budget: `ratio` = ours / TRL ≤ 0.5.
 
-The learning rate is 0 by default (`--lr`): with grpo.yaml's lr (2e-3, `--lr config`) the two policies drift
+The learning rate is 1e-12 by default (`--lr`): with grpo.yaml's lr (2e-3, `--lr config`) the two policies drift
 apart within a few steps (TRL's completions grew from ~3 to ~11 tokens while ours shrank, measured), so the
-step times would compare different workloads. At lr 0 every step still runs the full AdamW update, and the
-weights, hence the length distributions, stay equal; `ours_response_len_mean` and `trl_response_len_mean`
+step times would compare different workloads. At 1e-12 (our module refuses lr 0) every step still runs the full
+AdamW update, while the weights move by less than float32 resolves, so the length distributions stay equal; `ours_response_len_mean` and `trl_response_len_mean`
 (tokens per completion, EOS included) show it.
 """
 
@@ -291,8 +291,8 @@ def main(argv=None) -> None:
     parser = common.bench_parser(__doc__.split("\n\n")[0], steps_help="timed RL steps per side",
                                  warmup_help="untimed RL steps per side first", block_help="steps per turn",
                                  override_help="extra Hydra override for our side")
-    parser.add_argument("--lr", default="0", help="learning rate of both sides, or 'config' for grpo.yaml's; "
-                        "0 (default) keeps both policies at the same weights, so both generate the same length "
+    parser.add_argument("--lr", default="1e-12", help="learning rate of both sides, or 'config' for grpo.yaml's; "
+                        "1e-12 (default) keeps both policies at their weights, so both generate the same length "
                         "distribution while every update still runs in full")
     args = common.parse_bench_args(parser, argv)
     try:
