@@ -41,11 +41,12 @@ def logprobs_and_grads(module: GRPOModule, model, batch: Rollouts) -> tuple[torc
     module.policy.zero_grad()
     logp, _ = module.forward_logprobs(model, batch)
     (logp * batch.response_mask).sum().backward()
-    return logp.detach(), [p.grad.clone() for p in module.policy.parameters()]
+    return logp.detach(), [p.grad.clone() for p in module.policy.parameters() if p.requires_grad]
 
 
-def test_compiled_update_computes_the_eager_log_probs_and_gradients_at_any_width():
-    module = compiled_module()
+@pytest.mark.parametrize("lora", [None, {"rank": 4}], ids=["full", "lora"])
+def test_compiled_update_computes_the_eager_log_probs_and_gradients_at_any_width(lora):
+    module = compiled_module(lora=lora)
     compiled = module.update_policy()
     assert compiled is not module.policy and compiled is module.update_policy()  # compiled once, then reused
     for width in (6, 9):  # a second width: dynamic shapes, no failure
