@@ -19,7 +19,8 @@ Lightning's batch start to batch end. Budget: `ratio` = ours / TRL ≤ 0.5.
 The learning rate is 1e-12 by default (`--lr`): with grpo.yaml's lr (2e-3, `--lr config`) the two policies drift
 apart within a few steps (TRL's completions grew from ~3 to ~11 tokens while ours shrank, measured), so the
 step times would compare different workloads. At 1e-12 (our module refuses lr 0) every step still runs the full
-AdamW update, while the weights move by less than float32 resolves, so the length distributions stay equal; `ours_response_len_mean` and `trl_response_len_mean`
+AdamW update, while the weights move by less than float32 resolves, so the length distributions stay equal;
+`ours_response_len_mean` and `trl_response_len_mean`
 (tokens per completion, EOS included) show it.
 """
 
