@@ -288,11 +288,14 @@ def run_result(args, ours: dict, trl: dict, ours_summary: dict, paired: list[flo
     }
 
 
+DEFAULT_LR = "1e-12"  # module docstring: both policies keep their weights, every update still runs in full
+
+
 def main(argv=None) -> None:
     parser = common.bench_parser(__doc__.split("\n\n")[0], steps_help="timed RL steps per side",
                                  warmup_help="untimed RL steps per side first", block_help="steps per turn",
                                  override_help="extra Hydra override for our side")
-    parser.add_argument("--lr", default="1e-12", help="learning rate of both sides, or 'config' for grpo.yaml's; "
+    parser.add_argument("--lr", default=DEFAULT_LR, help="learning rate of both sides, or 'config' for grpo.yaml's; "
                         "1e-12 (default) keeps both policies at their weights, so both generate the same length "
                         "distribution while every update still runs in full")
     args = common.parse_bench_args(parser, argv)

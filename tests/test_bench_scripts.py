@@ -86,6 +86,16 @@ def test_trl_flops_prefill_every_row():
     assert update == float(F.update_flops(p, r, **shape)[0])
 
 
+def test_compare_trl_default_lr_is_one_our_module_takes():
+    """The script's default lr (both policies stay put) passes our option ranges, which refuse lr 0."""
+    import compare_trl
+
+    from lit_rlvr.options import range_problems
+
+    assert range_problems({"lr": float(compare_trl.DEFAULT_LR)}, "algorithm") == []
+    assert range_problems({"lr": 0.0}, "algorithm")  # what the default was
+
+
 def test_multi_turn_bench_runs_three_turns_and_reports_both_ratios(tmp_path):
     """bench/multi_turn.py on a smaller workload: it checks every rollout took its 3 turns and prints the budgets'
     keys (the figures themselves are measured, not tested)."""
