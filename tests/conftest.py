@@ -18,3 +18,17 @@ def tiny_path() -> str:
     from tiny_options import TINY
 
     return resolve_model_path("tiny", TINY)  # = conf/model/tiny.yaml: the e2e run reuses it
+
+
+@pytest.fixture
+def gloo_world_of_one():
+    """A one-rank gloo process group in this process (DTensor and collective code paths on a CPU)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available in this build")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -9,7 +9,6 @@ import io
 import ivon
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lit_rlvr.optim import IVON, bf16_spacing_warning, sample_seed
@@ -314,17 +313,6 @@ def test_lightning_manual_optimization_steps_and_matches_plain_loop():
             _train_sample(opt, model, step, j)
         opt.step()
     _assert_same_state(trainer.optimizers[0], opt)
-
-
-@pytest.fixture
-def gloo_world_of_one():
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available in this build")
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_dtensor_sampling_is_shard_local(gloo_world_of_one):

@@ -101,17 +101,6 @@ def test_parameters_on_two_devices_are_refused():
         IVON([nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2, device="meta"))], **KW)
 
 
-@pytest.fixture
-def gloo_world_of_one():
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available in this build")
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_sync_is_refused_when_any_parameter_is_a_dtensor(gloo_world_of_one):
     """sync=True would sum different shards: one DTensor among plain parameters is enough to refuse it."""
     from torch.distributed.device_mesh import init_device_mesh

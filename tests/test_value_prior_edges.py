@@ -17,8 +17,8 @@ from lit_rlvr.callbacks import ValuePrior
 from lit_rlvr.callbacks.value_prior import _warn_unused_module_options
 from lit_rlvr.functional import value_prior as lib
 from lit_rlvr.hooks import check_rl_callbacks
-from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 from lit_rlvr.value import ValueModel
+from test_value_prior_callback import _Source, fake_rollouts, plan_for
 
 ROOT = Path(__file__).resolve().parents[1]
 NAN = math.nan
@@ -59,24 +59,6 @@ class MetricSink:
         self.metrics = {k: float(v) for k, v in metrics.items()}
 
 
-def plan_for(prompts):
-    return RolloutPlan(list(prompts), [0] * len(prompts), [[1]] * len(prompts), [8] * len(prompts))
-
-
-def fake_rollouts(prompts, rewards):
-    """Rollouts of len(prompts) groups with the given per-prompt reward lists (one token per response)."""
-    flat = [r for per in rewards for r in per]
-    group = torch.tensor([b for b, per in enumerate(rewards) for _ in per])
-    n = len(flat)
-    return Rollouts(
-        prompt_ids=torch.ones(n, 1, dtype=torch.long), prompt_mask=torch.ones(n, 1, dtype=torch.bool),
-        response_ids=torch.ones(n, 1, dtype=torch.long), response_mask=torch.ones(n, 1, dtype=torch.bool),
-        old_logp=torch.zeros(n, 1), group=group, source=torch.zeros(n, dtype=torch.long),
-        num_groups=len(prompts), prompts=list(prompts), answers=[0] * len(prompts),
-        rewards=torch.tensor(flat, dtype=torch.float32), malformed=torch.zeros(n, dtype=torch.bool),
-    )
-
-
 def ready(value_model, **kwargs) -> ValuePrior:
     """A ValuePrior whose context is already past min_context."""
     cb = ValuePrior(value_model=value_model, min_context=1, context_size=8, **{"k_init": 4, **kwargs})
@@ -99,15 +81,6 @@ def fake_trainer(num_prompts: int, batch_size: int, max_steps: int, shuffle: boo
     rows = [{"prompt": f"q{i}"} for i in range(num_prompts)]
     loader = DataLoader(rows, batch_size=batch_size, shuffle=shuffle)  # sequential sampler: the order is known
     return types.SimpleNamespace(train_dataloader=loader, max_steps=max_steps, current_epoch=0)
-
-
-class _Source:
-    def __init__(self, size: int, batch_size: int, ordered: bool):
-        self.size, self.batch_size = size, batch_size
-        self.order = (lambda epoch: list(range(size))) if ordered else None
-
-    def __len__(self):
-        return self.size
 
 
 # ----------------------------------------------------------------------------------------------- functional: edges
