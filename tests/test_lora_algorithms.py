@@ -26,10 +26,10 @@ ALGORITHMS = {
 }
 
 
-def run(name: str, steps: int = 2):
+def run(name: str, steps: int = 2, extra: tuple[str, ...] = ()):
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[f"algorithm={name}", "~logger", "callbacks.progress=null", *SMALL,
-                                           *ALGORITHMS[name]])
+                                           *ALGORITHMS[name], *extra])
     pl.seed_everything(cfg.seed, verbose=False)
     callbacks = [instantiate(n) for n in (cfg.algorithm.get("callbacks") or {}).values() if n is not None]
     kwargs = {**OmegaConf.to_container(cfg.trainer, resolve=True), "max_steps": steps, "limit_val_batches": 0}
@@ -44,9 +44,13 @@ def run(name: str, steps: int = 2):
     return module, trainer, before, rows
 
 
-@pytest.mark.parametrize("name", sorted(ALGORITHMS))
-def test_algorithm_trains_adapters_only(name):
-    module, trainer, before, rows = run(name)
+@pytest.mark.parametrize("name, extra", [*((n, ()) for n in sorted(ALGORITHMS)),
+                                         ("c3po", ("model.compile=true",))],
+                         ids=[*sorted(ALGORITHMS), "c3po-compiled"])
+def test_algorithm_trains_adapters_only(name, extra):
+    """`c3po-compiled`: IVON's weight noise on the adapters, the update through torch.compile (model.compile)."""
+    module, trainer, before, rows = run(name, extra=extra)
+    assert ("policy" in module._compiled) == bool(extra)
     assert rows and all(torch.isfinite(r["loss/policy"]) for r in rows)  # gspo: 2 optimizer steps per RL step
     moved = {n for n, p in module.policy.named_parameters() if not torch.equal(p, before[n])}
     adapters = {n for n, p in module.policy.named_parameters() if p.requires_grad}
