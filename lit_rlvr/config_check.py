@@ -18,7 +18,7 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lit_rlvr.options import RANGES, ConfigError, group_size_problem, problem_line, range_problems
+from lit_rlvr.options import RANGES, ConfigError, compile_problems, group_size_problem, problem_line, range_problems
 
 DEBUG_ENV = "LIT_RLVR_DEBUG"  # =1: config errors raise with their traceback instead of one line
 
@@ -133,9 +133,8 @@ def _check_lora(cfg: DictConfig) -> list[str]:
 
 
 def _check_compile(cfg: DictConfig) -> list[str]:
-    """`model.compile` is a bool (the module refuses it with a sharding strategy, in setup)."""
-    value = OmegaConf.select(cfg, "model.compile")
-    return [] if value is None or isinstance(value, bool) else [problem_line("model.compile", value, "true or false")]
+    strategy = str(OmegaConf.select(cfg, "trainer.strategy._target_") or "")
+    return compile_problems(OmegaConf.select(cfg, "model.compile"), sharded=strategy.endswith("FSDP2Strategy"))
 
 
 def _check_extras(cfg: DictConfig) -> list[str]:

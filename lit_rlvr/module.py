@@ -30,7 +30,7 @@ from lit_rlvr.models import load_policy, resolve_model_path
 from lit_rlvr.models.lora import LoraOptions, apply_lora, reference_model, trainable_parameters
 from lit_rlvr.optim.build import build_optimizer, check_optimizer_options
 from lit_rlvr.optim.schedule import warmup_factor
-from lit_rlvr.options import ConfigError, consistency_problems, problem_line, range_problems
+from lit_rlvr.options import ConfigError, compile_problems, consistency_problems, range_problems
 from lit_rlvr.perf import StepFlops, recomputes_forward
 from lit_rlvr.rewards import build_reward_runner
 from lit_rlvr.rewards.base import RewardHangError
@@ -165,7 +165,8 @@ class GRPOModule(pl.LightningModule):
     def _check_options(self) -> None:
         """The table of ranges that train.py checks too (lit_rlvr.options), before the model loads."""
         hp = self.hparams
-        problems = range_problems(hp, "algorithm") + consistency_problems(hp)
+        problems = (range_problems(hp, "algorithm") + consistency_problems(hp)
+                    + compile_problems(hp.compile_update, sharded=False))
         if problems:
             raise ConfigError(problems)
         self.lora = LoraOptions.from_any(hp.lora)
@@ -176,9 +177,9 @@ class GRPOModule(pl.LightningModule):
     # -- Lightning plumbing ----------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         check_rl_callbacks(self.rl_callbacks(), self.hparams)  # the Lightning CLI and Python reach this first
-        if self.hparams.compile_update and hasattr(self.trainer.strategy, "parallelize"):
-            raise ConfigError([problem_line("model.compile", True, "false with a sharding strategy (FSDP shards "
-                                             "the policy's layers; compiling the sharded model is not supported)")])
+        problems = compile_problems(self.hparams.compile_update, hasattr(self.trainer.strategy, "parallelize"))
+        if problems:
+            raise ConfigError(problems)
         if self.engine is None:
             options = dict(self.hparams.engine_options or {})
             sync_check = SyncCheck.take_from(options)  # the driver's post-push check, not the engine's option

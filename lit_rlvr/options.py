@@ -78,6 +78,18 @@ def problem_line(key: str, value: Any, expected: str) -> str:
     return f"{key}={'???' if value == '???' else repr(value)} is not valid: expected {expected}"
 
 
+def compile_problems(value: Any, sharded: bool) -> list[str]:
+    """`model.compile` (the module's `compile_update`): a bool, and not with a sharding strategy (FSDP shards the
+    policy's layers; compiling the sharded model is not supported). train.py checks it before any work, the module
+    again in setup (the Lightning CLI and Python reach only that)."""
+    if value is None or value is False:
+        return []
+    if value is not True:
+        return [problem_line("model.compile", value, "true or false")]
+    return [problem_line("model.compile", value, "false with a sharding strategy (FSDP shards the policy's layers; "
+                                                 "compiling the sharded model is not supported)")] if sharded else []
+
+
 def range_problems(values: Mapping[str, Any], section: str, rules: Mapping[str, Rule] = RANGES) -> list[str]:
     """One line per value of config section `section` (e.g. "algorithm", or "" for top-level keys) that its row
     of `rules` rejects; values without a row are not checked here."""

@@ -36,6 +36,8 @@ MUTABLE = ("algorithm.eval_samples", "algorithm.eval_temperature", "algorithm.ma
            "engine.options.mem_fraction_static", "engine.options.server_args.max_total_tokens",
            "engine.options.gpu_memory_utilization", "engine.options.kv_cache_memory_bytes",
            "engine.options.sleep_level", "engine.options.enforce_eager", "env.timeout_s",
+           # the same update through compiled kernels (float order only, as micro_batch_size)
+           "model.compile",
            # the post-push check only watches (it never changes what is sampled)
            "engine.options.sync_check_tol", "engine.options.sync_check_every")
 # keys added after checkpoints were written without them: absent there means this value

@@ -174,8 +174,11 @@ class _MutantFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def _purge_own_modules() -> None:
-    for name in list(sys.modules):
-        if name.split(".")[0] in OWN_PREFIXES:
+    """Forget our modules, and every module loaded from the repository's tests/ (a test file imported by another
+    under its bare name, `test_x`, would otherwise keep the unmutated classes it bound at preload)."""
+    tests = str(REPO / "tests")
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] in OWN_PREFIXES or str(getattr(module, "__file__", "") or "").startswith(tests):
             del sys.modules[name]
 
 

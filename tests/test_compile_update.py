@@ -72,6 +72,25 @@ def test_a_compiled_run_trains_the_policy_it_saves():
     assert torch.isfinite(module.step_metrics["loss/policy"])
 
 
+def test_compile_update_must_be_a_bool():
+    """`compile_update="no"` would be truthy: refused with the config key's one line, before the model loads."""
+    with pytest.raises(ConfigError, match=r"model.compile='no' is not valid: expected true or false"):
+        GRPOModule(model="tiny", model_options=dict(TINY), compile_update="no")
+
+
+def test_train_py_refuses_compile_with_fsdp_before_any_work():
+    """train.py's config check names it before the model loads (the module's setup check is for the CLI)."""
+    from hydra import compose, initialize_config_dir
+
+    from lit_rlvr.config_check import check_config
+    from tiny_options import REPO
+
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["trainer=fsdp", "model.compile=true"])
+    with pytest.raises(ConfigError, match=r"model.compile=True is not valid: expected false with a sharding"):
+        check_config(cfg)
+
+
 def test_compile_is_refused_with_a_sharding_strategy():
     module = compiled_module()
     module._trainer = SimpleNamespace(strategy=SimpleNamespace(parallelize=lambda m: None), callbacks=[])

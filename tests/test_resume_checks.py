@@ -49,6 +49,15 @@ def test_config_differences_list_frozen_keys_and_pass_mutable_ones():
                                               ("algorithm.name", "grpo", "c3po"), ("seed", 0, 1)]
 
 
+def test_model_compile_may_change_and_older_checkpoints_lack_it():
+    """Compiling the update changes float order only (as micro_batch_size): a run resumes with it on or off, and a
+    checkpoint written before the key existed reads as model.compile=false."""
+    older = {"model": {"name_or_path": "tiny", "dtype": "float32"}}
+    assert config_differences(older, {"model": {**older["model"], "compile": False}}) == []
+    assert config_differences({"model": {**older["model"], "compile": True}},
+                              {"model": {**older["model"], "compile": False}}) == []
+
+
 def test_engine_placement_may_change_but_its_sampling_may_not():
     """A resumed job lands on other ports and memory budgets; the engine's dtype or seed changes what it samples."""
     saved = {"engine": {"name": "sglang", "options": {"base_port": 31300, "mem_fraction_static": 0.2, "seed": 0,
