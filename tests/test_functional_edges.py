@@ -244,3 +244,11 @@ def test_mismatch_kl_of_one_counted_token():
     """k3 = r − 1 − log r of the one counted token (the padding's value does not enter the mean)."""
     kl, _ = mismatch_metrics(torch.tensor([[0.1, 5.0]]), torch.zeros(1, 2), torch.tensor([[True, False]]))
     assert kl.item() == pytest.approx(math.expm1(0.1) - 0.1, rel=1e-6)
+
+
+def test_token_weights_scale_each_term_after_clipping():
+    """The rollout correction's weights w scale each token's PPO term, s ← w·s; the normaliser is unchanged."""
+    logp, old, mask = torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool)
+    loss, _ = F.ppo_clip_loss(logp, old, torch.tensor([1.0]), mask, aggregation="token-mean",
+                              token_weights=torch.tensor([[0.5, 0.0]]))
+    assert loss.item() == -0.25  # −(0.5·1 + 0·1) / 2
