@@ -177,9 +177,10 @@ class GRPOModule(pl.LightningModule):
     # -- Lightning plumbing ----------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         check_rl_callbacks(self.rl_callbacks(), self.hparams)  # the Lightning CLI and Python reach this first
-        problems = compile_problems(self.hparams.compile_update, hasattr(self.trainer.strategy, "parallelize"))
-        if problems:
-            raise ConfigError(problems)
+        if self.hparams.compile_update:  # (setup may run without a trainer: tests, notebooks)
+            problems = compile_problems(True, sharded=hasattr(self.trainer.strategy, "parallelize"))
+            if problems:
+                raise ConfigError(problems)
         if self.engine is None:
             options = dict(self.hparams.engine_options or {})
             sync_check = SyncCheck.take_from(options)  # the driver's post-push check, not the engine's option
