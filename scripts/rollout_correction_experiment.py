@@ -81,8 +81,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--jobs", type=int, default=1, help="runs at once (each gets threads/jobs torch threads)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads in all")
     parser.add_argument("--out-dir", default="runs/rollout_correction", help="run directories")
-    parser.add_argument("--doc", default=None, help="markdown report (default: <out-dir>/rollout_correction.md, "
-                                                    "beside the runs; the committed docs/results/ page only when named)")
+    parser.add_argument("--doc", default=None, help="markdown report (default: <out-dir>/rollout_correction.md; "
+                                                    "the committed docs/results/ page only when named)")
     parser.add_argument("--force", action="store_true", help="run again even where a finished run exists")
     args = parser.parse_args(argv)
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
