@@ -12,10 +12,11 @@ seeds), paired comparisons for each claim, the command, machine and wall time to
 (held-out accuracy curves, mean and band over seeds, against steps and rollouts; the training panels of
 lit_rlvr.report) and every per-run figure as JSON (per method, per seed under `seeds`).
 
-    nice -n 5 python scripts/reproduce.py                          # docs/results/reproduction.md (3-token task)
-    nice -n 5 python scripts/reproduce.py --task arithmetic_cot    # docs/results/reproduction_cot.md
+    nice -n 5 python scripts/reproduce.py                          # runs/reproduce/arithmetic/reproduction.md
+    nice -n 5 python scripts/reproduce.py --doc docs/results/reproduction.md      # the committed page (3-token task)
+    nice -n 5 python scripts/reproduce.py --task arithmetic_cot --doc docs/results/reproduction_cot.md
     python scripts/reproduce.py --steps 2 --seeds 1 --methods grpo_g4,v05 --batch-size 4 --num-test 16 \\
-        --out-dir /tmp/repro --doc /tmp/repro/reproduction.md      # a smoke run
+        --out-dir /tmp/repro                                       # a smoke run: /tmp/repro/arithmetic/reproduction.md
 
 Runs go to `--out-dir/<task>/<method>/seed<k>`; a run whose summary.json exists and whose settings are the same is
 reused, and an unfinished one with the same settings continues from its last checkpoint (`resume=`), so an
@@ -72,7 +73,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (each gets threads/jobs torch threads)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads in all")
     parser.add_argument("--out-dir", default="runs/reproduce", help="run directories (a folder per task below it)")
-    parser.add_argument("--doc", default=None, help="markdown report (default: the task's docs/results/ file)")
+    parser.add_argument("--doc", default=None, help="markdown report (default: <out-dir>/<task>/, beside the runs; the "
+                                                    "committed docs/results/ page only when named here)")
     parser.add_argument("--force", action="store_true", help="run again even where a finished run exists")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a train.py override after the pinned ones (repeatable): the same comparison with a "
@@ -90,7 +92,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error("--steps, --seeds, --batch-size, --jobs, --threads and --oracle-every must be >= 1")
     if args.eval_every < 0:
         parser.error("--eval-every must be >= 0")
-    args.doc = args.doc or task.doc
+    # a smoke or partial run must not overwrite the committed results page: that page is written only when named
+    args.doc = args.doc or str(Path(args.out_dir) / task.name / Path(task.doc).name)
     return args
 
 

@@ -12,9 +12,9 @@ step, 250 steps) with every setting pinned as scripts/reproduce.py pins it, seve
 It writes a markdown report (held-out accuracy before / after and during training, the mismatch over training,
 the extra cost, per-seed differences) and the per-run figures as JSON.
 
-    nice -n 5 python scripts/rollout_correction_experiment.py       # the committed run
+    nice -n 5 python scripts/rollout_correction_experiment.py --doc docs/results/rollout_correction.md  # committed
     python scripts/rollout_correction_experiment.py --steps 2 --seeds 1 --batch-size 4 --num-test 16 \\
-        --val-every 1 --out-dir /tmp/rc --doc /tmp/rc/rollout_correction.md   # a smoke run
+        --val-every 1 --out-dir /tmp/rc           # a smoke run: its report is /tmp/rc/rollout_correction.md
 
 Runs go to `--out-dir/<arm>/seed<k>`; a finished run with the same overrides is reused (`--force` runs it again).
 The hand-written analysis between the markers of the doc is kept when the doc is written again.
@@ -81,7 +81,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--jobs", type=int, default=1, help="runs at once (each gets threads/jobs torch threads)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads in all")
     parser.add_argument("--out-dir", default="runs/rollout_correction", help="run directories")
-    parser.add_argument("--doc", default="docs/results/rollout_correction.md", help="markdown report")
+    parser.add_argument("--doc", default=None, help="markdown report (default: <out-dir>/rollout_correction.md; "
+                                                    "the committed docs/results/ page only when named)")
     parser.add_argument("--force", action="store_true", help="run again even where a finished run exists")
     args = parser.parse_args(argv)
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
@@ -89,6 +90,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error(f"--arms: valid: {', '.join(ARMS)}")
     if min(args.steps, args.seeds, args.batch_size, args.jobs, args.threads) < 1 or args.val_every < 0:
         parser.error("--steps, --seeds, --batch-size, --jobs and --threads must be >= 1, --val-every >= 0")
+    # a smoke or partial run must not overwrite the committed results page: that page is written only when named
+    args.doc = args.doc or str(Path(args.out_dir) / "rollout_correction.md")
     return args
 
 

@@ -164,7 +164,10 @@ def test_c3po_shared_engine_stacked_equals_per_source(monkeypatch, lora):
         for name in ("response_ids", "response_mask", "group", "source", "rewards"):
             assert torch.equal(getattr(a, name), getattr(b, name)), name
         torch.testing.assert_close(a.old_logp, b.old_logp, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(list(stacked.policy.parameters()), list(plain.policy.parameters()), rtol=1e-4, atol=1e-6)
+    # old_logp agree to fp32 rounding (batched vs per-source forwards); IVON's step divides by a per-weight curvature
+    # near 0 on fresh LoRA weights, which grows that to ~3e-6 after 2 steps under AVX2 or 1 thread. A weight sample
+    # paired with the wrong rollouts moves weights by up to a clipped step, 1e-2: 2e-5 still tells them apart
+    torch.testing.assert_close(list(stacked.policy.parameters()), list(plain.policy.parameters()), rtol=1e-4, atol=2e-5)
 
 
 # -- LoRA: N adapters over one shared base ----------------------------------------------------------------------

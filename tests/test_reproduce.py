@@ -220,7 +220,7 @@ def test_reproduce_tasks_pin_their_settings():
 
     args = reproduce.parse_args(["--task", "arithmetic_cot"])
     assert args.methods == TASKS["arithmetic_cot"].methods and "c3po_lora8" in args.methods
-    assert args.doc == "docs/results/reproduction_cot.md"
+    assert Path(args.doc) == Path("runs/reproduce/arithmetic_cot/reproduction_cot.md")  # beside the runs
     run = reproduce.overrides(TASKS["arithmetic_cot"], "c3po_lora8", 2, args, Path("/tmp/x"))
     assert "data=arithmetic_cot" in run and "model.lora.rank=8" in run and "seed=2" in run
     assert f"algorithm.lr={TASKS['arithmetic_cot'].ivon_lr}" in run and "algorithm.optimizer=ivon" in run
