@@ -55,8 +55,9 @@ def check_config(cfg: DictConfig) -> None:
         if target:
             problems += _check_types(f"{section}.", _resolved(node, skip=missing), _init_types(target))
     problems = _check_keys(cfg) + problems + _check_option_types(cfg)
+    problems = problems or _check_finite(cfg)  # before the ranges: a nan is one line, not one per check
     if not problems:
-        problems = (_check_finite(cfg) + _check_ranges(cfg) + _check_lora(cfg) + _check_extras(cfg)
+        problems = (_check_ranges(cfg) + _check_lora(cfg) + _check_extras(cfg)
                     + _check_rollout_correction(cfg) + _check_compile(cfg))
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)))  # a value two checks refuse is one line

@@ -45,7 +45,8 @@ def _problems(*overrides: str) -> list[str]:
     ("token", "0.5"), ("sequence", "0.9"), ("geometric", "0.99"),  # one number C < 1: [1/C, C] is empty
     ("token_k1", "'1.1_3'"), ("seq_sum_k1", "'0.2_0.9'"), ("seq_mean_k1", "'1.01_1.02'"),  # "lower_upper" past 1
     ("token,geometric", "'0.5_2,1.5_3'"), ("token_k1,seq_mean_k3", "'1.2_2.0,0.01'"),  # one of several
-    ("token_k2", "nan"), ("seq_max_k3", "inf"),  # k2/k3 accept 0 (the on-policy value) below any finite bound
+    # k2/k3 accept their on-policy value 0 below any bound > 0, but not a non-finite one (strings: not floats)
+    ("token_k2", "'nan'"), ("token_k1,seq_max_k3", "'2,inf'"),
 ])
 def test_rejection_bounds_that_exclude_the_on_policy_value_are_refused(rs, threshold):
     problems = _problems(f"{RC}.rollout_rs='{rs}'", f"{RC}.rollout_rs_threshold={threshold}")
@@ -140,8 +141,8 @@ def test_the_all_masked_stop_catches_the_sequence_mask_too(tiny_module):
 # -- 9: non-finite values ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("overrides", [
     ["model.lora.alpha=inf"], ["model.lora.dropout=nan"], ["model.lora.lr_scale=inf"], ["algorithm.lr=nan"],
-    ["algorithm.eps_high=inf"], ["algorithm.betas=[0.9,inf]"], ["model.options.target=nan"], ["perf.peak_flops=inf"],
-    ["engine.options.sync_check_tol=inf"], ["trainer.gradient_clip_val=nan"], [f"{RC}.rollout_is_threshold=nan"],
+    ["algorithm.eps_high=inf"], ["+algorithm.betas=[0.9,inf]"], ["model.options.target=nan"], ["perf.peak_flops=inf"],
+    ["engine.options.sync_check_tol=inf"], ["+trainer.gradient_clip_val=nan"], [f"{RC}.rollout_is_threshold=nan"],
     ["algorithm=c3po", "algorithm.optimizer_options.ess=inf"],
     ["algorithm=v05", "algorithm.callbacks.value_prior.cost=nan"],
     ["algorithm=v05", "algorithm.callbacks.value_prior.reward_range=[-1,inf]"],
@@ -149,7 +150,7 @@ def test_the_all_masked_stop_catches_the_sequence_mask_too(tiny_module):
 ])
 def test_non_finite_floats_are_refused_everywhere(overrides):
     problems = _problems(*overrides)
-    key = overrides[-1].split("=")[0]
+    key = overrides[-1].split("=")[0].lstrip("+")
     assert len(problems) == 1 and problems[0].startswith(key) and "finite" in problems[0], problems
 
 
