@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.resources
 import inspect
 import typing
 from typing import Any, Optional
@@ -29,10 +30,9 @@ PRIOR_GROUP = "algorithm.callbacks.value_prior"
 # top-level keys of conf/config.yaml and their types
 RUN_KEYS = {"seed": int, "mode": str, "eval_before": bool, "checkpoint_every": int, "checkpoint": Optional[str],
             "resume": Optional[str]}
-# the other top-level keys: the config groups and conf/config.yaml's own; a data config's `task_*` helpers (read by
-# other groups through ${oc.select:task_...}) are accepted too
-TOP_KEYS = {*RUN_KEYS, "model", "reward", "data", "algorithm", "engine", "trainer", "logger", "env", "callbacks",
-            "perf", "cache_dir", "resume_allow"}
+# the primary config (conf/config.yaml, packaged as lit_rlvr.conf): its own keys and its groups are the valid
+# top-level keys; a data config's `task_*` helpers (read by other groups through ${oc.select:task_...}) too
+PRIMARY_CONFIG = "config.yaml"
 # `model.*`, as recipe.build_module reads them (model.lora: LoraOptions' fields; model.options: the model's own)
 MODEL_KEYS = ("name_or_path", "dtype", "chat_template", "compile", "options", "lora")
 # the module's arguments that build_module fills from other groups: not `algorithm.*` keys
@@ -112,13 +112,19 @@ def _leaves(node: Any) -> Any:
     return out
 
 
+def _top_keys() -> set[str]:
+    primary = OmegaConf.create(importlib.resources.files("lit_rlvr.conf").joinpath(PRIMARY_CONFIG).read_text())
+    groups = [next(iter(d)) for d in primary.get("defaults", []) if isinstance(d, DictConfig)]  # `- model: tiny`
+    return {*RUN_KEYS, *groups, *(k for k in primary if k not in ("defaults", "hydra"))}
+
+
 def _check_keys(cfg: DictConfig) -> list[str]:
     """Keys no code reads (a typo, `+model.lora_rank=8`) are refused, naming a close match and the valid ones."""
     from lit_rlvr.models import tiny_option_names
     from lit_rlvr.models.lora import LoraOptions
     from lit_rlvr.perf import StepFlops
 
-    problems = unknown_key_problems("", [k for k in cfg if not str(k).startswith("task_")], TOP_KEYS)
+    problems = unknown_key_problems("", [k for k in cfg if not str(k).startswith("task_")], _top_keys())
     model = cfg.get("model")
     if isinstance(model, DictConfig):
         lora_fields = [f.name for f in dataclasses.fields(LoraOptions)]
