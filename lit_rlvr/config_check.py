@@ -122,7 +122,6 @@ def _check_keys(cfg: DictConfig) -> list[str]:
     """Keys no code reads (a typo, `+model.lora_rank=8`) are refused, naming a close match and the valid ones."""
     from lit_rlvr.models import tiny_option_names
     from lit_rlvr.models.lora import LoraOptions
-    from lit_rlvr.perf import StepFlops
 
     problems = unknown_key_problems("", [k for k in cfg if not str(k).startswith("task_")], _top_keys())
     model = cfg.get("model")
@@ -134,8 +133,9 @@ def _check_keys(cfg: DictConfig) -> list[str]:
             problems += unknown_key_problems("model.options", options, ["cache_dir", *tiny_option_names()])
     perf = cfg.get("perf")
     if isinstance(perf, DictConfig):
-        problems += unknown_key_problems("perf", perf, inspect.signature(StepFlops.__init__).parameters.keys() - {"self"})
-    engine, options = ENGINE_CLASSES.get(str(OmegaConf.select(cfg, "engine.name"))), OmegaConf.select(cfg, "engine.options")
+        problems += unknown_key_problems("perf", perf, set(_init_parameters("lit_rlvr.perf.StepFlops")) - {"self"})
+    engine = ENGINE_CLASSES.get(str(OmegaConf.select(cfg, "engine.name")))
+    options = OmegaConf.select(cfg, "engine.options")
     if engine and isinstance(options, DictConfig):  # the engine's arguments but those the module gives
         valid = set(_init_parameters(engine)) - {"self", "model", "tokenizer", "pad_id", "eos_id"}
         problems += unknown_key_problems("engine.options", options, valid | set(SYNC_CHECK_TYPES)) if valid else []
