@@ -33,6 +33,7 @@ from lit_rlvr import functional as F
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.models.lora import trainable_parameters
 from lit_rlvr.optim import IVON, bf16_spacing_warning
+from lit_rlvr.options import convert
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 from lit_rlvr.rollout_correction import RolloutCorrection
 
@@ -62,7 +63,9 @@ class ParamNoise(RLVRCallback):
         super().__init__()
         if variant not in VARIANTS:
             raise ValueError(f"{KEY}.variant={variant!r}; valid: {', '.join(VARIANTS)}")
-        num_samples = (1 if variant == "b3po" else 4) if num_samples is None else int(num_samples)
+        num_samples = (1 if variant == "b3po" else 4) if num_samples is None else convert(f"{KEY}.num_samples",
+                                                                                           num_samples, int)
+        bf16_check_every = convert(f"{KEY}.bf16_check_every", bf16_check_every, int)
         if num_samples < 1 or (variant == "b3po" and num_samples != 1):
             raise ValueError(f"{KEY}.num_samples={num_samples}: must be >= 1 (b3po uses exactly 1 sample)")
         if bf16_check_every < 1:

@@ -46,6 +46,7 @@ from lit_rlvr.functional.value_prior import (
     shrinkage_fusion,
 )
 from lit_rlvr.hooks import RLVRCallback
+from lit_rlvr.options import check_finite
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 from lit_rlvr.value import FEATURE_MODES, HEADS, ContextBuffer, ValueModel
 from lit_rlvr.value.prefetch import Ahead, TrainPrompts
@@ -133,6 +134,8 @@ class ValuePrior(RLVRCallback):
         value_model: Any = None,
     ) -> None:
         super().__init__()
+        check_finite(KEY, cost=cost, min_active_frac=min_active_frac, reward_range=reward_range, noise_var=noise_var,
+                     bandwidth_refit=bandwidth_refit, head_kwargs=head_kwargs)
         _check_budget(1 if k_init is None else k_init, k_max, cost, min_active_frac, pad_to, round_size)
         self.low, self.high, self.noise_var = _check_rewards(reward_range, noise_var)
         if not 1 <= min_context <= context_size:

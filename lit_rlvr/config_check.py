@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.resources
 import inspect
 import typing
 from typing import Any, Optional
@@ -18,7 +19,8 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lit_rlvr.options import RANGES, ConfigError, compile_problems, group_size_problem, problem_line, range_problems
+from lit_rlvr.options import (RANGES, ConfigError, compile_problems, finite_problems, group_size_problem, problem_line,
+                              range_problems, unknown_key_problems)
 
 DEBUG_ENV = "LIT_RLVR_DEBUG"  # =1: config errors raise with their traceback instead of one line
 
@@ -28,6 +30,16 @@ PRIOR_GROUP = "algorithm.callbacks.value_prior"
 # top-level keys of conf/config.yaml and their types
 RUN_KEYS = {"seed": int, "mode": str, "eval_before": bool, "checkpoint_every": int, "checkpoint": Optional[str],
             "resume": Optional[str]}
+# the primary config (conf/config.yaml, packaged as lit_rlvr.conf): its own keys and its groups are the valid
+# top-level keys; a data config's `task_*` helpers (read by other groups through ${oc.select:task_...}) too
+PRIMARY_CONFIG = "config.yaml"
+# `model.*`, as recipe.build_module reads them (model.lora: LoraOptions' fields; model.options: the model's own)
+MODEL_KEYS = ("name_or_path", "dtype", "chat_template", "compile", "options", "lora")
+# the module's arguments that build_module fills from other groups: not `algorithm.*` keys
+NOT_ALGORITHM = {"model", "model_options", "dtype", "lora", "compile_update", "reward", "reward_options", "engine",
+                 "engine_options", "env", "env_options", "seed", "perf_options", "chat_template"}
+# keys of a group that the recipe reads besides its class's arguments
+GROUP_EXTRAS = {"algorithm": {"name", "callbacks"}, "data": {"name"}, "trainer": set()}
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -42,11 +54,101 @@ def check_config(cfg: DictConfig) -> None:
         problems += [problem_line(f"{section}.{k}", "???", f"a value: set {section}.{k}=...") for k in missing]
         if target:
             problems += _check_types(f"{section}.", _resolved(node, skip=missing), _init_types(target))
+    problems = _check_keys(cfg) + problems + _check_option_types(cfg)
+    problems = problems or _check_finite(cfg)  # before the ranges: a nan is one line, not one per check
     if not problems:
-        problems = (_check_ranges(cfg) + _check_lora(cfg) + _check_extras(cfg) + _check_rollout_correction(cfg)
-                    + _check_compile(cfg))
+        problems = (_check_ranges(cfg) + _check_lora(cfg) + _check_extras(cfg)
+                    + _check_rollout_correction(cfg) + _check_compile(cfg))
     if problems:
-        raise ConfigError(problems)
+        raise ConfigError(list(dict.fromkeys(problems)))  # a value two checks refuse is one line
+
+
+# the classes that take an option section's keys as arguments (train.py key -> "module.Class"), typed as the
+# `algorithm`/`data` groups are: engine.options by engine.name (the post-push check's two keys: `SyncCheck`)
+ENGINE_CLASSES = {"hf": "lit_rlvr.rollout.hf.HFEngine", "sglang": "lit_rlvr.rollout.sglang.SGLangEngine",
+                  "vllm": "lit_rlvr.rollout.vllm.VLLMEngine"}
+SYNC_CHECK_TYPES = {"sync_check_tol": Optional[float], "sync_check_every": int}
+
+
+def _check_option_types(cfg: DictConfig) -> list[str]:
+    """Option sections whose values go to a class's arguments: each value converts to the annotated type or is one
+    line naming the key (`model.options`, `perf`, `engine.options`, every `_target_` under `algorithm.callbacks`)."""
+    sections: list[tuple[str, Any, dict[str, Any]]] = []
+    if OmegaConf.select(cfg, "model.name_or_path") == "tiny":
+        sections.append(("model.options", OmegaConf.select(cfg, "model.options"),
+                         _init_types("lit_rlvr.models.warmup.warm_start_tiny", function=True)))
+    sections.append(("perf", cfg.get("perf"), _init_types("lit_rlvr.perf.StepFlops")))
+    engine = ENGINE_CLASSES.get(str(OmegaConf.select(cfg, "engine.name")))
+    if engine:
+        sections.append(("engine.options", OmegaConf.select(cfg, "engine.options"),
+                         {**_init_types(engine), **SYNC_CHECK_TYPES}))
+    for name, node in (OmegaConf.select(cfg, "algorithm.callbacks") or {}).items():
+        if isinstance(node, DictConfig) and node.get("_target_"):
+            sections.append((f"algorithm.callbacks.{name}", node, _init_types(node._target_)))
+    problems = []
+    for key, node, types in sections:
+        if isinstance(node, DictConfig):
+            problems += _check_types(f"{key}.", _resolved(node, skip=[]), types)
+    return problems
+
+
+def _check_finite(cfg: DictConfig) -> list[str]:
+    """Every float of the run's settings, at any depth (callbacks' and engines' options too), is finite unless inf
+    means something for that key (`lit_rlvr.options.INFINITE_OK`)."""
+    return finite_problems(_leaves(cfg), "")
+
+
+def _leaves(node: Any) -> Any:
+    """`node` as plain dicts and lists, each value resolved where it can be (a `${hydra:...}` outside a run cannot:
+    left out; those are paths, not numbers)."""
+    if not OmegaConf.is_config(node):
+        return node
+    out: dict[Any, Any] = {}
+    for key in (node.keys() if isinstance(node, DictConfig) else range(len(node))):
+        try:
+            out[key] = _leaves(node[key])
+        except OmegaConfBaseException:
+            continue
+    return out
+
+
+def _top_keys() -> set[str]:
+    primary = OmegaConf.create(importlib.resources.files("lit_rlvr.conf").joinpath(PRIMARY_CONFIG).read_text())
+    groups = [next(iter(d)) for d in primary.get("defaults", []) if isinstance(d, DictConfig)]  # `- model: tiny`
+    return {*RUN_KEYS, *groups, *(k for k in primary if k not in ("defaults", "hydra"))}
+
+
+def _check_keys(cfg: DictConfig) -> list[str]:
+    """Keys no code reads (a typo, `+model.lora_rank=8`) are refused, naming a close match and the valid ones."""
+    from lit_rlvr.models import tiny_option_names
+    from lit_rlvr.models.lora import LoraOptions
+
+    problems = unknown_key_problems("", [k for k in cfg if not str(k).startswith("task_")], _top_keys())
+    model = cfg.get("model")
+    if isinstance(model, DictConfig):
+        lora_fields = [f.name for f in dataclasses.fields(LoraOptions)]
+        problems += unknown_key_problems("model", model, MODEL_KEYS, suggest=[f"lora.{k}" for k in lora_fields])
+        options = model.get("options")
+        if model.get("name_or_path") == "tiny" and isinstance(options, DictConfig):
+            problems += unknown_key_problems("model.options", options, ["cache_dir", *tiny_option_names()])
+    perf = cfg.get("perf")
+    if isinstance(perf, DictConfig):
+        problems += unknown_key_problems("perf", perf, set(_init_parameters("lit_rlvr.perf.StepFlops")) - {"self"})
+    engine = ENGINE_CLASSES.get(str(OmegaConf.select(cfg, "engine.name")))
+    options = OmegaConf.select(cfg, "engine.options")
+    if engine and isinstance(options, DictConfig):  # the engine's arguments but those the module gives
+        valid = set(_init_parameters(engine)) - {"self", "model", "tokenizer", "pad_id", "eos_id"}
+        problems += unknown_key_problems("engine.options", options, valid | set(SYNC_CHECK_TYPES)) if valid else []
+    for section, target in (("algorithm", None), ("data", None), ("trainer", "lightning.pytorch.Trainer")):
+        node = cfg.get(section)
+        target = target or (node.get("_target_") if isinstance(node, DictConfig) else None)
+        if not target:
+            continue
+        params = set(_init_parameters(target)) - {"self"} - (NOT_ALGORITHM if section == "algorithm" else set())
+        if params:  # a class whose arguments cannot be listed: not checked
+            keys = [k for k in node if not str(k).startswith("_")]
+            problems += unknown_key_problems(section, keys, params | GROUP_EXTRAS[section])
+    return problems
 
 
 def _resolved(node: DictConfig, skip: list[str]) -> dict[str, Any]:
@@ -62,15 +164,42 @@ def _resolved(node: DictConfig, skip: list[str]) -> dict[str, Any]:
     return values
 
 
-def _init_types(target: str) -> dict[str, Any]:
+def _init_classes(target: str) -> list[type]:
+    """The class of `target` and, while an `__init__` passes **kwargs on, its bases: the classes whose arguments
+    the config may set (DAPOModule's **kwargs are GRPOModule's)."""
     module_name, _, name = target.rpartition(".")
-    cls = getattr(importlib.import_module(module_name), name)
-    try:
-        hints = typing.get_type_hints(cls.__init__)
-    except Exception:  # an annotation that does not evaluate: check nothing rather than guess
-        return {}
-    params = inspect.signature(cls.__init__).parameters
-    return {k: hints[k] for k in params if k in hints}
+    classes = []
+    for cls in getattr(importlib.import_module(module_name), name).__mro__:
+        if "__init__" not in vars(cls):
+            continue
+        classes.append(cls)
+        kinds = [p.kind for p in inspect.signature(cls.__init__).parameters.values()]
+        if inspect.Parameter.VAR_KEYWORD not in kinds:
+            return classes
+    return []  # **kwargs up to `object`: the arguments cannot be listed
+
+
+def _init_parameters(target: str) -> list[str]:
+    return [k for cls in _init_classes(target) for k, p in inspect.signature(cls.__init__).parameters.items()
+            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+
+
+def _init_types(target: str, function: bool = False) -> dict[str, Any]:
+    """The annotated arguments of class `target`'s `__init__` (through **kwargs to its bases), or of the function
+    `target` itself."""
+    if function:
+        module_name, _, name = target.rpartition(".")
+        fn = getattr(importlib.import_module(module_name), name)
+        hints = typing.get_type_hints(fn)
+        return {k: hints[k] for k in inspect.signature(fn).parameters if k in hints}
+    types: dict[str, Any] = {}
+    for cls in reversed(_init_classes(target)):  # a subclass's annotation wins
+        try:
+            hints = typing.get_type_hints(cls.__init__)
+        except Exception:  # an annotation that does not evaluate: check nothing rather than guess
+            continue
+        types.update({k: hints[k] for k in inspect.signature(cls.__init__).parameters if k in hints})
+    return types
 
 
 def _check_types(prefix: str, values: dict[str, Any], types: dict[str, Any]) -> list[str]:

@@ -30,7 +30,7 @@ from lit_rlvr.models import load_policy, resolve_model_path
 from lit_rlvr.models.lora import LoraOptions, apply_lora, reference_model, trainable_parameters
 from lit_rlvr.optim.build import build_optimizer, check_optimizer_options
 from lit_rlvr.optim.schedule import warmup_factor
-from lit_rlvr.options import ConfigError, compile_problems, consistency_problems, range_problems
+from lit_rlvr.options import ConfigError, compile_problems, consistency_problems, finite_problems, range_problems
 from lit_rlvr.perf import StepFlops, recomputes_forward
 from lit_rlvr.rewards import build_reward_runner
 from lit_rlvr.rewards.base import RewardHangError
@@ -48,8 +48,20 @@ from lit_rlvr.validation import ValidationMetrics
 log = logging.getLogger(__name__)
 
 
+# the module's dict arguments and their train.py keys (every float in them must be finite: lit_rlvr.options)
+NESTED_OPTIONS = {"model_options": "model.options", "lora": "model.lora", "reward_options": "reward.options",
+                  "engine_options": "engine.options", "env_options": "env", "perf_options": "perf",
+                  "optimizer_options": "algorithm.optimizer_options",
+                  "rollout_correction": "algorithm.rollout_correction"}
+
+
 class NonFiniteError(RuntimeError):
     pass
+
+
+class MaskedStepError(ConfigError):
+    """An update whose every loss term was masked to 0 (loss 0, gradient 0): the settings that mask, not the data,
+    are the usual cause, so it stops the run as a config error (one line)."""
 
 
 class GRPOModule(pl.LightningModule):
@@ -160,13 +172,15 @@ class GRPOModule(pl.LightningModule):
                          "reward_failures": 0, "rl_steps": 0}
         self.timer = StepTimer()
         self.step_metrics: dict[str, Tensor] = {}
+        self._mask_counts: Optional[Tensor] = None  # during `update`: [counted, kept] loss tokens
         self._compiled: dict[str, nn.Module] = {}  # a dict: the compiled wrapper must not register as a submodule
 
     def _check_options(self) -> None:
         """The table of ranges that train.py checks too (lit_rlvr.options), before the model loads."""
         hp = self.hparams
-        problems = (range_problems(hp, "algorithm") + consistency_problems(hp)
-                    + compile_problems(hp.compile_update, sharded=False))
+        nested = {key: finite_problems(hp.get(name), key) for name, key in NESTED_OPTIONS.items()}
+        problems = (range_problems(hp, "algorithm") + [p for lines in nested.values() for p in lines]
+                    + consistency_problems(hp) + compile_problems(hp.compile_update, sharded=False))
         if problems:
             raise ConfigError(problems)
         self.lora = LoraOptions.from_any(hp.lora)
@@ -363,13 +377,15 @@ class GRPOModule(pl.LightningModule):
         mask = rollouts.response_mask.to(self.device)
         old = rollouts.old_logp.to(self.device)
         advantages = rollouts.advantages.to(self.device)  # [n]
-        keep_metrics = {}
+        keep_metrics, keep = {}, None
         if hp.seq_mask_tau is not None:
             # 3PO: a sequence whose ratio left [1/τ, τ] gets no policy gradient. Its terms become 0 but its tokens
             # stay in every normalisation, as the micro-batch weights assume: the loss cannot depend on micro-batching
             keep, keep_metrics = F.sequence_importance_mask(logp, old, mask, tau=hp.seq_mask_tau)  # [n]
             advantages = advantages * keep  # [n]
         rollouts = self.rollout_correction.in_loss(rollouts, logp, old, mask, record=weight > 0)  # verl's IS, RS
+        if self._mask_counts is not None and weight > 0:
+            self._count_kept(mask, keep, rollouts.token_weights)
         loss, metrics = self.policy_loss(logp, old, advantages, mask, rollouts)
         metrics.update(keep_metrics)
         with torch.set_grad_enabled(hp.entropy_coef > 0):
@@ -389,6 +405,30 @@ class GRPOModule(pl.LightningModule):
         metrics["loss/policy"] = loss.detach()
         return loss * weight, metrics
 
+    def _count_kept(self, mask: Tensor, keep: Optional[Tensor], token_weights: Optional[Tensor]) -> None:
+        """Adds the micro-batch's counted tokens and those whose loss term is not masked to 0 (by the sequence
+        mask [n] or a token weight [n, T]) to this update's counts, kept on the device (no sync per micro-batch)."""
+        kept = mask.bool()  # [n, T]
+        if keep is not None:
+            kept = kept & keep.bool().to(kept.device)[:, None]  # [n, T]
+        if token_weights is not None:
+            kept = kept & (token_weights.to(kept.device) != 0)  # [n, T]
+        self._mask_counts += torch.stack([mask.sum(), kept.sum()]).to(self._mask_counts)
+
+    def _check_not_all_masked(self) -> None:
+        """Stops the run the first time an update's loss had tokens and masked every one of them: each later step
+        would be the same (loss 0, gradient 0), silently. Names the settings that mask."""
+        counted, kept = D.all_reduce(self._mask_counts.cpu()).tolist()
+        self._mask_counts = None
+        if counted == 0 or kept > 0:
+            return
+        keys = [f"algorithm.seq_mask_tau={self.hparams.seq_mask_tau!r}"] if self.hparams.seq_mask_tau else []
+        keys += self.rollout_correction.options.masking_settings()
+        settings = ", ".join(keys) if keys else "no masking setting is on (a callback's or subclass's token weights)"
+        raise MaskedStepError([f"step {self.global_step}: every one of the {int(counted)} loss tokens was masked "
+                               f"(loss 0, gradient 0), by {settings}; widen the bounds (the mismatch/* metrics "
+                               "show the ratios) or turn them off (null)"])
+
     def update(self, rollouts: Rollouts) -> None:
         """`ppo_epochs` × `mini_batches` optimizer steps; each step runs the loss passes (one per weight sample
         for M3PO) inside the callbacks' loss contexts, micro-batch by micro-batch."""
@@ -402,6 +442,7 @@ class GRPOModule(pl.LightningModule):
                         self.global_step, fewest, hp.mini_batches, fewest)
         steps = min(hp.mini_batches, fewest)
         rollouts = self.rollout_correction.before_update(self, rollouts)  # decoupled mode: π_old, IS weights, RS
+        self._mask_counts = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss tokens: counted, kept
         order = torch.arange(rollouts.num_samples)
         loss_sums: dict[str, Tensor] = {}  # per-pass metrics, summed over passes
         grad_norms: list[Tensor] = []
@@ -419,6 +460,7 @@ class GRPOModule(pl.LightningModule):
                 grad_norms.append(self._optimizer_step(optimizer, loss_sums, earlier_finite))
         self.log_metrics({k: v / passes for k, v in loss_sums.items()})
         self.log_metrics({"grad/norm": torch.stack(grad_norms).mean()})
+        self._check_not_all_masked()
 
     @staticmethod
     def _loss_passes(rollouts: Rollouts, mini: Tensor) -> list[tuple[int, Tensor]]:

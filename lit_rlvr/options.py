@@ -11,16 +11,13 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from lit_rlvr.functional import AGGREGATIONS, KL_ESTIMATORS
+from lit_rlvr.problems import (INFINITE_OK, ConfigError, check_finite, convert, finite_problem, finite_problems,
+                               problem_line, unknown_key_problems)
+
+__all__ = ["RANGES", "INFINITE_OK", "ConfigError", "check_finite", "convert", "finite_problem", "finite_problems",
+           "problem_line", "range_problems", "unknown_key_problems"]
 
 Rule = tuple[Callable[[Any], bool], str]  # (is the value valid?, what is expected)
-
-
-class ConfigError(ValueError):
-    """Invalid option values: one line per key (`problems`); entry points print the lines without a traceback."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("\n".join(problems))
 
 
 def _at_least(low: int, what: str = "an integer") -> Rule:
@@ -73,11 +70,6 @@ RANGES.update({f"sampling.{k}": RANGES[f"algorithm.{k}"] for k in ("top_p", "top
 RANGES["sampling.temperature"] = RANGES["algorithm.eval_temperature"]
 
 
-def problem_line(key: str, value: Any, expected: str) -> str:
-    """The one line every entry point prints for a bad value."""
-    return f"{key}={'???' if value == '???' else repr(value)} is not valid: expected {expected}"
-
-
 def compile_problems(value: Any, sharded: bool) -> list[str]:
     """`model.compile` (the module's `compile_update`): a bool, and not with a sharding strategy (FSDP shards the
     policy's layers; compiling the sharded model is not supported). train.py checks it before any work, the module
@@ -92,10 +84,14 @@ def compile_problems(value: Any, sharded: bool) -> list[str]:
 
 def range_problems(values: Mapping[str, Any], section: str, rules: Mapping[str, Rule] = RANGES) -> list[str]:
     """One line per value of config section `section` (e.g. "algorithm", or "" for top-level keys) that its row
-    of `rules` rejects; values without a row are not checked here."""
+    of `rules` rejects, or that is a non-finite float (`finite_problem`: every float, with a row or not)."""
     problems = []
     for name, value in values.items():
         key = f"{section}.{name}" if section else name
+        nonfinite = [] if isinstance(value, Mapping) else finite_problems(value, key)  # a dict is another section
+        if nonfinite:
+            problems += nonfinite
+            continue
         if key not in rules:
             continue
         valid, expected = rules[key]

@@ -7,6 +7,7 @@ key names), so `train.py`, the Lightning CLI and Python share the checks and the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping, Optional, Union
 
@@ -82,6 +83,9 @@ class RolloutCorrection:
                 inherited = " (null: rollout_is_threshold's)" if self.rollout_rs_threshold is None else ""
                 raise ValueError(f"{KEY}.rollout_rs_threshold={self.rs_threshold!r}{inherited} for rollout_rs="
                                  f"{self.rollout_rs!r}: {err}") from None
+        problem = self._on_policy_problem()
+        if problem:
+            raise ValueError(problem)
         if self.bypass_mode not in (None, True, False):
             raise ValueError(f"{KEY}.bypass_mode={self.bypass_mode!r}; valid: true, false, null (false when a "
                              "correction is on)")
@@ -89,6 +93,36 @@ class RolloutCorrection:
             raise ValueError(f"{KEY}.rollout_is={self.rollout_is!r} needs bypass_mode=false: in bypass mode the PPO "
                              f"ratio π_θ/π_engine already is the importance weight (verl computes it and ignores "
                              f"it); set {KEY}.bypass_mode=false (or null), or rollout_is=null")
+
+    def _on_policy_problem(self) -> Optional[str]:
+        """A bound that is not finite, or whose accepted interval excludes the on-policy value (ratio 1; k2 and k3
+        statistics 0, which any bound > 0 accepts): with an engine that computes the trainer's log-probs exactly
+        it would zero every token's term (loss 0, gradient 0 at every step). None when the bounds are fine."""
+        upper, lower = RC.is_threshold_bounds(self.rollout_is_threshold)
+        if not all(math.isfinite(b) for b in (upper, 1.0 if lower is None else lower)):
+            return (f"{KEY}.rollout_is_threshold={self.rollout_is_threshold!r} is not finite: expected a finite number "
+                    "C >= 1 (weights capped at C) or a quoted 'lower_upper' string with lower <= 1 <= upper")
+        if self.rollout_is is not None and (upper < 1 or (lower or 0.0) > 1):
+            effect = "caps every weight below 1" if lower is None else "zeroes the weight 1"
+            return (f"{KEY}.rollout_is_threshold={self.rollout_is_threshold!r} {effect}, the on-policy weight (of an "
+                    "engine that computes the trainer's log-probs): expected a number C >= 1 (weights capped at C) "
+                    "or a quoted 'lower_upper' string with lower <= 1 <= upper")
+        if self.rollout_rs is None:
+            return None
+        for option, lower, upper in RC.rs_threshold_bounds(self.rollout_rs, self.rs_threshold):
+            finite = all(math.isfinite(b) for b in (upper, 1.0 if lower is None else lower))
+            if finite and (lower is None or lower <= 1 <= upper):
+                continue
+            inherited = " (null: rollout_is_threshold's)" if self.rollout_rs_threshold is None else ""
+            accepted = ("a finite bound > 0" if lower is None else "a finite number C >= 1 (keeps ratios in [1/C, C]) "
+                        "or a quoted 'lower_upper' string with lower <= 1 <= upper")
+            return (f"{KEY}.rollout_rs_threshold={self.rs_threshold!r}{inherited} for rollout_rs={self.rollout_rs!r}: "
+                    f"{option} keeps ratios in [{lower:g}, {upper:g}], which excludes 1, the on-policy ratio: every "
+                    f"token would be masked (loss 0) with an engine that computes the trainer's log-probs; expected "
+                    f"{accepted}" if finite else
+                    f"{KEY}.rollout_rs_threshold={self.rs_threshold!r}{inherited} for rollout_rs={self.rollout_rs!r}: "
+                    f"{option}'s bound is not finite; expected {accepted}")
+        return None
 
     # -- what the module asks ----------------------------------------------------------------------------------
     @property
@@ -104,6 +138,15 @@ class RolloutCorrection:
     @property
     def rs_threshold(self) -> Threshold:
         return self.rollout_is_threshold if self.rollout_rs_threshold is None else self.rollout_rs_threshold
+
+    def masking_settings(self) -> list[str]:
+        """The options set that can zero a token's term ("key=value"), for the module's all-masked stop."""
+        out = []
+        if self.rollout_is is not None and "_" in str(self.rollout_is_threshold):  # IcePop zeroes; TIS only caps
+            out.append(f"{KEY}.rollout_is={self.rollout_is!r} rollout_is_threshold={self.rollout_is_threshold!r}")
+        if self.rollout_rs is not None:
+            out.append(f"{KEY}.rollout_rs={self.rollout_rs!r} rollout_rs_threshold={self.rs_threshold!r}")
+        return out
 
     def check_loss_class(self, module_class: type, base: type) -> None:
         """A correction weights each token's loss term: the class that defines `policy_loss` must be `base`

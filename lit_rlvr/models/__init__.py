@@ -11,6 +11,13 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def tiny_option_names() -> list[str]:
+    """`model.options` of the built-in tiny model (its warm-up's arguments), besides `cache_dir`."""
+    from lit_rlvr.models.warmup import warm_start_tiny
+
+    return [k for k in inspect.signature(warm_start_tiny).parameters if k != "cache_dir"]
+
+
 def resolve_model_path(name_or_path: str, options: dict[str, Any] | None = None) -> str:
     """`tiny` -> the warm-started tiny model (built on first use); anything else is an HF path or hub name."""
     options = dict(options or {})
@@ -20,7 +27,7 @@ def resolve_model_path(name_or_path: str, options: dict[str, Any] | None = None)
 
         cache_dir = options.pop("cache_dir", None)  # "" stays "": an empty LIT_RLVR_CACHE is refused, not the cwd
         cache_dir = default_cache_dir() if cache_dir is None else cache_dir
-        valid = [k for k in inspect.signature(warm_start_tiny).parameters if k != "cache_dir"]
+        valid = tiny_option_names()
         unknown = sorted(set(options) - set(valid))
         if unknown:  # e.g. `steps` from before the warm-up stopped at a target accuracy
             raise ValueError(f"model.options.{unknown[0]} is not an option of the tiny model; "

@@ -26,6 +26,8 @@ from typing import Any, Iterator, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from lit_rlvr.options import convert
+
 KEY = "model.lora"  # config path, for error messages
 ADAPTER_NAME = "default"  # peft's name of the one adapter we train
 
@@ -54,7 +56,12 @@ class LoraOptions:
     lr_scale: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.rank is not None and (isinstance(self.rank, bool) or int(self.rank) != self.rank or self.rank < 1):
+        # a command line's "8" or "abc": converted here, or one line naming the key (nan/inf refused)
+        rank_expected = "an integer >= 1 (the adapters' rank), or null for full fine-tuning"
+        object.__setattr__(self, "rank", convert(f"{KEY}.rank", self.rank, int, optional=True, expected=rank_expected))
+        for name in ("alpha", "dropout", "lr_scale"):
+            object.__setattr__(self, name, convert(f"{KEY}.{name}", getattr(self, name), float))
+        if self.rank is not None and self.rank < 1:
             raise ValueError(f"{KEY}.rank={self.rank!r}: an integer >= 1 (the adapters' rank), or null for full "
                              "fine-tuning")
         if not self.alpha > 0:

@@ -32,6 +32,8 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+from lit_rlvr.problems import convert
+
 if TYPE_CHECKING:  # torch is imported only where tensors are built: reward worker processes never load it
     from torch import Tensor
 
@@ -143,9 +145,11 @@ class RewardContract:
     """Turns raw reward returns into a `RewardBatch`; what breaks the contract is malformed and counted."""
 
     def __init__(self, failure_score: float = -1.0, score_bound: float = DEFAULT_SCORE_BOUND):
+        failure_score = convert("reward.options.failure_score", failure_score, float)
+        score_bound = convert("reward.options.score_bound", score_bound, float)
         if not score_bound > 0:
             raise ValueError(f"reward.options.score_bound must be > 0, got {score_bound!r}")
-        self.failure_score, self.score_bound = float(failure_score), float(score_bound)
+        self.failure_score, self.score_bound = failure_score, score_bound
         self._warned: set[str] = set()  # one warning per kind of violation, not one per call
 
     def failed(self, why: str) -> RewardResult:
@@ -198,9 +202,10 @@ class RewardRunner:
 
     def __init__(self, fn: RewardFn, failure_score: float = -1.0, timeout_s: float = DEFAULT_TIMEOUT_S,
                  score_bound: float = DEFAULT_SCORE_BOUND):
+        timeout_s = convert("reward.options.timeout_s", timeout_s, float)
         if not timeout_s > 0:
             raise ValueError(f"reward.options.timeout_s must be > 0, got {timeout_s!r}")
-        self.fn, self.timeout_s = fn, float(timeout_s)
+        self.fn, self.timeout_s = fn, timeout_s
         self.contract = RewardContract(failure_score, score_bound)
         self.failure_score = self.contract.failure_score
         self.stop_reason: Optional[str] = None

@@ -28,6 +28,7 @@ from typing import Any
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 from math_verify.errors import TimeoutException
 
+from lit_rlvr.options import convert
 from lit_rlvr.rewards.base import RewardResult
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -54,11 +55,12 @@ class MathReward:
     """
 
     def __init__(self, format_weight: float = 0.0, timeout_s: int = 3, float_rounding: int = 6):
+        timeout_s = convert("reward.options.timeout_s", timeout_s, float)
         if timeout_s < 0:
-            raise ValueError(f"MathReward: timeout_s must be >= 0 (0 = off), got {timeout_s}")
-        self.format_weight = float(format_weight)
+            raise ValueError(f"reward.options.timeout_s must be >= 0 (0 = off), got {timeout_s}")
+        self.format_weight = convert("reward.options.format_weight", format_weight, float)
         self.timeout_s = int(math.ceil(timeout_s))  # signal.alarm takes whole seconds
-        self.float_rounding = int(float_rounding)
+        self.float_rounding = convert("reward.options.float_rounding", float_rounding, int)
 
     def __call__(self, prompt: str, completion: str, answer: Any) -> RewardResult:
         timeout = self.timeout_s if threading.current_thread() is threading.main_thread() else 0

@@ -28,6 +28,7 @@ from collections import deque
 from multiprocessing.connection import Connection, wait
 from typing import Any, Optional, Sequence
 
+from lit_rlvr.problems import convert
 from lit_rlvr.rewards.base import DEFAULT_SCORE_BOUND, DEFAULT_TIMEOUT_S, RewardBatch, RewardContract, RewardFn
 
 log = logging.getLogger(__name__)
@@ -190,10 +191,12 @@ class ProcessRewardRunner:
 
     def __init__(self, fn: RewardFn, timeout_s: float = DEFAULT_TIMEOUT_S, workers: int = 2,
                  failure_score: float = -1.0, score_bound: float = DEFAULT_SCORE_BOUND):
+        timeout_s = convert("reward.options.timeout_s", timeout_s, float)
+        workers = convert("reward.options.workers", workers, int)
         if not timeout_s > 0:
-            raise ValueError(f"ProcessRewardRunner: timeout_s must be > 0, got {timeout_s}")
+            raise ValueError(f"reward.options.timeout_s must be > 0, got {timeout_s}")
         if workers < 1:
-            raise ValueError(f"ProcessRewardRunner: workers must be >= 1, got {workers}")
+            raise ValueError(f"reward.options.workers must be >= 1, got {workers}")
         try:
             payload = pickle.dumps(fn)
         except Exception as err:
@@ -202,7 +205,7 @@ class ProcessRewardRunner:
         main = sys.modules.get("__main__")
         main_path = getattr(main, "__file__", None) if getattr(fn, "__module__", None) == "__main__" else None
         self._init = (list(sys.path), payload, main_path)
-        self.fn, self.timeout_s, self.workers = fn, float(timeout_s), int(workers)
+        self.fn, self.timeout_s, self.workers = fn, timeout_s, workers
         self.contract = RewardContract(failure_score, score_bound)
         self.failure_score = self.contract.failure_score
         self._zygote: Optional[_Zygote] = None

@@ -17,6 +17,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from lit_rlvr.problems import convert
 from lit_rlvr.rng import seed_of
 from lit_rlvr.rollout.batch import left_pad
 from lit_rlvr.rollout.engine import Completion, RolloutEngine, SamplingParams
@@ -174,6 +175,12 @@ class HFEngine(RolloutEngine):
 
         if mode not in ENGINE_MODES:
             raise ValueError(f"engine.mode={mode!r} is not valid; valid: {', '.join(ENGINE_MODES)}")
+        # before any copy of the model: a bad value is one line naming its key
+        self.use_cache = convert("engine.options.use_cache", use_cache, bool)
+        self.max_batch = convert("engine.options.max_batch", max_batch, int)
+        # one prompt prefill per distinct prompt, its cache rows repeated
+        self.share_prefill = convert("engine.options.share_prefill", share_prefill, bool)
+        self.bucket_bytes = convert("engine.options.bucket_bytes", bucket_bytes, int)  # one weight push's cap (copy)
         own_dtype = _engine_dtype(dtype, model, mode)
         self.mode = mode
         self.lora_sync = check_lora_sync(lora_sync)
@@ -189,10 +196,6 @@ class HFEngine(RolloutEngine):
             self.model.requires_grad_(False)
             self.weight_dtype = own_dtype if dtype is not None else None  # pushes are cast to it
         self.pad_id, self.eos_id = pad_id, eos_id
-        self.use_cache = use_cache
-        self.max_batch = max_batch
-        self.share_prefill = share_prefill  # one prompt prefill per distinct prompt, its cache rows repeated
-        self.bucket_bytes = bucket_bytes  # size cap of one weight push (`copy` mode)
         self.version = 0
         self._params = dict(self.model.named_parameters())
         # transformers >= 5.x names the KV cache argument `cache`; older releases `past_key_values`

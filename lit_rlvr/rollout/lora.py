@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from lit_rlvr.models.lora import ADAPTER_NAME, is_lora, lora_layers, peft_config_dict
+from lit_rlvr.options import convert
 from lit_rlvr.rollout.engine import EngineError, RolloutEngine, SamplingParams
 from lit_rlvr.rollout.weights import buckets, full_named_weights, push_weights
 
@@ -46,6 +47,8 @@ class SyncCheck:
     tokens: int = 4
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "tol", convert("engine.options.sync_check_tol", self.tol, float, optional=True))
+        object.__setattr__(self, "every", convert("engine.options.sync_check_every", self.every, int))
         if self.tol is not None and not self.tol > 0:
             raise ValueError(f"engine.options.sync_check_tol={self.tol!r} must be > 0, or null (by engine dtype)")
         if self.every < 0:
@@ -55,7 +58,7 @@ class SyncCheck:
     def take_from(cls, engine_options: dict) -> "SyncCheck":
         """The check's settings, removed from `engine.options` (the rest configures the engine itself)."""
         tol, every = engine_options.pop("sync_check_tol", None), engine_options.pop("sync_check_every", 1)
-        return cls(tol=tol, every=int(every))
+        return cls(tol=tol, every=every)
 
     def bound(self, dtype: Optional[torch.dtype]) -> float:
         if self.tol is not None:

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from lit_rlvr.models.lora import is_lora
+from lit_rlvr.problems import convert
 from lit_rlvr.rollout.engine import (Completion, RolloutEngine, SamplingParams, expand_rows, save_policy_config,
                                      split_by_source)
 from lit_rlvr.rollout.lora import check_lora_sync
@@ -107,9 +108,9 @@ def engine_kwargs(model_path: str, dtype: torch.dtype, *, seed: int, kv_cache_me
         "gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": sleep,
     }
     if kv_cache_memory_bytes is not None:  # a fixed KV cache (vLLM then ignores gpu_memory_utilization)
-        kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
+        kwargs["kv_cache_memory_bytes"] = convert("engine.options.kv_cache_memory_bytes", kv_cache_memory_bytes, int)
     if max_model_len is not None:
-        kwargs["max_model_len"] = int(max_model_len)
+        kwargs["max_model_len"] = convert("engine.options.max_model_len", max_model_len, int)
     return {**kwargs, **llm_args}
 
 
@@ -124,8 +125,8 @@ def lora_args(model: nn.Module, max_loras: int) -> dict[str, Any]:
     if cap is None:
         raise ValueError(f"model.lora.rank={rank}: vLLM serves ranks up to {LORA_RANKS[-1]}; use "
                          "engine.options.lora_sync=merged")
-    return {"enable_lora": True, "max_lora_rank": cap, "max_loras": int(max_loras),
-            "max_cpu_loras": 2 * int(max_loras) + 2}
+    max_loras = convert("engine.options.max_loras", max_loras, int)
+    return {"enable_lora": True, "max_lora_rank": cap, "max_loras": max_loras, "max_cpu_loras": 2 * max_loras + 2}
 
 
 def _import_vllm():

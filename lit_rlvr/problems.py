@@ -1,0 +1,99 @@
+"""The standard problem line of a bad setting and the general rules every setting follows (finite floats, known
+keys, conversions that name the key), without torch: reward worker processes import it. `lit_rlvr.options`
+re-exports them beside its table of ranges."""
+
+from __future__ import annotations
+
+import difflib
+import math
+from typing import Any, Mapping, Optional
+
+
+class ConfigError(ValueError):
+    """Invalid option values: one line per key (`problems`); entry points print the lines without a traceback."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+def problem_line(key: str, value: Any, expected: str) -> str:
+    """The one line every entry point prints for a bad value."""
+    shown = "???" if isinstance(value, str) and value == "???" else repr(value)  # OmegaConf's missing value
+    return f"{key}={shown} is not valid: expected {expected}"
+
+
+# The float settings where +inf means something (no bound); nan never does. Every other float setting, at any
+# depth of any section, must be finite: an inf or nan passes every `v > 0` rule and fails steps later.
+INFINITE_OK = frozenset({"algorithm.optimizer_options.clip_radius"})  # IVON: inf = no clipping (its default)
+
+
+def finite_problem(key: str, value: Any) -> Optional[str]:
+    """The problem line of a non-finite float `value` of setting `key`, else None (the one finiteness rule)."""
+    if not isinstance(value, float) or math.isfinite(value):
+        return None
+    if math.isinf(value) and value > 0 and key in INFINITE_OK:
+        return None
+    return problem_line(key, value, "a finite number" + (" or inf" if key in INFINITE_OK else ""))
+
+
+def finite_problems(values: Any, key: str) -> list[str]:
+    """`finite_problem` for every float in `values` (a setting, or a section: nested mappings and lists), with
+    dotted keys under `key` (list items as key.0, key.1, ...)."""
+    if isinstance(values, Mapping):
+        return [p for k, v in values.items() for p in finite_problems(v, f"{key}.{k}" if key else str(k))]
+    if isinstance(values, (list, tuple)):
+        return [p for i, v in enumerate(values) for p in finite_problems(v, f"{key}.{i}")]
+    problem = finite_problem(key, values)
+    return [problem] if problem else []
+
+
+def check_finite(section: str, **values: Any) -> None:
+    """For a constructor: `ConfigError` listing every non-finite float among `values` (keys under `section`)."""
+    problems = finite_problems(values, section)
+    if problems:
+        raise ConfigError(problems)
+
+
+NUMBER_NAMES = {int: "an integer", float: "a number", bool: "true or false"}
+
+
+def convert(key: str, value: Any, kind: type, *, optional: bool = False, expected: Optional[str] = None) -> Any:
+    """`value` as `kind` (int, float or bool), or a `ConfigError` whose line names `key`, the value and what is
+    expected: where a setting's value is converted, never a bare int()/float() (whose error names no key).
+    Accepts what a config or a command line gives: "8" for an int, 8 or "1e-3" for a float, true/false or
+    "true"/"false" for a bool; an integral float for an int (8.0); not a bool for a number; floats must be finite
+    (`finite_problem`). `optional`: None passes as None."""
+    if value is None and optional:
+        return None
+    what = expected or NUMBER_NAMES[kind] + (" or null" if optional else "")
+    out: Any = None
+    if kind is bool:
+        text = str(value).strip().lower() if isinstance(value, str) else None
+        out = value if isinstance(value, bool) else {"true": True, "false": False}.get(text)
+    elif not isinstance(value, bool) and isinstance(value, (int, float, str)):
+        try:
+            number = float(value) if kind is float else (int(value) if not isinstance(value, float) else value)
+            if kind is int and isinstance(number, float):
+                number = int(number) if number.is_integer() else None
+            out = number
+        except (TypeError, ValueError, OverflowError):
+            out = None
+    if out is None:
+        raise ConfigError([problem_line(key, value, what)])
+    problem = finite_problem(key, out) if kind is float else None
+    if problem:
+        raise ConfigError([problem])
+    return out
+
+
+def unknown_key_problems(section: str, given: Any, valid: Any, suggest: Any = ()) -> list[str]:
+    """One line per key of `given` that `valid` lacks, naming it, a close match among `valid` and `suggest`
+    (dotted names under `section`, e.g. "lora.rank") if there is one, and the valid keys."""
+    valid, prefix = sorted(set(valid)), f"{section}." if section else ""
+    problems = []
+    for name in sorted(set(given) - set(valid)):
+        close = difflib.get_close_matches(str(name), [*suggest, *valid], n=1, cutoff=0.6)
+        hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+        problems.append(f"{prefix}{name} is not an option{hint}; valid: {', '.join(valid)}")
+    return problems

@@ -1,0 +1,263 @@
+"""Hostile settings (issue 42, third round): every check fires before any work, from train.py's config check, the
+Python constructors and the Lightning CLI, with one line naming the key, the value and what is allowed.
+
+* bounds of the rollout correction that exclude the on-policy value (every token masked, loss 0) are refused,
+  and an update that masks every loss token stops the run naming the settings;
+* a non-finite float is refused for every setting, at any depth, unless inf means something for that key;
+* keys that no code reads (`+model.lora_rank=8`) are refused, with a close match;
+* a value that does not convert names the key (never a bare `invalid literal for int()`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from lit_rlvr.config_check import check_config
+from lit_rlvr.models.lora import LoraOptions
+from lit_rlvr.options import ConfigError, convert, range_problems
+from lit_rlvr.rollout_correction import RolloutCorrection
+
+REPO = Path(__file__).resolve().parents[1]
+RC = "algorithm.rollout_correction"
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def _problems(*overrides: str) -> list[str]:
+    with pytest.raises(ConfigError) as err:
+        check_config(_compose(*overrides))
+    return err.value.problems
+
+
+# -- 8: bounds that exclude the on-policy value ------------------------------------------------------------------
+@pytest.mark.parametrize("rs, threshold", [
+    ("token", "0.5"), ("sequence", "0.9"), ("geometric", "0.99"),  # one number C < 1: [1/C, C] is empty
+    ("token_k1", "'1.1_3'"), ("seq_sum_k1", "'0.2_0.9'"), ("seq_mean_k1", "'1.01_1.02'"),  # "lower_upper" past 1
+    ("token,geometric", "'0.5_2,1.5_3'"), ("token_k1,seq_mean_k3", "'1.2_2.0,0.01'"),  # one of several
+    # k2/k3 accept their on-policy value 0 below any bound > 0, but not a non-finite one (strings: not floats)
+    ("token_k2", "'nan'"), ("token_k1,seq_max_k3", "'2,inf'"),
+])
+def test_rejection_bounds_that_exclude_the_on_policy_value_are_refused(rs, threshold):
+    problems = _problems(f"{RC}.rollout_rs='{rs}'", f"{RC}.rollout_rs_threshold={threshold}")
+    assert len(problems) == 1 and problems[0].startswith(f"{RC}.rollout_rs_threshold="), problems
+    assert f"rollout_rs={rs!r}" in problems[0]
+
+
+@pytest.mark.parametrize("rs, threshold", [
+    ("token", "2.0"), ("sequence", "1.0"), ("token_k1", "'0.5_1'"), ("seq_max_k2", "0.001"), ("seq_mean_k3", "1e-6"),
+    ("token_k1,seq_mean_k3", "'0.5_2.0,0.01'"),
+])
+def test_rejection_bounds_around_the_on_policy_value_pass(rs, threshold):
+    check_config(_compose(f"{RC}.rollout_rs='{rs}'", f"{RC}.rollout_rs_threshold={threshold}"))
+
+
+@pytest.mark.parametrize("threshold", ["0.5", "'0.5_0.9'", "'1.5_3'"])
+def test_is_bounds_below_or_above_one_are_refused(threshold):
+    problems = _problems(f"{RC}.rollout_is=token", f"{RC}.rollout_is_threshold={threshold}")
+    assert len(problems) == 1 and problems[0].startswith(f"{RC}.rollout_is_threshold="), problems
+
+
+def test_an_inherited_rejection_bound_is_named_as_inherited():
+    """rollout_rs_threshold null takes rollout_is_threshold: the line says so."""
+    (line,) = _problems(f"{RC}.rollout_rs=token", f"{RC}.rollout_is_threshold=0.5")
+    assert "(null: rollout_is_threshold's)" in line
+
+
+def test_the_constructor_refuses_the_same_bounds():
+    with pytest.raises(ValueError, match=r"rollout_rs_threshold=0\.5 for rollout_rs='token'.*excludes 1"):
+        RolloutCorrection.from_options({"rollout_rs": "token", "rollout_rs_threshold": 0.5})
+
+
+@pytest.fixture(scope="module")
+def tiny_module(tiny_path):
+    from lit_rlvr.module import GRPOModule
+    from tiny_options import TINY
+
+    cache = os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr")
+    return GRPOModule(model="tiny", model_options={"cache_dir": cache, **TINY}, group_size=4, max_new_tokens=6)
+
+
+def _masked_update(module, shift: float, **options) -> None:
+    """The update's loss passes on 8 completions whose engine log-probs are `shift` nats per token below the
+    policy's, then the all-masked check, as `update` runs them (no trainer: plain autograd)."""
+    from lit_rlvr.rollout.batch import Rollouts
+    from lit_rlvr.rollout_correction import RolloutCorrection
+
+    g = torch.Generator().manual_seed(0)
+    n, p, t = 8, 5, 6
+    rollouts = Rollouts(
+        prompt_ids=torch.randint(4, 90, (n, p), generator=g), prompt_mask=torch.ones(n, p, dtype=torch.bool),
+        response_ids=torch.randint(4, 90, (n, t), generator=g),
+        response_mask=torch.arange(t) < torch.tensor([1, 6, 3, 4, 2, 5, 6, 3])[:, None],
+        old_logp=torch.zeros(n, t), group=torch.arange(n) // 4, source=torch.zeros(n, dtype=torch.long),
+        num_groups=2, prompts=["a", "b"], answers=[0, 0], advantages=torch.randn(n, generator=g))
+    with torch.no_grad():
+        logp, _ = module.forward_logprobs(module.policy, rollouts)  # [n, t]
+    rollouts.old_logp = (logp - shift) * rollouts.response_mask
+    module.rollout_correction.options = RolloutCorrection(**options)
+    module.manual_backward = lambda loss: loss.backward()
+    module.rl_callbacks = lambda: []
+    corrected = module.rollout_correction.before_update(module, rollouts)
+    module._mask_counts = torch.zeros(2, dtype=torch.float64)
+    module._backward_pass(corrected, 0, {})
+    module.rollout_correction.first_pass_metrics()
+    module._check_not_all_masked()
+
+
+def test_an_update_that_masks_every_token_stops_the_run_naming_the_settings(tiny_module):
+    """Valid bounds, but an engine 1 nat per token away: every token's ratio e ≈ 2.7 leaves [1/1.5, 1.5]."""
+    from lit_rlvr.module import MaskedStepError
+
+    with pytest.raises(MaskedStepError) as err:
+        _masked_update(tiny_module, 1.0, rollout_rs="token", rollout_rs_threshold=1.5, bypass_mode=True)
+    (line,) = err.value.problems
+    assert "every one of the 30 loss tokens was masked" in line
+    assert f"{RC}.rollout_rs='token' rollout_rs_threshold=1.5" in line
+    _masked_update(tiny_module, 0.0, rollout_rs="token", rollout_rs_threshold=1.5, bypass_mode=True)  # on-policy
+
+
+def test_the_all_masked_stop_catches_the_sequence_mask_too(tiny_module):
+    from lit_rlvr.module import MaskedStepError
+
+    tiny_module.hparams.seq_mask_tau = 2.0
+    try:
+        with pytest.raises(MaskedStepError, match=r"algorithm\.seq_mask_tau=2\.0"):
+            _masked_update(tiny_module, 1.0)  # every sequence's ratio is e^length >= e > 2
+    finally:
+        tiny_module.hparams.seq_mask_tau = None
+
+
+# -- 9: non-finite values ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides", [
+    ["model.lora.alpha=inf"], ["model.lora.dropout=nan"], ["model.lora.lr_scale=inf"], ["algorithm.lr=nan"],
+    ["algorithm.eps_high=inf"], ["+algorithm.betas=[0.9,inf]"], ["model.options.target=nan"], ["perf.peak_flops=inf"],
+    ["engine.options.sync_check_tol=inf"], ["+trainer.gradient_clip_val=nan"], [f"{RC}.rollout_is_threshold=nan"],
+    ["algorithm=c3po", "algorithm.optimizer_options.ess=inf"],
+    ["algorithm=v05", "algorithm.callbacks.value_prior.cost=nan"],
+    ["algorithm=v05", "algorithm.callbacks.value_prior.reward_range=[-1,inf]"],
+    ["reward=math", "reward.options.format_weight=-inf"],
+])
+def test_non_finite_floats_are_refused_everywhere(overrides):
+    problems = _problems(*overrides)
+    key = overrides[-1].split("=")[0].lstrip("+")
+    assert len(problems) == 1 and problems[0].startswith(key) and "finite" in problems[0], problems
+
+
+def test_inf_where_it_means_no_bound_passes():
+    check_config(_compose("algorithm=c3po", "algorithm.optimizer_options.clip_radius=inf"))
+
+
+def test_constructors_refuse_non_finite_values():
+    with pytest.raises(ConfigError, match=r"^model\.lora\.alpha=inf is not valid: expected a finite number$"):
+        LoraOptions(rank=8, alpha=math.inf)
+    assert range_problems({"lr": math.nan, "betas": (0.9, math.inf)}, "algorithm") == [
+        "algorithm.lr=nan is not valid: expected a finite number",
+        "algorithm.betas.1=inf is not valid: expected a finite number"]
+    from callbacks.value_prior import ValuePrior
+
+    with pytest.raises(ConfigError, match=r"algorithm\.callbacks\.value_prior\.cost=nan"):
+        ValuePrior(cost=math.nan)
+
+
+def test_the_module_refuses_a_non_finite_nested_option_before_the_model_loads(monkeypatch):
+    from lit_rlvr import module as module_file
+    from lit_rlvr.module import GRPOModule
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(module_file, "load_policy", no_load)
+    with pytest.raises(ConfigError, match=r"algorithm\.optimizer_options\.ess=inf"):
+        GRPOModule(optimizer="ivon", optimizer_options={"ess": math.inf}, grad_clip=0.0)
+    with pytest.raises(ConfigError, match=r"engine\.options\.sync_check_tol=nan"):
+        GRPOModule(engine_options={"sync_check_tol": math.nan})
+
+
+# -- 11: unknown keys ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("override, start, suggestion", [
+    ("+model.lora_rank=8", "model.lora_rank is not an option", "model.lora.rank"),
+    ("+model.lora.rnak=8", "model.lora.rnak is not a LoRA option", None),
+    ("+model.options.warmup=3", "model.options.warmup is not an option", "model.options.warmup_steps"),
+    ("+algorithm.learning_rate=1e-3", "algorithm.learning_rate is not an option", None),
+    ("+algorithm.group_sise=4", "algorithm.group_sise is not an option", "algorithm.group_size"),
+    ("+data.batchsize=4", "data.batchsize is not an option", "data.batch_size"),
+    ("+perf.peak=1e12", "perf.peak is not an option", None),
+    ("+trainer.max_step=3", "trainer.max_step is not an option", "trainer.max_steps"),
+    ("+engine.options.max_btach=3", "engine.options.max_btach is not an option", "engine.options.max_batch"),
+    ("+seeds=3", "seeds is not an option", "seed"),
+])
+def test_unknown_keys_are_refused_with_a_close_match(override, start, suggestion):
+    problems = _problems(override)
+    assert len(problems) == 1 and problems[0].startswith(start), problems
+    if suggestion:
+        assert f"did you mean {suggestion}?" in problems[0]
+
+
+@pytest.mark.parametrize("overrides", [["algorithm=dapo"], ["data=arithmetic_cot"], ["env=calculator"],
+                                       ["algorithm=c3po_v05"], ["engine=vllm"], ["data=jsonl", "data.path=x.jsonl"]])
+def test_keys_that_hydra_and_the_shipped_configs_add_pass(overrides):
+    check_config(_compose(*overrides))
+
+
+# -- 12: conversions name the key --------------------------------------------------------------------------------
+@pytest.mark.parametrize("override, line", [
+    ("model.lora.rank=abc", "model.lora.rank='abc' is not valid: expected an integer >= 1"),
+    ("model.lora.alpha=abc", "model.lora.alpha='abc' is not valid: expected a number"),
+    ("engine.options.max_batch=abc", "engine.options.max_batch='abc' is not valid: expected an integer"),
+    ("engine.options.sync_check_every=x", "engine.options.sync_check_every='x' is not valid: expected an integer"),
+    ("model.options.target=abc", "model.options.target='abc' is not valid: expected a number"),
+    ("perf.peak_flops=abc", "perf.peak_flops='abc' is not valid: expected a number or null"),
+])
+def test_a_value_that_does_not_convert_names_key_value_and_type(override, line):
+    problems = _problems(override)
+    assert len(problems) == 1 and problems[0].startswith(line), problems
+
+
+def test_dapo_types_its_base_modules_arguments():
+    """DAPOModule passes **kwargs to GRPOModule: those arguments are typed too."""
+    assert _problems("algorithm=dapo", "algorithm.lr=abc") == ["algorithm.lr='abc' is not valid: expected a number"]
+
+
+def test_constructors_convert_through_the_one_helper():
+    from lit_rlvr.rewards.base import RewardRunner
+    from lit_rlvr.rollout.lora import SyncCheck
+
+    with pytest.raises(ConfigError, match=r"^model\.lora\.rank='abc' is not valid: expected an integer >= 1"):
+        LoraOptions(rank="abc")
+    assert LoraOptions(rank="8", alpha="16").rank == 8
+    with pytest.raises(ConfigError, match=r"^engine\.options\.sync_check_every='x' is not valid"):
+        SyncCheck.take_from({"sync_check_every": "x"})
+    with pytest.raises(ConfigError, match=r"^reward\.options\.timeout_s='soon' is not valid: expected a number"):
+        RewardRunner(lambda *a: 1.0, timeout_s="soon")
+    assert convert("k", "3", int) == 3 and convert("k", 3.0, int) == 3 and convert("k", "1e-3", float) == 1e-3
+    for value, kind in ((True, int), ("2.5", int), ("x", float), ("yes", bool), (math.inf, float)):
+        with pytest.raises(ConfigError, match=r"^k="):
+            convert("k", value, kind)
+
+
+# -- the Lightning CLI: the same lines, in its key names -----------------------------------------------------------
+def test_the_cli_refuses_the_same_settings_with_its_key_names(tmp_path):
+    command = [sys.executable, "-c", "from lit_rlvr.cli import main; main()", "fit", "--config",
+               str(REPO / "conf" / "cli" / "tiny_grpo.yaml"), "--trainer.logger.init_args.save_dir", str(tmp_path)]
+    cases = {
+        "--model.init_args.lora={rank: 8, alpha: .inf}": "model.init_args.lora.alpha=inf is not valid: expected a "
+                                                           "finite number",
+        "--model.init_args.lora={rank: abc}": "model.init_args.lora.rank='abc' is not valid: expected an integer",
+        "--model.init_args.rollout_correction={rollout_rs: token, rollout_rs_threshold: 0.5}":
+            "model.init_args.rollout_correction.rollout_rs_threshold=0.5 for rollout_rs='token'",
+    }
+    for arg, expected in cases.items():
+        done = subprocess.run([*command, arg], cwd=REPO, capture_output=True, text=True, timeout=300)
+        lines = [line for line in done.stderr.splitlines() if line.startswith("config error: ")]
+        assert done.returncode == 2 and len(lines) == 1 and expected in lines[0], (arg, done.stderr[-2000:])
