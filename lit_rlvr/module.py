@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from lit_rlvr import distributed as D
 from lit_rlvr import functional as F
+from lit_rlvr.adapter_export import AdapterExport
 from lit_rlvr.checkpoint_io import checkpoint_hint
 from lit_rlvr.envs import build_environment
 from lit_rlvr.errors import config_phase
@@ -170,6 +171,9 @@ class GRPOModule(pl.LightningModule):
         if problems:
             raise ConfigError(problems)
         self.lora = LoraOptions.from_any(hp.lora)
+        problems = self.lora.model_problems(hp.model, hp.model_options)  # before the warm-up and the load
+        if problems:
+            raise ConfigError(problems)
         self.rollout_correction = RolloutCorrector.from_options(hp.rollout_correction, type(self), GRPOModule)
         check_optimizer_options(hp.optimizer, hp.optimizer_options, lr=hp.lr, grad_clip=hp.grad_clip,
                                 weight_decay=hp.weight_decay, dtype=hp.dtype)
@@ -201,7 +205,8 @@ class GRPOModule(pl.LightningModule):
         self.flops.setup(self.policy, self.device, self.trainer, self.engine)
 
     def configure_callbacks(self) -> list[pl.Callback]:
-        return [FreezeSetupObjects()]
+        # with LoRA, every checkpoint save writes the adapter beside it, from every entry point
+        return [FreezeSetupObjects(), *([AdapterExport()] if self.lora.enabled else [])]
 
     def on_validation_start(self) -> None:
         self._engine_to_device()

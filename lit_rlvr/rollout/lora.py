@@ -16,6 +16,7 @@ above the bound stops the run (`EngineSyncError`).
 
 from __future__ import annotations
 
+import re
 import zlib
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional, Sequence
@@ -23,7 +24,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lit_rlvr.models.lora import ADAPTER_NAME, is_lora, lora_layers, peft_config_dict
+from lit_rlvr.models.lora import ADAPTER_NAME, is_lora, lora_delta, lora_factor_names, lora_layers, peft_config_dict
 from lit_rlvr.rollout.engine import EngineError, RolloutEngine, SamplingParams
 from lit_rlvr.rollout.weights import buckets, full_named_weights, push_weights
 
@@ -78,8 +79,9 @@ def hf_name(peft_name: str) -> str:
 
 
 def peft_file_name(param_name: str) -> str:
-    """An adapter parameter's name -> its key in adapter_model.safetensors (peft drops the adapter's name)."""
-    return param_name.replace(f".{ADAPTER_NAME}.", ".")
+    """An adapter parameter's name -> its key in adapter_model.safetensors (peft drops the adapter's name, also
+    at the end: an embedding adapter's `lora_embedding_A.default` is stored as `lora_embedding_A`)."""
+    return re.sub(rf"\.{ADAPTER_NAME}(?=\.|$)", "", param_name)
 
 
 def adapter_name(version: int, sample: Optional[int] = None, push: int = 0) -> str:
@@ -112,9 +114,8 @@ def merged_named_weights(policy: nn.Module, dtype: Optional[torch.dtype] = None,
     adapted = set()
     for layer_name, layer in layers.items():
         weight = full[f"{layer_name}.base_layer.weight"]
-        a = full[f"{layer_name}.lora_A.{ADAPTER_NAME}.weight"].float()  # [r, in]
-        b = full[f"{layer_name}.lora_B.{ADAPTER_NAME}.weight"].float()  # [out, r]
-        merged = weight.float() + layer.scaling[ADAPTER_NAME] * (b @ a)  # [out, in]
+        a, b = (full[name] for name in lora_factor_names(layer_name, layer))
+        merged = weight.float() + lora_delta(layer, a, b)  # W's shape: [out, in] for Linear
         adapted.add(f"{layer_name}.base_layer.weight")
         yield hf_name(f"{layer_name}.base_layer.weight"), merged.to(dtype or weight.dtype)
     if not adapted_only:
