@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lit_rlvr.models import tiny
+from lit_rlvr.models.tiny import build_tokenizer, tiny_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -59,7 +59,7 @@ def model_skeleton(name_or_path: str, options: Optional[dict[str, Any]] = None) 
     try:
         if name_or_path == "tiny":
             shape = {k: options[k] for k in ("hidden_size", "layers") if k in options}
-            config = tiny.tiny_config(len(tiny.build_tokenizer()), **shape)
+            config = tiny_config(len(build_tokenizer()), **shape)
         else:
             config = AutoConfig.from_pretrained(str(Path(name_or_path).expanduser()), local_files_only=True)
         with torch.device("meta"):
