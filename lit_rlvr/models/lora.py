@@ -47,7 +47,7 @@ class LoraOptions:
             rate then does not depend on r.
         target_modules: the linear layers that get adapters: "all-linear" (every linear layer but the output
             head, the study's recommendation: attention-only LoRA underperforms), or a list of module names
-            (e.g. [q_proj, v_proj]).
+            (e.g. [q_proj, v_proj]), each naming layers of an `ADAPTABLE` kind (`target_problems`).
         dropout: dropout on the adapters' input while training (0: RL compares the loss forward's log-probs with
             the sampler's, which dropout would make noisy).
         lr_scale: the optimizer's learning rate is `algorithm.lr` x lr_scale with LoRA (the study's ~10x rule);
