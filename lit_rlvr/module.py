@@ -40,7 +40,7 @@ from lit_rlvr.rollout import build_engine
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 from lit_rlvr.rollout.driver import RolloutDriver, stop_token_ids
 from lit_rlvr.rollout.engine import EngineError, SamplingConfig
-from lit_rlvr.rollout.lora import SyncCheck
+from lit_rlvr.rollout.lora import SyncCheck, merged_push_problems
 from lit_rlvr.rollout_correction import RolloutCorrector
 from lit_rlvr.rollout.multi_turn import env_metrics
 from lit_rlvr.step_log import StepTimer, write_step_metrics
@@ -190,6 +190,9 @@ class GRPOModule(pl.LightningModule):
             sync_check = SyncCheck.take_from(options)  # the driver's post-push check, not the engine's option
             with config_phase():  # the engine's option checks are config errors (one line from every entry)
                 self.engine = build_engine(self.hparams.engine, self.policy, self.tokenizer, options)
+                problems = merged_push_problems(self.engine, self.policy)  # before any rollout
+                if problems:
+                    raise ConfigError(problems)
             self.driver = RolloutDriver(self.engine, self.tokenizer, self.reward_runner, self.sampling, self.policy,
                                         sync_check, environment=self.environment,
                                         chat_template=self.hparams.chat_template)

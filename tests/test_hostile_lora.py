@@ -206,3 +206,22 @@ def test_the_cli_writes_the_adapter_beside_its_checkpoint(tmp_path):
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), folder / "adapter")
     for name, tensor in adapter_state(loaded):
         assert torch.equal(tensor, state["policy." + name]), name  # the checkpoint's adapter, bit for bit
+
+
+# -- a merged push cannot change one use of a tied weight -------------------------------------------------------
+@pytest.mark.parametrize("target, tied", [("lm_head", "model.embed_tokens.weight"),
+                                          ("embed_tokens", "lm_head.weight")])
+def test_a_merged_push_refuses_an_adapter_on_a_tied_weight(target, tied):
+    """The tiny model ties lm_head to embed_tokens: W + ΔW pushed under one name would change both uses (an
+    lm_head adapter crashed the push; an embedding adapter silently moved the engine's output head too)."""
+    from lit_rlvr.rollout.hf import HFEngine
+    from lit_rlvr.rollout.lora import merged_push_problems
+
+    model = lora_tiny((target, "q_proj"))
+    for options, refused in (({"mode": "copy", "lora_sync": "merged"}, True), ({"mode": "shared"}, False),
+                             ({"mode": "copy", "lora_sync": "adapter"}, False)):
+        engine = HFEngine(model, pad_id=0, eos_id=2, **options)
+        problems = merged_push_problems(engine, model)
+        assert problems == ([f"model.lora.target_modules: {target!r} adapts a weight tied to {tied}, which a merged "
+                             "push (engine.options.lora_sync=merged) cannot change alone; use engine=hf with "
+                             "engine.options.mode=shared, or leave it out of the targets"] if refused else [])

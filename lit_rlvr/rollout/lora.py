@@ -157,6 +157,29 @@ def _push_named(engine: RolloutEngine, named: Iterator[tuple[str, Tensor]]) -> i
     return pushed
 
 
+def merged_push_problems(engine: RolloutEngine, policy: nn.Module) -> list[str]:
+    """Adapters a merged push cannot carry exactly, one line each: a layer whose base weight is tied to another
+    module's (a tied `lm_head` / `embed_tokens`) holds one matrix in the engine, and W + ΔW there would change the
+    other use too. Only for engines that receive merged weights (`lora_sync=merged`, or no LoRA serving)."""
+    if engine.shares_weights or not is_lora(policy) or (engine.serves_lora and engine.lora_sync == "adapter"):
+        return []
+    holders: dict[int, list[str]] = {}
+    for name, module in policy.named_modules(remove_duplicate=False):
+        for pname, param in module._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append(hf_name(f"{name}.{pname}"))
+    problems = []
+    for layer_name, layer in lora_layers(policy):
+        own = hf_name(f"{layer_name}.base_layer.weight")
+        tied = sorted({n for n in holders[id(layer.base_layer.weight)] if n != own})
+        if tied:
+            target = layer_name.rsplit(".", 1)[-1]
+            problems.append(f"model.lora.target_modules: {target!r} adapts a weight tied to {tied[0]}, which a merged "
+                            f"push (engine.options.lora_sync={engine.lora_sync}) cannot change alone; use "
+                            "engine=hf with engine.options.mode=shared, or leave it out of the targets")
+    return problems
+
+
 def push_policy(engine: RolloutEngine, policy: nn.Module, *, version: int, sample: Optional[int] = None) -> int:
     """Any policy to any engine (nothing for a `shared` one); returns the bytes pushed."""
     if engine.shares_weights:
