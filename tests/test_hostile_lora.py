@@ -84,6 +84,34 @@ def test_stacked_sampling_equals_per_sample_forwards_for_every_adapter_kind(kind
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # batched kernels: equal to rounding
 
 
+def test_c3po_stacked_generation_with_an_embedding_adapter_equals_per_sample_calls():
+    """The reported case end to end: C3PO's one decoding call (HF engine, shared) over N sampled adapters on
+    embed_tokens and q_proj gives each block the tokens and log-probs of a call with that sample loaded."""
+    from lit_rlvr.models.tiny import build_tokenizer
+    from lit_rlvr.rollout.engine import SamplingParams
+    from lit_rlvr.rollout.hf import HFEngine
+
+    model, tokenizer = lora_tiny(("embed_tokens", "q_proj")), build_tokenizer()
+    engine = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, max_batch=4)
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in ("12+34=", "5+5=", "71-18=")]
+    counts = [[2, 1, 0], [1, 1, 1], [0, 2, 1]]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=6, seed=70 + s, ignore_eos=True) for s in range(N)]
+    stacks = sample_stacks(model)
+    got = engine.generate_stacked(ids, counts, params, stacks)
+    with torch.no_grad():
+        for n in range(N):
+            saved = [(p, p.detach().clone()) for p in stacks]
+            for p, stack in stacks.items():
+                p.copy_(stack[n])
+            want = engine.generate(ids, counts[n], params[n])
+            for p, value in saved:
+                p.copy_(value)
+            for got_b, want_b in zip(got[n], want):
+                for g, w in zip(got_b, want_b):
+                    assert torch.equal(g.token_ids, w.token_ids)
+                    torch.testing.assert_close(g.logprobs, w.logprobs, rtol=1e-5, atol=1e-5)
+
+
 def test_a_stacked_parameter_read_by_a_module_with_stacked_children_is_refused():
     """A module whose parameters sit in a ParameterDict runs per block; a stacked child below it would split
     the block's rows again: refused, not computed wrong."""
