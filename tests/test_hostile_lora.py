@@ -201,6 +201,13 @@ def test_the_module_refuses_it_for_a_model_directory_before_loading(tmp_path, mo
         module_file.GRPOModule(model=str(path), lora={"rank": 4, "target_modules": ["q_proj", "v_prj"]})
 
 
+def test_the_cli_names_its_own_key():
+    from lit_rlvr.cli import cli_keys
+
+    (line,) = LoraOptions(rank=4, target_modules=("v_prj",)).model_problems("tiny")
+    assert cli_keys(line).startswith("model.init_args.lora.target_modules: 'v_prj' names no module")
+
+
 def test_train_py_config_check_refuses_a_misspelt_target():
     from hydra import compose, initialize_config_dir
 
