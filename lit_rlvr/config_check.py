@@ -255,10 +255,14 @@ def _check_lora(cfg: DictConfig) -> list[str]:
 
     node = OmegaConf.select(cfg, "model.lora")
     try:
-        LoraOptions.from_any(OmegaConf.to_container(node, resolve=True) if node is not None else None)
+        options = LoraOptions.from_any(OmegaConf.to_container(node, resolve=True) if node is not None else None)
     except (ValueError, TypeError) as err:
         return [str(err)]
-    return []
+    name, model_options = OmegaConf.select(cfg, "model.name_or_path"), OmegaConf.select(cfg, "model.options")
+    if name is None:
+        return []
+    model_options = OmegaConf.to_container(model_options, resolve=True) if model_options is not None else None
+    return options.model_problems(str(name), model_options)  # every target names a module, before any work
 
 
 def _check_compile(cfg: DictConfig) -> list[str]:

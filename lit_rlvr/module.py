@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from lit_rlvr import distributed as D
 from lit_rlvr import functional as F
+from lit_rlvr.adapter_export import AdapterExport
 from lit_rlvr.checkpoint_io import checkpoint_hint
 from lit_rlvr.envs import build_environment
 from lit_rlvr.errors import config_phase
@@ -39,7 +40,7 @@ from lit_rlvr.rollout import build_engine
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 from lit_rlvr.rollout.driver import RolloutDriver, stop_token_ids
 from lit_rlvr.rollout.engine import EngineError, SamplingConfig
-from lit_rlvr.rollout.lora import SyncCheck
+from lit_rlvr.rollout.lora import SyncCheck, merged_push_problems
 from lit_rlvr.rollout_correction import RolloutCorrector
 from lit_rlvr.rollout.multi_turn import env_metrics
 from lit_rlvr.step_log import StepTimer, write_step_metrics
@@ -184,6 +185,9 @@ class GRPOModule(pl.LightningModule):
         if problems:
             raise ConfigError(problems)
         self.lora = LoraOptions.from_any(hp.lora)
+        problems = self.lora.model_problems(hp.model, hp.model_options)  # before the warm-up and the load
+        if problems:
+            raise ConfigError(problems)
         self.rollout_correction = RolloutCorrector.from_options(hp.rollout_correction, type(self), GRPOModule)
         check_optimizer_options(hp.optimizer, hp.optimizer_options, lr=hp.lr, grad_clip=hp.grad_clip,
                                 weight_decay=hp.weight_decay, dtype=hp.dtype)
@@ -200,6 +204,9 @@ class GRPOModule(pl.LightningModule):
             sync_check = SyncCheck.take_from(options)  # the driver's post-push check, not the engine's option
             with config_phase():  # the engine's option checks are config errors (one line from every entry)
                 self.engine = build_engine(self.hparams.engine, self.policy, self.tokenizer, options)
+                problems = merged_push_problems(self.engine, self.policy)  # before any rollout
+                if problems:
+                    raise ConfigError(problems)
             self.driver = RolloutDriver(self.engine, self.tokenizer, self.reward_runner, self.sampling, self.policy,
                                         sync_check, environment=self.environment,
                                         chat_template=self.hparams.chat_template)
@@ -215,7 +222,8 @@ class GRPOModule(pl.LightningModule):
         self.flops.setup(self.policy, self.device, self.trainer, self.engine)
 
     def configure_callbacks(self) -> list[pl.Callback]:
-        return [FreezeSetupObjects()]
+        # with LoRA, every checkpoint save writes the adapter beside it, from every entry point
+        return [FreezeSetupObjects(), *([AdapterExport()] if self.lora.enabled else [])]
 
     def on_validation_start(self) -> None:
         self._engine_to_device()

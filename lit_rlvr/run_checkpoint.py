@@ -1,7 +1,7 @@
 """`RunCheckpoint`: `checkpoints/last.ckpt`, written atomically every `every_n_steps` optimizer steps, at the
 run's last step, and at the step during which SIGTERM or a first SIGINT (Ctrl-C) arrived (then training stops;
-docs/architecture.md §10). A second SIGINT aborts at once, as usual. With LoRA the adapter is written beside it in
-PEFT's format (`adapter/`), for `PeftModel.from_pretrained` and serving engines.
+docs/architecture.md §10). A second SIGINT aborts at once, as usual. With LoRA the module's `AdapterExport`
+writes the adapter beside it in PEFT's format (`adapter/`), as it does for any other save.
 
 Why not `ModelCheckpoint` plus a save after `fit`: a checkpoint written after `fit` returns records the epoch as
 finished, so a resumed run would start a new epoch (a new data order) instead of continuing the old one; and a
@@ -25,7 +25,6 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
 from lit_rlvr.checkpoint_io import AtomicCheckpointIO, sweep_temp_files
-from lit_rlvr.models.lora import is_lora, save_adapter
 from lit_rlvr.storage import writing
 
 log = logging.getLogger(__name__)
@@ -35,7 +34,6 @@ class RunCheckpoint(pl.Callback):
     """Args: `dirpath` folder of `last.ckpt`; `every_n_steps` optimizer steps between saves (>= 1)."""
 
     FILE = "last.ckpt"
-    ADAPTER = "adapter"
     ASIDE = ".old"  # suffix of the previous sharded checkpoint while a new one is renamed in (`_replace`)
 
     def __init__(self, dirpath: Union[str, Path], every_n_steps: int):
@@ -75,12 +73,6 @@ class RunCheckpoint(pl.Callback):
     def last_path(self) -> Path:
         return self.dirpath / self.FILE
 
-    @property
-    def adapter_path(self) -> Path:
-        """With LoRA: `adapter/` (adapter_config.json + adapter_model.safetensors), saved with every last.ckpt;
-        `PeftModel.from_pretrained(base, path)` loads it, and so does `mode=eval checkpoint=path`."""
-        return self.dirpath / self.ADAPTER
-
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -112,9 +104,6 @@ class RunCheckpoint(pl.Callback):
                 _replace(tmp, self.last_path)
         else:  # one file, through the strategy's checkpoint IO (AtomicCheckpointIO unless a user set another)
             trainer.save_checkpoint(self.last_path, weights_only=False)  # the full state (unset logs a line per save)
-        policy = getattr(trainer.lightning_module, "policy", None)
-        if policy is not None and is_lora(policy):  # beside it, the adapter in PEFT's format (a collective)
-            save_adapter(policy, self.adapter_path, is_main_process=trainer.is_global_zero)
         trainer.strategy.barrier("RunCheckpoint.save")
         self.saved_step = trainer.global_step
 

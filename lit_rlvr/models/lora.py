@@ -25,11 +25,17 @@ from typing import Any, Iterator, Optional, Union
 
 import torch
 from torch import Tensor, nn
+from transformers.pytorch_utils import Conv1D  # GPT-2's linear layer (weight [in, out]); peft adapts it as Linear
 
+from lit_rlvr.models import model_skeleton
 from lit_rlvr.options import convert
 
 KEY = "model.lora"  # config path, for error messages
 ADAPTER_NAME = "default"  # peft's name of the one adapter we train
+# The layer kinds an adapter may sit on: the ones every path of the library computes exactly (the loss forward,
+# C3PO's stacked sampling in rollout/multi_weight.py, merged pushes, the PEFT export). peft can also adapt
+# convolutions and nn.MultiheadAttention, whose adapters those paths would ignore or misapply: refused.
+ADAPTABLE = {"Linear": nn.Linear, "Embedding": nn.Embedding, "Conv1D": Conv1D}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +48,7 @@ class LoraOptions:
             rate then does not depend on r.
         target_modules: the linear layers that get adapters: "all-linear" (every linear layer but the output
             head, the study's recommendation: attention-only LoRA underperforms), or a list of module names
-            (e.g. [q_proj, v_proj]).
+            (e.g. [q_proj, v_proj]), each naming layers of an `ADAPTABLE` kind (`target_problems`).
         dropout: dropout on the adapters' input while training (0: RL compares the loss forward's log-probs with
             the sampler's, which dropout would make noisy).
         lr_scale: the optimizer's learning rate is `algorithm.lr` x lr_scale with LoRA (the study's ~10x rule);
@@ -83,6 +89,35 @@ class LoraOptions:
     def enabled(self) -> bool:
         return self.rank is not None
 
+    def target_problems(self, model: Optional[nn.Module]) -> list[str]:
+        """One line per listed target that names no module of `model` (peft's rule: the module's name is the
+        target or ends in `.target`; peft itself only fails when no target matches at all) or names a module
+        of a kind no adapter may sit on (`ADAPTABLE`). `model` may be a meta-device skeleton (`model_skeleton`);
+        None = not known yet: nothing to say."""
+        if model is None or not self.enabled or isinstance(self.target_modules, str):  # all-linear: peft picks
+            return []
+        modules = [(name, module) for name, module in model.named_modules() if name]
+        kinds = tuple(ADAPTABLE.values())
+        valid = ", ".join(sorted({n.rsplit(".", 1)[-1] for n, m in modules if isinstance(m, kinds)}))
+        allowed = f"layers of the kinds {', '.join(ADAPTABLE)}"
+        problems = []
+        for target in self.target_modules:
+            matches = [m for n, m in modules if n == target or n.endswith("." + target)]
+            bad = sorted({type(m).__name__ for m in matches if not isinstance(m, kinds)})
+            if not matches:
+                problems.append(f"{KEY}.target_modules: {target!r} names no module of this model; valid: {valid}")
+            elif bad:
+                problems.append(f"{KEY}.target_modules: {target!r} names a {bad[0]} module; adapters sit on "
+                                f"{allowed} only; valid: {valid}")
+        return problems
+
+    def model_problems(self, name_or_path: str, model_options: Optional[dict[str, Any]] = None) -> list[str]:
+        """`target_problems` before the model loads (no warm-up, engine or data yet): against the module tree
+        its config builds on the meta device, when the config is at hand."""
+        if not self.enabled or isinstance(self.target_modules, str):
+            return []
+        return self.target_problems(model_skeleton(name_or_path, model_options))
+
     def learning_rate(self, lr: float) -> float:
         """The optimizer's rate for `algorithm.lr`: x lr_scale with LoRA (the ~10x rule), as is without."""
         return lr * self.lr_scale if self.enabled else lr
@@ -116,6 +151,9 @@ def apply_lora(model: nn.Module, options: LoraOptions, seed: int = 0) -> nn.Modu
 
     peft = require("peft")
     LoraConfig, get_peft_model = peft.LoraConfig, peft.get_peft_model
+    problems = options.target_problems(model)
+    if problems:
+        raise ValueError(problems[0])
     targets = options.target_modules if isinstance(options.target_modules, str) else list(options.target_modules)
     config = LoraConfig(r=int(options.rank), lora_alpha=options.alpha, lora_dropout=options.dropout,
                         target_modules=targets, bias="none", task_type="CAUSAL_LM")
@@ -228,10 +266,27 @@ def merged_linear_weight(layer: nn.Module) -> Tensor:
 
 
 def lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """(name, layer) of every peft LoRA layer (a `base_layer` plus A and B of our adapter)."""
+    """(name, layer) of every peft LoRA layer (a `base_layer` plus A and B of our adapter): Linear and Conv1D
+    layers hold A and B as `lora_A`/`lora_B` modules, Embedding layers as `lora_embedding_A`/`_B` parameters."""
     for name, module in model.named_modules():
-        if hasattr(module, "base_layer") and ADAPTER_NAME in getattr(module, "lora_A", {}):
+        if hasattr(module, "base_layer") and any(ADAPTER_NAME in getattr(module, f"lora_{kind}A", {})
+                                                 for kind in ("", "embedding_")):
             yield name, module
+
+
+def lora_factor_names(layer_name: str, layer: nn.Module) -> tuple[str, str]:
+    """The names of the layer's A and B among the policy's parameters."""
+    if ADAPTER_NAME in getattr(layer, "lora_embedding_A", {}):
+        return f"{layer_name}.lora_embedding_A.{ADAPTER_NAME}", f"{layer_name}.lora_embedding_B.{ADAPTER_NAME}"
+    return f"{layer_name}.lora_A.{ADAPTER_NAME}.weight", f"{layer_name}.lora_B.{ADAPTER_NAME}.weight"
+
+
+def lora_delta(layer: nn.Module, a: Tensor, b: Tensor) -> Tensor:
+    """(α/r)·B A in fp32, laid out as the layer's base weight: [out, in] for Linear (A [r, in], B [out, r]);
+    transposed for Conv1D ([in, out], peft's fan_in_fan_out) and Embedding ([V, d]; A [r, V], B [d, r])."""
+    delta = layer.scaling[ADAPTER_NAME] * (b.float() @ a.float())
+    transposed = ADAPTER_NAME in getattr(layer, "lora_embedding_A", {}) or getattr(layer, "fan_in_fan_out", False)
+    return delta.T if transposed else delta
 
 
 @contextmanager

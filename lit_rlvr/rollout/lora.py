@@ -16,6 +16,7 @@ above the bound stops the run (`EngineSyncError`).
 
 from __future__ import annotations
 
+import re
 import zlib
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional, Sequence
@@ -23,7 +24,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lit_rlvr.models.lora import ADAPTER_NAME, is_lora, lora_layers, peft_config_dict
+from lit_rlvr.models.lora import ADAPTER_NAME, is_lora, lora_delta, lora_factor_names, lora_layers, peft_config_dict
 from lit_rlvr.options import convert
 from lit_rlvr.rollout.engine import EngineError, RolloutEngine, SamplingParams
 from lit_rlvr.rollout.weights import buckets, full_named_weights, push_weights
@@ -81,8 +82,9 @@ def hf_name(peft_name: str) -> str:
 
 
 def peft_file_name(param_name: str) -> str:
-    """An adapter parameter's name -> its key in adapter_model.safetensors (peft drops the adapter's name)."""
-    return param_name.replace(f".{ADAPTER_NAME}.", ".")
+    """An adapter parameter's name -> its key in adapter_model.safetensors (peft drops the adapter's name, also
+    at the end: an embedding adapter's `lora_embedding_A.default` is stored as `lora_embedding_A`)."""
+    return re.sub(rf"\.{ADAPTER_NAME}(?=\.|$)", "", param_name)
 
 
 def adapter_name(version: int, sample: Optional[int] = None, push: int = 0) -> str:
@@ -115,9 +117,8 @@ def merged_named_weights(policy: nn.Module, dtype: Optional[torch.dtype] = None,
     adapted = set()
     for layer_name, layer in layers.items():
         weight = full[f"{layer_name}.base_layer.weight"]
-        a = full[f"{layer_name}.lora_A.{ADAPTER_NAME}.weight"].float()  # [r, in]
-        b = full[f"{layer_name}.lora_B.{ADAPTER_NAME}.weight"].float()  # [out, r]
-        merged = weight.float() + layer.scaling[ADAPTER_NAME] * (b @ a)  # [out, in]
+        a, b = (full[name] for name in lora_factor_names(layer_name, layer))
+        merged = weight.float() + lora_delta(layer, a, b)  # W's shape: [out, in] for Linear
         adapted.add(f"{layer_name}.base_layer.weight")
         yield hf_name(f"{layer_name}.base_layer.weight"), merged.to(dtype or weight.dtype)
     if not adapted_only:
@@ -157,6 +158,29 @@ def _push_named(engine: RolloutEngine, named: Iterator[tuple[str, Tensor]]) -> i
         pushed += sum(t.numel() * t.element_size() for _, t in bucket)
     engine.end_weight_update()
     return pushed
+
+
+def merged_push_problems(engine: RolloutEngine, policy: nn.Module) -> list[str]:
+    """Adapters a merged push cannot carry exactly, one line each: a layer whose base weight is tied to another
+    module's (a tied `lm_head` / `embed_tokens`) holds one matrix in the engine, and W + ΔW there would change the
+    other use too. Only for engines that receive merged weights (`lora_sync=merged`, or no LoRA serving)."""
+    if engine.shares_weights or not is_lora(policy) or (engine.serves_lora and engine.lora_sync == "adapter"):
+        return []
+    holders: dict[int, list[str]] = {}
+    for name, module in policy.named_modules(remove_duplicate=False):
+        for pname, param in module._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append(hf_name(f"{name}.{pname}"))
+    problems = []
+    for layer_name, layer in lora_layers(policy):
+        own = hf_name(f"{layer_name}.base_layer.weight")
+        tied = sorted({n for n in holders[id(layer.base_layer.weight)] if n != own})
+        if tied:
+            target = layer_name.rsplit(".", 1)[-1]
+            problems.append(f"model.lora.target_modules: {target!r} adapts a weight tied to {tied[0]}, which a merged "
+                            f"push (engine.options.lora_sync={engine.lora_sync}) cannot change alone; use "
+                            "engine=hf with engine.options.mode=shared, or leave it out of the targets")
+    return problems
 
 
 def push_policy(engine: RolloutEngine, policy: nn.Module, *, version: int, sample: Optional[int] = None) -> int:

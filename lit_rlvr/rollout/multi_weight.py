@@ -15,32 +15,28 @@ import torch.nn.functional as Fn
 from torch import Tensor, nn
 
 
+CONTAINERS = (nn.ParameterDict, nn.ParameterList)  # hold parameters that their parent's forward reads; never run
+
+
 @contextmanager
 def stacked_weights(model: nn.Module, stacks: dict[nn.Parameter, Tensor]) -> Iterator[None]:
-    """Inside, every leaf module owning a parameter in `stacks` (keyed by identity, so tied weights share one
+    """Inside, every module that runs with a parameter in `stacks` (keyed by identity, so tied weights share one
     entry; value [N, *param.shape]) computes block n of its input with weights stacks[p][n].
 
     nn.Linear is one batched matmul, nn.Embedding one lookup into the flattened [N·V, d] stack, any other
-    module (norms) its own forward per block (`_looped_forward`). The parameters themselves are never
-    written; the original forwards come back on exit, also on an exception.
+    leaf module (norms) its own forward per block (`_looped_forward`). A parameter held in an nn.ParameterDict
+    or nn.ParameterList (peft's LoRA embedding adapters) is read by the container's parent, so the parent runs
+    its own forward per block: the container's forward never runs, and patching it would leave the samples
+    unused. The parameters themselves are never written; the original forwards come back on exit, also on an
+    exception.
     """
     sizes = {s.shape[0] for s in stacks.values()}
     if len(sizes) != 1:
         raise ValueError(f"stacked_weights: all stacks need the same number of weight sources, got {sorted(sizes)}")
     (num,) = sizes
     by_id = {id(p): s for p, s in stacks.items()}  # identity, not tensor equality
-    owners: list[tuple[nn.Module, dict[str, Tensor]]] = []
-    found: set[int] = set()
-    for module in model.modules():
-        params = dict(module.named_parameters(recurse=False))
-        own = {name: by_id[id(p)] for name, p in params.items() if id(p) in by_id}
-        if not own:
-            continue
-        if next(module.children(), None) is not None:
-            raise ValueError(f"stacked_weights: {type(module).__name__} owns stacked parameters and has children; "
-                             "only leaf modules can run per block")
-        owners.append((module, own))
-        found |= {id(params[name]) for name in own}
+    owners = list(_owners(model, by_id))
+    found = {id(holder._parameters[name]) for _, own in owners for holder, name in own}
     if len(found) != len(by_id):
         raise ValueError(f"stacked_weights: {len(by_id) - len(found)} stacked parameters are not in the model")
     patched = []
@@ -58,20 +54,48 @@ def stacked_weights(model: nn.Module, stacks: dict[nn.Parameter, Tensor]) -> Ite
                 module.forward = instance_forward
 
 
-def _block_forward(module: nn.Module, own: dict[str, Tensor], num: int):
-    if isinstance(module, nn.Linear):
-        weight, bias = own.get("weight", module.weight), own.get("bias", module.bias)
-        if weight.dim() == 2:  # only the bias is stacked
-            weight = weight.expand(num, *weight.shape)
-        weight_t = weight.transpose(1, 2).contiguous()  # [N, in, out]: bmm runs faster on it than on a view
-        if bias is not None and bias.dim() == 1:
-            bias = bias.expand(num, *bias.shape)
-        return lambda x: _linear(x, weight_t, bias, num)
-    if isinstance(module, nn.Embedding) and set(own) == {"weight"} and module.max_norm is None:
-        table = own["weight"].reshape(-1, module.embedding_dim)  # [N·V, d]
-        shifts: dict[tuple, Tensor] = {}  # per input shape: the same few shapes come back at every decode step
-        return lambda ids: Fn.embedding(ids + _shift(shifts, ids, num, module.num_embeddings), table)
+Own = dict[tuple[nn.Module, str], Tensor]  # (module holding the parameter, its name there) -> stack [N, ...]
+
+
+def _owners(model: nn.Module, by_id: dict[int, Tensor]) -> Iterator[tuple[nn.Module, Own]]:
+    """(module to run per block, the stacked parameters it reads): its own, and its containers'."""
+    for module in model.modules():
+        if isinstance(module, CONTAINERS):
+            continue
+        holders = [module, *(c for c in module.children() if isinstance(c, CONTAINERS))]
+        own = {(h, name): by_id[id(p)] for h in holders for name, p in h._parameters.items()
+               if p is not None and id(p) in by_id}
+        if not own:
+            continue
+        direct = any(h is module for h, _ in own)
+        runs = [c for c in module.modules() if c is not module and not isinstance(c, CONTAINERS)]
+        if direct and runs or any(id(p) in by_id for c in runs for p in c.parameters()):
+            # a block's rows would be split again by a child's own per-block forward
+            raise ValueError(f"stacked_weights: {type(module).__name__} reads stacked parameters and has children "
+                             "that run with stacked parameters too; only one of them can run per block")
+        yield module, own
+
+
+def _block_forward(module: nn.Module, own: Own, num: int):
+    if all(h is module for h, _ in own):
+        named = {name: s for (_, name), s in own.items()}
+        if isinstance(module, nn.Linear):
+            return _linear_forward(module, named, num)
+        if isinstance(module, nn.Embedding) and set(named) == {"weight"} and module.max_norm is None:
+            table = named["weight"].reshape(-1, module.embedding_dim)  # [N·V, d]
+            shifts: dict[tuple, Tensor] = {}  # per input shape: the same few shapes come back at every decode step
+            return lambda ids: Fn.embedding(ids + _shift(shifts, ids, num, module.num_embeddings), table)
     return _looped_forward(module, own, num)
+
+
+def _linear_forward(module: nn.Linear, own: dict[str, Tensor], num: int):
+    weight, bias = own.get("weight", module.weight), own.get("bias", module.bias)
+    if weight.dim() == 2:  # only the bias is stacked
+        weight = weight.expand(num, *weight.shape)
+    weight_t = weight.transpose(1, 2).contiguous()  # [N, in, out]: bmm runs faster on it than on a view
+    if bias is not None and bias.dim() == 1:
+        bias = bias.expand(num, *bias.shape)
+    return lambda x: _linear(x, weight_t, bias, num)
 
 
 def _linear(x: Tensor, weight_t: Tensor, bias: Tensor | None, num: int) -> Tensor:
@@ -96,7 +120,7 @@ def _shift(cache: dict[tuple, Tensor], ids: Tensor, num: int, vocab: int) -> Ten
 _BROADCAST_OK: dict[type, bool] = {}  # per class: does the row-broadcast forward match the per-block loop?
 
 
-def _looped_forward(module: nn.Module, own: dict[str, Tensor], num: int):
+def _looped_forward(module: nn.Module, own: Own, num: int):
     """Any other module, e.g. RMSNorm: its own forward once per block with that block's weights (tensors whose
     first dim is the row count are split, everything else goes to every block). The weights are swapped in
     directly (`_swapped`): `torch.func.functional_call` costs as much per call as the norm itself.
@@ -114,7 +138,7 @@ def _looped_forward(module: nn.Module, own: dict[str, Tensor], num: int):
 
         outs = []
         for n in range(num):
-            with _swapped(module, {name: s[n] for name, s in own.items()}):
+            with _swapped({key: s[n] for key, s in own.items()}):
                 outs.append(original(*(block(a, n) for a in args), **{k: block(v, n) for k, v in kwargs.items()}))
         if isinstance(outs[0], Tensor):
             return torch.cat(outs)
@@ -125,9 +149,9 @@ def _looped_forward(module: nn.Module, own: dict[str, Tensor], num: int):
     def broadcast(x: Tensor, args: tuple, kwargs: dict) -> Any:
         key = (x.shape[0], x.dim())
         if key not in expanded:
-            expanded[key] = {name: s.repeat_interleave(x.shape[0] // num, 0).view(x.shape[0], *[1] * (x.dim() - 2), -1)
-                             for name, s in own.items()}  # [N·R, 1, …, d]
-        with _swapped(module, expanded[key]):
+            expanded[key] = {k: s.repeat_interleave(x.shape[0] // num, 0).view(x.shape[0], *[1] * (x.dim() - 2), -1)
+                             for k, s in own.items()}  # [N·R, 1, …, d]
+        with _swapped(expanded[key]):
             return original(*args, **kwargs)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -151,11 +175,14 @@ def _looped_forward(module: nn.Module, own: dict[str, Tensor], num: int):
 
 
 @contextmanager
-def _swapped(module: nn.Module, tensors: dict[str, Tensor]) -> Iterator[None]:
-    """Let the module read `tensors` in place of its parameters of those names (the parameters stay as they are)."""
-    saved = {name: module._parameters[name] for name in tensors}
-    module._parameters.update(tensors)
+def _swapped(tensors: dict[tuple[nn.Module, str], Tensor]) -> Iterator[None]:
+    """Let each (holder, name) read its tensor in place of its parameter of that name (the parameters stay as
+    they are)."""
+    saved = {(holder, name): holder._parameters[name] for holder, name in tensors}
+    for (holder, name), tensor in tensors.items():
+        holder._parameters[name] = tensor
     try:
         yield
     finally:
-        module._parameters.update(saved)
+        for (holder, name), parameter in saved.items():
+            holder._parameters[name] = parameter
