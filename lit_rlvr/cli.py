@@ -32,7 +32,8 @@ from lit_rlvr.storage import check_writable_dir, debug
 CLI_KEYS = {"algorithm.": "model.init_args.", "model.options.": "model.init_args.model_options.",
             "reward.options.": "model.init_args.reward_options.", "engine.options.": "model.init_args.engine_options.",
             "model.name_or_path": "model.init_args.model", "model.dtype": "model.init_args.dtype",
-            "reward.name": "model.init_args.reward", "engine.name": "model.init_args.engine"}
+            "reward.name": "model.init_args.reward", "engine.name": "model.init_args.engine",
+            "env.": "model.init_args.env_options."}
 
 
 def cli_keys(line: str) -> str:
