@@ -188,6 +188,14 @@ def test_a_nonsense_env_setting_is_one_line_from_python(options, line):
     assert len(err.value.problems) == 1 and err.value.problems[0].startswith(line)
 
 
+@pytest.mark.parametrize("options, line", [({"id": 3}, "env.options.id=3"),
+                                           ({"id": "x", "env_config": [1]}, "env.options.env_config=[1]")])
+def test_nonsense_skyrl_options_are_one_line(options, line):
+    with pytest.raises(ConfigError) as err:
+        environment_spec("skyrl", {"options": options})
+    assert err.value.problems[0].startswith(line)
+
+
 def test_the_module_rejects_it_before_the_model_loads(monkeypatch):
     from lit_rlvr import module
 

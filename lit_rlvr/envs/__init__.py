@@ -116,6 +116,11 @@ def environment_spec(name: Any, env_options: Optional[dict[str, Any]] = None) ->
     if cls is None and not options.get("id"):
         problems.append("env=skyrl needs env.options.id, the skyrl-gym environment's registry id "
                         "(e.g. gsm8k_multi_turn)")
+    elif cls is None and not isinstance(options["id"], str):
+        problems.append(problem_line("env.options.id", options["id"], "a skyrl-gym registry id (a string)"))
+    if cls is None and not isinstance(options.get("env_config"), Mapping):
+        problems.append(problem_line("env.options.env_config", options.get("env_config"), "a mapping (the "
+                                                                                           "environment's env_config)"))
     problems += cls.option_problems(options) if hasattr(cls, "option_problems") else []
     if problems:
         raise ConfigError(problems)
