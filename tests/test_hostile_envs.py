@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import subprocess
 import sys
 
@@ -240,10 +241,17 @@ def test_the_lightning_cli_says_the_same_line_with_its_own_key(tmp_path):
 
 
 # -- class 14: a config check's error inside Hydra's instantiation is one line -----------------------------------
-def test_env_skyrl_without_its_id_is_one_line_from_train_py(tmp_path):
+@pytest.mark.parametrize("skyrl_gym", ["as it is here", "installed (a stand-in)"])
+def test_env_skyrl_without_its_id_is_one_line_from_train_py(skyrl_gym, tmp_path):
     """skyrl-gym installed or not: the missing id is named before anything is imported or built."""
+    env = dict(os.environ)
+    if skyrl_gym.startswith("installed"):
+        (tmp_path / "skyrl_gym").mkdir()
+        (tmp_path / "skyrl_gym" / "__init__.py").write_text("def make(env_id, env_config=None, extras=None):\n"
+                                                            "    raise AssertionError('not to be called')\n")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
     out = subprocess.run([sys.executable, "train.py", "env=skyrl", f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 2, out.stderr[-2000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("config error:")]
     assert errors == ["config error: env=skyrl needs env.options.id, the skyrl-gym environment's registry id "

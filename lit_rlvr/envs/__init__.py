@@ -61,8 +61,9 @@ def _import(target: str) -> Any:
         module = importlib.import_module(module_name)
         return getattr(module, attr) if attr else module
     except (ImportError, AttributeError) as err:
-        hint = " (pip install skyrl-gym)" if module_name == "skyrl_gym" else ""
-        raise ValueError(f"env={target!r}: cannot import it{hint}: {err}") from err
+        if module_name == "skyrl_gym":
+            raise ConfigError([f"env=skyrl needs the skyrl-gym package (pip install skyrl-gym): {err}"]) from err
+        raise ConfigError([f"env={target!r}: cannot import it: {err}"]) from err
 
 
 ENV_KEYS = ("options", "max_turns", "max_tokens", "timeout_s", "stop")  # the `env` config group's keys but `name`
