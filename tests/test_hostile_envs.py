@@ -95,6 +95,13 @@ def test_an_environment_reward_that_is_a_score_counts(value, score, tokenizer):
     assert [(e.reward, e.malformed, e.transcript.reward_error) for e in episodes] == [(score, False, None)] * 2
 
 
+def test_an_environment_reward_result_keeps_its_malformed_flag(tokenizer):
+    from lit_rlvr.rewards.base import RewardResult
+
+    _, episodes = run(one_step(RewardResult(-1.0, True)), tokenizer, n=1)
+    assert episodes[0].malformed and episodes[0].reward == -1.0 and episodes[0].transcript.reward_error is None
+
+
 def test_the_driver_counts_broken_environment_rewards_as_reward_failures():
     from lit_rlvr.models.tiny import build_tiny
     from lit_rlvr.rewards.base import RewardRunner

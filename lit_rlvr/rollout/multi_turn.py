@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from lit_rlvr.envs import Environment
-from lit_rlvr.rewards.base import RewardContract
+from lit_rlvr.rewards.base import RewardContract, plain_result
 from lit_rlvr.rng import seed_of
 from lit_rlvr.rollout.batch import Rollouts, Transcript
 from lit_rlvr.rollout.engine import Completion, SamplingParams
@@ -217,7 +217,7 @@ class MultiTurn:
 
     def _step(self, stepping: list[Episode]) -> None:
         env = self.environment
-        outcomes = self._timed_calls([lambda e=e: e.env.step(e.last_text) for e in stepping])
+        outcomes = self._timed_calls([lambda e=e: plain_reward(e.env.step(e.last_text)) for e in stepping])
         started = time.perf_counter()  # reading the outputs is the environments' time too (time/env_s)
         for e, (status, out) in zip(stepping, outcomes):
             if status != "ok":
@@ -238,8 +238,9 @@ class MultiTurn:
                 continue
             result, broken = self.contract.check(out.get("reward", 0.0))  # no key: no reward at this step
             if broken:  # the rollout ends malformed with the failure score, as a reward function's would
-                e.transcript.reward_error, e.reward = result.info, 0.0
-                done, metadata = True, {**metadata, "malformed": True}
+                e.transcript.reward_error, e.reward, done = result.info, 0.0, True
+            if broken or result.malformed:
+                metadata = {**metadata, "malformed": True}
             e.reward += result.score
             e.transcript.tool_calls += int(bool(metadata.get("tool_call", not done)))
             if done:
@@ -293,6 +294,14 @@ class MultiTurn:
 
     def _decode(self, ids: list[int], special: bool = False) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=not special)
+
+
+def plain_reward(out: Any) -> Any:
+    """A step's output with its reward made plain by the reward contract (`plain_result`) where the step ran, in
+    its time bound: the trainer never calls into a returned object (docs/rewards.md)."""
+    if isinstance(out, dict) and "reward" in out:
+        out = {**out, "reward": plain_result(out["reward"])}
+    return out
 
 
 def longest_token(tokenizer: Any) -> int:
