@@ -19,6 +19,7 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lit_rlvr.envs import environment_spec
 from lit_rlvr.options import (RANGES, ConfigError, compile_problems, finite_problems, group_size_problem, problem_line,
                               range_problems, unknown_key_problems)
 
@@ -57,8 +58,8 @@ def check_config(cfg: DictConfig) -> None:
     problems = _check_keys(cfg) + problems + _check_option_types(cfg)
     problems = problems or _check_finite(cfg)  # before the ranges: a nan is one line, not one per check
     if not problems:
-        problems = (_check_ranges(cfg) + _check_lora(cfg) + _check_extras(cfg)
-                    + _check_rollout_correction(cfg) + _check_compile(cfg))
+        problems = (_check_ranges(cfg) + _check_lora(cfg) + _check_extras(cfg) + _check_rollout_correction(cfg)
+                    + _check_compile(cfg) + _check_env(cfg))
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)))  # a value two checks refuse is one line
 
@@ -240,7 +241,8 @@ def _describe(expected: Any) -> str:
 
 
 def _check_ranges(cfg: DictConfig) -> list[str]:
-    values = {key: OmegaConf.select(cfg, key, default=MISSING) for key in RANGES}  # the table's keys, dotted
+    # the table's keys, dotted; the environment's rows are checked by its own check (`_check_env`)
+    values = {key: OmegaConf.select(cfg, key, default=MISSING) for key in RANGES if not key.startswith("env.")}
     problems = range_problems({k: v for k, v in values.items() if v is not MISSING and v != MISSING}, "")
     group_size = OmegaConf.select(cfg, "algorithm.group_size", default=None)
     if isinstance(group_size, int) and group_size >= 1:
@@ -268,6 +270,33 @@ def _check_lora(cfg: DictConfig) -> list[str]:
 def _check_compile(cfg: DictConfig) -> list[str]:
     strategy = str(OmegaConf.select(cfg, "trainer.strategy._target_") or "")
     return compile_problems(OmegaConf.select(cfg, "model.compile"), sharded=strategy.endswith("FSDP2Strategy"))
+
+
+def env_arguments(cfg: DictConfig) -> dict[str, Any]:
+    """The module's `env` and `env_options` from the `env` group ({} for none: single-turn). A `???` value is left
+    out, so the environment's own check names what it needs (env=skyrl: `env.options.id`)."""
+    env = _set_values(OmegaConf.to_container(cfg.get("env") or {"name": "none"}, resolve=True))
+    name = env.pop("name", "none")
+    return {} if name in ("none", None) else {"env": name, "env_options": env}
+
+
+def _set_values(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _set_values(v) for k, v in value.items() if v != MISSING}
+    return value
+
+
+def _check_env(cfg: DictConfig) -> list[str]:
+    """`env.*` by the environment's own check (`lit_rlvr.envs.environment_spec`: the Lightning CLI and Python reach it
+    through the module's constructor), before any work."""
+    args = env_arguments(cfg)
+    try:
+        environment_spec(args.get("env"), args.get("env_options"))
+    except ConfigError as err:
+        return list(err.problems)
+    except ValueError as err:  # a class that cannot be imported
+        return [str(err)]
+    return []
 
 
 def _check_extras(cfg: DictConfig) -> list[str]:

@@ -8,6 +8,8 @@ Hydra config paths; a constructor checks the rows of its section (`algorithm.`, 
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, Callable, Mapping
 
 from lit_rlvr.functional import AGGREGATIONS, KL_ESTIMATORS
@@ -18,6 +20,14 @@ __all__ = ["RANGES", "INFINITE_OK", "ConfigError", "check_finite", "convert", "f
            "problem_line", "range_problems", "unknown_key_problems"]
 
 Rule = tuple[Callable[[Any], bool], str]  # (is the value valid?, what is expected)
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _at_least(low: int, what: str = "an integer") -> Rule:
@@ -61,6 +71,15 @@ RANGES: dict[str, Rule] = {
     "trainer.max_steps": (lambda v: v >= 1 or v == -1, "an integer >= 1 (optimizer steps), or -1"),
     "checkpoint_every": _at_least(1),
     "mode": (lambda v: v in ("train", "eval"), "train or eval"),
+    # multi-turn environments (lit_rlvr.envs checks them, for every entry point; null: the environment's default)
+    "env.max_turns": (lambda v: _integer(v) and v >= 1, "an integer >= 1 (model turns per rollout)"),
+    "env.max_tokens": (lambda v: _integer(v) and v >= 1, "an integer >= 1 (response tokens per rollout, model and "
+                                                         "observation tokens)"),
+    "env.timeout_s": (lambda v: _real(v) and math.isfinite(v) and v > 0, "a finite number of seconds > 0 (one "
+                                                                          "environment call)"),
+    "env.stop": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(s, str) and s for s in v),
+                 "a list of non-empty strings (an empty one would end every model turn at its first token)"),
+    "env.options": (lambda v: isinstance(v, Mapping), "a mapping of the environment's options"),
     "perf.peak_flops": (lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0),
                         "the device's peak FLOP/s, a number > 0 (e.g. 989.4e12: an H100 in bf16), or null (a CPU's "
                         "measured, a GPU's published; docs/mfu.md)"),

@@ -17,16 +17,19 @@ import lightning.pytorch as pl
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import MissingMandatoryValue
 
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_rlvr import jsonsafe
+from lit_rlvr.config_check import env_arguments
 from lit_rlvr.errors import config_phase
 from lit_rlvr.hooks import check_rl_callbacks
 from lit_rlvr.run_checkpoint import RunCheckpoint
 from lit_rlvr.models.lora import is_adapter_dir, load_adapter_weights, options_from_adapter
 from lit_rlvr.storage import write_atomic
 from lit_rlvr.module import GRPOModule
+from lit_rlvr.options import ConfigError, problem_line
 from lit_rlvr.resume import RunConfig, check_config, check_weights_fit, load_checkpoint, resolved_config
 
 log = logging.getLogger(__name__)
@@ -69,21 +72,19 @@ def build_module(cfg: DictConfig) -> GRPOModule:
     )
 
 
-def env_arguments(cfg: DictConfig) -> dict[str, Any]:
-    """The module's `env` and `env_options` from the `env` group (none: single-turn, the module's defaults)."""
-    env = OmegaConf.to_container(cfg.get("env") or {"name": "none"}, resolve=True)
-    name = env.pop("name", "none")
-    return {} if name == "none" else {"env": name, "env_options": env}
-
-
 def _instantiate(node: Any, **kwargs: Any) -> Any:
-    """hydra's instantiate, but a config error raised by our classes reaches the user as itself, not wrapped."""
+    """hydra's instantiate, but a config error raised by our classes (a check's ValueError, FileNotFoundError or
+    ImportError, a KeyError) reaches the user as itself, not wrapped in Hydra's `InstantiationException`, and a
+    value left `???` is one line naming it (its key as the constructor's argument) rather than OmegaConf's error."""
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as err:
-        if isinstance(err.__cause__, (ValueError, FileNotFoundError, KeyError)):
+        if isinstance(err.__cause__, (*config_phase.KINDS, KeyError)):
             raise err.__cause__ from None
         raise
+    except MissingMandatoryValue as err:
+        raise ConfigError([problem_line(str(err.full_key), "???", "a value (set it in the config or as an override)")]
+                          ) from None
 
 
 def _keyed(section: Optional[DictConfig]) -> list[Any]:

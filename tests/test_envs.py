@@ -81,10 +81,13 @@ def test_env_configs_compose_and_none_is_the_default():
         cfg = compose("config", overrides=["data=arithmetic_cot", "env=calculator"])
         assert cfg.model.options.tool_frac == 0.25 and cfg.model.options.task == "arithmetic_cot"
         args = env_arguments(cfg)
-        assert args["env"] == "calculator" and args["env_options"]["max_tokens"] == 160
-        assert build_environment(args["env"], args["env_options"], reward=cfg.reward.name) is not None
-        retry = env_arguments(compose("config", overrides=["data=arithmetic_cot", "env=retry"]))
-        assert retry["env"] == "retry" and retry["env_options"]["options"]["discount"] == 0.5
+        assert args["env"] == "calculator"
+        env = build_environment(args["env"], args["env_options"], reward=cfg.reward.name)
+        assert env.max_tokens == 160  # the class's default (CalculatorEnv.defaults)
+        retry = env_arguments(compose("config", overrides=["data=arithmetic_cot", "env=retry",
+                                                           "env.options.discount=0.25"]))
+        env = build_environment(retry["env"], retry["env_options"], reward=cfg.reward.name)
+        assert retry["env"] == "retry" and env.make(extras(7)).discount == 0.25 and env.max_turns == 3
 
 
 def test_warm_up_demonstrations_train_on_the_model_segments_only():

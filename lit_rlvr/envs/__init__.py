@@ -7,14 +7,18 @@ turns the `env` config into the `Environment` the rollout driver runs.
 
 from __future__ import annotations
 
+import copy
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from lit_rlvr.envs.base import Message, Observation, StepOutput, TextEnv, score_of
+from lit_rlvr.options import ConfigError, problem_line, range_problems
+from lit_rlvr.rewards import resolve_reward
+from lit_rlvr.rewards.base import DEFAULT_SCORE_BOUND
 
-__all__ = ["ENVS", "ENV_KEYS", "Environment", "Message", "Observation", "StepOutput", "TextEnv", "build_environment",
-           "score_of", "skyrl_class"]
+__all__ = ["ENVS", "ENV_KEYS", "EnvSpec", "Environment", "Message", "Observation", "StepOutput", "TextEnv",
+           "build_environment", "environment_spec", "own_copy", "score_of", "skyrl_class"]
 
 ENVS = {
     "calculator": "lit_rlvr.envs.calculator:CalculatorEnv",
@@ -31,7 +35,8 @@ class Environment:
 
     `max_turns`: model turns per rollout; `max_tokens`: response tokens per rollout, model and observation tokens
     together (the sequence the trainer runs); `timeout_s`: bound of one environment call (construction with
-    `init`, or one `step`)."""
+    `init`, or one `step`); `score_bound`: a step reward beyond ±it is malformed (`reward.options.score_bound`).
+    Checked against the `env.*` rows of `lit_rlvr.options.RANGES` (a `ConfigError`)."""
 
     make: Callable[[dict[str, Any]], Any]
     stop: tuple[str, ...] = ()
@@ -40,14 +45,14 @@ class Environment:
     timeout_s: float = 30.0
     name: str = "env"
     extras: dict[str, Any] = field(default_factory=dict)  # added to every rollout's extras
+    score_bound: float = DEFAULT_SCORE_BOUND
 
     def __post_init__(self) -> None:
-        problems = [f"env.{k}={v} must be {what}" for k, v, ok, what in (
-            ("max_turns", self.max_turns, self.max_turns >= 1, "an integer >= 1"),
-            ("max_tokens", self.max_tokens, self.max_tokens >= 1, "an integer >= 1"),
-            ("timeout_s", self.timeout_s, self.timeout_s > 0, "a number > 0")) if not ok]
+        limits = {"max_turns": self.max_turns, "max_tokens": self.max_tokens, "timeout_s": self.timeout_s,
+                  "stop": self.stop}
+        problems = range_problems(limits, "env")
         if problems:
-            raise ValueError("; ".join(problems))
+            raise ConfigError(problems)
 
 
 def _import(target: str) -> Any:
@@ -56,12 +61,73 @@ def _import(target: str) -> Any:
         module = importlib.import_module(module_name)
         return getattr(module, attr) if attr else module
     except (ImportError, AttributeError) as err:
-        hint = " (pip install skyrl-gym)" if module_name == "skyrl_gym" else ""
-        raise ValueError(f"env={target!r}: cannot import it{hint}: {err}") from err
+        if module_name == "skyrl_gym":
+            raise ConfigError([f"env=skyrl needs the skyrl-gym package (pip install skyrl-gym): {err}"]) from err
+        raise ConfigError([f"env={target!r}: cannot import it: {err}"]) from err
 
 
 ENV_KEYS = ("options", "max_turns", "max_tokens", "timeout_s", "stop")  # the `env` config group's keys but `name`
+LIMITS = ("max_turns", "max_tokens", "timeout_s")
 RUNNER_KEYS = ("isolation", "timeout_s", "score_bound", "workers")  # reward options of the runner, not the reward
+# env=skyrl's defaults (as a class's `TextEnv.defaults`): the registry id has none
+SKYRL_DEFAULTS = {"max_tokens": 512, "options": {"id": None, "env_config": {}}}
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """A checked `env` config: the class (None for skyrl-gym), its options and limits with the defaults filled in."""
+
+    cls: Optional[type]
+    options: dict[str, Any]
+    limits: dict[str, Any]
+    stop: tuple[str, ...]
+
+
+def environment_spec(name: Any, env_options: Optional[dict[str, Any]] = None) -> Optional[EnvSpec]:
+    """The checked config of `env=name` (None for `none`): raises `ConfigError`, one line per problem, before any
+    work. A null value takes the default: the class's `defaults`, else `Environment`'s. train.py's config check,
+    the module's constructor (the Lightning CLI, Python) and `build_environment` all come here."""
+    if name in NO_ENV:
+        return None
+    if env_options is not None and not isinstance(env_options, Mapping):
+        raise ConfigError([problem_line("env_options", env_options, "a mapping of env options, or null")])
+    given = {k: v for k, v in (env_options or {}).items() if v is not None}
+    unknown = sorted(set(given) - set(ENV_KEYS))
+    if unknown:
+        raise ConfigError([f"env.{unknown[0]} is not an env option; valid: {', '.join(ENV_KEYS)}"])
+    problems = range_problems(given, "env")
+    if problems:
+        raise ConfigError(problems)
+    target = name if isinstance(name, type) else ENVS.get(name, name)  # Python users may pass the class itself
+    if not isinstance(target, type) and (not isinstance(target, str) or ":" not in target and target != "skyrl_gym"):
+        raise ConfigError([f"env={name!r} is not valid; use none, one of {', '.join(ENVS)} or 'package.module:Class'"])
+    cls = None if target == "skyrl_gym" else target if isinstance(target, type) else _import(target)
+    defaults = dict(getattr(cls, "defaults", None) or {}) if cls is not None else dict(SKYRL_DEFAULTS)
+    declared = defaults.pop("options", None)
+    options = {**(declared or {}), **{k: v for k, v in dict(given.get("options") or {}).items()
+                                      if v is not None or k not in (declared or {})}}
+    own_stop = tuple(getattr(cls, "stop", ()) or ()) if cls is not None else ()
+    stop = tuple(dict.fromkeys((*own_stop, *given.get("stop", ()))))
+    limits = {k: given.get(k, defaults.get(k, Environment.__dataclass_fields__[k].default)) for k in LIMITS}
+    problems = range_problems({**limits, "stop": stop}, "env")  # the class's own defaults and stop strings too
+    extra = sorted(set(options) - set(declared)) if declared else []
+    if extra:
+        what = "env=skyrl" if cls is None else f"env={getattr(name, '__name__', name)}"
+        problems.append(f"env.options.{extra[0]} is not an option of {what}; valid: {', '.join(declared)}")
+    if cls is None and not options.get("id"):
+        problems.append("env=skyrl needs env.options.id, the skyrl-gym environment's registry id "
+                        "(e.g. gsm8k_multi_turn)")
+    elif cls is None and not isinstance(options["id"], str):
+        problems.append(problem_line("env.options.id", options["id"], "a skyrl-gym registry id (a string)"))
+    if cls is None and not isinstance(options.get("env_config"), Mapping):
+        problems.append(problem_line("env.options.env_config", options.get("env_config"), "a mapping (the "
+                                                                                           "environment's env_config)"))
+    problems += cls.option_problems(options) if hasattr(cls, "option_problems") else []
+    if problems:
+        raise ConfigError(problems)
+    if cls is None:
+        _import("skyrl_gym")  # named before any work when it is not installed
+    return EnvSpec(cls, options, limits, stop)
 
 
 def build_environment(name: Any, env_options: Optional[dict[str, Any]] = None, *, reward: Any = None,
@@ -69,45 +135,33 @@ def build_environment(name: Any, env_options: Optional[dict[str, Any]] = None, *
     """The `Environment` of `env=name` (None for `none`; a class is used as it is). `env_options`: `max_turns`,
     `max_tokens`, `timeout_s`, `stop` (more stop strings) and `options`, which go to the class as SkyRL's
     `env_config`; an `options.reward` of None becomes `reward` (the run's reward with its `reward_options`, resolved
-    once: `lit_rlvr.rewards`)."""
-    env_options = dict(env_options or {})
-    unknown = sorted(set(env_options) - set(ENV_KEYS))
-    if unknown:
-        raise ValueError(f"env.{unknown[0]} is not an env option; valid: {', '.join(ENV_KEYS)}")
-    options = dict(env_options.get("options") or {})
-    max_turns, max_tokens = env_options.get("max_turns", 4), env_options.get("max_tokens", 256)
-    timeout_s, stop = env_options.get("timeout_s", 30.0), tuple(env_options.get("stop") or ())
-    if name in NO_ENV:
+    once: `lit_rlvr.rewards`). Checked by `environment_spec`."""
+    spec = environment_spec(name, env_options)
+    if spec is None:
         return None
+    options = dict(spec.options)
     if "reward" in options:
-        from lit_rlvr.rewards import resolve_reward
-
         chosen = options["reward"] if options["reward"] is not None else reward
         if chosen is None:
-            raise ValueError(f"env={name}: env.options.reward is null and the run has no reward to use")
+            raise ConfigError([f"env={name}: env.options.reward is null and the run has no reward to use"])
         own = {k: v for k, v in (reward_options or {}).items() if k not in RUNNER_KEYS}
         options["reward"] = chosen if callable(chosen) else resolve_reward(chosen, own)
-    target = name if isinstance(name, type) else ENVS.get(name, name)  # Python users may pass the class itself
-    if isinstance(target, str) and ":" not in target and target != "skyrl_gym":
-        raise ValueError(f"env={name!r} is not valid; use none, one of {', '.join(ENVS)} or 'package.module:Class'")
-    if target == "skyrl_gym":
-        env_id = options.pop("id", None)
-        if not env_id:
-            raise ValueError("env=skyrl needs env.options.id, the skyrl-gym environment's registry id "
-                             "(e.g. gsm8k_multi_turn)")
-        config = options.pop("env_config", {}) or {}
-        if options:
-            raise ValueError(f"env.options.{sorted(options)[0]} is not an option of env=skyrl; valid: id, env_config")
-        gym = _import("skyrl_gym")
-        make = _SkyRLMaker(gym.make, env_id, config)
-        own_stop: tuple[str, ...] = ()
+    if spec.cls is None:
+        make: Callable[[dict[str, Any]], Any] = _SkyRLMaker(_import("skyrl_gym").make, options["id"],
+                                                            dict(options["env_config"] or {}))
     else:
-        cls = target if isinstance(target, type) else _import(target)
-        make = _ClassMaker(cls, options)
-        own_stop = tuple(getattr(cls, "stop", ()) or ())
-    return Environment(make=make, stop=tuple(dict.fromkeys((*own_stop, *stop))), max_turns=int(max_turns),
-                       max_tokens=int(max_tokens), timeout_s=float(timeout_s),
-                       name=getattr(name, "__name__", str(name)))
+        make = _ClassMaker(spec.cls, options)
+    bound = (reward_options or {}).get("score_bound")
+    return Environment(make=make, stop=spec.stop, max_turns=int(spec.limits["max_turns"]),
+                       max_tokens=int(spec.limits["max_tokens"]), timeout_s=float(spec.limits["timeout_s"]),
+                       name=getattr(name, "__name__", str(name)),
+                       score_bound=DEFAULT_SCORE_BOUND if bound is None else float(bound))
+
+
+def own_copy(config: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of an environment's config for one instance: what one rollout's environment does to it stays
+    there (functions, e.g. the reward, are code and stay shared)."""
+    return {k: v if callable(v) else copy.deepcopy(v) for k, v in config.items()}
 
 
 @dataclass(frozen=True)
@@ -116,7 +170,7 @@ class _ClassMaker:
     env_config: dict[str, Any]
 
     def __call__(self, extras: dict[str, Any]) -> Any:
-        return self.cls(env_config=dict(self.env_config), extras=extras)
+        return self.cls(env_config=own_copy(self.env_config), extras=extras)
 
 
 @dataclass(frozen=True)
@@ -126,7 +180,7 @@ class _SkyRLMaker:
     env_config: dict[str, Any]
 
     def __call__(self, extras: dict[str, Any]) -> Any:
-        return self.make(self.env_id, env_config=dict(self.env_config), extras=extras)
+        return self.make(self.env_id, env_config=own_copy(self.env_config), extras=extras)
 
 
 def skyrl_class(cls: type) -> type:

@@ -9,7 +9,9 @@ lit-rlvr adds one optional attribute, `stop`: the strings that end a model turn 
 
 from __future__ import annotations
 
-from typing import Any, Optional, TypedDict, Union
+from typing import Any, ClassVar, Optional, TypedDict, Union
+
+from lit_rlvr.rewards.base import ContractBreach, plain_result
 
 Message = dict[str, str]  # {"role": ..., "content": ...} (OpenAI chat format)
 Observation = Union[str, list[Message]]  # a list of messages (SkyRL), or text to append as it is
@@ -34,6 +36,15 @@ class TextEnv:
     rollout as malformed and masked, never the run."""
 
     stop: tuple[str, ...] = ()  # strings that end a model turn (besides eos); the driver cuts the turn after one
+    # the environment's own defaults of the `env` config group's keys (`max_turns`, `max_tokens`, `timeout_s`) and
+    # of its `options`: every entry point (train.py, the Lightning CLI, Python) gets them; a config value of null
+    # means the default. A class that declares `options` accepts no other option key.
+    defaults: ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def option_problems(cls, options: dict[str, Any]) -> list[str]:
+        """One line per invalid `env.options` value (merged with `defaults`), checked before any work."""
+        return []
 
     def __init__(self, env_config: Optional[dict[str, Any]] = None, extras: Optional[dict[str, Any]] = None):
         self.env_config = dict(env_config or {})
@@ -56,7 +67,9 @@ class TextEnv:
 
 
 def score_of(result: Any) -> tuple[float, bool]:
-    """(score, malformed) of what a reward function returned: a `RewardResult` or a number."""
-    if hasattr(result, "score"):
-        return float(result.score), bool(getattr(result, "malformed", False))
-    return float(result), False
+    """(score, malformed) of what a reward function returned, by the reward contract (`plain_result`): a value that
+    is not a score raises ValueError, which ends the rollout as the environment's failure."""
+    plain = plain_result(result)
+    if isinstance(plain, ContractBreach):
+        raise ValueError(f"the reward {plain.kind} ({plain.detail})")
+    return plain.score, plain.malformed

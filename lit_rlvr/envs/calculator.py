@@ -48,6 +48,7 @@ class CalculatorEnv(TextEnv):
     """`env_config`: `reward` (the run's reward function: `fn(prompt, completion, answer)`)."""
 
     stop = ("</calc>",)
+    defaults = {"max_turns": 4, "max_tokens": 160, "timeout_s": 10.0, "options": {"reward": None}}
 
     def __init__(self, env_config: dict[str, Any] | None = None, extras: dict[str, Any] | None = None):
         super().__init__(env_config, extras)

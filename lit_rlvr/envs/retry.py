@@ -10,18 +10,32 @@ from __future__ import annotations
 from typing import Any
 
 from lit_rlvr.envs.base import StepOutput, TextEnv, score_of
+from lit_rlvr.options import ConfigError, problem_line
 
 
 class RetryEnv(TextEnv):
     """`env_config`: `reward` (the run's reward function), `discount` (per extra attempt, in (0, 1]), `feedback`."""
 
+    defaults = {"max_turns": 3, "max_tokens": 192, "timeout_s": 10.0,
+                "options": {"reward": None, "discount": 0.5, "feedback": "\nWrong, try again.\n"}}
+
+    @classmethod
+    def option_problems(cls, options: dict[str, Any]) -> list[str]:
+        discount, feedback = options.get("discount"), options.get("feedback")
+        problems = []
+        if not (isinstance(discount, (int, float)) and not isinstance(discount, bool) and 0.0 < discount <= 1.0):
+            problems.append(problem_line("env.options.discount", discount, "a number in (0, 1]"))
+        if not isinstance(feedback, str):
+            problems.append(problem_line("env.options.feedback", feedback, "a string"))
+        return problems
+
     def __init__(self, env_config: dict[str, Any] | None = None, extras: dict[str, Any] | None = None):
-        super().__init__(env_config, extras)
+        super().__init__({**self.defaults["options"], **(env_config or {})}, extras)
+        problems = self.option_problems(self.env_config)
+        if problems:
+            raise ConfigError(problems)
         self.reward_fn = self.env_config["reward"]
-        self.discount = float(self.env_config.get("discount", 0.5))
-        self.feedback = str(self.env_config.get("feedback", "\nWrong, try again.\n"))
-        if not 0.0 < self.discount <= 1.0:
-            raise ValueError(f"env.options.discount={self.discount} must be in (0, 1]")
+        self.discount, self.feedback = float(self.env_config["discount"]), self.env_config["feedback"]
 
     def step(self, action: str) -> StepOutput:
         self.turns += 1

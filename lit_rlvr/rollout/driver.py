@@ -213,8 +213,8 @@ class RolloutDriver:
 
     def _score(self, plan: RolloutPlan, part: Rollouts, timer: StepTimer) -> int:
         """Decode the packed completions and score them in place; returns the number of failed reward calls."""
-        if part.transcripts:  # multi-turn: its environment scored it
-            return 0
+        if part.transcripts:  # multi-turn: its environment scored it; rewards that broke the contract count
+            return sum(t.reward_error is not None for t in part.transcripts)
         pad = self.tokenizer.pad_token_id
         part.completions = self.tokenizer.batch_decode(part.response_ids.masked_fill(~part.response_mask, pad),
                                                        skip_special_tokens=True)

@@ -11,6 +11,7 @@ environment says done, at `env.max_turns` model turns or `env.max_tokens` respon
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -20,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from lit_rlvr.envs import Environment
+from lit_rlvr.rewards.base import RewardContract, plain_result
 from lit_rlvr.rng import seed_of
 from lit_rlvr.rollout.batch import Rollouts, Transcript
 from lit_rlvr.rollout.engine import Completion, SamplingParams
@@ -105,16 +107,18 @@ def stop_cut(ids: list[int], stops: Sequence[str], decode: Callable[[list[int]],
 _BASE = [{"role": "user", "content": "\x00u"}, {"role": "assistant", "content": "\x00a"}]
 
 
-def observation_text(observations: Any, tokenizer: Any, *, chat_template: bool, last_token: str = "") -> str:
-    """The text an observation appends to the sequence.
+def observation_text(observations: Any, tokenizer: Any, *, chat_template: bool, last_token: str = "",
+                     max_chars: Optional[int] = None) -> str:
+    """The text an observation appends to the sequence (each text at most `max_chars` long: see `MultiTurn`).
 
     Text is appended as it is. Messages (SkyRL's form) are their contents joined, or, with the model's chat template,
     what the template writes after an assistant turn for them: the end of the assistant message the model did not
     write itself (`last_token`: its turn's last token, with special tokens, e.g. "<|im_end|>"), the messages, and
     the next assistant header, so consecutive tool messages render as the template renders them."""
     if isinstance(observations, str):
-        return observations
-    messages = list(observations or [])
+        return observations[:max_chars]
+    messages = [{**m, "content": m["content"][:max_chars]} if isinstance(m.get("content"), str) else m
+                for m in list(observations or [])]
     if not messages:
         return ""
     if not chat_template:
@@ -140,6 +144,9 @@ class MultiTurn:
                                     for s in environment.stop)
         self.env_seconds = 0.0  # time spent waiting for environments (construction, steps), since the last read
         self._warned: set[str] = set()
+        # a step's reward follows the reward functions' rule (finite, within the bound; else malformed, counted)
+        self.contract = RewardContract(FAIL_REWARD, environment.score_bound)
+        self.token_chars = longest_token(tokenizer)  # bounds an observation's text before it is tokenized
 
     def run(self, generate: Generate, prompt_token_ids: Sequence[Sequence[int]], prompts: Sequence[str],
             answers: Sequence[Any], counts: Sequence[int], params: SamplingParams) -> list[Episode]:
@@ -162,6 +169,7 @@ class MultiTurn:
             self._step(stepping)
             turn += 1
         self._close(episodes)
+        self._warn_if_all_failed(episodes)
         return episodes
 
     # -- the parts of a turn ------------------------------------------------------------------------------------
@@ -169,8 +177,9 @@ class MultiTurn:
         env = self.environment
 
         def start(e: Episode) -> Any:
-            extras = {**env.extras, "prompt": prompts[e.group], "max_turns": env.max_turns,
-                      "reward_spec": {"method": "rule", "ground_truth": answers[e.group]}}
+            # its own copy: an environment that edits its answer or extras cannot change the other rollouts'
+            extras = copy.deepcopy({**env.extras, "prompt": prompts[e.group], "max_turns": env.max_turns,
+                                    "reward_spec": {"method": "rule", "ground_truth": answers[e.group]}})
             instance = env.make(extras)
             messages = [{"role": "user", "content": prompts[e.group]}]
             first, _ = instance.init(messages)
@@ -208,22 +217,31 @@ class MultiTurn:
 
     def _step(self, stepping: list[Episode]) -> None:
         env = self.environment
-        outcomes = self._timed_calls([lambda e=e: e.env.step(e.last_text) for e in stepping])
+        outcomes = self._timed_calls([lambda e=e: plain_reward(e.env.step(e.last_text)) for e in stepping])
+        started = time.perf_counter()  # reading the outputs is the environments' time too (time/env_s)
         for e, (status, out) in zip(stepping, outcomes):
             if status != "ok":
                 self._fail(e, status, out, "step")
                 continue
             try:
-                reward, done = float(out.get("reward") or 0.0), bool(out.get("done"))
+                done = bool(out.get("done"))
                 metadata = out.get("metadata") or {}
+                # more characters than the room left can hold as tokens end the rollout anyway: cut them before
+                # the template and the tokenizer (a 1 MB observation costs what a fitting one does)
+                room = (env.max_tokens - len(e.ids)) * self.token_chars + 1
                 text = "" if done else observation_text(out.get("observations"), self.tokenizer,
-                                                        chat_template=self.chat_template,
-                                                        last_token=self._decode(e.ids[-1:], special=True))
+                                                        chat_template=self.chat_template, max_chars=room,
+                                                        last_token=self._decode(e.ids[-1:], special=True))[:room]
                 obs = self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
             except Exception as err:  # noqa: BLE001 - a malformed step output is the environment's failure
                 self._fail(e, "error", err, "step output")
                 continue
-            e.reward += reward
+            result, broken = self.contract.check(out.get("reward", 0.0))  # no key: no reward at this step
+            if broken:  # the rollout ends malformed with the failure score, as a reward function's would
+                e.transcript.reward_error, e.reward, done = result.info, 0.0, True
+            if broken or result.malformed:
+                metadata = {**metadata, "malformed": True}
+            e.reward += result.score
             e.transcript.tool_calls += int(bool(metadata.get("tool_call", not done)))
             if done:
                 e.end(malformed=bool(metadata.get("malformed", False)))
@@ -236,6 +254,7 @@ class MultiTurn:
                 e.logprobs += [0.0] * len(obs)
                 e.sampled += [False] * len(obs)
                 e.transcript.turns.append(("observation", text))
+        self.env_seconds += time.perf_counter() - started
 
     def _close(self, episodes: list[Episode]) -> None:
         closing = [e.env for e in episodes if e.env is not None and e.transcript.error is None]
@@ -249,6 +268,16 @@ class MultiTurn:
             return call_all(calls, self.environment.timeout_s)
         finally:
             self.env_seconds += time.perf_counter() - started
+
+    def _warn_if_all_failed(self, episodes: list[Episode]) -> None:
+        """Every rollout failed (its environment, or its reward): the step learns nothing; say so, naming the error,
+        the first time (a run that trains on nothing must not look like one that trains)."""
+        errors = [e.transcript.error or e.transcript.reward_error for e in episodes]
+        if episodes and all(errors) and "all" not in self._warned:
+            self._warned.add("all")
+            log.warning("env=%s: every one of %d rollouts failed, so nothing is learned from them; the first: %s "
+                        "(fix the environment or its options; later steps like this are not logged)",
+                        self.environment.name, len(episodes), errors[0])
 
     def _fail(self, e: Episode, status: str, err: Any, where: str) -> None:
         """The environment raised or hung: the rollout ends malformed and masked; the first of each kind is logged."""
@@ -265,6 +294,21 @@ class MultiTurn:
 
     def _decode(self, ids: list[int], special: bool = False) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=not special)
+
+
+def plain_reward(out: Any) -> Any:
+    """A step's output with its reward made plain by the reward contract (`plain_result`) where the step ran, in
+    its time bound: the trainer never calls into a returned object (docs/rewards.md)."""
+    if isinstance(out, dict) and "reward" in out:
+        out = {**out, "reward": plain_result(out["reward"])}
+    return out
+
+
+def longest_token(tokenizer: Any) -> int:
+    """The most characters one token can stand for (its vocabulary's longest entry; byte-level entries are at least
+    as long as their text): n tokens never hold more than n times it."""
+    vocab = getattr(tokenizer, "get_vocab", lambda: {})()
+    return 2 * max(map(len, vocab), default=64)  # twice: a normalizer may join characters (NFC)
 
 
 def score_episodes(part: Rollouts, episodes: list[Episode], tokenizer: Any) -> None:
