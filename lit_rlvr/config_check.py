@@ -18,6 +18,7 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lit_rlvr.bounds import bound_problems, declared_context
 from lit_rlvr.options import RANGES, ConfigError, compile_problems, group_size_problem, problem_line, range_problems
 
 DEBUG_ENV = "LIT_RLVR_DEBUG"  # =1: config errors raise with their traceback instead of one line
@@ -27,7 +28,7 @@ DEBUG_ENV = "LIT_RLVR_DEBUG"  # =1: config errors raise with their traceback ins
 PRIOR_GROUP = "algorithm.callbacks.value_prior"
 # top-level keys of conf/config.yaml and their types
 RUN_KEYS = {"seed": int, "mode": str, "eval_before": bool, "checkpoint_every": int, "checkpoint": Optional[str],
-            "resume": Optional[str]}
+            "resume": Optional[str], "stop_grace_s": float}
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -44,7 +45,7 @@ def check_config(cfg: DictConfig) -> None:
             problems += _check_types(f"{section}.", _resolved(node, skip=missing), _init_types(target))
     if not problems:
         problems = (_check_ranges(cfg) + _check_lora(cfg) + _check_extras(cfg) + _check_rollout_correction(cfg)
-                    + _check_compile(cfg))
+                    + _check_compile(cfg) + _check_context(cfg))
     if problems:
         raise ConfigError(problems)
 
@@ -171,3 +172,16 @@ def _check_rollout_correction(cfg: DictConfig) -> list[str]:
         return [str(err)]
     return []
 
+
+
+def _check_context(cfg: DictConfig) -> list[str]:
+    """Every bound of a rollout against the model's positions, when the model declares them without loading
+    (lit_rlvr.bounds; else the module checks right after it loads)."""
+    context = declared_context(OmegaConf.select(cfg, "model.name_or_path"))
+    if context is None:
+        return []
+    env = OmegaConf.select(cfg, "env.name")
+    env_tokens = OmegaConf.select(cfg, "env.max_tokens", default=256) if env not in (None, "none") else None
+    return bound_problems(context, max_new_tokens=OmegaConf.select(cfg, "algorithm.max_new_tokens"),
+                          env_max_tokens=env_tokens,
+                          max_prompt_tokens=OmegaConf.select(cfg, "data.max_prompt_tokens", default=None))

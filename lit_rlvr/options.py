@@ -63,6 +63,8 @@ RANGES: dict[str, Rule] = {
     "data.eval_limit": (lambda v: v is None or v >= 1, "an integer >= 1 or null"),
     "trainer.max_steps": (lambda v: v >= 1 or v == -1, "an integer >= 1 (optimizer steps), or -1"),
     "checkpoint_every": _at_least(1),
+    "stop_grace_s": (lambda v: not isinstance(v, bool) and v >= 0, "a number of seconds >= 0 (how long a step may "
+                                                                    "still run after SIGTERM or Ctrl-C)"),
     "mode": (lambda v: v in ("train", "eval"), "train or eval"),
     "perf.peak_flops": (lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0),
                         "the device's peak FLOP/s, a number > 0 (e.g. 989.4e12: an H100 in bf16), or null (a CPU's "
