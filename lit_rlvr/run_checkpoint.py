@@ -1,8 +1,9 @@
 """`RunCheckpoint`: `checkpoints/last.ckpt`, written atomically every `every_n_steps` optimizer steps, at the
 run's last step, and at the step during which SIGTERM or a first SIGINT (Ctrl-C) arrived (then training stops;
 docs/architecture.md §10). A step that has not ended `stop_grace_s` seconds after the signal is abandoned
-(`lit_rlvr.stop`: nothing of it is saved; the recipe names the intact last.ckpt). A second SIGINT aborts at once. With LoRA the adapter is written beside it in
-PEFT's format (`adapter/`), for `PeftModel.from_pretrained` and serving engines.
+(`lit_rlvr.stop`: nothing of it is saved; the recipe names the intact last.ckpt). A second SIGINT aborts at once.
+With LoRA the adapter is written beside it in PEFT's format (`adapter/`), for `PeftModel.from_pretrained` and
+serving engines.
 
 Why not `ModelCheckpoint` plus a save after `fit`: a checkpoint written after `fit` returns records the epoch as
 finished, so a resumed run would start a new epoch (a new data order) instead of continuing the old one; and a

@@ -45,8 +45,9 @@ class StopFlag:
     def check(self) -> None:
         """Raise `StopRequested` when a request has waited longer than the grace period."""
         if self.since is not None and self.grace_s is not None and time.monotonic() - self.since >= self.grace_s:
-            raise StopRequested(self.name, f"{self.name} {time.monotonic() - self.since:.0f}s ago, more than stop_grace_s="
-                                f"{self.grace_s:g}: the step in progress is abandoned")
+            waited = time.monotonic() - self.since
+            raise StopRequested(self.name, f"{self.name} {waited:.0f}s ago, more than stop_grace_s={self.grace_s:g}: "
+                                           "the step in progress is abandoned")
 
 
 STOP = StopFlag()
