@@ -19,6 +19,7 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lit_rlvr.bounds import bound_problems, declared_context
 from lit_rlvr.envs import environment_spec
 from lit_rlvr.options import (RANGES, ConfigError, compile_problems, finite_problems, group_size_problem, problem_line,
                               range_problems, unknown_key_problems)
@@ -30,7 +31,7 @@ DEBUG_ENV = "LIT_RLVR_DEBUG"  # =1: config errors raise with their traceback ins
 PRIOR_GROUP = "algorithm.callbacks.value_prior"
 # top-level keys of conf/config.yaml and their types
 RUN_KEYS = {"seed": int, "mode": str, "eval_before": bool, "checkpoint_every": int, "checkpoint": Optional[str],
-            "resume": Optional[str]}
+            "resume": Optional[str], "stop_grace_s": float}
 # the primary config (conf/config.yaml, packaged as lit_rlvr.conf): its own keys and its groups are the valid
 # top-level keys; a data config's `task_*` helpers (read by other groups through ${oc.select:task_...}) too
 PRIMARY_CONFIG = "config.yaml"
@@ -59,7 +60,7 @@ def check_config(cfg: DictConfig) -> None:
     problems = problems or _check_finite(cfg)  # before the ranges: a nan is one line, not one per check
     if not problems:
         problems = (_check_ranges(cfg) + _check_lora(cfg) + _check_extras(cfg) + _check_rollout_correction(cfg)
-                    + _check_compile(cfg) + _check_env(cfg))
+                    + _check_compile(cfg) + _check_env(cfg) + _check_context(cfg))
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)))  # a value two checks refuse is one line
 
@@ -333,3 +334,16 @@ def _check_rollout_correction(cfg: DictConfig) -> list[str]:
         return [str(err)]
     return []
 
+
+
+def _check_context(cfg: DictConfig) -> list[str]:
+    """Every bound of a rollout against the model's positions, when the model declares them without loading
+    (lit_rlvr.bounds; else the module checks right after it loads)."""
+    context = declared_context(OmegaConf.select(cfg, "model.name_or_path"))
+    if context is None:
+        return []
+    env = OmegaConf.select(cfg, "env.name")
+    env_tokens = OmegaConf.select(cfg, "env.max_tokens", default=256) if env not in (None, "none") else None
+    return bound_problems(context, max_new_tokens=OmegaConf.select(cfg, "algorithm.max_new_tokens"),
+                          env_max_tokens=env_tokens,
+                          max_prompt_tokens=OmegaConf.select(cfg, "data.max_prompt_tokens", default=None))

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from lit_rlvr import distributed as D
 from lit_rlvr import functional as F
 from lit_rlvr.adapter_export import AdapterExport
+from lit_rlvr.bounds import check_bounds, model_context, response_budget
 from lit_rlvr.checkpoint_io import checkpoint_hint
 from lit_rlvr.envs import build_environment
 from lit_rlvr.errors import config_phase
@@ -155,6 +156,10 @@ class GRPOModule(pl.LightningModule):
         self.environment = build_environment(env, env_options, reward=reward, reward_options=reward_options)
         path = resolve_model_path(model, model_options)
         self.policy, self.tokenizer = load_policy(path, dtype)
+        self.context = model_context(self.policy, self.tokenizer)  # the positions every rollout must fit
+        env_tokens = self.environment.max_tokens if self.environment is not None else None
+        check_bounds(self.context, max_new_tokens=max_new_tokens, env_max_tokens=env_tokens)  # before any work
+        self.response_budget = response_budget(max_new_tokens, env_tokens)  # (tokens, key): the data check's
         self.policy = apply_lora(self.policy, self.lora, seed=seed)  # only the adapters require grad
         self.policy.train()  # from_pretrained returns eval mode; Lightning toggles modes itself from here
         self.model_path = path

@@ -70,6 +70,8 @@ RANGES: dict[str, Rule] = {
     "data.eval_limit": (lambda v: v is None or v >= 1, "an integer >= 1 or null"),
     "trainer.max_steps": (lambda v: v >= 1 or v == -1, "an integer >= 1 (optimizer steps), or -1"),
     "checkpoint_every": _at_least(1),
+    "stop_grace_s": (lambda v: not isinstance(v, bool) and v >= 0, "a number of seconds >= 0 (how long a step may "
+                                                                    "still run after SIGTERM or Ctrl-C)"),
     "mode": (lambda v: v in ("train", "eval"), "train or eval"),
     # multi-turn environments (lit_rlvr.envs checks them, for every entry point; null: the environment's default)
     "env.max_turns": (lambda v: _integer(v) and v >= 1, "an integer >= 1 (model turns per rollout)"),

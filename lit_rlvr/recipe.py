@@ -25,8 +25,9 @@ from lit_rlvr import jsonsafe
 from lit_rlvr.config_check import env_arguments
 from lit_rlvr.errors import config_phase
 from lit_rlvr.hooks import check_rl_callbacks
-from lit_rlvr.run_checkpoint import RunCheckpoint
+from lit_rlvr.run_checkpoint import STOP_GRACE_S, RunCheckpoint
 from lit_rlvr.models.lora import is_adapter_dir, load_adapter_weights, options_from_adapter
+from lit_rlvr.stop import StopRequested
 from lit_rlvr.storage import write_atomic
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.options import ConfigError, problem_line
@@ -95,7 +96,8 @@ def _keyed(section: Optional[DictConfig]) -> list[Any]:
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path, resume_overrides: Optional[list] = None) -> pl.Trainer:
-    checkpoint = RunCheckpoint(run_dir / "checkpoints", every_n_steps=cfg.checkpoint_every)
+    checkpoint = RunCheckpoint(run_dir / "checkpoints", every_n_steps=cfg.checkpoint_every,
+                               stop_grace_s=cfg.get("stop_grace_s", STOP_GRACE_S))
     run_config = RunConfig(resolved_config(cfg), resume_overrides)  # recorded in checkpoints
     callbacks = [checkpoint, run_config, *_keyed(cfg.get("callbacks")), *_keyed(cfg.algorithm.get("callbacks"))]
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
@@ -125,11 +127,13 @@ def _load_data(datamodule: pl.LightningDataModule, trainer: pl.Trainer, stage: s
 
 
 def _check_prompt_tokens(datamodule: pl.LightningDataModule, module: GRPOModule) -> None:
-    """File prompts fit the model's context (minus max_new_tokens), counted with the module's own rendering."""
+    """File prompts fit the model's context (minus the response budget: algorithm.max_new_tokens, env.max_tokens
+    with an environment), counted with the module's own rendering."""
     check = getattr(datamodule, "check_prompt_tokens", None)
     if check is not None:
+        budget, key = module.response_budget
         check(module.render_prompt, lambda text: module.tokenizer(text, add_special_tokens=False)["input_ids"],
-              module.policy.config.max_position_embeddings, module.sampling.max_new_tokens)
+              module.context, budget, key)
 
 
 def check_run_dir(hydra_cfg: DictConfig) -> None:
@@ -185,21 +189,30 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             _set_metrics_aside(run_dir)
     # weights_only=False: our own checkpoints hold the config (omegaconf), RNG and data states
     checkpoint = next(cb for cb in trainer.callbacks if isinstance(cb, RunCheckpoint))
+    abandoned: Optional[StopRequested] = None
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume, weights_only=False)
     except SIGTERMException:  # Lightning exits (code 0) once the step that saw SIGTERM has ended
         if trainer.global_step == 0:
             raise
         checkpoint.stopped_by_sigterm = True
+    except StopRequested as err:  # a step that did not end within stop_grace_s of the signal: nothing of it is kept
+        abandoned = err
+        checkpoint.stopped_by_sigterm, checkpoint.stopped_by_sigint = (err.signal_name == "SIGTERM",
+                                                                       err.signal_name == "SIGINT")
     except BaseException:
         if trainer.is_global_zero:  # a failed run keeps the rows it had before the resume in metrics.csv
             _merge_metrics_aside(run_dir)
         raise
-    checkpoint.save(trainer)  # no-op when fit ended on a saved step (max_steps, SIGTERM)
-    if checkpoint.stopped_by_sigterm or checkpoint.stopped_by_sigint:  # leave quickly: a grace period is short
+    if abandoned is not None:
+        _say_abandoned(abandoned, checkpoint, module)
+        after = {}
+    elif checkpoint.stopped_by_sigterm or checkpoint.stopped_by_sigint:  # leave quickly: a grace period is short
+        checkpoint.save(trainer)  # no-op when fit ended on a saved step (SIGTERM)
         log.warning("stopped by a signal at step %d; continue with resume=%s", module.global_step, checkpoint.last_path)
         after = {}
     else:
+        checkpoint.save(trainer)  # no-op when fit ended on a saved step (max_steps)
         after = validate(trainer, module, datamodule)
     if trainer.is_global_zero:  # after its logger's last write (another rank may finish first)
         _merge_metrics_aside(run_dir)
@@ -211,6 +224,16 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     if trainer.is_global_zero:
         write_atomic(run_dir / SUMMARY_FILE, jsonsafe.dumps(summary, indent=2), "the run summary")  # NaN -> null
     return summary
+
+
+def _say_abandoned(err: StopRequested, checkpoint: RunCheckpoint, module: GRPOModule) -> None:
+    """One line: the step given up, and what a resume starts from (the last save, never the step's half-made state)."""
+    if checkpoint.saved_step >= 0 and checkpoint.last_path.exists():
+        where = (f"{checkpoint.last_path} holds step {checkpoint.saved_step} (saved every checkpoint_every="
+                 f"{checkpoint.every_n_steps} steps); continue with resume={checkpoint.last_path}")
+    else:
+        where = f"no checkpoint was saved before it (checkpoint_every={checkpoint.every_n_steps}): nothing to resume"
+    log.warning("stopped: %s (step %d); %s", err, module.global_step + 1, where)
 
 
 METRICS_FILE, METRICS_ASIDE = "metrics.csv", "metrics.before_resume.csv"

@@ -1,7 +1,9 @@
 """`RunCheckpoint`: `checkpoints/last.ckpt`, written atomically every `every_n_steps` optimizer steps, at the
 run's last step, and at the step during which SIGTERM or a first SIGINT (Ctrl-C) arrived (then training stops;
-docs/architecture.md §10). A second SIGINT aborts at once, as usual. With LoRA the module's `AdapterExport`
-writes the adapter beside it in PEFT's format (`adapter/`), as it does for any other save.
+docs/architecture.md §10). A step that has not ended `stop_grace_s` seconds after the signal is abandoned
+(`lit_rlvr.stop`: nothing of it is saved; the recipe names the intact last.ckpt). A second SIGINT aborts at once.
+With LoRA the module's `AdapterExport` writes the adapter beside it in PEFT's format (`adapter/`), as it does for any
+other save.
 
 Why not `ModelCheckpoint` plus a save after `fit`: a checkpoint written after `fit` returns records the epoch as
 finished, so a resumed run would start a new epoch (a new data order) instead of continuing the old one; and a
@@ -25,26 +27,35 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
 from lit_rlvr.checkpoint_io import AtomicCheckpointIO, sweep_temp_files
+from lit_rlvr.options import ConfigError, range_problems
+from lit_rlvr.stop import STOP
 from lit_rlvr.storage import writing
 
 log = logging.getLogger(__name__)
 
+STOP_GRACE_S = 10.0  # clusters allow ~30 s between SIGTERM and SIGKILL (SLURM's KillWait, Kubernetes' grace)
+
 
 class RunCheckpoint(pl.Callback):
-    """Args: `dirpath` folder of `last.ckpt`; `every_n_steps` optimizer steps between saves (>= 1)."""
+    """Args: `dirpath` folder of `last.ckpt`; `every_n_steps` optimizer steps between saves (>= 1); `stop_grace_s`
+    seconds a step may still take after SIGTERM or Ctrl-C before it is abandoned (a run of one process)."""
 
     FILE = "last.ckpt"
     ASIDE = ".old"  # suffix of the previous sharded checkpoint while a new one is renamed in (`_replace`)
 
-    def __init__(self, dirpath: Union[str, Path], every_n_steps: int):
+    def __init__(self, dirpath: Union[str, Path], every_n_steps: int, stop_grace_s: float = STOP_GRACE_S):
         if every_n_steps < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {every_n_steps}")
-        self.dirpath, self.every_n_steps = Path(dirpath), every_n_steps
+        problems = range_problems({"stop_grace_s": stop_grace_s}, "")
+        if problems:
+            raise ConfigError(problems)
+        self.dirpath, self.every_n_steps, self.stop_grace_s = Path(dirpath), every_n_steps, float(stop_grace_s)
         self.saved_step = -1  # global step of the last save
         self.stopped_by_sigterm = False
         self.stopped_by_sigint = False
         self._sigint = False
         self._previous_sigint = None
+        self._previous_sigterm = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -55,19 +66,39 @@ class RunCheckpoint(pl.Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # several ranks stop at a step's end only: a rank that abandoned a step would leave the others waiting
+        STOP.arm(self.stop_grace_s if trainer.world_size == 1 else None)
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
             self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
+            # Lightning adds its own SIGTERM handler after this hook and calls this one too
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._previous_sigint is not None:
-            signal.signal(signal.SIGINT, self._previous_sigint)
-            self._previous_sigint = None
+        self._restore_handlers()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore_handlers()
+
+    def _restore_handlers(self) -> None:
+        STOP.arm(None)
+        for signum, previous in ((signal.SIGINT, self._previous_sigint), (signal.SIGTERM, self._previous_sigterm)):
+            if previous is not None:
+                signal.signal(signum, previous)
+        self._previous_sigint = self._previous_sigterm = None
 
     def _on_sigint(self, signum, frame) -> None:
         self._sigint = True
+        STOP.request("SIGINT")
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C aborts at once
-        log.warning("SIGINT: finishing this step, saving last.ckpt and stopping (Ctrl-C again to abort)")
+        log.warning("SIGINT: finishing this step (at most stop_grace_s=%gs more), saving last.ckpt and stopping "
+                    "(Ctrl-C again to abort)", self.stop_grace_s)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        STOP.request("SIGTERM")
+        if callable(self._previous_sigterm):
+            self._previous_sigterm(signum, frame)
 
     @property
     def last_path(self) -> Path:

@@ -1,5 +1,6 @@
 """Fault injection for tests/test_faults.py, importable by `python train.py` runs (and reward worker processes):
-a module whose loss turns NaN or whose engine fails on chosen steps, a raising reward and a hanging reward."""
+a module whose loss turns NaN or whose engine fails on chosen steps, a raising reward, a hanging reward and an
+environment whose rollouts stop ending after the first step."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any, Optional
 import torch
 
 from lit_rlvr.data.tasks.arithmetic import arithmetic_reward
+from lit_rlvr.envs import TextEnv
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.rewards.base import RewardResult
 
@@ -73,3 +75,25 @@ def hanging_reward(prompt: str, completion: str, answer: Any) -> RewardResult:
     if len(completion) % 2 == 0 and os.environ.get("FAULT_NO_HANG") != "1":
         time.sleep(3600)
     return arithmetic_reward(prompt, completion, answer)
+
+
+class StallingEnv(TextEnv):
+    """An environment whose first `quick` instances end at once and whose later ones are never done, each step
+    taking `step_s` seconds (within env.timeout_s): the first RL step ends, the next cannot. On its first stalled
+    step it creates the file `marker` (the test's sign that a step that cannot end is in progress)."""
+
+    instances = 0
+
+    def __init__(self, env_config: dict[str, Any] | None = None, extras: dict[str, Any] | None = None):
+        super().__init__(env_config, extras)
+        self.stalls = StallingEnv.instances >= int(self.env_config.get("quick", 4))
+        StallingEnv.instances += 1
+
+    def step(self, action: str):
+        if not self.stalls:
+            return {"observations": "", "reward": 0.0, "done": True, "metadata": {}}
+        marker = self.env_config.get("marker")
+        if marker and not os.path.exists(marker):
+            open(marker, "w").close()
+        time.sleep(float(self.env_config.get("step_s", 2.0)))
+        return {"observations": "", "reward": 0.0, "done": False, "metadata": {"tool_call": False}}

@@ -202,16 +202,22 @@ class RLVRDataModule(pl.LightningDataModule):
         if hp.eval_limit is not None:
             self.eval_set = torch.utils.data.Subset(self.eval_set, range(min(hp.eval_limit, len(self.eval_set))))
 
-    def check_prompt_tokens(self, render: Callable[[Any], str], tokenize: Callable[[str], list], context: int,
-                            max_new_tokens: int) -> None:
+    def check_prompt_tokens(self, render: Callable[[Any], str], tokenize: Callable[[str], list],
+                            context: Optional[int], max_new_tokens: int,
+                            budget_key: str = "algorithm.max_new_tokens") -> None:
         """File prompts longer than `max_prompt_tokens` (rendered by `render` as the module renders them) fail
-        naming the file and row, or are dropped and counted with `on_bad_row=skip`. The built-in task's prompts
-        are short by construction and not checked."""
+        naming the file and row, or are dropped and counted with `on_bad_row=skip`. `max_new_tokens`: the response
+        budget that shares the context (`budget_key`: env.max_tokens with an environment). The built-in task's
+        prompts are short by construction and not checked."""
         from lit_rlvr.data.formats import DataError
         from lit_rlvr.data.lengths import long_rows, token_limit
 
         hp = self.hparams
-        limit, origin = token_limit(hp.max_prompt_tokens, context, max_new_tokens)
+        limited = token_limit(hp.max_prompt_tokens, context, max_new_tokens, budget_key)
+        if limited is None:  # neither a prompt limit nor the model's context is known
+            self._wrap()
+            return
+        limit, origin = limited
         for source in dict.fromkeys(s for s in self._sources if isinstance(s, RecordDataset)):
             prompts = [with_instruction(r["prompt"], hp.instruction, hp.system_prompt) for r in source.records]
             found = long_rows(prompts, render, tokenize, limit)

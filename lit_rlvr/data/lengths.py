@@ -6,20 +6,31 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from lit_rlvr.bounds import check_bounds
+
 PREFIX_CHARS_PER_TOKEN = 8  # a long text is first tokenized only this many characters per allowed token
 
 
-def token_limit(max_prompt_tokens: Optional[int], context: int, max_new_tokens: int) -> tuple[int, str]:
-    """(limit, where it comes from): `data.max_prompt_tokens` when set, else the context minus max_new_tokens."""
+def token_limit(max_prompt_tokens: Optional[int], context: Optional[int], max_new_tokens: int,
+                budget_key: str = "algorithm.max_new_tokens") -> Optional[tuple[int, str]]:
+    """(limit, where it comes from): `data.max_prompt_tokens` when set, else the context minus the response budget
+    (`max_new_tokens` of `budget_key`: env.max_tokens with an environment); None when neither is known. Both must
+    fit the context together (lit_rlvr.bounds, the one rule)."""
     if max_prompt_tokens is not None:
         if max_prompt_tokens < 1:
             raise ValueError(f"data.max_prompt_tokens must be >= 1 (or null), got {max_prompt_tokens}")
+        if context is not None:
+            env_tokens = max_new_tokens if budget_key == "env.max_tokens" else None
+            check_bounds(context, max_new_tokens=max_new_tokens, env_max_tokens=env_tokens,
+                         max_prompt_tokens=max_prompt_tokens)
         return int(max_prompt_tokens), f"data.max_prompt_tokens={max_prompt_tokens}"
+    if context is None:
+        return None
     limit = context - max_new_tokens
     if limit < 1:
-        raise ValueError(f"algorithm.max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "
+        raise ValueError(f"{budget_key}={max_new_tokens} leaves no room for a prompt in the model's "
                          f"context of {context} tokens")
-    return limit, (f"the model's context {context} minus algorithm.max_new_tokens={max_new_tokens}; "
+    return limit, (f"the model's context {context} minus {budget_key}={max_new_tokens}; "
                    "set data.max_prompt_tokens to change it")
 
 

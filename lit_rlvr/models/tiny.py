@@ -10,6 +10,8 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
+from lit_rlvr.bounds import TINY_CONTEXT
+
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 CHARACTERS = [c for c in string.printable if c not in "\x0b\x0c\r"]  # printable ASCII, tab and newline
 
@@ -34,7 +36,7 @@ def tiny_config(vocab_size: int, *, hidden_size: int = 64, layers: int = 2, head
         num_attention_heads=heads,
         num_key_value_heads=max(1, heads // 2),
         head_dim=hidden_size // heads,
-        max_position_embeddings=256,
+        max_position_embeddings=TINY_CONTEXT,  # train.py checks rollout bounds against it before the warm-up
         tie_word_embeddings=True,
         pad_token_id=0,
         bos_token_id=1,

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from lit_rlvr import distributed as D
+from lit_rlvr.bounds import model_context
 from lit_rlvr.envs import Environment
 from lit_rlvr.rewards.base import RewardHangError
 from lit_rlvr.rng import seed_of
@@ -28,6 +29,7 @@ from lit_rlvr.rollout.lora import (SyncCheck, can_generate_with_adapters, check_
                                    probe_prompt, push_policy)
 from lit_rlvr.rollout.multi_turn import Episode, MultiTurn, score_episodes
 from lit_rlvr.step_log import StepTimer
+from lit_rlvr.stop import STOP
 
 
 @dataclass
@@ -90,7 +92,9 @@ class RolloutDriver:
                  chat_template: bool = False):
         self.engine, self.tokenizer, self.reward_runner = engine, tokenizer, reward_runner
         self.sampling, self.policy, self.sync_check = sampling, policy, sync_check
-        self.multi_turn = MultiTurn(environment, tokenizer, chat_template=chat_template) if environment else None
+        context = model_context(policy, tokenizer)  # multi-turn rollouts stop at the model's last position
+        self.multi_turn = (MultiTurn(environment, tokenizer, chat_template=chat_template, context=context)
+                           if environment else None)
         self._holds_mean = False  # whether the engine holds the mean weights of step `engine.version`
         self._pushes = 0  # pushes to a non-shared engine so far (the post-push check runs every k-th)
 
@@ -110,6 +114,7 @@ class RolloutDriver:
         have = [0] * plan.num_prompts
         failures, round_index = 0, 0
         while self._another_round(counts):
+            STOP.check()  # a stop request past its grace abandons the step between engine calls
             counts = counts or [0] * plan.num_prompts  # this rank is done but takes part in the others' pushes
             if any(c < 0 for c in counts):
                 raise ValueError(f"budget rule asked for negative sample counts: {counts}")
@@ -121,6 +126,7 @@ class RolloutDriver:
                 new = (self._generate(plan, c, source, seeds[source], step, tally)
                        for source, c in enumerate(per_source))
             for part in new:
+                STOP.check()
                 if part is not None:
                     failures += self._score(plan, part, tally.timer)
                     parts.append(part)

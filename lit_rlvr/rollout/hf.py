@@ -23,6 +23,7 @@ from lit_rlvr.rollout.batch import left_pad
 from lit_rlvr.rollout.engine import Completion, RolloutEngine, SamplingParams
 from lit_rlvr.rollout.kv_cache import can_select_rows, growing_cache
 from lit_rlvr.rollout.multi_weight import stacked_weights
+from lit_rlvr.stop import STOP
 
 ENGINE_MODES = ("shared", "copy")
 
@@ -357,6 +358,7 @@ class HFEngine(RolloutEngine):
         done = torch.zeros(num_rows, dtype=torch.bool)  # [A]
         cut = can_select_rows(cache)  # e.g. a linear-attention layer's state cannot drop rows
         for t in range(steps):
+            STOP.check()  # a stop request past its grace abandons a long decode too
             token, logp = self._pick(logits, params, uniforms[:, t])  # [A], [A]
             tokens[live, t], logprobs[live, t] = token, logp
             done |= torch.isin(token, stop)

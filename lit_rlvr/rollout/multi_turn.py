@@ -5,8 +5,10 @@ prefill; later turns from prompt + every response token so far, as token ids), i
 environment's first stop string, decoded and handed to its environment's `step`. The steps of all rollouts run at
 once in threads, each bounded by `env.timeout_s`. The observation's tokens are appended with `token_mask` False
 and log-prob 0; the sampled ids are kept as sampled, never re-tokenized from text. A rollout ends when its
-environment says done, at `env.max_turns` model turns or `env.max_tokens` response tokens (cut: malformed, reward
-`fail_reward`), or when its environment raises or hangs (malformed, reward `fail_reward`, no token trained on).
+environment says done, at `env.max_turns` model turns or `env.max_tokens` response tokens or the model's last
+position (`context`: the prompt plus the response fill it) (cut: malformed, reward `fail_reward`, finish reason
+"length"), or when its environment raises or hangs (malformed, reward `fail_reward`, no token trained on). Between
+turns and engine calls a stop request past its grace period abandons the run (`lit_rlvr.stop`).
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from lit_rlvr.data.lengths import over_limit
 from lit_rlvr.envs import Environment
 from lit_rlvr.rewards.base import RewardContract, plain_result
 from lit_rlvr.rng import seed_of
 from lit_rlvr.rollout.batch import Rollouts, Transcript
 from lit_rlvr.rollout.engine import Completion, SamplingParams
+from lit_rlvr.stop import STOP
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,8 @@ class Episode:
     malformed: bool = False
     done: bool = False
     turns: int = 0  # model turns so far
+    room: int = 0  # response tokens it may hold: env.max_tokens, or less where the prompt leaves less of the context
+    limit: str = "max_tokens"  # the cut when `room` is reached ("context": the model's positions)
     last_text: str = ""  # the last model turn, decoded
     transcript: Transcript = field(default_factory=Transcript)
 
@@ -137,8 +143,10 @@ def observation_text(observations: Any, tokenizer: Any, *, chat_template: bool, 
 class MultiTurn:
     """Runs an `Environment`'s rollouts with an engine's `generate` (see the module docstring)."""
 
-    def __init__(self, environment: Environment, tokenizer: Any, *, chat_template: bool = False):
+    def __init__(self, environment: Environment, tokenizer: Any, *, chat_template: bool = False,
+                 context: Optional[int] = None):
         self.environment, self.tokenizer, self.chat_template = environment, tokenizer, chat_template
+        self.context = context  # the model's positions (None: unknown), which prompt + response must fit
         # the stop strings as token sequences: an engine that can stops on them (the cut above is exact anyway)
         self.stop_sequences = tuple(tuple(tokenizer(s, add_special_tokens=False)["input_ids"])
                                     for s in environment.stop)
@@ -153,9 +161,11 @@ class MultiTurn:
         """`counts[b]` rollouts of prompt b, prompt after prompt; every engine call goes through `generate`."""
         episodes = [Episode(b) for b, n in enumerate(counts) for _ in range(n)]
         self._start(episodes, prompts, answers)
+        self._set_room(episodes, prompt_token_ids)
         turn = 0
         while active := [e for e in episodes if not e.done]:
-            remaining = max(self.environment.max_tokens - len(e.ids) for e in active)
+            STOP.check()  # a stop request past its grace: an environment that is never done must not defer it
+            remaining = max(e.room - len(e.ids) for e in active)
             turn_params = replace(params, seed=params.seed if turn == 0 else seed_of(params.seed, "turn", turn),
                                   max_new_tokens=max(1, min(params.max_new_tokens, remaining)),
                                   stop_sequences=self.stop_sequences)
@@ -173,6 +183,16 @@ class MultiTurn:
         return episodes
 
     # -- the parts of a turn ------------------------------------------------------------------------------------
+    def _set_room(self, episodes: list[Episode], prompt_token_ids: Sequence[Sequence[int]]) -> None:
+        """Each rollout's response budget: env.max_tokens, or what its prompt leaves of the context; a prompt that
+        fills the context ends its rollouts before any turn."""
+        for e in episodes:
+            e.room = self.environment.max_tokens
+            if self.context is not None and self.context - len(prompt_token_ids[e.group]) < e.room:
+                e.room, e.limit = self.context - len(prompt_token_ids[e.group]), "context"
+            if e.room < 1 and not e.done:
+                e.end(cut="context")
+
     def _start(self, episodes: list[Episode], prompts: Sequence[str], answers: Sequence[Any]) -> None:
         env = self.environment
 
@@ -201,7 +221,7 @@ class MultiTurn:
         cut = stop_cut(ids, self.environment.stop, self._decode)
         ended = cut is not None or c.finish_reason == "stop"
         ids = ids[:cut] if cut is not None else ids
-        room = self.environment.max_tokens - len(e.ids)
+        room = e.room - len(e.ids)
         over = len(ids) >= room and not ended or len(ids) > room  # the token budget cut the turn
         ids = ids[:room]
         e.ids += ids
@@ -211,7 +231,7 @@ class MultiTurn:
         e.turns += 1
         e.transcript.turns.append(("assistant", e.last_text))
         if over:
-            e.end(cut="max_tokens")
+            e.end(cut=e.limit)
             return False
         return True
 
@@ -228,11 +248,13 @@ class MultiTurn:
                 metadata = out.get("metadata") or {}
                 # more characters than the room left can hold as tokens end the rollout anyway: cut them before
                 # the template and the tokenizer (a 1 MB observation costs what a fitting one does)
-                room = (env.max_tokens - len(e.ids)) * self.token_chars + 1
+                room = (e.room - len(e.ids)) * self.token_chars + 1
                 text = "" if done else observation_text(out.get("observations"), self.tokenizer,
                                                         chat_template=self.chat_template, max_chars=room,
                                                         last_token=self._decode(e.ids[-1:], special=True))[:room]
-                obs = self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+                # an observation longer than the room left (one token kept for the answer) cuts the rollout
+                too_long = bool(text) and over_limit(text, self._tokenize, e.room - len(e.ids) - 1) is not None
+                obs = self._tokenize(text) if text and not too_long else []
             except Exception as err:  # noqa: BLE001 - a malformed step output is the environment's failure
                 self._fail(e, "error", err, "step output")
                 continue
@@ -247,8 +269,8 @@ class MultiTurn:
                 e.end(malformed=bool(metadata.get("malformed", False)))
             elif e.turns >= env.max_turns:
                 e.end(cut="max_turns")
-            elif len(e.ids) + len(obs) >= env.max_tokens:  # no room left for the model to answer
-                e.end(cut="max_tokens")
+            elif too_long or len(e.ids) + len(obs) >= e.room:  # no room left for the model to answer
+                e.end(cut=e.limit)
             else:
                 e.ids += obs
                 e.logprobs += [0.0] * len(obs)
@@ -291,6 +313,9 @@ class MultiTurn:
             log.warning("env=%s %s %s: that rollout ends malformed and is not trained on (counted in env/tool_errors;"
                         " later failures of this kind are not logged)", self.environment.name, where, what,
                         exc_info=err if isinstance(err, BaseException) else None)
+
+    def _tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _decode(self, ids: list[int], special: bool = False) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=not special)
