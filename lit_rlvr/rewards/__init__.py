@@ -25,6 +25,7 @@ REWARDS = {
     "format": "lit_rlvr.rewards.terms:FormatReward",  # 1/0: the completion has the expected form (a term)
     "length": "lit_rlvr.rewards.terms:LengthReward",  # 0 .. -1: DAPO's soft overlong punishment on text (a term)
     "remote": "lit_rlvr.rewards.remote:RemoteReward",  # a reward server by URL (OpenRLHF's /get_reward)
+    "model": "lit_rlvr.rewards.model:ModelReward",  # a sequence-classification reward model (a local HF folder)
 }
 
 
