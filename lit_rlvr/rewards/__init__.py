@@ -26,6 +26,7 @@ REWARDS = {
     "length": "lit_rlvr.rewards.terms:LengthReward",  # 0 .. -1: DAPO's soft overlong punishment on text (a term)
     "remote": "lit_rlvr.rewards.remote:RemoteReward",  # a reward server by URL (OpenRLHF's /get_reward)
     "model": "lit_rlvr.rewards.model:ModelReward",  # a sequence-classification reward model (a local HF folder)
+    "judge": "lit_rlvr.rewards.judge:JudgeReward",  # an LLM judge over an OpenAI-compatible chat API (async)
 }
 
 
