@@ -124,20 +124,7 @@ class RemoteReward:
         return scores  # each one through the reward contract (a str or None is malformed)
 
     def _post(self, body: bytes) -> Any:
-        """The decoded JSON answer; connection errors and 5xx retried with back-off."""
-        for attempt in range(self.retries + 1):
-            request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    return json.loads(response.read())
-            except urllib.error.HTTPError as err:
-                if err.code < 500 or attempt == self.retries:
-                    raise
-            except (urllib.error.URLError, ConnectionError) as err:
-                if isinstance(getattr(err, "reason", None), TimeoutError) or attempt == self.retries:
-                    raise  # a slow server is not retried: the next try would wait as long again
-            time.sleep(self.backoff_s * 2 ** attempt)
-        raise AssertionError("unreachable")
+        return post_json(self.url, body, self.timeout_s, self.retries, self.backoff_s)
 
     def close(self) -> None:
         pool, self._pool = self._pool, None
@@ -146,6 +133,24 @@ class RemoteReward:
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_pool": None}
+
+
+def post_json(url: str, body: bytes, timeout_s: float, retries: int, backoff_s: float) -> Any:
+    """POST `body` (JSON) to `url` and decode the JSON answer; connection errors and 5xx are retried `retries`
+    times with back-off from `backoff_s` (doubling); a timeout is not (the next try would wait as long again)."""
+    for attempt in range(retries + 1):
+        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            if err.code < 500 or attempt == retries:
+                raise
+        except (urllib.error.URLError, ConnectionError) as err:
+            if isinstance(getattr(err, "reason", None), TimeoutError) or attempt == retries:
+                raise
+        time.sleep(backoff_s * 2 ** attempt)
+    raise AssertionError("unreachable")
 
 
 def _text(prompt: Any) -> str:
