@@ -1,4 +1,4 @@
-"""Rewards for tests/test_rewards_*.py (weighted terms, async rewards): light, no torch, importable by workers."""
+"""Rewards for tests/test_rewards_*.py (weighted terms, async rewards) and their train.py runs."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import asyncio
 import time
 from typing import Any
 
+from lit_rlvr.data.tasks.arithmetic import arithmetic_reward
 from lit_rlvr.rewards.base import RewardResult
 
 
@@ -56,3 +57,9 @@ class Inflight:
         await asyncio.sleep(self.delay_s)
         self.now -= 1
         return 1.0
+
+
+async def async_arithmetic(prompt: Any, completion: str, answer: Any) -> Any:
+    """The arithmetic reward after a 10 ms await (an external call's latency): a train.py run's async reward."""
+    await asyncio.sleep(0.01)
+    return arithmetic_reward(prompt, completion, answer)

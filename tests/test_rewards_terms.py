@@ -124,8 +124,11 @@ def test_train_py_checks_reward_settings_before_any_work():
     from lit_rlvr.config_check import check_config
 
     with initialize_config_module("lit_rlvr.conf", version_base="1.3"):
-        cfg = compose("config", overrides=["reward=terms", "reward.options.terms.format.weight=inf"])
+        bad = compose("config", overrides=["reward=arithmetic_format", "reward.options.terms.format.weight=inf"])
+        unset = compose("config", overrides=["reward=terms"])
+        chosen = compose("config", overrides=["reward=terms", "reward.options.terms={arithmetic: 1.0, format: 0.2}"])
     with pytest.raises(ConfigError, match=r"^reward.options.terms.format.weight=inf is not valid"):
-        check_config(cfg)
-    with initialize_config_module("lit_rlvr.conf", version_base="1.3"):
-        check_config(compose("config", overrides=["reward=terms"]))  # the shipped config is valid
+        check_config(bad)
+    with pytest.raises(ConfigError, match=r"^reward.options.terms=\?\?\? is not valid: expected a mapping"):
+        check_config(unset)
+    check_config(chosen)  # a mapping given on the command line replaces the unset one
