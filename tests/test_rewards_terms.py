@@ -132,3 +132,17 @@ def test_train_py_checks_reward_settings_before_any_work():
     with pytest.raises(ConfigError, match=r"^reward.options.terms=\?\?\? is not valid: expected a mapping"):
         check_config(unset)
     check_config(chosen)  # a mapping given on the command line replaces the unset one
+
+
+def test_a_train_py_run_with_weighted_terms_logs_each_term(tmp_path):
+    from tests.test_faults import Run
+
+    # a 5-step warm-up of its own (cached): the reward's plumbing is under test, not the policy
+    run = Run(tmp_path / "terms", "reward=arithmetic_format", "trainer.max_steps=2", "model.options.max_steps=5",
+              "model.options.eval_every=5", "model.options.eval_problems=8")
+    code, log = run.wait(timeout=600)
+    assert code == 0, log[-2000:]
+    rows = run.rows()
+    assert rows and all(r["reward/arithmetic/mean"] and r["reward/format/mean"] for r in rows)
+    assert all(float(r["reward/format/failures"]) == 0 for r in rows)
+    assert run.summary()["reward_failures"] == 0
