@@ -63,3 +63,12 @@ def test_async_settings_checked_one_line():
         build_reward_runner("tests.source_rewards:async_by_kind", {"isolation": "process"})
     with pytest.raises(ValueError, match="^reward.options.max_concurrent=4 caps an async reward's calls"):
         build_reward_runner("arithmetic", {"max_concurrent": 4})
+
+
+def test_a_shared_max_concurrent_goes_to_the_async_terms_only():
+    runner = build_reward_runner("terms", {"terms": {"a": {"reward": "tests.source_rewards:async_by_kind"},
+                                                     "arithmetic": 1.0}, "max_concurrent": 3})
+    assert runner.terms[0].runner.max_concurrent == 3
+    batch = runner(["p"], ["0"], [0])  # async: 1.0 after a 0 s await; arithmetic: "0" is right
+    runner.close()
+    assert batch.scores.tolist() == [2.0] and batch.failures == 0

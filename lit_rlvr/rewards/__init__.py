@@ -112,6 +112,12 @@ def reward_problems(name: Any, options: Optional[dict[str, Any]] = None, key: st
     return problems + (list(check(options)) if check is not None else [])
 
 
+def _takes_cap(name: Any) -> bool:
+    """Whether `max_concurrent` means something to this reward: it is async, or a class that takes it."""
+    obj = _load(name)
+    return is_async(obj) or (isinstance(obj, type) and "max_concurrent" in inspect.signature(obj).parameters)
+
+
 def build_reward_runner(name: str | RewardFn, options: Optional[dict[str, Any]] = None) -> RewardRunner:
     """`options`: `isolation` ("none" | "process"), `timeout_s` (every call's bound, in both modes; also given to
     a reward class that takes it), `score_bound`, `workers` (process), `max_concurrent` (an async reward's calls
@@ -119,7 +125,7 @@ def build_reward_runner(name: str | RewardFn, options: Optional[dict[str, Any]] 
     terms (lit_rlvr/rewards/terms.py), each built here."""
     options = dict(options or {})
     if name == "terms":
-        return build_terms(options, build_reward_runner)
+        return build_terms(options, build_reward_runner, _takes_cap)
     isolation = options.pop("isolation", "none")
     if isolation not in ("none", "process"):
         raise ValueError(f"reward.options.isolation={isolation!r} is not valid; valid: none, process")

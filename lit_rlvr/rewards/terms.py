@@ -23,7 +23,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from lit_rlvr.rewards.checks import RewardOptionError, constructor_problems, is_number as _is_number, problem_line
+from lit_rlvr.rewards.checks import (RewardOptionError, constructor_problems, is_int, is_number as _is_number,
+                                     problem_line)
 from lit_rlvr.rewards.base import DEFAULT_SCORE_BOUND, Failure, RewardBatch, RewardContract, RewardResult
 
 TERM_KEYS = ("reward", "weight", "options")
@@ -86,9 +87,10 @@ def term_specs(value: Any, key: str = "reward.options.terms") -> tuple[list[tupl
     return specs, problems
 
 
-def build_terms(options: dict[str, Any], build: Any) -> "TermsRunner":
+def build_terms(options: dict[str, Any], build: Any, takes_cap: Any = lambda reward: True) -> "TermsRunner":
     """The `TermsRunner` of `reward=terms` with `options` (`terms`, `score_bound` and the shared runner keys);
-    `build(name, options)` builds one term's runner (`lit_rlvr.rewards.build_reward_runner`)."""
+    `build(name, options)` builds one term's runner (`lit_rlvr.rewards.build_reward_runner`); a shared
+    `max_concurrent` goes only to the terms for which `takes_cap(reward)` (async, or a class that takes it)."""
     options = dict(options)
     specs, problems = term_specs(options.pop("terms", None))
     score_bound = options.pop("score_bound", DEFAULT_SCORE_BOUND)
@@ -96,12 +98,16 @@ def build_terms(options: dict[str, Any], build: Any) -> "TermsRunner":
     if options:
         problems.append(f"reward.options.{sorted(options)[0]} is not an option of reward=terms; valid: terms, "
                         f"score_bound, {', '.join(SHARED_KEYS)} (a term's own options go in its options)")
+    cap = shared.get("max_concurrent")
+    if cap is not None and not is_int(cap, 1):
+        problems.append(problem_line("reward.options.max_concurrent", cap, "an integer >= 1 (calls in flight)"))
     if problems:
         raise RewardOptionError(problems)
     terms = []
     try:
         for name, reward, weight, own in specs:
-            runner = build(reward, {**shared, **own})
+            common = {k: v for k, v in shared.items() if k != "max_concurrent" or takes_cap(reward)}
+            runner = build(reward, {**common, **own})
             runner.contract.none_skips = True  # None: this term does not score that completion
             terms.append(Term(name, float(weight), runner))
     except BaseException:
