@@ -61,7 +61,8 @@ def _import(target: str) -> Any:
 
 
 ENV_KEYS = ("options", "max_turns", "max_tokens", "timeout_s", "stop")  # the `env` config group's keys but `name`
-RUNNER_KEYS = ("isolation", "timeout_s", "score_bound", "workers", "max_concurrent")  # reward options of the runner, not the reward
+# reward options of the runner, not the reward
+RUNNER_KEYS = ("isolation", "timeout_s", "score_bound", "workers", "max_concurrent")
 
 
 def build_environment(name: Any, env_options: Optional[dict[str, Any]] = None, *, reward: Any = None,
