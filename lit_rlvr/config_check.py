@@ -60,7 +60,7 @@ def check_config(cfg: DictConfig) -> None:
     problems = problems or _check_finite(cfg)  # before the ranges: a nan is one line, not one per check
     if not problems:
         problems = (_check_ranges(cfg) + _check_lora(cfg) + _check_extras(cfg) + _check_rollout_correction(cfg)
-                    + _check_compile(cfg) + _check_env(cfg) + _check_context(cfg))
+                    + _check_compile(cfg) + _check_env(cfg) + _check_context(cfg) + _check_reward(cfg))
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)))  # a value two checks refuse is one line
 
@@ -319,6 +319,18 @@ def _check_extras(cfg: DictConfig) -> list[str]:
             if not installed(name) and not (name == "tensorboard" and installed("tensorboardX")):
                 problems.append(f"{key}: {message(name)}")
     return problems
+
+
+def _check_reward(cfg: DictConfig) -> list[str]:
+    """The reward source's settings (`lit_rlvr.rewards.reward_problems`: terms, remote's URL, ...), which the
+    module's constructor checks again for the Lightning CLI and Python."""
+    from lit_rlvr.rewards import reward_problems
+
+    node = cfg.get("reward")
+    if node is None or node.get("name") is None:
+        return []
+    options = node.get("options")
+    return reward_problems(node.name, OmegaConf.to_container(options, resolve=True) if options is not None else {})
 
 
 def _check_rollout_correction(cfg: DictConfig) -> list[str]:

@@ -17,6 +17,7 @@ EXTRAS = {
     "pyarrow": ("data", "Parquet data files"),
     "datasets": ("data", "Hugging Face datasets (data.format=hf, .arrow, saved datasets)"),
     "peft": ("lora", "LoRA adapters (model.lora.rank)"),
+    "openai": ("judge", "reward=judge (an LLM judge over an OpenAI-compatible API)"),
 }
 
 

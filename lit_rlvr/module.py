@@ -34,7 +34,7 @@ from lit_rlvr.optim.build import build_optimizer, check_optimizer_options
 from lit_rlvr.optim.schedule import warmup_factor
 from lit_rlvr.options import ConfigError, compile_problems, consistency_problems, finite_problems, range_problems
 from lit_rlvr.perf import StepFlops, recomputes_forward
-from lit_rlvr.rewards import build_reward_runner
+from lit_rlvr.rewards import build_reward_runner, reward_problems
 from lit_rlvr.rewards.base import RewardHangError
 from lit_rlvr.rng import rng_states, seed_of, set_rng_states
 from lit_rlvr.rollout import build_engine
@@ -186,7 +186,8 @@ class GRPOModule(pl.LightningModule):
         hp = self.hparams
         nested = {key: finite_problems(hp.get(name), key) for name, key in NESTED_OPTIONS.items()}
         problems = (range_problems(hp, "algorithm") + [p for lines in nested.values() for p in lines]
-                    + consistency_problems(hp) + compile_problems(hp.compile_update, sharded=False))
+                    + consistency_problems(hp) + compile_problems(hp.compile_update, sharded=False)
+                    + reward_problems(hp.reward, hp.reward_options))  # e.g. a reward server's URL, reached
         if problems:
             raise ConfigError(problems)
         self.lora = LoraOptions.from_any(hp.lora)

@@ -33,7 +33,15 @@ def test_shipped_data_pass(data):
 @pytest.mark.parametrize("group", ["trainer", "model", "engine", "reward", "logger"])
 def test_shipped_options_pass(group):
     for option in sorted(p.stem for p in (REPO / "conf" / group).glob("*.yaml")):
+        if option in NEEDS_A_VALUE.get(group, ()):  # e.g. the reward server's URL: named, before any work
+            with pytest.raises(ConfigError, match=r"^reward.options.\w+=\?\?\? is not valid"):
+                check_config(_compose(f"{group}={option}"))
+            continue
         check_config(_compose(f"{group}={option}"))
+
+
+# shipped options with a required value (???): tests/test_rewards_*.py check them with one
+NEEDS_A_VALUE = {"reward": {"judge", "model", "remote", "terms"}}
 
 
 def test_missing_path_is_named():

@@ -68,7 +68,8 @@ def _import(target: str) -> Any:
 
 ENV_KEYS = ("options", "max_turns", "max_tokens", "timeout_s", "stop")  # the `env` config group's keys but `name`
 LIMITS = ("max_turns", "max_tokens", "timeout_s")
-RUNNER_KEYS = ("isolation", "timeout_s", "score_bound", "workers")  # reward options of the runner, not the reward
+# reward options of the runner, not the reward
+RUNNER_KEYS = ("isolation", "timeout_s", "score_bound", "workers", "max_concurrent")
 # env=skyrl's defaults (as a class's `TextEnv.defaults`): the registry id has none
 SKYRL_DEFAULTS = {"max_tokens": 512, "options": {"id": None, "env_config": {}}}
 

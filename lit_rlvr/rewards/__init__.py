@@ -7,8 +7,12 @@ import inspect
 import logging
 from typing import Any, Optional
 
-from lit_rlvr.rewards.base import (DEFAULT_SCORE_BOUND, DEFAULT_TIMEOUT_S, RewardBatch, RewardFn, RewardResult,
-                                   RewardRunner, copied, plain_result)
+from lit_rlvr.rewards.base import (DEFAULT_SCORE_BOUND, DEFAULT_TIMEOUT_S, Failure, RewardBatch, RewardFn,
+                                   RewardResult, RewardRunner, copied, plain_result)
+
+from lit_rlvr.rewards.checks import RewardOptionError, is_int, problem_line
+from lit_rlvr.rewards.async_runner import DEFAULT_MAX_CONCURRENT, AsyncRewardRunner, is_async
+from lit_rlvr.rewards.terms import SHARED_KEYS, build_terms, term_specs
 
 log = logging.getLogger(__name__)
 
@@ -18,6 +22,11 @@ REWARDS = {
     "arithmetic_cot": "lit_rlvr.data.tasks.arithmetic_cot:arithmetic_cot_reward",
     "math": "lit_rlvr.rewards.math:MathReward",
     "code": "lit_rlvr.rewards.code:CodeReward",
+    "format": "lit_rlvr.rewards.terms:FormatReward",  # 1/0: the completion has the expected form (a term)
+    "length": "lit_rlvr.rewards.terms:LengthReward",  # 0 .. -1: DAPO's soft overlong punishment on text (a term)
+    "remote": "lit_rlvr.rewards.remote:RemoteReward",  # a reward server by URL (OpenRLHF's /get_reward)
+    "model": "lit_rlvr.rewards.model:ModelReward",  # a sequence-classification reward model (a local HF folder)
+    "judge": "lit_rlvr.rewards.judge:JudgeReward",  # an LLM judge over an OpenAI-compatible chat API (async)
 }
 
 
@@ -47,7 +56,8 @@ def resolve_reward(name: str | RewardFn, options: Optional[dict[str, Any]] = Non
     unknown = sorted(set(options) - set(valid))
     if unknown and "kwargs" not in inspect.signature(obj).parameters:
         raise ValueError(f"reward={name!r}: reward.options {unknown} are not options of {obj.__name__}; valid: "
-                         f"{', '.join(valid)} (and isolation, timeout_s, score_bound; with isolation=process: workers)")
+                         f"{', '.join(valid)} (and isolation, timeout_s, score_bound, max_concurrent; with "
+                         "isolation=process: workers)")
     return obj(**options)
 
 
@@ -67,36 +77,86 @@ class _BatchRewardRunner(RewardRunner):
                         len(prompts))
             return self.contract.batch([self.contract.failed(why)] * len(prompts), len(prompts))
         results = [plain_result(r) for r in results]
-        failures = sum(isinstance(r, RewardResult) and r.info.startswith("error") for r in results)
-        return self.contract.batch(results, failures)
+        # a batch reward reports its own failures (sandbox errors, a server's) as results whose info says "error"
+        results = [self.contract.failed(r.info[5:].lstrip(": ")) if isinstance(r, RewardResult)
+                   and r.info.startswith("error") else r for r in results]
+        return self.contract.batch(results, sum(isinstance(r, Failure) for r in results))
 
     def close(self) -> None:
         getattr(self.fn, "close", lambda: None)()
 
 
+def reward_problems(name: Any, options: Optional[dict[str, Any]] = None, key: str = "reward") -> list[str]:
+    """The settings of the reward sources checked before any work (train.py's config check and the module's
+    constructor): one line each, naming the key. A class with a `check_options(options)` classmethod checks its
+    own (e.g. `remote` opens a connection to its server); `terms` checks each term."""
+    options = dict(options or {})
+    if name == "terms":
+        specs, problems = term_specs(options.get("terms"), f"{key}.options.terms")
+        shared = {k: options[k] for k in SHARED_KEYS if k in options}
+        for term, reward, _, own in specs:
+            where = f"{key}.options.terms.{term}"
+            problems += [p.replace(f"{key}.options.", f"{where}.options.", 1) if p.startswith(f"{key}.options.")
+                         else p.replace(f"{key}=", f"{where}.reward=", 1)
+                         for p in reward_problems(reward, {**shared, **own}, key)]
+        return problems
+    problems = []
+    cap = options.get("max_concurrent")
+    if cap is not None and not is_int(cap, 1):
+        problems.append(problem_line(f"{key}.options.max_concurrent", cap, "an integer >= 1 (calls in flight)"))
+    try:
+        obj = _load(name)
+    except ValueError as err:
+        return problems + [str(err)]
+    check = getattr(obj, "check_options", None) if isinstance(obj, type) else None
+    return problems + (list(check(options)) if check is not None else [])
+
+
+def _takes_cap(name: Any) -> bool:
+    """Whether `max_concurrent` means something to this reward: it is async, or a class that takes it."""
+    obj = _load(name)
+    return is_async(obj) or (isinstance(obj, type) and "max_concurrent" in inspect.signature(obj).parameters)
+
+
 def build_reward_runner(name: str | RewardFn, options: Optional[dict[str, Any]] = None) -> RewardRunner:
     """`options`: `isolation` ("none" | "process"), `timeout_s` (every call's bound, in both modes; also given to
-    a reward class that takes it), `score_bound`, `workers` (process); the rest go to a reward class."""
+    a reward class that takes it), `score_bound`, `workers` (process), `max_concurrent` (an async reward's calls
+    in flight; also given to a class that takes it); the rest go to a reward class. `name="terms"`: weighted
+    terms (lit_rlvr/rewards/terms.py), each built here."""
     options = dict(options or {})
+    if name == "terms":
+        return build_terms(options, build_reward_runner, _takes_cap)
     isolation = options.pop("isolation", "none")
     if isolation not in ("none", "process"):
         raise ValueError(f"reward.options.isolation={isolation!r} is not valid; valid: none, process")
     score_bound = options.pop("score_bound", DEFAULT_SCORE_BOUND)
+    obj = _load(name)
+    takes = (lambda key: isinstance(obj, type) and key in inspect.signature(obj).parameters)
+    max_concurrent = options.get("max_concurrent") if takes("max_concurrent") else options.pop("max_concurrent", None)
     if isolation == "process":  # the runner owns the time bound and the pool; the rest configure the reward
         from lit_rlvr.rewards.workers import ProcessRewardRunner
 
         timeout_s, workers = options.pop("timeout_s", DEFAULT_TIMEOUT_S), options.pop("workers", 2)
-        return ProcessRewardRunner(resolve_reward(name, options), timeout_s=timeout_s, workers=workers,
-                                   score_bound=score_bound)
+        fn = resolve_reward(name, options)
+        if is_async(fn):
+            raise RewardOptionError([problem_line("reward.options.isolation", isolation, "none for an async reward "
+                                                  "(its calls are awaited on an event loop in the training process)")])
+        return ProcessRewardRunner(fn, timeout_s=timeout_s, workers=workers, score_bound=score_bound)
     timeout_s = options.get("timeout_s", DEFAULT_TIMEOUT_S)
-    obj = _load(name)
-    if not (isinstance(obj, type) and "timeout_s" in inspect.signature(obj).parameters):
+    if not takes("timeout_s"):
         options.pop("timeout_s", None)  # the runner's bound only (e.g. a plain function takes no options)
     fn = resolve_reward(name, options)  # e.g. the code sandbox takes timeout_s and workers itself
+    if is_async(fn):
+        return AsyncRewardRunner(fn, timeout_s=timeout_s, score_bound=score_bound,
+                                 max_concurrent=DEFAULT_MAX_CONCURRENT if max_concurrent is None else max_concurrent)
+    if max_concurrent is not None and not takes("max_concurrent"):
+        raise RewardOptionError([f"reward.options.max_concurrent={max_concurrent!r} caps an async reward's calls in "
+                           f"flight, and reward={name!r} is not async; remove it (isolation=process with "
+                           "reward.options.workers runs sync calls side by side)"])
     if hasattr(fn, "score_batch"):  # bounded by its own sandbox kills
         return _BatchRewardRunner(fn, score_bound=score_bound)
     return RewardRunner(fn, timeout_s=timeout_s, score_bound=score_bound)
 
 
 __all__ = ["REWARDS", "RewardBatch", "RewardFn", "RewardResult", "RewardRunner", "build_reward_runner",
-           "resolve_reward"]
+           "resolve_reward", "reward_problems"]

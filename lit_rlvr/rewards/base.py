@@ -59,6 +59,17 @@ class RewardBatch:
     scores: "Tensor"  # [N] float
     malformed: "Tensor"  # [N] bool
     failures: int  # calls that raised, timed out or broke the contract (each scored as malformed)
+    failed: Optional["Tensor"] = None  # [N] bool: which calls those were (failed.sum() == failures)
+    skipped: Optional["Tensor"] = None  # [N] bool: returned None under `none_skips` (a term that does not score it)
+
+
+@dataclass(frozen=True)
+class Failure(RewardResult):
+    """A call that raised, timed out or broke the contract (made by `RewardContract.failed`, never by a reward:
+    `plain_result` turns every returned object into a plain `RewardResult`)."""
+
+
+NONE_RETURNED = "returned NoneType"  # the breach of a reward that returned None (`none_skips` reads it as a skip)
 
 
 class RewardHangError(RuntimeError):
@@ -142,7 +153,12 @@ def plain_result(value: Any) -> "RewardResult | ContractBreach":
 
 
 class RewardContract:
-    """Turns raw reward returns into a `RewardBatch`; what breaks the contract is malformed and counted."""
+    """Turns raw reward returns into a `RewardBatch`; what breaks the contract is malformed and counted.
+
+    `none_skips` (set on the terms of a weighted reward, lit_rlvr/rewards/terms.py): None is not a breach but
+    "this term does not score this sample" (TRL's rule for multi-task data), marked in `RewardBatch.skipped`."""
+
+    none_skips = False
 
     def __init__(self, failure_score: float = -1.0, score_bound: float = DEFAULT_SCORE_BOUND):
         failure_score = convert("reward.options.failure_score", failure_score, float)
@@ -153,12 +169,16 @@ class RewardContract:
         self._warned: set[str] = set()  # one warning per kind of violation, not one per call
 
     def failed(self, why: str) -> RewardResult:
-        return RewardResult(self.failure_score, True, f"error: {why}")
+        return Failure(self.failure_score, True, f"error: {why}")
 
     def check(self, value: Any) -> tuple[RewardResult, bool]:
         """(the result to use, whether `value` broke the contract)."""
+        if isinstance(value, Failure):  # a failure already counted by the runner
+            return value, False
         result = plain_result(value)
         if isinstance(result, ContractBreach):
+            if self.none_skips and result.kind == NONE_RETURNED:
+                return _SKIP, False
             return self._violation(result.kind, result.detail), True
         if not math.isfinite(result.score):
             return self._violation("non-finite score", f"score {result.score!r} is not a finite number"), True
@@ -178,14 +198,19 @@ class RewardContract:
         """`failures`: calls that already failed (raised, timed out); contract violations are added."""
         import torch
 
-        results = []
+        results, failed = [], []
         for value in values:
             result, broken = self.check(value)
             results.append(result)
             failures += broken
+            failed.append(broken or isinstance(value, Failure))
         scores = torch.tensor([r.score for r in results], dtype=torch.float32)  # [N]
         malformed = torch.tensor([r.malformed for r in results], dtype=torch.bool)  # [N]
-        return RewardBatch(scores, malformed, failures)
+        skipped = torch.tensor([r is _SKIP for r in results], dtype=torch.bool)  # [N]
+        return RewardBatch(scores, malformed, failures, torch.tensor(failed, dtype=torch.bool), skipped)
+
+
+_SKIP = RewardResult(0.0, False, "skipped: returned None")
 
 
 def copied(args: tuple) -> tuple:

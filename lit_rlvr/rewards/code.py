@@ -67,6 +67,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from lit_rlvr.rewards.base import RewardResult
+from lit_rlvr.rewards.checks import RewardOptionError, is_int, problem_line
+from lit_rlvr.rewards.remote import url_problem
+from lit_rlvr.rewards.sandbox_remote import run_code_url, run_remote
 
 log = logging.getLogger(__name__)
 
@@ -433,25 +436,31 @@ def _token_equal(a: str, b: str) -> bool:
         return False
 
 
-def check_tests(source: str, spec: Any, limits: Limits | None = None) -> tuple[bool, dict]:
+def check_tests(source: str, spec: Any, limits: Limits | None = None, run: Any = None) -> tuple[bool, dict]:
     """Runs the program on each case in order, stopping at the first failure.
 
     Returns (all passed, details) with details `total`, `passed`, and on failure `failed_case`, `status`
     (the run's status, or "wrong_answer") and `reason`. Raises SandboxError if the sandbox itself breaks.
     """
     cases, fn_name = parse_tests(spec)
+    run = run or run_program  # or a remote sandbox's (`run_on_server`)
     for i, (case_in, want) in enumerate(cases):
         if fn_name is None:
             stdin = "\n".join(map(str, case_in)) if isinstance(case_in, list) else str(case_in)
-            res = run_program(source, stdin, limits=limits)
+            res = run(source, stdin, limits=limits)
         else:
-            res = run_program(source, json.dumps(_call_args(case_in)), limits=limits, fn_name=fn_name)
+            res = run(source, json.dumps(_call_args(case_in)), limits=limits, fn_name=fn_name)
         if res.status == "sandbox_error":
             raise SandboxError(res.stderr.strip()[-500:])
         fail = _failure(res, want, fn_name)
         if fail is not None:
             return False, {"total": len(cases), "passed": i, "failed_case": i, "status": fail[0], "reason": fail[1]}
     return True, {"total": len(cases), "passed": len(cases)}
+
+
+def run_on_server(url: str, source: str, stdin: str = "", *, limits: Limits, fn_name: str | None = None) -> ExecResult:
+    """`run_program` on a SandboxFusion-compatible server (lit_rlvr/rewards/sandbox_remote.py)."""
+    return ExecResult(*run_remote(url, source, stdin, limits=limits, fn_name=fn_name))
 
 
 def _failure(res: ExecResult, want: Any, fn_name: str | None) -> tuple[str, str] | None:
@@ -470,6 +479,14 @@ def _failure(res: ExecResult, want: Any, fn_name: str | None) -> tuple[str, str]
 
 # --------------------------------------------------------------------------------------------------------
 # The reward
+
+
+def sandbox_problems(url: Any, max_concurrent: Any) -> list[str]:
+    problems = [p for p in [url_problem(url, "reward.options.sandbox_url")] if p]
+    if max_concurrent is not None and not is_int(max_concurrent, 1):
+        problems.append(problem_line("reward.options.max_concurrent", max_concurrent, "an integer >= 1 (programs "
+                                     "sent to the sandbox server at a time) or null (reward.options.workers)"))
+    return problems
 
 
 class CodeReward:
@@ -491,7 +508,7 @@ class CodeReward:
 
     def __init__(self, timeout_s: float = 4.0, memory_mb: int = 512, max_output_bytes: int = 1 << 20,
                  workers: int = 2, language: str = "python", isolate_network: bool = True, max_procs: int = 16,
-                 tmp_root: str | None = None):
+                 tmp_root: str | None = None, sandbox_url: str | None = None, max_concurrent: int | None = None):
         if language != "python":
             raise ValueError(f"CodeReward: language={language!r} is not supported yet (only 'python')")
         if workers < 1:
@@ -501,6 +518,18 @@ class CodeReward:
         self.language, self.workers = language, workers
         self.failures = 0  # sandbox errors and bad test specs seen by score_batch (scored malformed)
         self._pool: ThreadPoolExecutor | None = None
+        self._run = None  # the local sandbox's run_program
+        if sandbox_url is not None:  # programs run on a server; max_concurrent requests in flight
+            problems = sandbox_problems(sandbox_url, max_concurrent)
+            if problems:
+                raise RewardOptionError(problems)
+            self._run = functools.partial(run_on_server, run_code_url(sandbox_url))
+            self.workers = max_concurrent or workers
+            return
+        if max_concurrent is not None:
+            raise RewardOptionError([f"reward.options.max_concurrent={max_concurrent!r} caps the requests to "
+                                     "reward.options.sandbox_url, which is not set; the local sandbox runs "
+                                     "reward.options.workers programs at a time"])
         caps = capabilities(self.limits.python)
         if isolate_network and not caps["netns"]:
             log.warning("CodeReward: no network namespace on this machine; programs can reach the network")
@@ -510,6 +539,13 @@ class CodeReward:
             log.warning("CodeReward: no IPC namespace on this machine; programs share SysV IPC with the host")
         if not caps["seccomp"]:
             log.warning("CodeReward: no seccomp filter on this machine; programs can reach filesystem Unix sockets")
+
+    @classmethod
+    def check_options(cls, options: dict) -> list[str]:
+        """Before any work: the remote sandbox's settings and whether its server can be reached."""
+        if options.get("sandbox_url") is None:
+            return []
+        return sandbox_problems(options["sandbox_url"], options.get("max_concurrent"))
 
     @property
     def enforced(self) -> dict:
@@ -524,7 +560,7 @@ class CodeReward:
         program = extract_program(completion, self.language)
         if program is None:
             return RewardResult(-1.0, True, "no program found")
-        passed, details = check_tests(program, answer, self.limits)
+        passed, details = check_tests(program, answer, self.limits, self._run)
         if passed:
             return RewardResult(1.0, False, f"passed {details['total']}/{details['total']}")
         return RewardResult(-1.0, False, f"failed case {details['failed_case']}: {details['status']} "

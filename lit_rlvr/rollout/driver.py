@@ -134,8 +134,14 @@ class RolloutDriver:
             rollouts = Rollouts.concat(parts, self.tokenizer.pad_token_id)
             round_index += 1
             counts = plan.budget_rule(rollouts) if plan.budget_rule is not None else None
+        tally.metrics.update(self._reward_metrics())  # per reward term: reward/<name>/mean, .../failures
         return RolloutResult(rollouts, rollouts.num_samples, rollouts.num_tokens(), failures,
                              self.reward_runner.stop_reason, tally.timer.times, tally.metrics)
+
+    def _reward_metrics(self) -> dict[str, Tensor]:
+        """What the reward runner tallied since the last take (a weighted reward's per-term means and failures)."""
+        take = getattr(self.reward_runner, "take_metrics", None)
+        return {k: torch.tensor(float(v)) for k, v in take().items()} if take is not None else {}
 
     @staticmethod
     def _another_round(counts: Optional[list[int]]) -> bool:
@@ -257,6 +263,7 @@ class RolloutDriver:
         flat = [t for per in texts for t in per]
         owners = [b for b, per in enumerate(texts) for _ in per]
         scored = self.reward_runner([plan.prompts[b] for b in owners], flat, [plan.answers[b] for b in owners])
+        self._reward_metrics()  # an evaluation's per-term tallies are not the next training step's
         if self.reward_runner.stop_reason:
             raise RewardHangError(f"{self.reward_runner.stop_reason} (in validation)")
         return (scored.scores > 0).view(plan.num_prompts, n)  # [B, n]

@@ -1,0 +1,112 @@
+"""`reward=model`: a reward model, any local Hugging Face folder of a sequence-classification model with one
+label (`AutoModelForSequenceClassification`, as TRL loads a reward model); its logit is the score.
+
+    python train.py reward=model reward.options.path=/models/my-rm reward.options.device=cuda:1
+
+Completions are scored `batch_size` at a time, each as its prompt followed by the completion (a chat prompt, a
+list of messages, with the completion as the assistant's turn through the reward model's chat template when its
+tokenizer has one), truncated on the left to `max_length` tokens. `device`: `auto` (the first GPU when there is one:
+the trainer's device in a one-GPU run, else the CPU), or any torch device (`cpu`, `cuda:1`: a device of its own).
+The model loads on the first batch, in `dtype`, in eval mode; a reward model never says malformed. A batch that
+fails (out of memory, say) makes its completions malformed and counted, like any reward call.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Sequence
+
+from lit_rlvr.rewards.base import RewardResult
+from lit_rlvr.rewards.checks import RewardOptionError, is_int, problem_line
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ModelReward:
+    """See the module docstring."""
+
+    def __init__(self, path: str, batch_size: int = 16, device: str = "auto", dtype: str = "float32",
+                 max_length: int = 1024):
+        problems = []
+        if not isinstance(path, str) or not os.path.isfile(os.path.join(path, "config.json")):
+            problems.append(problem_line("reward.options.path", path, "a local folder of a Hugging Face sequence-"
+                                                                      "classification model (with config.json)"))
+        if not is_int(batch_size, 1):
+            problems.append(problem_line("reward.options.batch_size", batch_size, "an integer >= 1"))
+        if not is_int(max_length, 1):
+            problems.append(problem_line("reward.options.max_length", max_length, "an integer >= 1 (tokens)"))
+        if dtype not in DTYPES:
+            problems.append(problem_line("reward.options.dtype", dtype, f"one of {', '.join(DTYPES)}"))
+        if not isinstance(device, str) or not device:
+            problems.append(problem_line("reward.options.device", device, "auto, cpu or a torch device (cuda:1)"))
+        if problems:
+            raise RewardOptionError(problems)
+        self.path, self.batch_size, self.device, self.dtype = path, batch_size, device, dtype
+        self.max_length = max_length
+        self._model: Optional[Any] = None
+        self._tokenizer: Optional[Any] = None
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> list[str]:
+        if "path" not in options:
+            return ["reward=model needs reward.options.path, a local folder of a sequence-classification model"]
+        try:
+            cls(**{k: v for k, v in options.items() if k in ("path", "batch_size", "device", "dtype", "max_length")})
+        except RewardOptionError as err:
+            return list(err.problems)
+        return []
+
+    def _load(self) -> None:
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        tokenizer = AutoTokenizer.from_pretrained(self.path)
+        tokenizer.truncation_side = "left"  # keep the completion's end: where the answer is
+        model = AutoModelForSequenceClassification.from_pretrained(self.path, num_labels=1,
+                                                                   dtype=getattr(torch, self.dtype))
+        if model.config.pad_token_id is None:  # the classifier reads the last non-pad token
+            model.config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
+                else tokenizer.eos_token_id
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        self._model, self._tokenizer = model.to(device).eval().requires_grad_(False), tokenizer
+
+    def _text(self, prompt: Any, completion: str) -> str:
+        if isinstance(prompt, list) and getattr(self._tokenizer, "chat_template", None):
+            return self._tokenizer.apply_chat_template([*prompt, {"role": "assistant", "content": completion}],
+                                                       tokenize=False)
+        if isinstance(prompt, list):
+            prompt = "".join(str(m.get("content", "")) if isinstance(m, dict) else str(m) for m in prompt)
+        return f"{prompt}{completion}"
+
+    def __call__(self, prompt: Any, completion: str, answer: Any) -> float:
+        return self.score_batch([prompt], [completion], [answer])[0]
+
+    def score_batch(self, prompts: Sequence[Any], completions: Sequence[str], answers: Sequence[Any]) -> list:
+        import torch
+
+        if self._model is None:
+            self._load()
+        texts = [self._text(p, c) for p, c in zip(prompts, completions)]
+        scores: list = []
+        for start in range(0, len(texts), self.batch_size):
+            chunk = texts[start:start + self.batch_size]
+            try:
+                inputs = self._tokenizer(chunk, return_tensors="pt", padding=True, truncation=True,
+                                         max_length=self.max_length).to(self._model.device)
+                with torch.inference_mode():
+                    logits = self._model(**inputs).logits  # [B, 1]
+                scores.extend(logits[:, 0].float().cpu().tolist())
+            except Exception as err:  # e.g. out of memory: this chunk's completions, not the run
+                why = f"error: reward model {self.path}: {type(err).__name__}: {str(err)[:300]}"
+                scores.extend([RewardResult(-1.0, True, why)] * len(chunk))
+        return scores
+
+    def close(self) -> None:
+        self._model = self._tokenizer = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_model": None, "_tokenizer": None}
