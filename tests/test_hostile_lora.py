@@ -173,7 +173,8 @@ def test_a_conv_or_attention_adapter_is_refused_on_the_loaded_model():
             self.proj = nn.Linear(4, 4)
 
     for target, kind in (("conv", "Conv2d"), ("attn", "MultiheadAttention")):
-        with pytest.raises(ValueError, match=f"'{target}' names a {kind} module; adapters sit on .* valid: out_proj, proj$"):
+        expected = f"'{target}' names a {kind} module; adapters sit on .* valid: out_proj, proj$"
+        with pytest.raises(ValueError, match=expected):
             apply_lora(Net(), LoraOptions(rank=2, target_modules=(target, "proj")))
 
 
