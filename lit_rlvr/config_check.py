@@ -354,8 +354,12 @@ def _check_context(cfg: DictConfig) -> list[str]:
     context = declared_context(OmegaConf.select(cfg, "model.name_or_path"))
     if context is None:
         return []
-    env = OmegaConf.select(cfg, "env.name")
-    env_tokens = OmegaConf.select(cfg, "env.max_tokens", default=256) if env not in (None, "none") else None
+    args = env_arguments(cfg)
+    try:  # the environment's own limits, its class's defaults filled in (a bad env config is _check_env's line)
+        spec = environment_spec(args.get("env"), args.get("env_options"))
+    except ValueError:
+        spec = None
+    env_tokens = spec.limits["max_tokens"] if spec is not None else None
     return bound_problems(context, max_new_tokens=OmegaConf.select(cfg, "algorithm.max_new_tokens"),
                           env_max_tokens=env_tokens,
                           max_prompt_tokens=OmegaConf.select(cfg, "data.max_prompt_tokens", default=None))

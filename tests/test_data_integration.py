@@ -225,10 +225,14 @@ REWARD_CASES = {  # completion, answer -> score, malformed
              ("I do not know.", "4", -1.0, True)],
     "code": [("```python\nprint(int(input()) * 2)\n```", _STDIN_TESTS, 1.0, False),
              ("```python\nprint(5)\n```", _STDIN_TESTS, -1.0, False), ("No code here.", _STDIN_TESTS, -1.0, True)],
+    # the answer (+-1) plus 0.1 when the completion is one integer alone
+    "arithmetic_format": [("4", 4, 1.1, False), ("5", 4, -0.9, False), ("x", 4, -1.0, True)],
 }
+# configs that need a value of the user's (a URL, a model folder, the terms): built and scored in their own tests
+NEEDS_A_VALUE = {"judge", "model", "remote", "terms"}
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in (CONF / "reward").glob("*.yaml")))
+@pytest.mark.parametrize("name", sorted({p.stem for p in (CONF / "reward").glob("*.yaml")} - NEEDS_A_VALUE))
 def test_reward_config_builds_and_scores(name):
     from omegaconf import OmegaConf
 
@@ -241,7 +245,7 @@ def test_reward_config_builds_and_scores(name):
         batch = runner(["p"] * len(cases), [c[0] for c in cases], [c[1] for c in cases])
     finally:
         runner.close()
-    assert batch.scores.tolist() == [c[2] for c in cases]
+    assert batch.scores.tolist() == pytest.approx([c[2] for c in cases])
     assert batch.malformed.tolist() == [c[3] for c in cases]
     assert batch.failures == 0
 
