@@ -29,7 +29,7 @@ from lit_rlvr.rollout.batch import RolloutPlan
 from lit_rlvr.rollout.driver import RolloutDriver
 from lit_rlvr.rollout.engine import Completion, SamplingConfig, SamplingParams
 from lit_rlvr.rollout.hf import HFEngine
-from lit_rlvr.rollout.multi_turn import MultiTurn
+from lit_rlvr.rollout.multi_turn import MultiTurn, call_all
 from lit_rlvr.stop import STOP, StopRequested
 
 REPO = Path(__file__).resolve().parents[1]
@@ -196,3 +196,17 @@ def test_sigterm_in_a_step_that_cannot_end_exits_in_bounded_time_naming_the_inta
     assert f"{last} holds step 1" in text and f"resume={last}" in text, text[-3000:]
     assert load_checkpoint(last)["global_step"] == 1  # what resume= loads first
     assert not list(last.parent.glob("*.tmp*"))
+
+
+def test_a_stop_request_does_not_wait_for_an_environment_call_with_a_long_timeout():
+    """An environment call that sleeps far past the stop's grace (its own timeout is longer still): the wait for it
+    is abandoned once the request is older than the grace, not when the call's timeout ends (a run that hung)."""
+    STOP.arm(0.5)
+    try:
+        STOP.request("SIGTERM")
+        started = time.monotonic()
+        with pytest.raises(StopRequested):
+            call_all([lambda: time.sleep(30)], timeout_s=1e5)
+        assert time.monotonic() - started < 10
+    finally:
+        STOP.arm(None)

@@ -70,6 +70,9 @@ class Episode:
                           token_mask=torch.tensor(self.sampled, dtype=torch.bool))
 
 
+STOP_POLL_S = 0.25  # seconds between stop checks while environment calls run
+
+
 def call_all(calls: Sequence[Callable[[], Any]], timeout_s: float) -> list[tuple[str, Any]]:
     """Run the calls at once, each in its own daemon thread, for at most `timeout_s` together; returns per call
     ("ok", value), ("error", exception) or ("timeout", None). A hung call's thread is left behind (a daemon: it
@@ -87,7 +90,10 @@ def call_all(calls: Sequence[Callable[[], Any]], timeout_s: float) -> list[tuple
         t.start()
     deadline = time.monotonic() + timeout_s
     for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
+        # in short slices: a stop request past its grace must not wait for a call with a long timeout
+        while t.is_alive() and (left := deadline - time.monotonic()) > 0:
+            t.join(min(left, STOP_POLL_S))
+            STOP.check()
     return results
 
 
