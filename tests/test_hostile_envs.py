@@ -326,3 +326,11 @@ def test_every_rollout_failing_is_said_once_naming_the_error(tokenizer, caplog):
         loop.run(fake_generate(tokenizer), ids, ["p0"], [0], [3], SamplingParams())
     said = [r.getMessage() for r in caplog.records if "every one of" in r.getMessage()]
     assert len(said) == 1 and "KeyError" in said[0] and "'reward'" in said[0]
+
+
+def test_an_environment_module_that_raises_on_import_is_one_config_error(tmp_path, monkeypatch):
+    """Not only a missing module: one whose own code raises while it is imported is named in one line."""
+    (tmp_path / "boom_env.py").write_text("raise RuntimeError('boom at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"^env='boom_env:X': importing boom_env raised RuntimeError: boom at import"):
+        environment_spec("boom_env:X", {})

@@ -64,6 +64,8 @@ def _import(target: str) -> Any:
         if module_name == "skyrl_gym":
             raise ConfigError([f"env=skyrl needs the skyrl-gym package (pip install skyrl-gym): {err}"]) from err
         raise ConfigError([f"env={target!r}: cannot import it: {err}"]) from err
+    except Exception as err:  # noqa: BLE001 - the user's module raised while it was imported: its one line
+        raise ConfigError([f"env={target!r}: importing {module_name} raised {type(err).__name__}: {err}"]) from err
 
 
 ENV_KEYS = ("options", "max_turns", "max_tokens", "timeout_s", "stop")  # the `env` config group's keys but `name`
