@@ -207,8 +207,8 @@ class GRPOModule(pl.LightningModule):
                 raise ConfigError(problems)
         if self.engine is None:
             options = dict(self.hparams.engine_options or {})
-            sync_check = SyncCheck.take_from(options)  # the driver's post-push check, not the engine's option
             with config_phase():  # the engine's option checks are config errors (one line from every entry)
+                sync_check = SyncCheck.take_from(options)  # the driver's post-push check, not the engine's option
                 self.engine = build_engine(self.hparams.engine, self.policy, self.tokenizer, options)
                 problems = merged_push_problems(self.engine, self.policy)  # before any rollout
                 if problems:

@@ -65,6 +65,11 @@ RANGES: dict[str, Rule] = {
                                                             "one would reward length)"),
     **{f"algorithm.{k}": _at_least(1)
        for k in ("ppo_epochs", "mini_batches", "micro_batch_size", "max_new_tokens", "eval_samples")},
+    # the in-process engine's batch cap and the post-push check (lit_rlvr.rollout.hf, lit_rlvr.rollout.lora)
+    "engine.options.max_batch": _at_least(1),
+    "engine.options.sync_check_every": (lambda v: v >= 0, "an integer >= 0 (pushes between checks; 0 = off)"),
+    "engine.options.sync_check_tol": (lambda v: v is None or v > 0, "a number > 0 (the largest log-prob gap "
+                                                                    "after a push), or null"),
     "data.batch_size": (lambda v: v >= 1, "an integer >= 1 (prompts per RL step)"),
     "data.eval_batch_size": _at_least(1),
     "data.eval_limit": (lambda v: v is None or v >= 1, "an integer >= 1 or null"),

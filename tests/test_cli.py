@@ -87,7 +87,7 @@ BAD_CLI = {  # argument -> what the line must say; raised by a constructor, at f
     "--model.init_args.lr=-1": "model.init_args.lr=-1.0 is not valid: expected a number > 0",
     "--model.init_args.betas=[2.0, 0.999]": "Invalid beta parameter at index 0: 2.0",  # torch's AdamW, at fit
     "--data.batch_size=0": "data.batch_size must be >= 1, got 0",
-    "--model.init_args.engine_options={mode: bad}": "engine.mode='bad' is not valid",
+    "--model.init_args.engine_options={mode: bad}": "model.init_args.engine_options.mode='bad' is not valid",
 }
 
 

@@ -22,7 +22,9 @@ from hydra import compose, initialize_config_dir
 
 from lit_rlvr.config_check import check_config
 from lit_rlvr.models.lora import LoraOptions
+from lit_rlvr.models.tiny import build_tiny
 from lit_rlvr.options import ConfigError, convert, range_problems
+from lit_rlvr.rollout.hf import HFEngine
 from lit_rlvr.rollout_correction import RolloutCorrection
 
 REPO = Path(__file__).resolve().parents[1]
@@ -261,3 +263,21 @@ def test_the_cli_refuses_the_same_settings_with_its_key_names(tmp_path):
         done = subprocess.run([*command, arg], cwd=REPO, capture_output=True, text=True, timeout=300)
         lines = [line for line in done.stderr.splitlines() if line.startswith("config error: ")]
         assert done.returncode == 2 and len(lines) == 1 and expected in lines[0], (arg, done.stderr[-2000:])
+
+
+@pytest.mark.parametrize("override, line", [
+    ("engine.options.max_batch=0", "engine.options.max_batch=0 is not valid: expected an integer >= 1"),
+    ("++engine.options.sync_check_every=-1", "engine.options.sync_check_every=-1 is not valid: expected an integer"),
+    ("++engine.options.sync_check_tol=-1", "engine.options.sync_check_tol=-1 is not valid: expected a number > 0"),
+])
+def test_engine_options_out_of_range_are_refused_before_any_work(override, line):
+    """The adversary round: these reached the engine after the model loaded (a traceback, or `range()`'s error)."""
+    with pytest.raises(ConfigError) as caught:
+        check_config(_compose(override))
+    assert caught.value.problems[0].startswith(line), caught.value.problems
+
+
+def test_the_engine_refuses_a_batch_cap_of_zero_in_one_line():
+    model, _ = build_tiny(0)
+    with pytest.raises(ConfigError, match=r"^engine.options.max_batch=0 is not valid"):
+        HFEngine(model, pad_id=0, eos_id=1, max_batch=0)

@@ -17,6 +17,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from lit_rlvr.options import ConfigError, range_problems
 from lit_rlvr.problems import convert
 from lit_rlvr.rng import seed_of
 from lit_rlvr.rollout.batch import left_pad
@@ -175,10 +176,13 @@ class HFEngine(RolloutEngine):
         from lit_rlvr.rollout.lora import check_lora_sync
 
         if mode not in ENGINE_MODES:
-            raise ValueError(f"engine.mode={mode!r} is not valid; valid: {', '.join(ENGINE_MODES)}")
+            raise ValueError(f"engine.options.mode={mode!r} is not valid; valid: {', '.join(ENGINE_MODES)}")
         # before any copy of the model: a bad value is one line naming its key
         self.use_cache = convert("engine.options.use_cache", use_cache, bool)
         self.max_batch = convert("engine.options.max_batch", max_batch, int)
+        problems = range_problems({"max_batch": self.max_batch}, "engine.options")  # 0 would loop on no rows
+        if problems:
+            raise ConfigError(problems)
         # one prompt prefill per distinct prompt, its cache rows repeated
         self.share_prefill = convert("engine.options.share_prefill", share_prefill, bool)
         self.bucket_bytes = convert("engine.options.bucket_bytes", bucket_bytes, int)  # one weight push's cap (copy)
