@@ -27,7 +27,7 @@ from lit_rlvr.errors import config_phase
 from lit_rlvr.hooks import check_rl_callbacks
 from lit_rlvr.run_checkpoint import STOP_GRACE_S, RunCheckpoint
 from lit_rlvr.models.lora import is_adapter_dir, load_adapter_weights, options_from_adapter
-from lit_rlvr.stop import StopRequested
+from lit_rlvr.stop import StopRequested, stop_requests
 from lit_rlvr.storage import write_atomic
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.options import ConfigError, problem_line
@@ -213,7 +213,15 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         after = {}
     else:
         checkpoint.save(trainer)  # no-op when fit ended on a saved step (max_steps)
-        after = validate(trainer, module, datamodule)
+        try:
+            with stop_requests(checkpoint.stop_grace_s if trainer.world_size == 1 else None):
+                after = validate(trainer, module, datamodule)
+        except StopRequested as err:  # the training is saved; only the evaluation after it is given up
+            checkpoint.stopped_by_sigterm, checkpoint.stopped_by_sigint = (err.signal_name == "SIGTERM",
+                                                                           err.signal_name == "SIGINT")
+            log.warning("stopped: %s; the evaluation after training is given up; %s holds the trained run", err,
+                        checkpoint.last_path)
+            after = {}
     if trainer.is_global_zero:  # after its logger's last write (another rank may finish first)
         _merge_metrics_aside(run_dir)
     summary = summarise(cfg, run_dir, module, before, after, time.perf_counter() - started)

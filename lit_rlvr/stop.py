@@ -11,8 +11,11 @@ collectives; several ranks stop at the step's end, as before.
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 
 class StopRequested(BaseException):
@@ -51,3 +54,27 @@ class StopFlag:
 
 
 STOP = StopFlag()
+
+
+@contextmanager
+def stop_requests(grace_s: Optional[float]) -> Iterator[None]:
+    """Outside a fit (the evaluation after training): SIGTERM and a first Ctrl-C are recorded and honoured `grace_s`
+    after they arrive, wherever generation checks (`STOP.check()` raises `StopRequested`); the handlers before are
+    restored on exit. A second Ctrl-C aborts at once. Only the main thread can install handlers: elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigint(signum, frame) -> None:
+        STOP.request("SIGINT")
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: STOP.request("SIGTERM")),
+                signal.SIGINT: signal.signal(signal.SIGINT, on_sigint)}
+    STOP.arm(grace_s)
+    try:
+        yield
+    finally:
+        STOP.arm(None)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

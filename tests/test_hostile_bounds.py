@@ -30,7 +30,7 @@ from lit_rlvr.rollout.driver import RolloutDriver
 from lit_rlvr.rollout.engine import Completion, SamplingConfig, SamplingParams
 from lit_rlvr.rollout.hf import HFEngine
 from lit_rlvr.rollout.multi_turn import MultiTurn, call_all
-from lit_rlvr.stop import STOP, StopRequested
+from lit_rlvr.stop import STOP, StopRequested, stop_requests
 
 REPO = Path(__file__).resolve().parents[1]
 NEVER_ENDS = "tests.fault_helpers:StallingEnv"
@@ -210,3 +210,15 @@ def test_a_stop_request_does_not_wait_for_an_environment_call_with_a_long_timeou
         assert time.monotonic() - started < 10
     finally:
         STOP.arm(None)
+
+
+def test_sigterm_during_the_evaluation_after_training_is_honoured_after_its_grace():
+    """The evaluation after training runs outside the fit's handlers: a SIGTERM there must not wait for it (an
+    evaluation of never-done environments ran minutes past the signal)."""
+    before = signal.getsignal(signal.SIGTERM)
+    with stop_requests(0.2):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.3)
+        with pytest.raises(StopRequested, match="SIGTERM"):
+            call_all([lambda: time.sleep(30)], timeout_s=1e5)
+    assert signal.getsignal(signal.SIGTERM) is before and STOP.grace_s is None
