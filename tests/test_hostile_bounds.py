@@ -222,3 +222,14 @@ def test_sigterm_during_the_evaluation_after_training_is_honoured_after_its_grac
         with pytest.raises(StopRequested, match="SIGTERM"):
             call_all([lambda: time.sleep(30)], timeout_s=1e5)
     assert signal.getsignal(signal.SIGTERM) is before and STOP.grace_s is None
+
+
+def test_a_completion_ends_at_the_models_last_position():
+    """`max_new_tokens=255` passes the check (< 256 positions) but a prompt of 10 tokens leaves room for 246: the
+    engine ends every row there ("length") instead of decoding past the model's positions."""
+    model, tokenizer = build_tiny(0)
+    engine = HFEngine(model.eval(), pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id)
+    prompt = list(range(3, 13))  # 10 tokens
+    params = SamplingParams(max_new_tokens=TINY_CONTEXT - 1, ignore_eos=True, seed=0)
+    (completion,), = engine.generate([prompt], [1], params)
+    assert len(completion.token_ids) == TINY_CONTEXT - len(prompt) and completion.finish_reason == "length"

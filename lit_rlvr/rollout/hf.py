@@ -17,6 +17,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from lit_rlvr.bounds import model_context
 from lit_rlvr.options import ConfigError, range_problems
 from lit_rlvr.problems import convert
 from lit_rlvr.rng import seed_of
@@ -347,6 +348,9 @@ class HFEngine(RolloutEngine):
         front; a finished row keeps decoding until a row cut drops it, its tokens past the stop unread); lengths
         and finish reasons come from each row's first stop token at the end."""
         num_rows, steps = len(rows), params.max_new_tokens
+        context = model_context(self.model)
+        if context is not None:  # every row ends by the model's last position ("length"), never past it
+            steps = max(1, min(steps, context - max(len(r) for r in rows)))
         stop = torch.tensor([] if params.ignore_eos else sorted({self.eos_id, *params.stop_token_ids}),
                             dtype=torch.long)
         # an environment's stop strings, as token sequences: a row also stops where one of them ends
