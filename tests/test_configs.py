@@ -53,7 +53,7 @@ def test_every_algorithm_builds_module_and_trainer(algorithm, tiny_path, tmp_pat
         ("algorithm.kl_k3_cap=10 algorithm.kl_estimator=k2", "algorithm.kl_k3_cap=10"),
         ("algorithm.group_size=0", "algorithm.group_size"),
         ("algorithm.top_p=0", "top_p"),
-        ("engine.options.mode=bogus", "engine.mode"),
+        ("engine.options.mode=bogus", "engine.options.mode"),
         ("engine.name=bogus", "engine="),
         ("reward.name=bogus", "reward="),
         ("model.dtype=float8", "model.dtype"),
