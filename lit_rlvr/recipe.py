@@ -21,17 +21,17 @@ from omegaconf.errors import MissingMandatoryValue
 
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lit_rlvr import jsonsafe
-from lit_rlvr.config_check import env_arguments
-from lit_rlvr.errors import config_phase
+from lit_rlvr.config.config_check import env_arguments
+from lit_rlvr.config.errors import config_phase
+from lit_rlvr.config.options import ConfigError, problem_line
 from lit_rlvr.hooks import check_rl_callbacks
-from lit_rlvr.run_checkpoint import STOP_GRACE_S, RunCheckpoint
 from lit_rlvr.models.lora import is_adapter_dir, load_adapter_weights, options_from_adapter
-from lit_rlvr.stop import StopRequested, stop_requests
-from lit_rlvr.storage import write_atomic
 from lit_rlvr.module import GRPOModule
-from lit_rlvr.options import ConfigError, problem_line
-from lit_rlvr.resume import RunConfig, check_config, check_weights_fit, load_checkpoint, resolved_config
+from lit_rlvr.run import jsonsafe
+from lit_rlvr.run.resume import RunConfig, check_config, check_weights_fit, load_checkpoint, resolved_config
+from lit_rlvr.run.run_checkpoint import STOP_GRACE_S, RunCheckpoint
+from lit_rlvr.run.stop import StopRequested, stop_requests
+from lit_rlvr.run.storage import write_atomic
 
 log = logging.getLogger(__name__)
 

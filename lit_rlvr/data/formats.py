@@ -141,7 +141,7 @@ def _read_jsonl(path: str, split: str) -> Iterator[tuple[int, Any]]:
 
 
 def _read_parquet(path: str, split: str) -> Iterator[tuple[int, Any]]:
-    from lit_rlvr.extras import require
+    from lit_rlvr.config.extras import require
 
     pq = require("pyarrow.parquet")
 
@@ -157,7 +157,7 @@ def _read_hf(path_or_name: str, split: str) -> Iterator[tuple[int, Any]]:
 
 
 def _load_hf(path_or_name: str, split: str) -> Any:
-    from lit_rlvr.extras import require
+    from lit_rlvr.config.extras import require
 
     datasets = require("datasets")
 

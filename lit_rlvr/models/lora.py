@@ -27,8 +27,8 @@ import torch
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D  # GPT-2's linear layer (weight [in, out]); peft adapts it as Linear
 
+from lit_rlvr.config.options import convert
 from lit_rlvr.models import model_skeleton
-from lit_rlvr.options import convert
 
 KEY = "model.lora"  # config path, for error messages
 ADAPTER_NAME = "default"  # peft's name of the one adapter we train
@@ -147,7 +147,7 @@ def apply_lora(model: nn.Module, options: LoraOptions, seed: int = 0) -> nn.Modu
     the same seed builds the same adapter in any process, whatever ran before."""
     if not options.enabled:
         return model
-    from lit_rlvr.extras import require
+    from lit_rlvr.config.extras import require
 
     peft = require("peft")
     LoraConfig, get_peft_model = peft.LoraConfig, peft.get_peft_model

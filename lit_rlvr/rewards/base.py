@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from lit_rlvr.problems import convert
+from lit_rlvr.config.problems import convert
 
 if TYPE_CHECKING:  # torch is imported only where tensors are built: reward worker processes never load it
     from torch import Tensor

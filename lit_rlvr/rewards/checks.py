@@ -8,7 +8,7 @@ from typing import Any
 
 
 def problem_line(key: str, value: Any, expected: str) -> str:
-    """`lit_rlvr.options.problem_line`'s shape (that module imports torch, which reward workers must not)."""
+    """`lit_rlvr.config.options.problem_line`'s shape (that module imports torch, which reward workers must not)."""
     return f"{key}={'???' if value == '???' else repr(value)} is not valid: expected {expected}"
 
 

@@ -80,7 +80,7 @@ class JudgeReward:
 
     @classmethod
     def check_options(cls, options: dict[str, Any]) -> list[str]:
-        from lit_rlvr.extras import installed, message
+        from lit_rlvr.config.extras import installed, message
 
         missing = [k for k in ("base_url", "model") if k not in options]
         if missing:
@@ -98,7 +98,7 @@ class JudgeReward:
 
     def _chat(self) -> Any:
         if self._client is None:  # made on the event loop that awaits it
-            from lit_rlvr.extras import require
+            from lit_rlvr.config.extras import require
 
             openai = require("openai")
             self._client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=self.retries)

@@ -17,15 +17,15 @@ from typing import Iterable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lit_rlvr.bounds import model_context
-from lit_rlvr.options import ConfigError, range_problems
-from lit_rlvr.problems import convert
-from lit_rlvr.rng import seed_of
+from lit_rlvr.config.bounds import model_context
+from lit_rlvr.config.options import ConfigError, range_problems
+from lit_rlvr.config.problems import convert
+from lit_rlvr.run.rng import seed_of
 from lit_rlvr.rollout.batch import left_pad
 from lit_rlvr.rollout.engine import Completion, RolloutEngine, SamplingParams
 from lit_rlvr.rollout.kv_cache import can_select_rows, growing_cache
 from lit_rlvr.rollout.multi_weight import stacked_weights
-from lit_rlvr.stop import STOP
+from lit_rlvr.run.stop import STOP
 
 ENGINE_MODES = ("shared", "copy")
 

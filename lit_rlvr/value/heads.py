@@ -190,7 +190,7 @@ class TabPFNHead:
         self.fitted = False
 
     def fit(self, features: Tensor, success_rate: Tensor, counts: Tensor) -> "TabPFNHead":
-        from lit_rlvr.extras import require
+        from lit_rlvr.config.extras import require
 
         TabPFNClassifier = require("tabpfn").TabPFNClassifier
 
@@ -228,7 +228,7 @@ def _resolve_tabpfn_path(model_path: Optional[str | Path]) -> str:
         if not path.exists():
             raise FileNotFoundError(f"TabPFN checkpoint not found: {path} (set the value head's model_path)")
         return str(path)
-    from lit_rlvr.extras import require
+    from lit_rlvr.config.extras import require
 
     require("tabpfn")
     from tabpfn.model_loading import ModelSource, prepend_cache_path

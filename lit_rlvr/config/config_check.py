@@ -3,7 +3,7 @@
 Types come from the classes the config builds: the `_target_` of `algorithm` and `data` and `pl.Trainer` for
 `trainer`. Their `__init__` annotations become an OmegaConf structured config (a dataclass made on the fly),
 and each value is assigned to it, so OmegaConf's own conversion decides what is valid ("3" is an int, "abc" is
-not). Ranges that no annotation can say are in `lit_rlvr.options.RANGES`, the table the constructors check too.
+not). Ranges that no annotation can say are in `lit_rlvr.config.options.RANGES`, the table the constructors check too.
 Each problem is one line naming the full key, the value and what is expected; `ConfigError` carries them all.
 """
 
@@ -19,10 +19,10 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lit_rlvr.bounds import bound_problems, declared_context
+from lit_rlvr.config.bounds import bound_problems, declared_context
+from lit_rlvr.config.options import (RANGES, ConfigError, compile_problems, finite_problems, group_size_problem,
+                                     problem_line, range_problems, unknown_key_problems)
 from lit_rlvr.envs import environment_spec
-from lit_rlvr.options import (RANGES, ConfigError, compile_problems, finite_problems, group_size_problem, problem_line,
-                              range_problems, unknown_key_problems)
 
 DEBUG_ENV = "LIT_RLVR_DEBUG"  # =1: config errors raise with their traceback instead of one line
 
@@ -79,7 +79,7 @@ def _check_option_types(cfg: DictConfig) -> list[str]:
     if OmegaConf.select(cfg, "model.name_or_path") == "tiny":
         sections.append(("model.options", OmegaConf.select(cfg, "model.options"),
                          _init_types("lit_rlvr.models.warmup.warm_start_tiny", function=True)))
-    sections.append(("perf", cfg.get("perf"), _init_types("lit_rlvr.perf.StepFlops")))
+    sections.append(("perf", cfg.get("perf"), _init_types("lit_rlvr.run.perf.StepFlops")))
     engine = ENGINE_CLASSES.get(str(OmegaConf.select(cfg, "engine.name")))
     if engine:
         sections.append(("engine.options", OmegaConf.select(cfg, "engine.options"),
@@ -96,7 +96,7 @@ def _check_option_types(cfg: DictConfig) -> list[str]:
 
 def _check_finite(cfg: DictConfig) -> list[str]:
     """Every float of the run's settings, at any depth (callbacks' and engines' options too), is finite unless inf
-    means something for that key (`lit_rlvr.options.INFINITE_OK`)."""
+    means something for that key (`lit_rlvr.config.options.INFINITE_OK`)."""
     return finite_problems(_leaves(cfg), "")
 
 
@@ -135,7 +135,7 @@ def _check_keys(cfg: DictConfig) -> list[str]:
             problems += unknown_key_problems("model.options", options, ["cache_dir", *tiny_option_names()])
     perf = cfg.get("perf")
     if isinstance(perf, DictConfig):
-        problems += unknown_key_problems("perf", perf, set(_init_parameters("lit_rlvr.perf.StepFlops")) - {"self"})
+        problems += unknown_key_problems("perf", perf, set(_init_parameters("lit_rlvr.run.perf.StepFlops")) - {"self"})
     engine = ENGINE_CLASSES.get(str(OmegaConf.select(cfg, "engine.name")))
     options = OmegaConf.select(cfg, "engine.options")
     if engine and isinstance(options, DictConfig):  # the engine's arguments but those the module gives
@@ -302,7 +302,7 @@ def _check_env(cfg: DictConfig) -> list[str]:
 
 def _check_extras(cfg: DictConfig) -> list[str]:
     """The optional packages this config will import (setup.cfg's extras), named before any work."""
-    from lit_rlvr.extras import installed, message
+    from lit_rlvr.config.extras import installed, message
 
     needs = {"logger.wandb": ["wandb"], "logger.tensorboard": ["tensorboard"]}
     prior = OmegaConf.select(cfg, PRIOR_GROUP)
@@ -350,7 +350,7 @@ def _check_rollout_correction(cfg: DictConfig) -> list[str]:
 
 def _check_context(cfg: DictConfig) -> list[str]:
     """Every bound of a rollout against the model's positions, when the model declares them without loading
-    (lit_rlvr.bounds; else the module checks right after it loads)."""
+    (lit_rlvr.config.bounds; else the module checks right after it loads)."""
     context = declared_context(OmegaConf.select(cfg, "model.name_or_path"))
     if context is None:
         return []

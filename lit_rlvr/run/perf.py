@@ -181,7 +181,7 @@ class StepFlops:
 
     def __init__(self, peak_flops: Optional[float] = None, cache_dir: Optional[str] = None):
         from lit_rlvr.models.cache_entry import cache_root, default_cache_dir
-        from lit_rlvr.options import ConfigError, range_problems
+        from lit_rlvr.config.options import ConfigError, range_problems
 
         problems = range_problems({"peak_flops": peak_flops}, "perf")  # the row train.py checks too
         if problems:

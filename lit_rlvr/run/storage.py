@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
-from lit_rlvr.config_check import DEBUG_ENV
+from lit_rlvr.config.config_check import DEBUG_ENV
 
 # errno -> the words the OS uses; the causes that a user fixes on the machine, not in the code
 STORAGE_ERRNOS = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded",

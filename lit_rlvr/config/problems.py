@@ -1,5 +1,5 @@
 """The standard problem line of a bad setting and the general rules every setting follows (finite floats, known
-keys, conversions that name the key), without torch: reward worker processes import it. `lit_rlvr.options`
+keys, conversions that name the key), without torch: reward worker processes import it. `lit_rlvr.config.options`
 re-exports them beside its table of ranges."""
 
 from __future__ import annotations
