@@ -179,7 +179,7 @@ def compose(algorithm: str, overrides: Iterable[str] = ()) -> Any:
 
 def cache_dir() -> str:
     """The run cache dir conf/config.yaml resolves (`LIT_RLVR_CACHE`, else ~/.cache/lit_rlvr)."""
-    from lit_rlvr.models.cache_entry import default_cache_dir
+    from lit_rlvr.run.cache_entry import default_cache_dir
 
     return default_cache_dir()
 
@@ -188,7 +188,7 @@ def model_path(cfg: Any) -> str:
     """The directory of the (warm-started, cached) model of `cfg`."""
     from omegaconf import OmegaConf
 
-    from lit_rlvr.models import resolve_model_path
+    from lit_rlvr.models.warmup import resolve_model_path
 
     return resolve_model_path(cfg.model.name_or_path, OmegaConf.to_container(cfg.model.options, resolve=True))
 

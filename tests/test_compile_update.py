@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lit_rlvr.config.options import ConfigError
+from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.data.datamodule import RLVRDataModule
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.rollout.batch import Rollouts

@@ -10,7 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from lit_rlvr.config.config_check import check_config
-from lit_rlvr.config.options import ConfigError
+from lit_rlvr.config.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -113,7 +113,8 @@ def test_missing_extra_is_named_before_any_work(monkeypatch):
 
 
 def test_require_names_the_extra():
-    from lit_rlvr.config.extras import EXTRAS, MissingExtra, require
+    from lit_rlvr.config.extras import EXTRAS, require
+    from lit_rlvr.config.errors import MissingExtra
 
     EXTRAS["no_such_pkg_t20"] = ("report", "a test")
     with pytest.raises(MissingExtra, match=r"pip install 'lit-rlvr\[report\]'"):

@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_dir
 
 from lit_rlvr.config.bounds import TINY_CONTEXT
 from lit_rlvr.config.config_check import check_config
-from lit_rlvr.config.options import ConfigError
+from lit_rlvr.config.errors import ConfigError, StopRequested
 from lit_rlvr.envs import Environment, TextEnv
 from lit_rlvr.models.tiny import build_tiny, save
 from lit_rlvr.module import GRPOModule
@@ -30,7 +30,7 @@ from lit_rlvr.rollout.engine import Completion, SamplingConfig, SamplingParams
 from lit_rlvr.rollout.hf import HFEngine
 from lit_rlvr.rollout.multi_turn import MultiTurn, call_all
 from lit_rlvr.run.resume import load_checkpoint
-from lit_rlvr.run.stop import STOP, StopRequested, stop_requests
+from lit_rlvr.run.stop import STOP, stop_requests
 
 REPO = Path(__file__).resolve().parents[1]
 NEVER_ENDS = "tests.fault_helpers:StallingEnv"

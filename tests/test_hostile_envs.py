@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from lit_rlvr.config.options import ConfigError
+from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.envs import Environment, TextEnv, build_environment, environment_spec
 from lit_rlvr.models.tiny import build_tokenizer
 from lit_rlvr.rollout.engine import Completion, SamplingParams
@@ -274,7 +274,7 @@ def test_a_value_left_missing_inside_hydra_instantiation_is_one_config_error():
 
 
 def test_a_check_raising_import_error_inside_hydra_instantiation_reaches_the_user_as_itself():
-    from lit_rlvr.config.errors import one_line
+    from lit_rlvr.run.one_line import one_line
     from lit_rlvr.recipe import _instantiate
 
     with pytest.raises(ValueError, match="env='nope' is not valid") as err:

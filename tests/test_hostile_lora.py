@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from lit_rlvr.config.options import ConfigError
+from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.models.lora import LoraOptions, apply_lora, lora_layers
 from lit_rlvr.models.tiny import build_tiny, save
 from lit_rlvr.rollout.lora import adapter_tensors, merged_named_weights
@@ -228,7 +228,7 @@ def test_the_cli_writes_the_adapter_beside_its_checkpoint(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from lit_rlvr.cli import main
-    from lit_rlvr.models.lora import adapter_state
+    from lit_rlvr.run.adapter_export import adapter_state
 
     base = save(*build_tiny(), tmp_path / "model")  # no warm-up: any HF directory serves
     run = tmp_path / "run"

@@ -102,7 +102,7 @@ def test_train_py_refuses_a_bad_peak_before_any_work():
     from hydra import compose, initialize_config_dir
 
     from lit_rlvr.config.config_check import check_config
-    from lit_rlvr.config.options import ConfigError
+    from lit_rlvr.config.errors import ConfigError
 
     conf = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "conf")
     with initialize_config_dir(config_dir=conf, version_base="1.3"):

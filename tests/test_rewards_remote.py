@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch  # noqa: F401  (the runner builds tensors: loaded before a clock starts)
 
-from lit_rlvr.config.options import ConfigError
+from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.rewards import build_reward_runner, reward_problems
 from lit_rlvr.rewards.remote import RemoteReward, endpoint
 

@@ -3,7 +3,7 @@ per-term metrics, the built-in format and length terms, and the settings checked
 
 import pytest
 
-from lit_rlvr.config.options import ConfigError
+from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.rewards import build_reward_runner, reward_problems
 from lit_rlvr.rewards.terms import FormatReward, LengthReward
 

@@ -20,11 +20,15 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lit_rlvr.config.bounds import bound_problems, declared_context
-from lit_rlvr.config.options import (RANGES, ConfigError, compile_problems, finite_problems, group_size_problem,
-                                     problem_line, range_problems, unknown_key_problems)
+from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.config.extras import installed, message
+from lit_rlvr.config.options import (RANGES, compile_problems, finite_problems, group_size_problem, problem_line,
+                                     range_problems, unknown_key_problems)
 from lit_rlvr.envs import environment_spec
-
-DEBUG_ENV = "LIT_RLVR_DEBUG"  # =1: config errors raise with their traceback instead of one line
+from lit_rlvr.models.lora import LoraOptions
+from lit_rlvr.models.warmup import tiny_option_names
+from lit_rlvr.rewards import reward_problems
+from lit_rlvr.rollout_correction import RolloutCorrection
 
 
 # V0.5 starts each group with k_init samples and baselines them with the prior: one sample still has an advantage
@@ -122,8 +126,6 @@ def _top_keys() -> set[str]:
 
 def _check_keys(cfg: DictConfig) -> list[str]:
     """Keys no code reads (a typo, `+model.lora_rank=8`) are refused, naming a close match and the valid ones."""
-    from lit_rlvr.models import tiny_option_names
-    from lit_rlvr.models.lora import LoraOptions
 
     problems = unknown_key_problems("", [k for k in cfg if not str(k).startswith("task_")], _top_keys())
     model = cfg.get("model")
@@ -254,7 +256,6 @@ def _check_ranges(cfg: DictConfig) -> list[str]:
 
 def _check_lora(cfg: DictConfig) -> list[str]:
     """`model.lora.*` through the class that owns it (`LoraOptions`), before the model loads."""
-    from lit_rlvr.models.lora import LoraOptions
 
     node = OmegaConf.select(cfg, "model.lora")
     try:
@@ -302,7 +303,6 @@ def _check_env(cfg: DictConfig) -> list[str]:
 
 def _check_extras(cfg: DictConfig) -> list[str]:
     """The optional packages this config will import (setup.cfg's extras), named before any work."""
-    from lit_rlvr.config.extras import installed, message
 
     needs = {"logger.wandb": ["wandb"], "logger.tensorboard": ["tensorboard"]}
     prior = OmegaConf.select(cfg, PRIOR_GROUP)
@@ -324,7 +324,6 @@ def _check_extras(cfg: DictConfig) -> list[str]:
 def _check_reward(cfg: DictConfig) -> list[str]:
     """The reward source's settings (`lit_rlvr.rewards.reward_problems`: terms, remote's URL, ...), which the
     module's constructor checks again for the Lightning CLI and Python."""
-    from lit_rlvr.rewards import reward_problems
 
     node = cfg.get("reward")
     if node is None or node.get("name") is None:
@@ -338,7 +337,6 @@ def _check_rollout_correction(cfg: DictConfig) -> list[str]:
     node = OmegaConf.select(cfg, "algorithm.rollout_correction")
     if node is None:
         return []
-    from lit_rlvr.rollout_correction import RolloutCorrection
 
     try:
         RolloutCorrection.from_options(OmegaConf.to_container(node, resolve=True))

@@ -1,121 +1,76 @@
-"""Errors a user can fix, as one line from every entry point (`train.py`, `lit-rlvr-train`, `lit-rlvr`).
+"""Every error class of lit-rlvr, in one place, and the switch that shows their tracebacks (`LIT_RLVR_DEBUG=1`).
 
-Two kinds reach the user as one line, without a traceback (`one_line_errors`; LIT_RLVR_DEBUG=1 shows it):
-* configuration errors: a `ConfigError`/`CheckpointError`/`DataError`, and any ValueError, FileNotFoundError or
-  ImportError raised while the run is being built (`config_phase`: constructors and checks, before any work);
-* `StorageError` (lit_rlvr/run/storage.py): a file of the run could not be written (disk full, quota, read-only or
-  unwritable directory); the first one in the exception's chain is reported (later ones follow from it).
-
-Python callers get the same exceptions, whose message is that line.
+The errors a user fixes carry one line each (a key, its value and what is allowed; a file and what is wrong with
+it); `lit_rlvr.run.one_line` prints them that way at the entry points. This module imports nothing else of lit-rlvr
+and no torch: reward worker processes import it. Control-flow exceptions private to one module (a reward that is
+not a score, a row that does not parse) stay beside their code.
 """
 
 from __future__ import annotations
 
-import re
-import sys
+import os
+from pathlib import Path
 from typing import Optional
 
-from lit_rlvr.config.config_check import DEBUG_ENV
-from lit_rlvr.run.storage import StorageError, debug, storage_cause
-
-_CONFIG_PHASE = "_lit_rlvr_config_phase"  # set on an exception raised while the run was being built
+DEBUG_ENV = "LIT_RLVR_DEBUG"  # =1: config errors raise with their traceback instead of one line
 
 
-class config_phase:
-    """Marks a ValueError, FileNotFoundError or ImportError raised inside the block (the run's constructors and
-    checks, before any work) as a configuration error: the entry points print it as one line. The exception
-    itself passes on unchanged (same type, same message) for Python callers."""
-
-    KINDS = (ValueError, FileNotFoundError, ImportError)
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, err, tb) -> bool:
-        if isinstance(err, self.KINDS):
-            try:
-                setattr(err, _CONFIG_PHASE, True)
-            except AttributeError:  # an exception type with __slots__: left as it is
-                pass
-        return False
+def debug() -> bool:
+    """Whether the user asked for tracebacks (`LIT_RLVR_DEBUG` set and not 0)."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
-def one_line(err: BaseException) -> Optional[tuple[str, list[str]]]:
-    """(label, lines) when `err` is one of the errors a user fixes; None for anything else (a bug: traceback)."""
-    from lit_rlvr.config.options import ConfigError
+class ConfigError(ValueError):
+    """Invalid option values: one line per key (`problems`); entry points print the lines without a traceback."""
 
-    storage = None
-    for current in _chain(err):  # the first storage failure: later ones follow from it
-        if isinstance(current, StorageError):
-            storage = current
-    if storage is not None:
-        return "error", [storage.message]
-    cause, _ = storage_cause(err)  # written by a library without our wrapper (e.g. Lightning's own checkpoints)
-    if cause is not None:
-        where = next((e.filename for e in _chain(err) if isinstance(e, OSError) and e.filename), None)
-        first = (str(err).splitlines() or [""])[0][:200]
-        return "error", [f"{cause}: {where}" if where else f"{cause} ({type(err).__name__}: {first})"]
-    if isinstance(err, ConfigError):
-        return "config error", list(err.problems)
-    if getattr(err, _CONFIG_PHASE, False) or _typed_config_error(err):
-        return "config error", str(err).splitlines() or [type(err).__name__]
-    return None
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
 
 
-def _chain(err: BaseException) -> list[BaseException]:
-    """`err` and the exceptions it was raised from or during, newest first."""
-    chain, seen, current = [], set(), err
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        chain.append(current)
-        current = current.__cause__ or current.__context__
-    return chain
+class RewardOptionError(ValueError):
+    """Bad reward settings, one line each (`problems`); the entry points print them as config errors."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
 
 
-def _typed_config_error(err: BaseException) -> bool:
-    from lit_rlvr.data.formats import DataError
-    from lit_rlvr.run.resume import CheckpointError
-
-    return isinstance(err, (CheckpointError, DataError))
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the file, what is wrong and the key to change."""
 
 
-def root_cause(err: BaseException) -> BaseException:
-    """The exception at the end of `err`'s explicit `raise ... from` chain (a library's wrappers taken off)."""
-    seen = {id(err)}
-    while err.__cause__ is not None and id(err.__cause__) not in seen:
-        err = err.__cause__
-        seen.add(id(err))
-    return err
+class DataError(ValueError):
+    """A bad data file or row; the message names the file, the 1-based row and the field, and the fix."""
 
 
-class one_line_errors:
-    """At an entry point: an error of `one_line` is printed on stderr as its line(s) and the process exits with
-    code 2; anything else raises as usual. `key_prefixes` renames config keys for an entry point that spells
-    them otherwise (the Lightning CLI: `algorithm.` -> `model.init_args.`)."""
-
-    def __init__(self, key_prefixes: Optional[dict[str, str]] = None):
-        self.key_prefixes = dict(key_prefixes or {})
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, err, tb) -> bool:
-        if err is None or not isinstance(err, Exception) or debug():
-            return False
-        found = one_line(err)
-        if found is None:
-            return False
-        label, lines = found
-        for line in lines:
-            print(f"{label}: {rename_keys(line, self.key_prefixes)}", file=sys.stderr)
-        print(f"(set {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
-        sys.stderr.flush()
-        raise SystemExit(2)
+class MissingExtra(ImportError):
+    """An optional dependency is not installed; the message names the feature and the pip command."""
 
 
-def rename_keys(line: str, key_prefixes: dict[str, str]) -> str:
-    """`line` with each key prefix replaced where a key starts (not inside another word or key)."""
-    if not key_prefixes:
-        return line
-    pattern = "|".join(re.escape(k) for k in sorted(key_prefixes, key=len, reverse=True))
-    return re.sub(rf"(?<![\w.])({pattern})", lambda m: key_prefixes[m.group(1)], line)
+class StorageError(OSError):
+    """A file of the run could not be written; the message is one line: cause, path, what was needed."""
+
+    def __init__(self, message: str, path: Path, cause_errno: Optional[int] = None):
+        super().__init__(cause_errno, message)
+        self.message, self.path = message, Path(path)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class StopRequested(BaseException):
+    """A stop request outlived the grace period mid-step (a BaseException: no `except Exception` contains it).
+    `signal_name`: "SIGTERM" or "SIGINT"."""
+
+    def __init__(self, signal_name: str, message: str):
+        super().__init__(message)
+        self.signal_name = signal_name
+
+
+class RewardHangError(RuntimeError):
+    """A reward call overran `reward.options.timeout_s` and could not be cut: the run stopped after saving."""
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself failed (not the program): an infrastructure error, never a wrong answer."""

@@ -6,6 +6,8 @@ import importlib
 import importlib.util
 from types import ModuleType
 
+from lit_rlvr.config.errors import MissingExtra
+
 # import name -> (extra, what needs it)
 EXTRAS = {
     "tabpfn": ("v05", "V0.5's TabPFN value head"),
@@ -19,10 +21,6 @@ EXTRAS = {
     "peft": ("lora", "LoRA adapters (model.lora.rank)"),
     "openai": ("judge", "reward=judge (an LLM judge over an OpenAI-compatible API)"),
 }
-
-
-class MissingExtra(ImportError):
-    pass
 
 
 def message(name: str) -> str:

@@ -12,11 +12,11 @@ import math
 import numbers
 from typing import Any, Callable, Mapping
 
-from lit_rlvr.config.problems import (INFINITE_OK, ConfigError, check_finite, convert, finite_problem, finite_problems,
-                                      problem_line, unknown_key_problems)
+from lit_rlvr.config.problems import (INFINITE_OK, check_finite, convert, finite_problem, finite_problems, problem_line,
+                                      unknown_key_problems)
 from lit_rlvr.functional import AGGREGATIONS, KL_ESTIMATORS
 
-__all__ = ["RANGES", "INFINITE_OK", "ConfigError", "check_finite", "convert", "finite_problem", "finite_problems",
+__all__ = ["RANGES", "INFINITE_OK", "check_finite", "convert", "finite_problem", "finite_problems",
            "problem_line", "range_problems", "unknown_key_problems"]
 
 Rule = tuple[Callable[[Any], bool], str]  # (is the value valid?, what is expected)

@@ -12,7 +12,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
-from lit_rlvr.config.options import ConfigError, problem_line, range_problems
+from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.config.options import problem_line, range_problems
 from lit_rlvr.envs.base import Message, Observation, StepOutput, TextEnv, score_of
 from lit_rlvr.rewards import resolve_reward
 from lit_rlvr.rewards.base import DEFAULT_SCORE_BOUND

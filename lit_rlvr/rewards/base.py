@@ -72,10 +72,6 @@ class Failure(RewardResult):
 NONE_RETURNED = "returned NoneType"  # the breach of a reward that returned None (`none_skips` reads it as a skip)
 
 
-class RewardHangError(RuntimeError):
-    """A reward call overran `reward.options.timeout_s` and could not be cut: the run stopped after saving."""
-
-
 @dataclass(frozen=True)
 class ContractBreach:
     """A reward return that is not a score, described in plain strings (picklable; holds no returned object)."""

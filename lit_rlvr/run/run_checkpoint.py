@@ -26,7 +26,8 @@ import lightning.pytorch as pl
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
-from lit_rlvr.config.options import ConfigError, range_problems
+from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.config.options import range_problems
 from lit_rlvr.run.checkpoint_io import AtomicCheckpointIO, sweep_temp_files
 from lit_rlvr.run.stop import STOP
 from lit_rlvr.run.storage import writing
