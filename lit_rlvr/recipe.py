@@ -22,8 +22,7 @@ from omegaconf.errors import MissingMandatoryValue
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_rlvr.config.config_check import env_arguments
-from lit_rlvr.config.errors import ConfigError, StopRequested
-from lit_rlvr.config.errors import DataError
+from lit_rlvr.config.errors import ConfigError, DataError, StopRequested
 from lit_rlvr.config.options import problem_line
 from lit_rlvr.hooks import check_rl_callbacks
 from lit_rlvr.models.lora import is_adapter_dir, load_adapter_weights, options_from_adapter
@@ -119,7 +118,6 @@ def validate(trainer: pl.Trainer, module: GRPOModule, datamodule, ckpt_path: Opt
 
 def _load_data(datamodule: pl.LightningDataModule, trainer: pl.Trainer, stage: str) -> None:
     """Reads the data now, so a bad file or row fails before the model loads (fit/validate reuse it)."""
-
     datamodule.trainer = trainer  # as Lightning would attach it (a setup may ask for the rank)
     try:
         datamodule.setup(stage)
@@ -334,7 +332,6 @@ def evaluate_adapter(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
 def _build_eval(cfg: DictConfig, run_dir: Path) -> tuple[Any, pl.Trainer, GRPOModule, dict[str, Any]]:
     """Data, trainer, module and checkpoint state of `mode=eval`, every check passed (config errors: one line)."""
-
     with config_phase():
         if not cfg.checkpoint or not Path(cfg.checkpoint).exists():
             raise FileNotFoundError(f"checkpoint={cfg.checkpoint!r}: mode=eval needs an existing checkpoint file")

@@ -231,7 +231,6 @@ def sampled_accuracy(model, tokenizer, problems: list[dict], samples: int, seed:
                      reward=arithmetic_reward, max_new_tokens: int = 8, env: str = "none") -> float:
     """mean@`samples` at T=1 over `problems`, sampled as RL's held-out evaluation samples (`HFEngine`, batched);
     with `env` (calculator), multi-turn rollouts scored by the environment."""
-
     engine = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id)
     prompts = [tokenizer(p["prompt"])["input_ids"] for p in problems]
     params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, seed=seed)

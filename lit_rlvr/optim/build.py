@@ -27,7 +27,6 @@ def check_optimizer_options(name: str, options: Optional[dict[str, Any]], *, lr:
 
 def check_ivon_options(options: dict[str, Any], *, lr: float, grad_clip: float, weight_decay: float,
                        dtype: str) -> None:
-
     if grad_clip or weight_decay:
         # IVON records each sample's gradient before the module could clip it, and its δ sets σ
         raise ValueError("with algorithm.optimizer=ivon set algorithm.grad_clip=0 and algorithm.weight_decay=0; "

@@ -136,7 +136,6 @@ def build_reward_runner(name: str | RewardFn, options: Optional[dict[str, Any]] 
     takes = (lambda key: isinstance(obj, type) and key in inspect.signature(obj).parameters)
     max_concurrent = options.get("max_concurrent") if takes("max_concurrent") else options.pop("max_concurrent", None)
     if isolation == "process":  # the runner owns the time bound and the pool; the rest configure the reward
-
         timeout_s, workers = options.pop("timeout_s", DEFAULT_TIMEOUT_S), options.pop("workers", 2)
         fn = resolve_reward(name, options)
         if is_async(fn):

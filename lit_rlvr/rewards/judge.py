@@ -25,8 +25,7 @@ import string
 from typing import Any, Optional
 
 from lit_rlvr.config.errors import RewardOptionError
-from lit_rlvr.config.extras import installed, message
-from lit_rlvr.config.extras import require
+from lit_rlvr.config.extras import installed, message, require
 from lit_rlvr.rewards.base import RewardResult
 from lit_rlvr.rewards.checks import is_int, is_number, problem_line
 from lit_rlvr.rewards.remote import url_problem
@@ -99,7 +98,6 @@ class JudgeReward:
 
     def _chat(self) -> Any:
         if self._client is None:  # made on the event loop that awaits it
-
             openai = require("openai")
             self._client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=self.retries)
         return self._client.chat.completions

@@ -176,7 +176,6 @@ class HFEngine(RolloutEngine):
         lora_sync: str = "adapter",
         dtype: Optional[str] = None,
     ):
-
         if mode not in ENGINE_MODES:
             raise ValueError(f"engine.options.mode={mode!r} is not valid; valid: {', '.join(ENGINE_MODES)}")
         # before any copy of the model: a bad value is one line naming its key
@@ -224,7 +223,6 @@ class HFEngine(RolloutEngine):
     @torch.no_grad()
     def load_adapter(self, name: str, tensors: dict[str, Tensor], config: dict, activate: bool = True) -> None:
         """`copy` mode with `lora_sync=adapter`: one adapter slot, overwritten in place by each push."""
-
         if not self.serves_lora:
             raise RuntimeError("HFEngine serves adapters only in copy mode with a LoRA policy and lora_sync=adapter")
         slots = {peft_file_name(n): p for n, p in self._params.items() if ".lora_" in n}

