@@ -19,9 +19,9 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lit_rlvr.config import extras
 from lit_rlvr.config.bounds import bound_problems, declared_context
 from lit_rlvr.config.errors import ConfigError
-from lit_rlvr.config.extras import installed, message
 from lit_rlvr.config.options import (RANGES, compile_problems, finite_problems, group_size_problem, problem_line,
                                      range_problems, unknown_key_problems)
 from lit_rlvr.envs import environment_spec
@@ -126,7 +126,6 @@ def _top_keys() -> set[str]:
 
 def _check_keys(cfg: DictConfig) -> list[str]:
     """Keys no code reads (a typo, `+model.lora_rank=8`) are refused, naming a close match and the valid ones."""
-
     problems = unknown_key_problems("", [k for k in cfg if not str(k).startswith("task_")], _top_keys())
     model = cfg.get("model")
     if isinstance(model, DictConfig):
@@ -256,7 +255,6 @@ def _check_ranges(cfg: DictConfig) -> list[str]:
 
 def _check_lora(cfg: DictConfig) -> list[str]:
     """`model.lora.*` through the class that owns it (`LoraOptions`), before the model loads."""
-
     node = OmegaConf.select(cfg, "model.lora")
     try:
         options = LoraOptions.from_any(OmegaConf.to_container(node, resolve=True) if node is not None else None)
@@ -303,7 +301,6 @@ def _check_env(cfg: DictConfig) -> list[str]:
 
 def _check_extras(cfg: DictConfig) -> list[str]:
     """The optional packages this config will import (setup.cfg's extras), named before any work."""
-
     needs = {"logger.wandb": ["wandb"], "logger.tensorboard": ["tensorboard"]}
     prior = OmegaConf.select(cfg, PRIOR_GROUP)
     if prior is not None:
@@ -316,8 +313,8 @@ def _check_extras(cfg: DictConfig) -> list[str]:
         if OmegaConf.select(cfg, key) is None:
             continue
         for name in names:
-            if not installed(name) and not (name == "tensorboard" and installed("tensorboardX")):
-                problems.append(f"{key}: {message(name)}")
+            if not extras.installed(name) and not (name == "tensorboard" and extras.installed("tensorboardX")):
+                problems.append(f"{key}: {extras.message(name)}")
     return problems
 
 
