@@ -19,7 +19,7 @@ from pathlib import Path
 def kb(field):
     return int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1])
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lit_rlvr.checkpoint_io import AtomicCheckpointIO
+from lit_rlvr.run.checkpoint_io import AtomicCheckpointIO
 mode, mb, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
 state = {"state_dict": {"w": torch.ones(mb << 18)}}  # mb MB of float32
 io = TorchCheckpointIO() if mode == "lightning" else AtomicCheckpointIO()

@@ -148,7 +148,7 @@ def context() -> dict[str, Any]:
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:  # pragma: no cover
         load = "n/a"
-    from lit_rlvr.perf import cpu_name
+    from lit_rlvr.run.perf import cpu_name
 
     return {"loadavg": load, "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"), "cpu": cpu_name()}
@@ -179,7 +179,7 @@ def compose(algorithm: str, overrides: Iterable[str] = ()) -> Any:
 
 def cache_dir() -> str:
     """The run cache dir conf/config.yaml resolves (`LIT_RLVR_CACHE`, else ~/.cache/lit_rlvr)."""
-    from lit_rlvr.models.cache_entry import default_cache_dir
+    from lit_rlvr.run.cache_entry import default_cache_dir
 
     return default_cache_dir()
 
@@ -188,7 +188,7 @@ def model_path(cfg: Any) -> str:
     """The directory of the (warm-started, cached) model of `cfg`."""
     from omegaconf import OmegaConf
 
-    from lit_rlvr.models import resolve_model_path
+    from lit_rlvr.models.warmup import resolve_model_path
 
     return resolve_model_path(cfg.model.name_or_path, OmegaConf.to_container(cfg.model.options, resolve=True))
 
@@ -381,7 +381,7 @@ def summarise_rows(rows: list[dict[str, float]], warmup: int) -> dict[str, float
         "rollouts_per_step": median(col("rollouts/per_step")),
         "response_len_mean": median(col("response/len_mean")),
     }
-    if col("perf/mfu_update"):  # model FLOPs utilisation (lit_rlvr.perf) and each phase's model FLOPs per step
+    if col("perf/mfu_update"):  # model FLOPs utilisation (lit_rlvr.run.perf) and each phase's model FLOPs per step
         out["mfu_gen"], out["mfu_update"] = median(col("perf/mfu_gen")), median(col("perf/mfu_update"))
         out["gen_flops"] = median(r["perf/flops_per_s_gen"] * r["time/gen_s"] for r in timed)
         out["update_flops"] = median(r["perf/flops_per_s_update"] * r["time/train_s"] for r in timed)

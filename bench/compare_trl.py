@@ -162,13 +162,13 @@ def build_trl(cfg, hp, steps: int, rows: list[dict], baton, output_dir: str):
 
 def trl_flops(model, tokenizer, batches: list[tuple[list[str], list[int]]]) -> list[tuple[float, float]]:
     """(generation, update) model FLOPs of each TRL step from its prompts and completion lengths (EOS included),
-    counted as `lit_rlvr.perf` counts ours, with what TRL's step runs: transformers' `generate` prefills every
+    counted as `lit_rlvr.run.perf` counts ours, with what TRL's step runs: transformers' `generate` prefills every
     row (no prompt sharing); the loss runs one forward + backward (num_iterations = 1, β = 0: no old or reference
     log-probs)."""
     import torch
 
     from lit_rlvr import functional as F
-    from lit_rlvr.perf import transformer_shape
+    from lit_rlvr.run.perf import transformer_shape
 
     shape = transformer_shape(model.config)
     out = []

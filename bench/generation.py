@@ -162,7 +162,7 @@ def generation_mfu(engine, prompts, group: int, completions, seconds: float, cpu
     import torch
 
     from lit_rlvr import functional as F
-    from lit_rlvr.perf import cpu_peak, transformer_shape
+    from lit_rlvr.run.perf import cpu_peak, transformer_shape
 
     lengths = torch.tensor([len(p) for p in prompts])  # [B]
     response = torch.tensor([len(c.token_ids) for c in completions])  # [B·G]
@@ -183,7 +183,7 @@ def kernel_ceiling(engine, prompts, group: int, params, completions, peak: float
     from torch.profiler import ProfilerActivity, profile
 
     from lit_rlvr import functional as F
-    from lit_rlvr.perf import transformer_shape
+    from lit_rlvr.run.perf import transformer_shape
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         engine.generate(prompts, [group] * len(prompts), params)

@@ -84,7 +84,7 @@ def measure(algorithms: list[str], steps: int, warmup: int, block: int, override
             raise RuntimeError(f"{name}: {len(rows)} steps recorded, expected {warm + steps}")
         out[name] = {"algorithm": name, "steps": steps, "warmup": warm, **common.summarise_rows(rows, warm)}
         out[name]["_walls"] = [r["wall_s"] for r in rows[warm:]]
-        out[name]["peak_flops"] = run["peak_flops"]  # what mfu_* divide by (lit_rlvr.perf)
+        out[name]["peak_flops"] = run["peak_flops"]  # what mfu_* divide by (lit_rlvr.run.perf)
         out[name]["peak_rss_mb"] = run["peak_rss_mb"]
     return out, max(run["peak_rss_mb"] for run in runs.values())
 

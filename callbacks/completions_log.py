@@ -19,7 +19,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.rollout.batch import Rollouts
-from lit_rlvr.storage import append_text, writing
+from lit_rlvr.run.storage import append_text, writing
 
 COLUMNS = ["step", "prompt", "completion", "answer", "reward", "advantage", "length", "finish_reason", "malformed"]
 

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lit_rlvr import distributed as D
+from lit_rlvr.config.options import check_finite
 from lit_rlvr.functional.ranking import binary_auroc_py
 from lit_rlvr.functional.value_prior import (
     allocate_round,
@@ -46,8 +46,8 @@ from lit_rlvr.functional.value_prior import (
     shrinkage_fusion,
 )
 from lit_rlvr.hooks import RLVRCallback
-from lit_rlvr.options import check_finite
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
+from lit_rlvr.run import distributed as D
 from lit_rlvr.value import FEATURE_MODES, HEADS, ContextBuffer, ValueModel
 from lit_rlvr.value.prefetch import Ahead, TrainPrompts
 

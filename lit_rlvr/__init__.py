@@ -1,5 +1,6 @@
 """lit-rlvr: reinforcement learning with verifiable rewards on PyTorch Lightning."""
 
+import importlib as _importlib
 import os as _os
 
 # Set before torch loads when lit_rlvr is imported first; explicit values in the environment win.
@@ -12,3 +13,28 @@ _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 _os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 __version__ = "0.1.0"
+
+# The public classes, imported on first use: `import lit_rlvr` stays free of torch (reward worker processes import
+# `lit_rlvr.config`), and the library itself never imports `lit_rlvr.callbacks` (docs/architecture.md §1): only a
+# user's `from lit_rlvr import ParamNoise` does.
+_EXPORTS = {
+    "GRPOModule": "lit_rlvr.module",
+    "RLVRDataModule": "lit_rlvr.data.datamodule",
+    "ParamNoise": "lit_rlvr.callbacks",
+    "ValuePrior": "lit_rlvr.callbacks",
+    "SamplingConfig": "lit_rlvr.rollout.engine",
+    "LoraOptions": "lit_rlvr.models.lora",
+}
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'lit_rlvr' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -21,11 +21,12 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningCLI
 
 import lit_rlvr.algorithms  # noqa: F401  (registers DAPOModule, DrGRPOModule, GSPOModule for short names)
-from lit_rlvr.checkpoint_io import AtomicCheckpointIO
+from lit_rlvr.config.errors import debug
 from lit_rlvr.data.datamodule import RLVRDataModule
-from lit_rlvr.errors import config_phase, one_line_errors, rename_keys, root_cause
 from lit_rlvr.module import GRPOModule
-from lit_rlvr.storage import check_writable_dir, debug
+from lit_rlvr.run.checkpoint_io import AtomicCheckpointIO
+from lit_rlvr.run.one_line import config_phase, one_line_errors, rename_keys, root_cause
+from lit_rlvr.run.storage import check_writable_dir
 
 
 # the recipe's key prefixes (in the checks' messages) -> where the same setting is in this CLI's config
@@ -75,8 +76,8 @@ class RLVRCLI(LightningCLI):
 
 def main(args=None) -> None:
     """Console script `lit-rlvr`; `args` (a list) instead of sys.argv for programmatic use. An option out of range
-    (lit_rlvr.options), another config error, or a file that cannot be written exits with one line naming the
-    CLI's key, as train.py does with its own (lit_rlvr/errors.py)."""
+    (lit_rlvr.config.options), another config error, or a file that cannot be written exits with one line naming the
+    CLI's key, as train.py does with its own (lit_rlvr/run/one_line.py)."""
     with one_line_errors(key_prefixes=CLI_KEYS):
         RLVRCLI(GRPOModule, RLVRDataModule, subclass_mode_model=True, seed_everything_default=0,
                 save_config_kwargs={"overwrite": True}, args=args)

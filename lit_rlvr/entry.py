@@ -3,7 +3,7 @@
 `lit-rlvr-train` reads the configs shipped in the package (`lit_rlvr.conf`, the clone's `conf/` folder), so it
 works from any directory; overrides are the same as train.py's. Config errors (a wrong type, a value out of
 range, a missing file named by a key, a constructor's check) and files that cannot be written (a full disk, a
-read-only directory) print one line and exit with code 2 (lit_rlvr/errors.py); LIT_RLVR_DEBUG=1 shows the
+read-only directory) print one line and exit with code 2 (lit_rlvr/run/one_line.py); LIT_RLVR_DEBUG=1 shows the
 traceback instead.
 """
 
@@ -17,8 +17,11 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from lit_rlvr.config_check import check_config
-from lit_rlvr.errors import config_phase, one_line_errors
+from lit_rlvr.config.config_check import check_config
+from lit_rlvr.recipe import check_run_dir, evaluate, print_summary, train
+from lit_rlvr.run import quiet
+from lit_rlvr.run.distributed import shutdown
+from lit_rlvr.run.one_line import config_phase, one_line_errors
 
 
 def run(cfg: DictConfig) -> None:
@@ -28,10 +31,6 @@ def run(cfg: DictConfig) -> None:
 
 
 def _run(cfg: DictConfig) -> None:
-    from lit_rlvr import quiet
-    from lit_rlvr.distributed import shutdown
-    from lit_rlvr.recipe import check_run_dir, evaluate, print_summary, train
-
     with config_phase():
         check_config(cfg)
         check_run_dir(HydraConfig.get())

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from lightning.pytorch.callbacks import Callback
 
-from lit_rlvr.options import ConfigError, group_size_problem
+from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.config.options import group_size_problem
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 
 if TYPE_CHECKING:  # pragma: no cover

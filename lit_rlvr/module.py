@@ -19,38 +19,40 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
-from lit_rlvr import distributed as D
 from lit_rlvr import functional as F
-from lit_rlvr.adapter_export import AdapterExport
-from lit_rlvr.bounds import check_bounds, model_context, response_budget
-from lit_rlvr.checkpoint_io import checkpoint_hint
+from lit_rlvr.config.bounds import check_bounds, model_context, response_budget
+from lit_rlvr.config.errors import ConfigError, RewardHangError
+from lit_rlvr.config.options import compile_problems, consistency_problems, finite_problems, range_problems
+from lit_rlvr.data.formats import render_prompt
 from lit_rlvr.envs import build_environment
-from lit_rlvr.errors import config_phase
-from lit_rlvr.freeze import FreezeSetupObjects
 from lit_rlvr.hooks import RLVRCallback, check_rl_callbacks
-from lit_rlvr.models import load_policy, resolve_model_path
+from lit_rlvr.models import load_policy
 from lit_rlvr.models.lora import LoraOptions, apply_lora, reference_model, trainable_parameters
+from lit_rlvr.models.warmup import resolve_model_path
 from lit_rlvr.optim.build import build_optimizer, check_optimizer_options
 from lit_rlvr.optim.schedule import warmup_factor
-from lit_rlvr.options import ConfigError, compile_problems, consistency_problems, finite_problems, range_problems
-from lit_rlvr.perf import StepFlops, recomputes_forward
 from lit_rlvr.rewards import build_reward_runner, reward_problems
-from lit_rlvr.rewards.base import RewardHangError
-from lit_rlvr.rng import rng_states, seed_of, set_rng_states
 from lit_rlvr.rollout import build_engine
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 from lit_rlvr.rollout.driver import RolloutDriver, stop_token_ids
 from lit_rlvr.rollout.engine import EngineError, SamplingConfig
 from lit_rlvr.rollout.lora import SyncCheck, merged_push_problems
-from lit_rlvr.rollout_correction import RolloutCorrector
 from lit_rlvr.rollout.multi_turn import env_metrics
-from lit_rlvr.step_log import StepTimer, write_step_metrics
-from lit_rlvr.validation import ValidationMetrics
+from lit_rlvr.rollout_correction import RolloutCorrector
+from lit_rlvr.run import distributed as D
+from lit_rlvr.run.adapter_export import AdapterExport
+from lit_rlvr.run.checkpoint_io import checkpoint_hint
+from lit_rlvr.run.freeze import FreezeSetupObjects
+from lit_rlvr.run.one_line import config_phase
+from lit_rlvr.run.perf import StepFlops, recomputes_forward
+from lit_rlvr.run.rng import rng_states, seed_of, set_rng_states
+from lit_rlvr.run.step_log import StepTimer, write_step_metrics
+from lit_rlvr.run.validation import ValidationMetrics
 
 log = logging.getLogger(__name__)
 
 
-# the module's dict arguments and their train.py keys (every float in them must be finite: lit_rlvr.options)
+# the module's dict arguments and their train.py keys (every float in them must be finite: lit_rlvr.config.options)
 NESTED_OPTIONS = {"model_options": "model.options", "lora": "model.lora", "reward_options": "reward.options",
                   "engine_options": "engine.options", "env_options": "env", "perf_options": "perf",
                   "optimizer_options": "algorithm.optimizer_options",
@@ -86,7 +88,7 @@ class GRPOModule(pl.LightningModule):
     `optimizer_options` go to the optimizer's constructor either way. `lora`: adapters only (`models.lora`).
     `rollout_correction`: verl's options for the engine's drift (`lit_rlvr.rollout_correction`). `perf_options`
     (config `perf`): `peak_flops`, the device's peak FLOP/s that `perf/mfu_*` divide by (None: measured on a CPU,
-    published on a GPU; `lit_rlvr.perf`), and `cache_dir`, where a CPU's measured peak is kept.
+    published on a GPU; `lit_rlvr.run.perf`), and `cache_dir`, where a CPU's measured peak is kept.
     `compile_update` (config `model.compile`): the update's forward and backward run through
     `torch.compile(policy, dynamic=True)`, compiled at the first update (a minute on a CPU; docs/mfu.md); sampling,
     the reference model and π_old's forward stay eager. Not with FSDP.
@@ -182,7 +184,7 @@ class GRPOModule(pl.LightningModule):
         self._compiled: dict[str, nn.Module] = {}  # a dict: the compiled wrapper must not register as a submodule
 
     def _check_options(self) -> None:
-        """The table of ranges that train.py checks too (lit_rlvr.options), before the model loads."""
+        """The table of ranges that train.py checks too (lit_rlvr.config.options), before the model loads."""
         hp = self.hparams
         nested = {key: finite_problems(hp.get(name), key) for name, key in NESTED_OPTIONS.items()}
         problems = (range_problems(hp, "algorithm") + [p for lines in nested.values() for p in lines]
@@ -304,7 +306,6 @@ class GRPOModule(pl.LightningModule):
     def render_prompt(self, prompt: Any) -> str:
         if isinstance(prompt, str) and not self.hparams.chat_template:
             return prompt
-        from lit_rlvr.data.formats import render_prompt
 
         return render_prompt(prompt, self.tokenizer, chat_template=self.hparams.chat_template)
 

@@ -21,17 +21,19 @@ from omegaconf.errors import MissingMandatoryValue
 
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lit_rlvr import jsonsafe
-from lit_rlvr.config_check import env_arguments
-from lit_rlvr.errors import config_phase
+from lit_rlvr.config.config_check import env_arguments
+from lit_rlvr.config.errors import ConfigError, DataError, StopRequested
+from lit_rlvr.config.options import problem_line
 from lit_rlvr.hooks import check_rl_callbacks
-from lit_rlvr.run_checkpoint import STOP_GRACE_S, RunCheckpoint
 from lit_rlvr.models.lora import is_adapter_dir, load_adapter_weights, options_from_adapter
-from lit_rlvr.stop import StopRequested, stop_requests
-from lit_rlvr.storage import write_atomic
 from lit_rlvr.module import GRPOModule
-from lit_rlvr.options import ConfigError, problem_line
-from lit_rlvr.resume import RunConfig, check_config, check_weights_fit, load_checkpoint, resolved_config
+from lit_rlvr.run import jsonsafe
+from lit_rlvr.run.one_line import config_phase
+from lit_rlvr.run.resume import RunConfig, check_config, check_weights_fit, load_checkpoint, resolved_config
+from lit_rlvr.run.run_checkpoint import STOP_GRACE_S, RunCheckpoint
+from lit_rlvr.run.stop import stop_requests
+from lit_rlvr.run.storage import write_atomic
+from lit_rlvr.strategies import FSDP2Strategy
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +118,6 @@ def validate(trainer: pl.Trainer, module: GRPOModule, datamodule, ckpt_path: Opt
 
 def _load_data(datamodule: pl.LightningDataModule, trainer: pl.Trainer, stage: str) -> None:
     """Reads the data now, so a bad file or row fails before the model loads (fit/validate reuse it)."""
-    from lit_rlvr.data.formats import DataError
-
     datamodule.trainer = trainer  # as Lightning would attach it (a setup may ask for the rank)
     try:
         datamodule.setup(stage)
@@ -332,8 +332,6 @@ def evaluate_adapter(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
 def _build_eval(cfg: DictConfig, run_dir: Path) -> tuple[Any, pl.Trainer, GRPOModule, dict[str, Any]]:
     """Data, trainer, module and checkpoint state of `mode=eval`, every check passed (config errors: one line)."""
-    from lit_rlvr.strategies import FSDP2Strategy
-
     with config_phase():
         if not cfg.checkpoint or not Path(cfg.checkpoint).exists():
             raise FileNotFoundError(f"checkpoint={cfg.checkpoint!r}: mode=eval needs an existing checkpoint file")

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import Tensor
 
-from lit_rlvr import distributed as D
+from lit_rlvr.run import distributed as D
 from lit_rlvr.functional import rollout_correction as RC
 from lit_rlvr.functional.micro_batches import micro_batches
 from lit_rlvr.rollout.batch import Rollouts

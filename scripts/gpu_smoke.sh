@@ -2,7 +2,7 @@
 # GPU smoke check (not in CI): 5 GRPO and 5 C3PO steps on one GPU, then the same through FSDP2 (torchrun, one
 # rank, NCCL, bf16 compute over fp32 master weights); prints tokens/s, weight-sync seconds and the model FLOPs
 # utilisation of generation and update (perf/mfu_gen, perf/mfu_update against the GPU's published bf16 peak,
-# lit_rlvr.perf; PEAK_FLOPS=FLOP/s sets it for a GPU the table lacks) per run.
+# lit_rlvr.run.perf; PEAK_FLOPS=FLOP/s sets it for a GPU the table lacks) per run.
 #
 #   scripts/gpu_smoke.sh                 # the built-in tiny model, saved to disk by its warm-up
 #   scripts/gpu_smoke.sh /path/to/model  # any local HF causal LM (e.g. Qwen3-4B), with the arithmetic task
@@ -25,7 +25,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, torch.cuda.get_device_name())"
 # the peak perf/mfu_* divide by: trainer=gpu and trainer=fsdp compute in bf16
-$PY -c "import torch; from lit_rlvr.perf import published_peak; p = published_peak(torch.cuda.get_device_name(), torch.bfloat16); print('peak bf16 FLOP/s:', p or 'not in lit_rlvr.perf.PUBLISHED_PEAKS (set PEAK_FLOPS=...)')"
+$PY -c "import torch; from lit_rlvr.run.perf import published_peak; p = published_peak(torch.cuda.get_device_name(), torch.bfloat16); print('peak bf16 FLOP/s:', p or 'not in lit_rlvr.run.perf.PUBLISHED_PEAKS (set PEAK_FLOPS=...)')"
 
 if $PY -c "import sglang" 2>/dev/null; then
   ENGINE=(engine=sglang)

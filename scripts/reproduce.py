@@ -10,7 +10,7 @@ depends on pinned in `scripts/reproduce_settings.py`, plus the `OracleBaseline` 
 (lit_rlvr.callbacks.oracle_baseline) and held-out evaluations every few steps. It writes the table (mean ± sd over
 seeds), paired comparisons for each claim, the command, machine and wall time to a markdown file, two figures
 (held-out accuracy curves, mean and band over seeds, against steps and rollouts; the training panels of
-lit_rlvr.report) and every per-run figure as JSON (per method, per seed under `seeds`).
+lit_rlvr.run.report) and every per-run figure as JSON (per method, per seed under `seeds`).
 
     nice -n 5 python scripts/reproduce.py                          # runs/reproduce/arithmetic/reproduction.md
     nice -n 5 python scripts/reproduce.py --doc docs/results/reproduction.md      # the committed page (3-token task)
@@ -151,7 +151,7 @@ def run_one(task: Task, method: str, seed: int, args: argparse.Namespace) -> tup
 def load_run(run_dir: Path, oracle_every: int):
     """`report.load_run`, with the oracle's figures kept on the sampled steps only (a run written before the callback
     logged NaN on the other steps has Lightning's repeats of the last sampled value there)."""
-    from lit_rlvr import report
+    from lit_rlvr.run import report
     from lit_rlvr.callbacks.oracle_baseline import ORACLE_KEYS
 
     run = report.load_run(run_dir)
@@ -174,7 +174,7 @@ def heldout_curve(run) -> list[dict[str, float]]:
 
 def run_figures(run_dir: Path, oracle_every: int) -> dict[str, Any]:
     """The table's figures of one run, from its metrics.csv and summary.json."""
-    from lit_rlvr import report
+    from lit_rlvr.run import report
 
     run = load_run(run_dir, oracle_every)
     train, summary = run.train, run.summary
@@ -218,7 +218,7 @@ def mean_run(method: str, run_dirs: list[Path], oracle_every: int):
     """A `report.Run` whose rows are the step-wise means over the seeds' runs."""
     import pandas as pd
 
-    from lit_rlvr import report
+    from lit_rlvr.run import report
 
     runs = [load_run(d, oracle_every) for d in run_dirs]
     train = pd.concat([r.train for r in runs]).groupby("step", as_index=False).mean(numeric_only=True)
@@ -228,7 +228,7 @@ def mean_run(method: str, run_dirs: list[Path], oracle_every: int):
 
 
 def panels_figure(dirs: dict[str, list[Path]], out: Path, oracle_every: int, title: str) -> None:
-    from lit_rlvr import report
+    from lit_rlvr.run import report
     from reproduce_report import _shrink
 
     runs = [mean_run(method, paths, oracle_every) for method, paths in dirs.items()]
@@ -279,7 +279,7 @@ def load_average() -> str:
 def main(argv: Optional[list[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    from lit_rlvr import jsonsafe
+    from lit_rlvr.run import jsonsafe
 
     task = TASKS[args.task]
     started, load_start = time.perf_counter(), load_average()

@@ -100,7 +100,7 @@ def heldout_figure(per_run: Runs, out: Path, title: str, eval_samples: int) -> N
     """Held-out mean@k and pass@k against RL steps and against rollouts consumed: each method's mean over its
     seeds with a ± one sd band (the evaluations are at the same steps in every seed; the rollout axis is the
     seeds' mean rollouts at that step)."""
-    from lit_rlvr.extras import require
+    from lit_rlvr.config.extras import require
 
     matplotlib = require("matplotlib")
     matplotlib.use("Agg")

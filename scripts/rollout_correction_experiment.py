@@ -131,7 +131,7 @@ def run_one(arm: str, seed: int, args: argparse.Namespace) -> tuple[Path, bool]:
 
 
 def run_figures(run_dir: Path) -> dict[str, Any]:
-    from lit_rlvr import report
+    from lit_rlvr.run import report
 
     run = report.load_run(run_dir)
     train, summary = run.train, run.summary

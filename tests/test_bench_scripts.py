@@ -74,7 +74,7 @@ def test_trl_flops_prefill_every_row():
 
     from lit_rlvr import functional as F
     from lit_rlvr.models.tiny import build_tiny
-    from lit_rlvr.perf import transformer_shape
+    from lit_rlvr.run.perf import transformer_shape
 
     model, tokenizer = build_tiny()
     prompts = ["1+2=", "1+2=", "30+4=", "30+4="]
@@ -90,7 +90,7 @@ def test_compare_trl_default_lr_is_one_our_module_takes():
     """The script's default lr (both policies stay put) passes our option ranges, which refuse lr 0."""
     import compare_trl
 
-    from lit_rlvr.options import range_problems
+    from lit_rlvr.config.options import range_problems
 
     assert range_problems({"lr": float(compare_trl.DEFAULT_LR)}, "algorithm") == []
     assert range_problems({"lr": 0.0}, "algorithm")  # what the default was

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_rlvr import checkpoint_io
-from lit_rlvr.checkpoint_io import atomic_save, sweep_temp_files
+from lit_rlvr.run import checkpoint_io
+from lit_rlvr.run.checkpoint_io import atomic_save, sweep_temp_files
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,7 +24,7 @@ CHILD = textwrap.dedent("""
     import os, signal, sys, threading, time
     import lightning.pytorch as pl
     import torch
-    from lit_rlvr.run_checkpoint import RunCheckpoint
+    from lit_rlvr.run.run_checkpoint import RunCheckpoint
 
     def written():
         return int(next(l for l in open("/proc/self/io") if l.startswith("wchar")).split()[1])

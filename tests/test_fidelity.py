@@ -12,9 +12,9 @@ import torch
 
 from lit_rlvr import functional as F
 from lit_rlvr.algorithms import DAPOModule
+from lit_rlvr.config.options import consistency_problems, range_problems
 from lit_rlvr.functional.value_prior import shrinkage_fusion
 from lit_rlvr.module import GRPOModule
-from lit_rlvr.options import consistency_problems, range_problems
 from lit_rlvr.rollout.batch import Rollouts
 from tiny_options import TINY as TINY_OPTIONS
 

@@ -23,9 +23,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from lit_rlvr import functional as F
 from lit_rlvr.functional.flops import forward_flops
 from lit_rlvr.models.tiny import build_tiny
-from lit_rlvr.perf import transformer_shape
 from lit_rlvr.rollout.engine import SamplingParams
 from lit_rlvr.rollout.hf import HFEngine
+from lit_rlvr.run.perf import transformer_shape
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from lit_rlvr.data.formats import (
-    MATH_INSTRUCTION,
-    DataError,
-    load_records,
-    render_prompt,
-)
+from lit_rlvr.config.errors import DataError
+from lit_rlvr.data.formats import MATH_INSTRUCTION, load_records, render_prompt
 
 GOOD = {"prompt": "What is 2 + 2?", "answer": "4"}
 

@@ -1,6 +1,6 @@
 """Issue 42, class "a run that cannot end": every bound of a rollout is checked against the model's positions before
-any work (lit_rlvr/bounds.py), the multi-turn loop stops a rollout at the model's last position, and a stop request
-is honoured within `stop_grace_s` even in a step that does not end (lit_rlvr/stop.py). Before the fix
+any work (lit_rlvr/config/bounds.py), the multi-turn loop stops a rollout at the model's last position, and a stop
+request is honoured within `stop_grace_s` even in a step that does not end (lit_rlvr/run/stop.py). Before the fix
 `env=retry env.name=mymod:NeverEnds env.max_turns=10000 env.max_tokens=100000` ran 15 minutes and 4 GB without
 ending step 0, and SIGTERM waited for the end of that step."""
 
@@ -17,20 +17,20 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from lit_rlvr.bounds import TINY_CONTEXT
-from lit_rlvr.config_check import check_config
+from lit_rlvr.config.bounds import TINY_CONTEXT
+from lit_rlvr.config.config_check import check_config
+from lit_rlvr.config.errors import ConfigError, StopRequested
 from lit_rlvr.envs import Environment, TextEnv
 from lit_rlvr.models.tiny import build_tiny, save
 from lit_rlvr.module import GRPOModule
-from lit_rlvr.options import ConfigError
-from lit_rlvr.resume import load_checkpoint
 from lit_rlvr.rewards.base import RewardRunner
 from lit_rlvr.rollout.batch import RolloutPlan
 from lit_rlvr.rollout.driver import RolloutDriver
 from lit_rlvr.rollout.engine import Completion, SamplingConfig, SamplingParams
 from lit_rlvr.rollout.hf import HFEngine
 from lit_rlvr.rollout.multi_turn import MultiTurn, call_all
-from lit_rlvr.stop import STOP, StopRequested, stop_requests
+from lit_rlvr.run.resume import load_checkpoint
+from lit_rlvr.run.stop import STOP, stop_requests
 
 REPO = Path(__file__).resolve().parents[1]
 NEVER_ENDS = "tests.fault_helpers:StallingEnv"

@@ -13,9 +13,9 @@ import sys
 import pytest
 import torch
 
+from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.envs import Environment, TextEnv, build_environment, environment_spec
 from lit_rlvr.models.tiny import build_tokenizer
-from lit_rlvr.options import ConfigError
 from lit_rlvr.rollout.engine import Completion, SamplingParams
 from lit_rlvr.rollout.multi_turn import MultiTurn
 from tiny_options import REPO
@@ -226,7 +226,7 @@ def test_an_environment_class_with_an_empty_stop_string_is_refused():
 def test_train_py_checks_the_same_rows(override, line):
     from hydra import compose, initialize_config_dir
 
-    from lit_rlvr.config_check import check_config
+    from lit_rlvr.config.config_check import check_config
 
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["env=retry", override])
@@ -274,7 +274,7 @@ def test_a_value_left_missing_inside_hydra_instantiation_is_one_config_error():
 
 
 def test_a_check_raising_import_error_inside_hydra_instantiation_reaches_the_user_as_itself():
-    from lit_rlvr.errors import one_line
+    from lit_rlvr.run.one_line import one_line
     from lit_rlvr.recipe import _instantiate
 
     with pytest.raises(ValueError, match="env='nope' is not valid") as err:
@@ -302,7 +302,7 @@ def test_a_built_in_environment_by_name_alone_runs(name, tokenizer):
 def test_hydra_and_python_build_the_same_environment():
     from hydra import compose, initialize_config_dir
 
-    from lit_rlvr.config_check import env_arguments
+    from lit_rlvr.config.config_check import env_arguments
 
     for name in ("retry", "calculator"):
         with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):

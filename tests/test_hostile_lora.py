@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
+from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.models.lora import LoraOptions, apply_lora, lora_layers
 from lit_rlvr.models.tiny import build_tiny, save
-from lit_rlvr.options import ConfigError
 from lit_rlvr.rollout.lora import adapter_tensors, merged_named_weights
 from lit_rlvr.rollout.multi_weight import stacked_weights
 
@@ -212,7 +212,7 @@ def test_the_cli_names_its_own_key():
 def test_train_py_config_check_refuses_a_misspelt_target():
     from hydra import compose, initialize_config_dir
 
-    from lit_rlvr.config_check import check_config
+    from lit_rlvr.config.config_check import check_config
 
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["model.lora.rank=4", "model.lora.target_modules=[q_proj,v_prj]"])
@@ -228,7 +228,7 @@ def test_the_cli_writes_the_adapter_beside_its_checkpoint(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from lit_rlvr.cli import main
-    from lit_rlvr.models.lora import adapter_state
+    from lit_rlvr.run.adapter_export import adapter_state
 
     base = save(*build_tiny(), tmp_path / "model")  # no warm-up: any HF directory serves
     run = tmp_path / "run"

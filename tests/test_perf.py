@@ -1,4 +1,4 @@
-"""`lit_rlvr.perf`: the peak FLOP/s the MFU divides by (measured once per CPU model, thread count and dtype and
+"""`lit_rlvr.run.perf`: the peak FLOP/s the MFU divides by (measured once per CPU model, thread count and dtype and
 cached; published per GPU and dtype; overridable), the model shape read from a config, and the per-step
 bookkeeping of `StepFlops` (prefills per distinct prompt and weight source)."""
 
@@ -8,10 +8,10 @@ import logging
 import pytest
 import torch
 
-from lit_rlvr import perf
 from lit_rlvr.functional.flops import SHAPE_KEYS
 from lit_rlvr.models.tiny import tiny_config
 from lit_rlvr.rollout.batch import Rollouts
+from lit_rlvr.run import perf
 
 
 @pytest.fixture
@@ -42,7 +42,7 @@ def test_a_corrupt_cache_entry_is_measured_again(tmp_path, measurements, caplog)
     perf.cpu_peak(torch.float32, cache_dir=tmp_path, threads=1)
     (path,) = (tmp_path / "peak_flops").iterdir()
     path.write_text('{"cpu": "trunc')
-    with caplog.at_level(logging.WARNING, logger="lit_rlvr.perf"):
+    with caplog.at_level(logging.WARNING, logger="lit_rlvr.run.perf"):
         assert perf.cpu_peak(torch.float32, cache_dir=tmp_path, threads=1) == 2.0e11
     assert str(path) in caplog.text
     assert json.loads(path.read_text())["flops_per_s"] == 2.0e11
@@ -101,8 +101,8 @@ def test_a_bad_override_names_the_key(bad):
 def test_train_py_refuses_a_bad_peak_before_any_work():
     from hydra import compose, initialize_config_dir
 
-    from lit_rlvr.config_check import check_config
-    from lit_rlvr.options import ConfigError
+    from lit_rlvr.config.config_check import check_config
+    from lit_rlvr.config.errors import ConfigError
 
     conf = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "conf")
     with initialize_config_dir(config_dir=conf, version_base="1.3"):

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from lit_rlvr.config.errors import DataError
 from lit_rlvr.data.datamodule import RLVRDataModule
-from lit_rlvr.data.formats import DataError
 from lit_rlvr.data.lengths import over_limit, token_limit
 
 REPO = Path(__file__).resolve().parents[1]

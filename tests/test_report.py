@@ -1,4 +1,4 @@
-"""`python -m lit_rlvr.report`: reads Lightning's sparse metrics.csv, and renders two real runs."""
+"""`python -m lit_rlvr.run.report`: reads Lightning's sparse metrics.csv, and renders two real runs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_rlvr import report
+from lit_rlvr.run import report
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,7 @@ import matplotlib
 import pandas as pd
 import pytest
 
-from lit_rlvr import report
+from lit_rlvr.run import report
 
 matplotlib.use("Agg")
 

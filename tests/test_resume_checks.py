@@ -16,7 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from lit_rlvr.resume import CheckpointError, check_config, check_weights_fit, config_differences, load_checkpoint
+from lit_rlvr.config.errors import CheckpointError
+from lit_rlvr.run.resume import check_config, check_weights_fit, config_differences, load_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["eval_before=false", "data.num_test=4", "callbacks.progress=null", "data.batch_size=4",
@@ -153,7 +154,7 @@ def test_resume_with_a_changed_meaning_is_refused_before_any_work(first_run, tmp
                                           f"resume={run_dir}/checkpoints/last.ckpt"))
     for override, (run_dir, proc) in procs.items():
         rc, out = finish(proc)
-        assert rc == 2 and REFUSED[override] in out, (override, out[-3000:])  # one line (lit_rlvr/errors.py)
+        assert rc == 2 and REFUSED[override] in out, (override, out[-3000:])  # one line (lit_rlvr/run/one_line.py)
         assert "Traceback" not in out and "resume_allow=[" in out
         assert (run_dir / "metrics.csv").exists() and not (run_dir / "metrics.before_resume.csv").exists()
         assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 1
@@ -186,7 +187,7 @@ def test_resume_allow_applies_a_new_lr_and_records_it(first_run, tmp_path):
 
 # -- issue 34, class 5: a refusal's hint, followed exactly, never crashes ---------------------------------------
 def test_optimizer_change_is_read_from_the_record_or_the_config():
-    from lit_rlvr.resume import optimizer_change
+    from lit_rlvr.run.resume import optimizer_change
 
     adamw, ivon = type("AdamW", (), {})(), type("IVON", (), {})()  # only the class name and the groups matter
     adamw.param_groups = ivon.param_groups = [{"params": [0, 1]}]

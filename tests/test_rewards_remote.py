@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch  # noqa: F401  (the runner builds tensors: loaded before a clock starts)
 
-from lit_rlvr.options import ConfigError
+from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.rewards import build_reward_runner, reward_problems
 from lit_rlvr.rewards.remote import RemoteReward, endpoint
 
@@ -133,7 +133,7 @@ def test_remote_settings_one_line_each(options, line):
 def test_train_py_refuses_the_shipped_remote_config_without_a_url():
     from hydra import compose, initialize_config_module
 
-    from lit_rlvr.config_check import check_config
+    from lit_rlvr.config.config_check import check_config
 
     with initialize_config_module("lit_rlvr.conf", version_base="1.3"):
         cfg = compose("config", overrides=["reward=remote"])

@@ -3,7 +3,7 @@ per-term metrics, the built-in format and length terms, and the settings checked
 
 import pytest
 
-from lit_rlvr.options import ConfigError
+from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.rewards import build_reward_runner, reward_problems
 from lit_rlvr.rewards.terms import FormatReward, LengthReward
 
@@ -121,7 +121,7 @@ def test_the_module_checks_reward_settings_before_the_model_loads(monkeypatch):
 def test_train_py_checks_reward_settings_before_any_work():
     from hydra import compose, initialize_config_module
 
-    from lit_rlvr.config_check import check_config
+    from lit_rlvr.config.config_check import check_config
 
     with initialize_config_module("lit_rlvr.conf", version_base="1.3"):
         bad = compose("config", overrides=["reward=arithmetic_format", "reward.options.terms.format.weight=inf"])

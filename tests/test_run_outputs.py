@@ -117,7 +117,7 @@ def test_wandb_gets_a_table(tmp_path, monkeypatch):
 
 
 def test_progress_bar_counts_steps_not_epochs():
-    from lit_rlvr.progress import RLProgressBar
+    from lit_rlvr.run.progress import RLProgressBar
 
     bar = RLProgressBar()
     bar._trainer = SimpleNamespace(max_epochs=-1, max_steps=250)

@@ -51,8 +51,8 @@ def test_checkpoint_on_a_full_disk_is_one_line_and_the_old_one_stays(tmp_path, u
     """Both temp-file paths: the unnamed O_TMPFILE one and the named fallback of filesystems without it."""
     result = _child(f'''
 import json, torch
-from lit_rlvr import checkpoint_io
-from lit_rlvr.storage import StorageError
+from lit_rlvr.run import checkpoint_io
+from lit_rlvr.config.errors import StorageError
 if not {unnamed}:
     checkpoint_io._open_unnamed = lambda directory: None
 path = DISK / "checkpoints" / "last.ckpt"
@@ -77,8 +77,8 @@ def test_checkpoint_over_the_file_size_limit_is_one_line(tmp_path):
     """EFBIG (ulimit -f): no namespace needed."""
     script = f'''
 import json, resource, torch
-from lit_rlvr.checkpoint_io import atomic_save
-from lit_rlvr.storage import StorageError
+from lit_rlvr.run.checkpoint_io import atomic_save
+from lit_rlvr.config.errors import StorageError
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
 path = __import__("pathlib").Path({str(tmp_path / "last.ckpt")!r})
 atomic_save({{"w": torch.ones(1000)}}, path)
@@ -104,8 +104,8 @@ def test_metrics_csv_on_a_full_disk_keeps_its_rows(tmp_path):
     once there is space again the kept rows are written, each once."""
     result = _child(FILL + '''
 import json
-from lit_rlvr.csv_logger import CSVLogger
-from lit_rlvr.storage import StorageError
+from lit_rlvr.run.csv_logger import CSVLogger
+from lit_rlvr.config.errors import StorageError
 logger = CSVLogger(str(DISK), name="", version="")
 logger.log_metrics({"a": 1.0}, step=0)
 logger.save()
@@ -135,7 +135,8 @@ def test_completions_summary_and_eval_files_on_a_full_disk(tmp_path):
     """completions.jsonl (appended), summary.json and eval.json (replaced whole): one line each, nothing lost."""
     result = _child(FILL + '''
 import json
-from lit_rlvr.storage import StorageError, append_text, write_atomic
+from lit_rlvr.config.errors import StorageError
+from lit_rlvr.run.storage import append_text, write_atomic
 append_text(DISK / "completions.jsonl", '{"step": 0}\\n', "the completions log")
 write_atomic(DISK / "summary.json", '{"steps": 1}', "the run summary")
 fill()
@@ -163,8 +164,8 @@ print(json.dumps({"messages": messages, "completions": (DISK / "completions.json
 def test_warmup_cache_entry_on_a_full_disk_is_absent_not_half_written(tmp_path):
     result = _child('''
 import json
-from lit_rlvr.models import cache_entry
-from lit_rlvr.storage import StorageError
+from lit_rlvr.run import cache_entry
+from lit_rlvr.config.errors import StorageError
 entry = DISK / "tiny-abc"
 def fill(folder):
     (folder / "config.json").write_text("{}")

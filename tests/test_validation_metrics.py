@@ -4,7 +4,7 @@ no_grad. States reset in the first must take updates in the second (issue 19: th
 
 import torch
 
-from lit_rlvr.validation import ValidationMetrics
+from lit_rlvr.run.validation import ValidationMetrics
 
 
 def test_states_reset_under_inference_mode_take_updates_under_no_grad():

@@ -106,7 +106,7 @@ def test_dev_problems_are_neither_trained_on_nor_in_rls_held_out_split():
 
 
 def test_an_unknown_tiny_option_names_it_and_the_valid_ones(tmp_path):
-    from lit_rlvr.models import resolve_model_path
+    from lit_rlvr.models.warmup import resolve_model_path
 
     with pytest.raises(ValueError, match=r"model\.options\.steps is not an option.*valid: target, max_steps"):
         resolve_model_path("tiny", {"cache_dir": str(tmp_path), "steps": 800})

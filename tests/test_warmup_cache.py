@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from lit_rlvr.models import cache_entry, load_policy, resolve_model_path, warmup
+from lit_rlvr.models import load_policy, warmup
+from lit_rlvr.models.warmup import resolve_model_path
+from lit_rlvr.run import cache_entry
 from tests import full_disk
 from tests.test_faults import report
 

@@ -41,7 +41,7 @@ class DAPOModule(GRPOModule):
     def __init__(self, eps_high: float = 0.28, loss_aggregation: str = "token-mean", dynamic_sampling: bool = True,
                  max_refill_batches: int = 3, overlong_cache_len: int = 4, overlong_penalty_factor: float = 1.0,
                  **kwargs):
-        # the options' ranges are rows of lit_rlvr.options, checked with the base module's before the model loads
+        # the options' ranges are rows of lit_rlvr.config.options, checked with the base module's before the model loads
         super().__init__(eps_high=eps_high, loss_aggregation=loss_aggregation, **kwargs)
         self._data_iter: Optional[Iterator] = None
         self._refill = 0  # refill batches drawn this step; they sample from their own seeds (`seed_stream`)

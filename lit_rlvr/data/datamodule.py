@@ -13,6 +13,9 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from lit_rlvr.config.errors import DataError
+from lit_rlvr.data.formats import as_messages, load_records
+from lit_rlvr.data.lengths import long_rows, token_limit
 from lit_rlvr.data.tasks.arithmetic import ArithmeticTask
 from lit_rlvr.data.tasks.arithmetic_cot import ArithmeticCoTTask
 
@@ -66,8 +69,6 @@ def with_instruction(prompt: Any, instruction: Optional[str] = None, system_prom
     """`instruction` appended to the last user turn (as `formats.render_prompt` does); `system_prompt` added as
     the first message unless there is a system message. A string prompt stays a string unless a system
     prompt turns it into messages."""
-    from lit_rlvr.data.formats import as_messages
-
     messages = as_messages(prompt, instruction, system_prompt)
     return messages[0]["content"] if isinstance(prompt, str) and len(messages) == 1 else messages
 
@@ -166,8 +167,6 @@ class RLVRDataModule(pl.LightningDataModule):
         self._sampler: Optional[ResumableSampler] = None
 
     def _load(self, path: str, split: str, fields: Any) -> RecordDataset:
-        from lit_rlvr.data.formats import load_records
-
         hp = self.hparams
         rows: list[int] = []
         records, stats = load_records(path, format=hp.format, split=split, fields=fields, row_numbers=rows,
@@ -209,9 +208,6 @@ class RLVRDataModule(pl.LightningDataModule):
         naming the file and row, or are dropped and counted with `on_bad_row=skip`. `max_new_tokens`: the response
         budget that shares the context (`budget_key`: env.max_tokens with an environment). The built-in task's
         prompts are short by construction and not checked."""
-        from lit_rlvr.data.formats import DataError
-        from lit_rlvr.data.lengths import long_rows, token_limit
-
         hp = self.hparams
         limited = token_limit(hp.max_prompt_tokens, context, max_new_tokens, budget_key)
         if limited is None:  # neither a prompt limit nor the model's context is known
@@ -254,8 +250,6 @@ class RLVRDataModule(pl.LightningDataModule):
             raise ValueError(f"data.batch_size={hp.batch_size} (prompts per step, all ranks together) must be "
                              f"divisible by the {world} data-parallel ranks")
         if len(self.train_set) < hp.batch_size:  # drop_last: not one step's worth, the run would train on nothing
-            from lit_rlvr.data.formats import DataError
-
             stats = self.load_stats.get(hp.path, {"skipped": 0})
             raise DataError(f"{hp.path or 'the task'}: {len(self.train_set)} usable training rows ({stats['skipped']} "
                             f"skipped), fewer than one step's data.batch_size={hp.batch_size}; check data.fields (the "

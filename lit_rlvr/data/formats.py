@@ -17,6 +17,10 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any, Iterator, Optional
 
+from lit_rlvr.config.errors import DataError
+from lit_rlvr.config.extras import require
+from lit_rlvr.rewards.math import last_boxed
+
 log = logging.getLogger(__name__)
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -31,10 +35,6 @@ PRESETS: dict[str, dict[str, str]] = {
 FORMATS = ("auto", "jsonl", "parquet", "hf")
 _SUFFIX_FORMAT = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 _HF_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
-
-
-class DataError(ValueError):
-    """A bad data file or row; the message names the file, the 1-based row and the field, and the fix."""
 
 
 class _BadRow(Exception):
@@ -141,8 +141,6 @@ def _read_jsonl(path: str, split: str) -> Iterator[tuple[int, Any]]:
 
 
 def _read_parquet(path: str, split: str) -> Iterator[tuple[int, Any]]:
-    from lit_rlvr.extras import require
-
     pq = require("pyarrow.parquet")
 
     try:
@@ -157,8 +155,6 @@ def _read_hf(path_or_name: str, split: str) -> Iterator[tuple[int, Any]]:
 
 
 def _load_hf(path_or_name: str, split: str) -> Any:
-    from lit_rlvr.extras import require
-
     datasets = require("datasets")
 
     try:
@@ -222,8 +218,6 @@ def _lookup(row: Mapping, path: str) -> Any:
 
 
 def _last_boxed_answer(value: Any, path: str) -> str:
-    from lit_rlvr.rewards.math import last_boxed  # the reward's own rule, so gold and prediction agree
-
     boxed = last_boxed(value) if isinstance(value, str) else None
     if not boxed:
         raise _BadRow("no_answer", path, "no complete \\boxed{...} answer in the solution")

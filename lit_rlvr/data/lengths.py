@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from lit_rlvr.bounds import check_bounds
+from lit_rlvr.config.bounds import check_bounds
 
 PREFIX_CHARS_PER_TOKEN = 8  # a long text is first tokenized only this many characters per allowed token
 
@@ -15,7 +15,7 @@ def token_limit(max_prompt_tokens: Optional[int], context: Optional[int], max_ne
                 budget_key: str = "algorithm.max_new_tokens") -> Optional[tuple[int, str]]:
     """(limit, where it comes from): `data.max_prompt_tokens` when set, else the context minus the response budget
     (`max_new_tokens` of `budget_key`: env.max_tokens with an environment); None when neither is known. Both must
-    fit the context together (lit_rlvr.bounds, the one rule)."""
+    fit the context together (lit_rlvr.config.bounds, the one rule)."""
     if max_prompt_tokens is not None:
         if max_prompt_tokens < 1:
             raise ValueError(f"data.max_prompt_tokens must be >= 1 (or null), got {max_prompt_tokens}")

@@ -12,8 +12,9 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
+from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.config.options import problem_line, range_problems
 from lit_rlvr.envs.base import Message, Observation, StepOutput, TextEnv, score_of
-from lit_rlvr.options import ConfigError, problem_line, range_problems
 from lit_rlvr.rewards import resolve_reward
 from lit_rlvr.rewards.base import DEFAULT_SCORE_BOUND
 
@@ -36,7 +37,7 @@ class Environment:
     `max_turns`: model turns per rollout; `max_tokens`: response tokens per rollout, model and observation tokens
     together (the sequence the trainer runs); `timeout_s`: bound of one environment call (construction with
     `init`, or one `step`); `score_bound`: a step reward beyond ±it is malformed (`reward.options.score_bound`).
-    Checked against the `env.*` rows of `lit_rlvr.options.RANGES` (a `ConfigError`)."""
+    Checked against the `env.*` rows of `lit_rlvr.config.options.RANGES` (a `ConfigError`)."""
 
     make: Callable[[dict[str, Any]], Any]
     stop: tuple[str, ...] = ()

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.config.options import problem_line
 from lit_rlvr.envs.base import StepOutput, TextEnv, score_of
-from lit_rlvr.options import ConfigError, problem_line
 
 
 class RetryEnv(TextEnv):

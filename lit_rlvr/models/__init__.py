@@ -1,8 +1,7 @@
-"""Loading policies: the built-in tiny model (warm-started, cached) or any HF causal LM path."""
+"""Loading policies: an HF causal LM path (the built-in tiny model resolves to one: `models.warmup`)."""
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 from typing import Any, Optional
 
@@ -12,34 +11,6 @@ from torch import nn
 from lit_rlvr.models.tiny import build_tokenizer, tiny_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def tiny_option_names() -> list[str]:
-    """`model.options` of the built-in tiny model (its warm-up's arguments), besides `cache_dir`."""
-    from lit_rlvr.models.warmup import warm_start_tiny
-
-    return [k for k in inspect.signature(warm_start_tiny).parameters if k != "cache_dir"]
-
-
-def resolve_model_path(name_or_path: str, options: dict[str, Any] | None = None) -> str:
-    """`tiny` -> the warm-started tiny model (built on first use); anything else is an HF path or hub name."""
-    options = dict(options or {})
-    if name_or_path == "tiny":
-        from lit_rlvr.models.cache_entry import default_cache_dir
-        from lit_rlvr.models.warmup import warm_start_tiny
-
-        cache_dir = options.pop("cache_dir", None)  # "" stays "": an empty LIT_RLVR_CACHE is refused, not the cwd
-        cache_dir = default_cache_dir() if cache_dir is None else cache_dir
-        valid = tiny_option_names()
-        unknown = sorted(set(options) - set(valid))
-        if unknown:  # e.g. `steps` from before the warm-up stopped at a target accuracy
-            raise ValueError(f"model.options.{unknown[0]} is not an option of the tiny model; "
-                             f"valid: {', '.join(valid)}")
-        return str(warm_start_tiny(cache_dir, **options))
-    local = Path(name_or_path).expanduser()
-    if name_or_path.startswith((".", "/", "~")) and not local.exists():
-        raise FileNotFoundError(f"model.name_or_path={name_or_path!r}: no such directory")
-    return str(local) if local.exists() else name_or_path
 
 
 def load_policy(path: str, dtype: str = "float32"):

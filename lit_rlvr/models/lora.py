@@ -1,5 +1,6 @@
 """LoRA adapters on the policy (`model.lora.*`): the one owner of the setting, and what the rest of the library
-asks of a LoRA policy (its adapter parameters, the base model without them, the adapter in PEFT's format).
+asks of a LoRA policy (its adapter parameters, the base model without them, its PEFT config; the adapter is
+written in PEFT's format by `lit_rlvr.run.adapter_export`).
 
 LoRA (Hu et al. 2021) replaces the update of a weight W [out, in] by a low-rank product:
 
@@ -27,8 +28,9 @@ import torch
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D  # GPT-2's linear layer (weight [in, out]); peft adapts it as Linear
 
+from lit_rlvr.config.extras import require
+from lit_rlvr.config.options import convert
 from lit_rlvr.models import model_skeleton
-from lit_rlvr.options import convert
 
 KEY = "model.lora"  # config path, for error messages
 ADAPTER_NAME = "default"  # peft's name of the one adapter we train
@@ -147,7 +149,6 @@ def apply_lora(model: nn.Module, options: LoraOptions, seed: int = 0) -> nn.Modu
     the same seed builds the same adapter in any process, whatever ran before."""
     if not options.enabled:
         return model
-    from lit_rlvr.extras import require
 
     peft = require("peft")
     LoraConfig, get_peft_model = peft.LoraConfig, peft.get_peft_model
@@ -190,14 +191,6 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def adapter_state(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """(name in `model.named_parameters()`, full tensor) of each adapter parameter; FSDP2 shards are gathered."""
-    from lit_rlvr.rollout.weights import full_named_weights
-
-    names = {n for n, p in model.named_parameters() if p.requires_grad}
-    yield from ((n, t) for n, t in full_named_weights(model) if n in names)
-
-
 def peft_config_dict(model: nn.Module) -> dict[str, Any]:
     """The adapter's PEFT config as a JSON-able dict (what adapter_config.json holds)."""
     config = model.peft_config[ADAPTER_NAME]
@@ -205,29 +198,6 @@ def peft_config_dict(model: nn.Module) -> dict[str, Any]:
     if isinstance(out.get("target_modules"), set):
         out["target_modules"] = sorted(out["target_modules"])
     return out
-
-
-def save_adapter(model: nn.Module, directory: Union[str, Path], *, is_main_process: bool = True) -> Path:
-    """Write the adapter in PEFT's format (`adapter_config.json` + `adapter_model.safetensors`) so that
-    `PeftModel.from_pretrained(base, directory)` loads it. A collective under FSDP2 (shards are gathered on every
-    rank); only the main process writes. Written to a sibling folder and renamed in: a reader never sees half."""
-    import os
-    import shutil
-
-    directory = Path(directory)
-    state = dict(adapter_state(model))  # every rank: full_tensor is a collective
-    if not is_main_process:
-        return directory
-    tmp = directory.with_name(directory.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp), state_dict={k: v.detach().cpu().contiguous() for k, v in state.items()})
-    aside = directory.with_name(directory.name + ".old")
-    shutil.rmtree(aside, ignore_errors=True)
-    if directory.exists():
-        os.replace(directory, aside)
-    os.replace(tmp, directory)
-    shutil.rmtree(aside, ignore_errors=True)
-    return directory
 
 
 def is_adapter_dir(path: Union[str, Path]) -> bool:

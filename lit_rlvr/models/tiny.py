@@ -10,7 +10,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from lit_rlvr.bounds import TINY_CONTEXT
+from lit_rlvr.config.bounds import TINY_CONTEXT
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 CHARACTERS = [c for c in string.printable if c not in "\x0b\x0c\r"]  # printable ASCII, tab and newline

@@ -8,6 +8,7 @@ RL needs a policy that is sometimes right: the warm-up stops at a target held-ou
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import time
@@ -15,14 +16,19 @@ import warnings
 import zlib
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
 from lit_rlvr.data.tasks.arithmetic import ArithmeticTask, arithmetic_reward
 from lit_rlvr.data.tasks.arithmetic_cot import ArithmeticCoTTask, arithmetic_cot_reward
+from lit_rlvr.envs import build_environment
 from lit_rlvr.envs.calculator import demonstration
-from lit_rlvr.models import cache_entry, tiny
+from lit_rlvr.models import tiny
+from lit_rlvr.rollout.engine import SamplingParams
+from lit_rlvr.rollout.hf import HFEngine
+from lit_rlvr.rollout.multi_turn import MultiTurn
+from lit_rlvr.run import cache_entry
 
 try:
     import fcntl
@@ -145,6 +151,29 @@ WARMUP_TASKS = {"arithmetic": (ArithmeticTask, arithmetic_reward),
                 "arithmetic_cot": (ArithmeticCoTTask, arithmetic_cot_reward)}
 
 
+def tiny_option_names() -> list[str]:
+    """`model.options` of the built-in tiny model (its warm-up's arguments), besides `cache_dir`."""
+    return [k for k in inspect.signature(warm_start_tiny).parameters if k != "cache_dir"]
+
+
+def resolve_model_path(name_or_path: str, options: dict[str, Any] | None = None) -> str:
+    """`tiny` -> the warm-started tiny model (built on first use); anything else is an HF path or hub name."""
+    options = dict(options or {})
+    if name_or_path == "tiny":
+        cache_dir = options.pop("cache_dir", None)  # "" stays "": an empty LIT_RLVR_CACHE is refused, not the cwd
+        cache_dir = cache_entry.default_cache_dir() if cache_dir is None else cache_dir
+        valid = tiny_option_names()
+        unknown = sorted(set(options) - set(valid))
+        if unknown:  # e.g. `steps` from before the warm-up stopped at a target accuracy
+            raise ValueError(f"model.options.{unknown[0]} is not an option of the tiny model; "
+                             f"valid: {', '.join(valid)}")
+        return str(warm_start_tiny(cache_dir, **options))
+    local = Path(name_or_path).expanduser()
+    if name_or_path.startswith((".", "/", "~")) and not local.exists():
+        raise FileNotFoundError(f"model.name_or_path={name_or_path!r}: no such directory")
+    return str(local) if local.exists() else name_or_path
+
+
 def _warn_if_capped(record: dict) -> None:
     if record["reached"]:
         return
@@ -202,16 +231,10 @@ def sampled_accuracy(model, tokenizer, problems: list[dict], samples: int, seed:
                      reward=arithmetic_reward, max_new_tokens: int = 8, env: str = "none") -> float:
     """mean@`samples` at T=1 over `problems`, sampled as RL's held-out evaluation samples (`HFEngine`, batched);
     with `env` (calculator), multi-turn rollouts scored by the environment."""
-    from lit_rlvr.rollout.engine import SamplingParams
-    from lit_rlvr.rollout.hf import HFEngine
-
     engine = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id)
     prompts = [tokenizer(p["prompt"])["input_ids"] for p in problems]
     params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, seed=seed)
     if env != "none":
-        from lit_rlvr.envs import build_environment
-        from lit_rlvr.rollout.multi_turn import MultiTurn
-
         environment = build_environment(env, {"options": {"reward": reward}, "max_tokens": 2 * max_new_tokens})
         episodes = MultiTurn(environment, tokenizer).run(engine.generate, prompts, [p["prompt"] for p in problems],
                                                          [p["answer"] for p in problems], [samples] * len(prompts),

@@ -10,6 +10,8 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from lit_rlvr.optim.ivon import IVON
+
 OPTIMIZERS = ("adamw", "ivon")
 IVON_EXTRA_OPTIONS = {"sync", "debias"}  # taken by ivon-opt's constructor through **kwargs
 
@@ -25,8 +27,6 @@ def check_optimizer_options(name: str, options: Optional[dict[str, Any]], *, lr:
 
 def check_ivon_options(options: dict[str, Any], *, lr: float, grad_clip: float, weight_decay: float,
                        dtype: str) -> None:
-    from lit_rlvr.optim.ivon import IVON
-
     if grad_clip or weight_decay:
         # IVON records each sample's gradient before the module could clip it, and its δ sets σ
         raise ValueError("with algorithm.optimizer=ivon set algorithm.grad_clip=0 and algorithm.weight_decay=0; "
@@ -65,8 +65,6 @@ def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], *, lr: floa
     options = dict(options or {})
     params = list(params)
     if name == "ivon":
-        from lit_rlvr.optim.ivon import IVON
-
         sharded = any(hasattr(p, "full_tensor") for p in params)  # DTensor shards: each rank perturbs its own
         if world_size > 1 and not sharded:
             # each DDP rank would pair its own noise with the averaged gradient: their Hessians, then their

@@ -10,9 +10,11 @@ from typing import Any, Optional
 from lit_rlvr.rewards.base import (DEFAULT_SCORE_BOUND, DEFAULT_TIMEOUT_S, Failure, RewardBatch, RewardFn,
                                    RewardResult, RewardRunner, copied, plain_result)
 
-from lit_rlvr.rewards.checks import RewardOptionError, is_int, problem_line
+from lit_rlvr.config.errors import RewardOptionError
 from lit_rlvr.rewards.async_runner import DEFAULT_MAX_CONCURRENT, AsyncRewardRunner, is_async
+from lit_rlvr.rewards.checks import is_int, problem_line
 from lit_rlvr.rewards.terms import SHARED_KEYS, build_terms, term_specs
+from lit_rlvr.rewards.workers import ProcessRewardRunner
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +136,6 @@ def build_reward_runner(name: str | RewardFn, options: Optional[dict[str, Any]] 
     takes = (lambda key: isinstance(obj, type) and key in inspect.signature(obj).parameters)
     max_concurrent = options.get("max_concurrent") if takes("max_concurrent") else options.pop("max_concurrent", None)
     if isolation == "process":  # the runner owns the time bound and the pool; the rest configure the reward
-        from lit_rlvr.rewards.workers import ProcessRewardRunner
-
         timeout_s, workers = options.pop("timeout_s", DEFAULT_TIMEOUT_S), options.pop("workers", 2)
         fn = resolve_reward(name, options)
         if is_async(fn):

@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from lit_rlvr.problems import convert
+from lit_rlvr.config.problems import convert
 
 if TYPE_CHECKING:  # torch is imported only where tensors are built: reward worker processes never load it
     from torch import Tensor
@@ -70,10 +70,6 @@ class Failure(RewardResult):
 
 
 NONE_RETURNED = "returned NoneType"  # the breach of a reward that returned None (`none_skips` reads it as a skip)
-
-
-class RewardHangError(RuntimeError):
-    """A reward call overran `reward.options.timeout_s` and could not be cut: the run stopped after saving."""
 
 
 @dataclass(frozen=True)

@@ -6,18 +6,12 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from lit_rlvr.config.errors import RewardOptionError
+
 
 def problem_line(key: str, value: Any, expected: str) -> str:
-    """`lit_rlvr.options.problem_line`'s shape (that module imports torch, which reward workers must not)."""
+    """`lit_rlvr.config.options.problem_line`'s shape (that module imports torch, which reward workers must not)."""
     return f"{key}={'???' if value == '???' else repr(value)} is not valid: expected {expected}"
-
-
-class RewardOptionError(ValueError):
-    """Bad reward settings, one line each (`problems`); the entry points print them as config errors."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("\n".join(problems))
 
 
 def is_int(value: Any, low: int) -> bool:

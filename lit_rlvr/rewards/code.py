@@ -66,8 +66,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from lit_rlvr.config.errors import RewardOptionError, SandboxError
 from lit_rlvr.rewards.base import RewardResult
-from lit_rlvr.rewards.checks import RewardOptionError, is_int, problem_line
+from lit_rlvr.rewards.checks import is_int, problem_line
 from lit_rlvr.rewards.remote import url_problem
 from lit_rlvr.rewards.sandbox_remote import run_code_url, run_remote
 
@@ -100,10 +101,6 @@ _LANG_ALIASES = {
 }
 # A fence may be indented (inside a list); the info string's first word is the language.
 _FENCE_RE = re.compile(r"^[ \t]*```[ \t]*([^\s`]*)[^\n]*\n(.*?)^[ \t]*```[ \t]*$", re.MULTILINE | re.DOTALL)
-
-
-class SandboxError(RuntimeError):
-    """The sandbox itself failed (not the program): an infrastructure error, never a wrong answer."""
 
 
 @dataclass(frozen=True)

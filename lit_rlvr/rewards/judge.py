@@ -25,8 +25,10 @@ import re
 import string
 from typing import Any, Optional
 
+from lit_rlvr.config.errors import RewardOptionError
+from lit_rlvr.config.extras import installed, message, require
 from lit_rlvr.rewards.base import RewardResult
-from lit_rlvr.rewards.checks import RewardOptionError, is_int, is_number, problem_line
+from lit_rlvr.rewards.checks import is_int, is_number, problem_line
 from lit_rlvr.rewards.remote import url_problem
 
 YES_NO_TEMPLATE = ("Question:\n{prompt}\n\nReference answer: {answer}\n\nResponse:\n{completion}\n\n"
@@ -81,8 +83,6 @@ class JudgeReward:
 
     @classmethod
     def check_options(cls, options: dict[str, Any]) -> list[str]:
-        from lit_rlvr.extras import installed, message
-
         missing = [k for k in ("base_url", "model") if k not in options]
         if missing:
             return [f"reward=judge needs reward.options.{k}" for k in missing]
@@ -99,8 +99,6 @@ class JudgeReward:
 
     def _chat(self) -> Any:
         if self._client is None:  # made on the event loop that awaits it
-            from lit_rlvr.extras import require
-
             openai = require("openai")
             self._client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=self.retries)
         return self._client.chat.completions

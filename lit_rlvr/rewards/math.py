@@ -28,7 +28,7 @@ from typing import Any
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 from math_verify.errors import TimeoutException
 
-from lit_rlvr.options import convert
+from lit_rlvr.config.options import convert
 from lit_rlvr.rewards.base import RewardResult
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")

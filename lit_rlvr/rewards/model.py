@@ -16,8 +16,9 @@ from __future__ import annotations
 import os
 from typing import Any, Optional, Sequence
 
+from lit_rlvr.config.errors import RewardOptionError
 from lit_rlvr.rewards.base import RewardResult
-from lit_rlvr.rewards.checks import RewardOptionError, is_int, problem_line
+from lit_rlvr.rewards.checks import is_int, problem_line
 
 DTYPES = ("float32", "bfloat16", "float16")
 

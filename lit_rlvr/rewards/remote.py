@@ -24,8 +24,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
+from lit_rlvr.config.errors import RewardOptionError
 from lit_rlvr.rewards.base import RewardResult
-from lit_rlvr.rewards.checks import RewardOptionError, is_int, is_number, problem_line
+from lit_rlvr.rewards.checks import is_int, is_number, problem_line
 
 log = logging.getLogger(__name__)
 

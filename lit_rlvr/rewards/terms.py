@@ -23,9 +23,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from lit_rlvr.rewards.checks import (RewardOptionError, constructor_problems, is_int, is_number as _is_number,
-                                     problem_line)
+from lit_rlvr.config.errors import RewardOptionError
 from lit_rlvr.rewards.base import DEFAULT_SCORE_BOUND, Failure, RewardBatch, RewardContract, RewardResult
+from lit_rlvr.rewards.checks import constructor_problems, is_int, is_number as _is_number, problem_line
 
 TERM_KEYS = ("reward", "weight", "options")
 # runner options given at the top of reward.options apply to every term that does not set its own

@@ -28,7 +28,7 @@ from collections import deque
 from multiprocessing.connection import Connection, wait
 from typing import Any, Optional, Sequence
 
-from lit_rlvr.problems import convert
+from lit_rlvr.config.problems import convert
 from lit_rlvr.rewards.base import DEFAULT_SCORE_BOUND, DEFAULT_TIMEOUT_S, RewardBatch, RewardContract, RewardFn
 
 log = logging.getLogger(__name__)

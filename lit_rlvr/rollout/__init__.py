@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lit_rlvr.rollout.engine import Completion, RolloutEngine, SamplingParams
+from lit_rlvr.rollout.hf import HFEngine
 
 ENGINES = ("hf", "sglang", "vllm")
 
@@ -18,8 +19,6 @@ def build_engine(name: str, model, tokenizer, options: Optional[dict[str, Any]] 
 
 def _build(name: str, model, tokenizer, options: dict[str, Any]) -> RolloutEngine:
     if name == "hf":
-        from lit_rlvr.rollout.hf import HFEngine
-
         return HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, **options)
     if name == "sglang":
         from lit_rlvr.rollout.sglang import SGLangEngine  # imported lazily: a GPU-only extra

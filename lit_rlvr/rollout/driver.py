@@ -18,18 +18,18 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from lit_rlvr import distributed as D
-from lit_rlvr.bounds import model_context
+from lit_rlvr.config.bounds import model_context
+from lit_rlvr.config.errors import RewardHangError
 from lit_rlvr.envs import Environment
-from lit_rlvr.rewards.base import RewardHangError
-from lit_rlvr.rng import seed_of
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts, rollouts_from_completions
 from lit_rlvr.rollout.engine import Completion, EngineError, RolloutEngine, SamplingConfig, SamplingParams
 from lit_rlvr.rollout.lora import (SyncCheck, can_generate_with_adapters, check_engine_sync, generate_with_adapters,
                                    probe_prompt, push_policy)
 from lit_rlvr.rollout.multi_turn import Episode, MultiTurn, score_episodes
-from lit_rlvr.step_log import StepTimer
-from lit_rlvr.stop import STOP
+from lit_rlvr.run import distributed as D
+from lit_rlvr.run.rng import seed_of
+from lit_rlvr.run.step_log import StepTimer
+from lit_rlvr.run.stop import STOP
 
 
 @dataclass

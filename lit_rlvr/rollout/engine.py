@@ -9,7 +9,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lit_rlvr.options import range_problems
+from lit_rlvr.config.options import range_problems
 
 
 class EngineError(RuntimeError):

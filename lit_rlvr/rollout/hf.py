@@ -17,15 +17,18 @@ from typing import Iterable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lit_rlvr.bounds import model_context
-from lit_rlvr.options import ConfigError, range_problems
-from lit_rlvr.problems import convert
-from lit_rlvr.rng import seed_of
+from lit_rlvr.config.bounds import model_context
+from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.config.options import range_problems
+from lit_rlvr.config.problems import convert
+from lit_rlvr.models.lora import is_lora
 from lit_rlvr.rollout.batch import left_pad
 from lit_rlvr.rollout.engine import Completion, RolloutEngine, SamplingParams
 from lit_rlvr.rollout.kv_cache import can_select_rows, growing_cache
+from lit_rlvr.rollout.lora import check_lora_sync, peft_file_name
 from lit_rlvr.rollout.multi_weight import stacked_weights
-from lit_rlvr.stop import STOP
+from lit_rlvr.run.rng import seed_of
+from lit_rlvr.run.stop import STOP
 
 ENGINE_MODES = ("shared", "copy")
 
@@ -173,9 +176,6 @@ class HFEngine(RolloutEngine):
         lora_sync: str = "adapter",
         dtype: Optional[str] = None,
     ):
-        from lit_rlvr.models.lora import is_lora
-        from lit_rlvr.rollout.lora import check_lora_sync
-
         if mode not in ENGINE_MODES:
             raise ValueError(f"engine.options.mode={mode!r} is not valid; valid: {', '.join(ENGINE_MODES)}")
         # before any copy of the model: a bad value is one line naming its key
@@ -223,8 +223,6 @@ class HFEngine(RolloutEngine):
     @torch.no_grad()
     def load_adapter(self, name: str, tensors: dict[str, Tensor], config: dict, activate: bool = True) -> None:
         """`copy` mode with `lora_sync=adapter`: one adapter slot, overwritten in place by each push."""
-        from lit_rlvr.rollout.lora import peft_file_name
-
         if not self.serves_lora:
             raise RuntimeError("HFEngine serves adapters only in copy mode with a LoRA policy and lora_sync=adapter")
         slots = {peft_file_name(n): p for n, p in self._params.items() if ".lora_" in n}

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from lit_rlvr.models.lora import ADAPTER_NAME, is_lora, lora_delta, lora_factor_names, lora_layers, peft_config_dict
-from lit_rlvr.options import convert
+from lit_rlvr.config.options import convert
 from lit_rlvr.rollout.engine import EngineError, RolloutEngine, SamplingParams
 from lit_rlvr.rollout.weights import buckets, full_named_weights, push_weights
 

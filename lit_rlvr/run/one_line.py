@@ -3,10 +3,10 @@
 Two kinds reach the user as one line, without a traceback (`one_line_errors`; LIT_RLVR_DEBUG=1 shows it):
 * configuration errors: a `ConfigError`/`CheckpointError`/`DataError`, and any ValueError, FileNotFoundError or
   ImportError raised while the run is being built (`config_phase`: constructors and checks, before any work);
-* `StorageError` (lit_rlvr/storage.py): a file of the run could not be written (disk full, quota, read-only or
-  unwritable directory); the first one in the exception's chain is reported (later ones follow from it).
+* `StorageError` (from lit_rlvr/run/storage.py): a file of the run could not be written (disk full, quota,
+  read-only or unwritable directory); the first one in the exception's chain is reported (later ones follow from it).
 
-Python callers get the same exceptions, whose message is that line.
+Python callers get the same exceptions, whose message is that line. The classes are in `lit_rlvr.config.errors`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import re
 import sys
 from typing import Optional
 
-from lit_rlvr.config_check import DEBUG_ENV
-from lit_rlvr.storage import StorageError, debug, storage_cause
+from lit_rlvr.config.errors import DEBUG_ENV, CheckpointError, ConfigError, DataError, StorageError, debug
+from lit_rlvr.run.storage import storage_cause
 
 _CONFIG_PHASE = "_lit_rlvr_config_phase"  # set on an exception raised while the run was being built
 
@@ -42,8 +42,6 @@ class config_phase:
 
 def one_line(err: BaseException) -> Optional[tuple[str, list[str]]]:
     """(label, lines) when `err` is one of the errors a user fixes; None for anything else (a bug: traceback)."""
-    from lit_rlvr.options import ConfigError
-
     storage = None
     for current in _chain(err):  # the first storage failure: later ones follow from it
         if isinstance(current, StorageError):
@@ -57,7 +55,7 @@ def one_line(err: BaseException) -> Optional[tuple[str, list[str]]]:
         return "error", [f"{cause}: {where}" if where else f"{cause} ({type(err).__name__}: {first})"]
     if isinstance(err, ConfigError):
         return "config error", list(err.problems)
-    if getattr(err, _CONFIG_PHASE, False) or _typed_config_error(err):
+    if getattr(err, _CONFIG_PHASE, False) or isinstance(err, (CheckpointError, DataError)):
         return "config error", str(err).splitlines() or [type(err).__name__]
     return None
 
@@ -70,13 +68,6 @@ def _chain(err: BaseException) -> list[BaseException]:
         chain.append(current)
         current = current.__cause__ or current.__context__
     return chain
-
-
-def _typed_config_error(err: BaseException) -> bool:
-    from lit_rlvr.data.formats import DataError
-    from lit_rlvr.resume import CheckpointError
-
-    return isinstance(err, (CheckpointError, DataError))
 
 
 def root_cause(err: BaseException) -> BaseException:

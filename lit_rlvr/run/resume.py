@@ -20,6 +20,8 @@ from typing import Any, Iterable, Optional
 import lightning.pytorch as pl
 from typing_extensions import override
 
+from lit_rlvr.config.errors import CheckpointError
+
 log = logging.getLogger(__name__)
 
 CONFIG_KEY = "lit_rlvr_config"  # the checkpoint entry: {"config": resolved config, "overrides": [...]}
@@ -44,10 +46,6 @@ MUTABLE = ("algorithm.eval_samples", "algorithm.eval_temperature", "algorithm.ma
 ADDED_LATER = {"env.name": "none"}
 # optimizer settings that a checkpoint's optimizer state would silently put back: applied after the restore
 OPTIMIZER_KEYS = {"algorithm.lr": "lr", "algorithm.weight_decay": "weight_decay"}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message names the file, what is wrong and the key to change."""
 
 
 def load_checkpoint(path: Path, key: str = "resume") -> dict[str, Any]:

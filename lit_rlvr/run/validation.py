@@ -6,6 +6,8 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
+from lit_rlvr.functional.passk import pass_at_k
+
 
 class ValidationMetrics(nn.Module):
     """Accumulates a [B, n] correctness matrix per batch; reduces across ranks through torchmetrics.
@@ -21,8 +23,6 @@ class ValidationMetrics(nn.Module):
         self.pass_at_k = MeanMetric()
 
     def update(self, correct: Tensor) -> None:
-        from lit_rlvr.functional.passk import pass_at_k
-
         correct = correct.float()  # [B, n]
         self.accuracy.update(correct.mean(-1))
         value, _ = pass_at_k(correct.sum(-1).long(), self.num_samples, self.num_samples)

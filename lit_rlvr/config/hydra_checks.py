@@ -13,7 +13,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from lit_rlvr.storage import check_writable_dir
+from lit_rlvr.run.one_line import config_phase, one_line_errors
+from lit_rlvr.run.storage import check_writable_dir
 
 
 class RunDirCheck(Callback):
@@ -24,8 +25,6 @@ class RunDirCheck(Callback):
         self._check(config, "hydra.sweep.dir")
 
     def _check(self, config: DictConfig, key: str) -> None:
-        from lit_rlvr.errors import config_phase, one_line_errors
-
         HydraConfig.instance().set_config(config)  # as Hydra does next: the dir may refer to ${hydra:...}
         with one_line_errors(), config_phase():
             check_writable_dir(Path(str(OmegaConf.select(config, key))).absolute(), key)

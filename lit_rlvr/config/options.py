@@ -1,6 +1,6 @@
 """The valid ranges of the run's options, in one table that every entry point checks.
 
-`train.py` checks the composed config against it before any work (`lit_rlvr.config_check`); the constructors
+`train.py` checks the composed config against it before any work (`lit_rlvr.config.config_check`); the constructors
 (`GRPOModule`, `RLVRDataModule`, `SamplingConfig`, `SamplingParams`) check their own arguments against the same
 rows, so the Lightning CLI and plain Python reject what `train.py` rejects, with the same line. Keys are the
 Hydra config paths; a constructor checks the rows of its section (`algorithm.`, `data.`).
@@ -12,11 +12,11 @@ import math
 import numbers
 from typing import Any, Callable, Mapping
 
+from lit_rlvr.config.problems import (INFINITE_OK, check_finite, convert, finite_problem, finite_problems, problem_line,
+                                      unknown_key_problems)
 from lit_rlvr.functional import AGGREGATIONS, KL_ESTIMATORS
-from lit_rlvr.problems import (INFINITE_OK, ConfigError, check_finite, convert, finite_problem, finite_problems,
-                               problem_line, unknown_key_problems)
 
-__all__ = ["RANGES", "INFINITE_OK", "ConfigError", "check_finite", "convert", "finite_problem", "finite_problems",
+__all__ = ["RANGES", "INFINITE_OK", "check_finite", "convert", "finite_problem", "finite_problems",
            "problem_line", "range_problems", "unknown_key_problems"]
 
 Rule = tuple[Callable[[Any], bool], str]  # (is the value valid?, what is expected)

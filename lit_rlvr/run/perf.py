@@ -22,7 +22,10 @@ import torch
 from torch import Tensor
 
 from lit_rlvr import functional as F
+from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.config.options import range_problems
 from lit_rlvr.functional.flops import SHAPE_KEYS
+from lit_rlvr.run.cache_entry import cache_root, default_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -180,9 +183,6 @@ class StepFlops:
     for each generated batch (all of DAPO's refills too), `metrics` when the step is logged."""
 
     def __init__(self, peak_flops: Optional[float] = None, cache_dir: Optional[str] = None):
-        from lit_rlvr.models.cache_entry import cache_root, default_cache_dir
-        from lit_rlvr.options import ConfigError, range_problems
-
         problems = range_problems({"peak_flops": peak_flops}, "perf")  # the row train.py checks too
         if problems:
             raise ConfigError(problems)

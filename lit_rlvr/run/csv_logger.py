@@ -3,7 +3,7 @@
 Lightning's writer appends rows, but rewrites metrics.csv in place when a new column appears (a failure halfway
 loses the earlier rows) and reports ENOSPC without the file's name. Here a new header is written to a temp file
 and renamed over, an append that fails is cut off again, the rows stay in memory until they are on disk, and a
-failure is a one-line `StorageError` naming the file (lit_rlvr/storage.py). A remote (fsspec) log dir keeps
+failure is a one-line `StorageError` naming the file (lit_rlvr/run/storage.py). A remote (fsspec) log dir keeps
 Lightning's own writer.
 """
 
@@ -20,7 +20,7 @@ from lightning.pytorch.loggers import CSVLogger as LightningCSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from typing_extensions import override
 
-from lit_rlvr.storage import append_text, write_atomic, writing
+from lit_rlvr.run.storage import append_text, write_atomic, writing
 
 
 class SafeExperimentWriter(ExperimentWriter):

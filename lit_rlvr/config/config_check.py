@@ -3,7 +3,7 @@
 Types come from the classes the config builds: the `_target_` of `algorithm` and `data` and `pl.Trainer` for
 `trainer`. Their `__init__` annotations become an OmegaConf structured config (a dataclass made on the fly),
 and each value is assigned to it, so OmegaConf's own conversion decides what is valid ("3" is an int, "abc" is
-not). Ranges that no annotation can say are in `lit_rlvr.options.RANGES`, the table the constructors check too.
+not). Ranges that no annotation can say are in `lit_rlvr.config.options.RANGES`, the table the constructors check too.
 Each problem is one line naming the full key, the value and what is expected; `ConfigError` carries them all.
 """
 
@@ -19,12 +19,16 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lit_rlvr.bounds import bound_problems, declared_context
+from lit_rlvr.config import extras
+from lit_rlvr.config.bounds import bound_problems, declared_context
+from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.config.options import (RANGES, compile_problems, finite_problems, group_size_problem, problem_line,
+                                     range_problems, unknown_key_problems)
 from lit_rlvr.envs import environment_spec
-from lit_rlvr.options import (RANGES, ConfigError, compile_problems, finite_problems, group_size_problem, problem_line,
-                              range_problems, unknown_key_problems)
-
-DEBUG_ENV = "LIT_RLVR_DEBUG"  # =1: config errors raise with their traceback instead of one line
+from lit_rlvr.models.lora import LoraOptions
+from lit_rlvr.models.warmup import tiny_option_names
+from lit_rlvr.rewards import reward_problems
+from lit_rlvr.rollout_correction import RolloutCorrection
 
 
 # V0.5 starts each group with k_init samples and baselines them with the prior: one sample still has an advantage
@@ -79,7 +83,7 @@ def _check_option_types(cfg: DictConfig) -> list[str]:
     if OmegaConf.select(cfg, "model.name_or_path") == "tiny":
         sections.append(("model.options", OmegaConf.select(cfg, "model.options"),
                          _init_types("lit_rlvr.models.warmup.warm_start_tiny", function=True)))
-    sections.append(("perf", cfg.get("perf"), _init_types("lit_rlvr.perf.StepFlops")))
+    sections.append(("perf", cfg.get("perf"), _init_types("lit_rlvr.run.perf.StepFlops")))
     engine = ENGINE_CLASSES.get(str(OmegaConf.select(cfg, "engine.name")))
     if engine:
         sections.append(("engine.options", OmegaConf.select(cfg, "engine.options"),
@@ -96,7 +100,7 @@ def _check_option_types(cfg: DictConfig) -> list[str]:
 
 def _check_finite(cfg: DictConfig) -> list[str]:
     """Every float of the run's settings, at any depth (callbacks' and engines' options too), is finite unless inf
-    means something for that key (`lit_rlvr.options.INFINITE_OK`)."""
+    means something for that key (`lit_rlvr.config.options.INFINITE_OK`)."""
     return finite_problems(_leaves(cfg), "")
 
 
@@ -122,9 +126,6 @@ def _top_keys() -> set[str]:
 
 def _check_keys(cfg: DictConfig) -> list[str]:
     """Keys no code reads (a typo, `+model.lora_rank=8`) are refused, naming a close match and the valid ones."""
-    from lit_rlvr.models import tiny_option_names
-    from lit_rlvr.models.lora import LoraOptions
-
     problems = unknown_key_problems("", [k for k in cfg if not str(k).startswith("task_")], _top_keys())
     model = cfg.get("model")
     if isinstance(model, DictConfig):
@@ -135,7 +136,7 @@ def _check_keys(cfg: DictConfig) -> list[str]:
             problems += unknown_key_problems("model.options", options, ["cache_dir", *tiny_option_names()])
     perf = cfg.get("perf")
     if isinstance(perf, DictConfig):
-        problems += unknown_key_problems("perf", perf, set(_init_parameters("lit_rlvr.perf.StepFlops")) - {"self"})
+        problems += unknown_key_problems("perf", perf, set(_init_parameters("lit_rlvr.run.perf.StepFlops")) - {"self"})
     engine = ENGINE_CLASSES.get(str(OmegaConf.select(cfg, "engine.name")))
     options = OmegaConf.select(cfg, "engine.options")
     if engine and isinstance(options, DictConfig):  # the engine's arguments but those the module gives
@@ -254,8 +255,6 @@ def _check_ranges(cfg: DictConfig) -> list[str]:
 
 def _check_lora(cfg: DictConfig) -> list[str]:
     """`model.lora.*` through the class that owns it (`LoraOptions`), before the model loads."""
-    from lit_rlvr.models.lora import LoraOptions
-
     node = OmegaConf.select(cfg, "model.lora")
     try:
         options = LoraOptions.from_any(OmegaConf.to_container(node, resolve=True) if node is not None else None)
@@ -302,8 +301,6 @@ def _check_env(cfg: DictConfig) -> list[str]:
 
 def _check_extras(cfg: DictConfig) -> list[str]:
     """The optional packages this config will import (setup.cfg's extras), named before any work."""
-    from lit_rlvr.extras import installed, message
-
     needs = {"logger.wandb": ["wandb"], "logger.tensorboard": ["tensorboard"]}
     prior = OmegaConf.select(cfg, PRIOR_GROUP)
     if prior is not None:
@@ -316,15 +313,14 @@ def _check_extras(cfg: DictConfig) -> list[str]:
         if OmegaConf.select(cfg, key) is None:
             continue
         for name in names:
-            if not installed(name) and not (name == "tensorboard" and installed("tensorboardX")):
-                problems.append(f"{key}: {message(name)}")
+            if not extras.installed(name) and not (name == "tensorboard" and extras.installed("tensorboardX")):
+                problems.append(f"{key}: {extras.message(name)}")
     return problems
 
 
 def _check_reward(cfg: DictConfig) -> list[str]:
     """The reward source's settings (`lit_rlvr.rewards.reward_problems`: terms, remote's URL, ...), which the
     module's constructor checks again for the Lightning CLI and Python."""
-    from lit_rlvr.rewards import reward_problems
 
     node = cfg.get("reward")
     if node is None or node.get("name") is None:
@@ -338,7 +334,6 @@ def _check_rollout_correction(cfg: DictConfig) -> list[str]:
     node = OmegaConf.select(cfg, "algorithm.rollout_correction")
     if node is None:
         return []
-    from lit_rlvr.rollout_correction import RolloutCorrection
 
     try:
         RolloutCorrection.from_options(OmegaConf.to_container(node, resolve=True))
@@ -350,7 +345,7 @@ def _check_rollout_correction(cfg: DictConfig) -> list[str]:
 
 def _check_context(cfg: DictConfig) -> list[str]:
     """Every bound of a rollout against the model's positions, when the model declares them without loading
-    (lit_rlvr.bounds; else the module checks right after it loads)."""
+    (lit_rlvr.config.bounds; else the module checks right after it loads)."""
     context = declared_context(OmegaConf.select(cfg, "model.name_or_path"))
     if context is None:
         return []

@@ -1,5 +1,5 @@
 """The standard problem line of a bad setting and the general rules every setting follows (finite floats, known
-keys, conversions that name the key), without torch: reward worker processes import it. `lit_rlvr.options`
+keys, conversions that name the key), without torch: reward worker processes import it. `lit_rlvr.config.options`
 re-exports them beside its table of ranges."""
 
 from __future__ import annotations
@@ -8,13 +8,7 @@ import difflib
 import math
 from typing import Any, Mapping, Optional
 
-
-class ConfigError(ValueError):
-    """Invalid option values: one line per key (`problems`); entry points print the lines without a traceback."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("\n".join(problems))
+from lit_rlvr.config.errors import ConfigError
 
 
 def problem_line(key: str, value: Any, expected: str) -> str:

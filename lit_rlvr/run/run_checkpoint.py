@@ -1,7 +1,7 @@
 """`RunCheckpoint`: `checkpoints/last.ckpt`, written atomically every `every_n_steps` optimizer steps, at the
 run's last step, and at the step during which SIGTERM or a first SIGINT (Ctrl-C) arrived (then training stops;
 docs/architecture.md §10). A step that has not ended `stop_grace_s` seconds after the signal is abandoned
-(`lit_rlvr.stop`: nothing of it is saved; the recipe names the intact last.ckpt). A second SIGINT aborts at once.
+(`lit_rlvr.run.stop`: nothing of it is saved; the recipe names the intact last.ckpt). A second SIGINT aborts at once.
 With LoRA the module's `AdapterExport` writes the adapter beside it in PEFT's format (`adapter/`), as it does for any
 other save.
 
@@ -26,10 +26,11 @@ import lightning.pytorch as pl
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
-from lit_rlvr.checkpoint_io import AtomicCheckpointIO, sweep_temp_files
-from lit_rlvr.options import ConfigError, range_problems
-from lit_rlvr.stop import STOP
-from lit_rlvr.storage import writing
+from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.config.options import range_problems
+from lit_rlvr.run.checkpoint_io import AtomicCheckpointIO, sweep_temp_files
+from lit_rlvr.run.stop import STOP
+from lit_rlvr.run.storage import writing
 
 log = logging.getLogger(__name__)
 

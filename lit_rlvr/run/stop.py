@@ -17,14 +17,7 @@ import time
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
-
-class StopRequested(BaseException):
-    """A stop request outlived the grace period mid-step (a BaseException: no `except Exception` contains it).
-    `signal_name`: "SIGTERM" or "SIGINT"."""
-
-    def __init__(self, signal_name: str, message: str):
-        super().__init__(message)
-        self.signal_name = signal_name
+from lit_rlvr.config.errors import StopRequested
 
 
 class StopFlag:

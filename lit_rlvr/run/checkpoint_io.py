@@ -20,7 +20,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
-from lit_rlvr.storage import tensor_bytes, writing
+from lit_rlvr.run.storage import tensor_bytes, writing
 
 UNSUPPORTED = (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT)  # O_TMPFILE missing on this fs/kernel
 

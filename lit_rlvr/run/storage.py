@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
-from lit_rlvr.config_check import DEBUG_ENV
+from lit_rlvr.config.errors import StorageError, debug
 
 # errno -> the words the OS uses; the causes that a user fixes on the machine, not in the code
 STORAGE_ERRNOS = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded",
@@ -27,17 +27,6 @@ STORAGE_ERRNOS = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk q
 _CAUSE_WORDS = {"No space left on device": "No space left on device", "StorageFull": "No space left on device",
                 "os error 28": "No space left on device", "Disk quota exceeded": "Disk quota exceeded",
                 "File too large": "File too large", "Read-only file system": "Read-only file system"}
-
-
-class StorageError(OSError):
-    """A file of the run could not be written; the message is one line: cause, path, what was needed."""
-
-    def __init__(self, message: str, path: Path, cause_errno: Optional[int] = None):
-        super().__init__(cause_errno, message)
-        self.message, self.path = message, Path(path)
-
-    def __str__(self) -> str:
-        return self.message
 
 
 def size(n: Optional[float]) -> str:
@@ -105,10 +94,6 @@ def writing(path: Path, what: str, needed: Optional[int] = None, hint: str = "")
         message = f"cannot write {what} {path}: {cause}{f' ({amounts})' if amounts else ''}; {todo}"
         message += f". {hint}" if hint else ""
         raise StorageError(message, path, code) from (err if debug() else None)
-
-
-def debug() -> bool:
-    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
 def tensor_bytes(obj: Any) -> int:

@@ -10,13 +10,17 @@ for one file and for a sharded folder alike (the adapter export is a collective 
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional, Union
 
 import lightning.pytorch as pl
+from torch import Tensor, nn
 from typing_extensions import override
 
-from lit_rlvr.models.lora import is_lora, save_adapter
+from lit_rlvr.models.lora import is_lora
+from lit_rlvr.rollout.weights import full_named_weights
 
 FOLDER = "adapter"
 
@@ -44,3 +48,29 @@ class AdapterExport(pl.Callback):
 
         save_checkpoint.exports_adapter = True
         strategy.save_checkpoint = save_checkpoint  # kept after fit: train.py saves once more after it returns
+
+
+def adapter_state(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """(name in `model.named_parameters()`, full tensor) of each adapter parameter; FSDP2 shards are gathered."""
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    yield from ((n, t) for n, t in full_named_weights(model) if n in names)
+
+
+def save_adapter(model: nn.Module, directory: Union[str, Path], *, is_main_process: bool = True) -> Path:
+    """Write the adapter in PEFT's format (`adapter_config.json` + `adapter_model.safetensors`) so that
+    `PeftModel.from_pretrained(base, directory)` loads it. A collective under FSDP2 (shards are gathered on every
+    rank); only the main process writes. Written to a sibling folder and renamed in: a reader never sees half."""
+    directory = Path(directory)
+    state = dict(adapter_state(model))  # every rank: full_tensor is a collective
+    if not is_main_process:
+        return directory
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp), state_dict={k: v.detach().cpu().contiguous() for k, v in state.items()})
+    aside = directory.with_name(directory.name + ".old")
+    shutil.rmtree(aside, ignore_errors=True)
+    if directory.exists():
+        os.replace(directory, aside)
+    os.replace(tmp, directory)
+    shutil.rmtree(aside, ignore_errors=True)
+    return directory

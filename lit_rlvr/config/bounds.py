@@ -19,7 +19,8 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from lit_rlvr.options import ConfigError, problem_line
+from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.config.options import problem_line
 
 TINY_CONTEXT = 256  # the built-in tiny model's positions (lit_rlvr.models.tiny.tiny_config)
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")  # what HF configs call it

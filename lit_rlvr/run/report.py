@@ -1,7 +1,7 @@
 """Compare runs: one figure and a markdown table of final figures.
 
-    python -m lit_rlvr.report RUN_DIR [RUN_DIR ...] --out report.png     (also writes report.md)
-    python -m lit_rlvr.report runs/grpo_s* runs/c3po_s* --group          (seeds of a method: mean ± sd band)
+    python -m lit_rlvr.run.report RUN_DIR [RUN_DIR ...] --out report.png     (also writes report.md)
+    python -m lit_rlvr.run.report runs/grpo_s* runs/c3po_s* --group          (seeds of a method: mean ± sd band)
 
 A run dir holds `metrics.csv` (train.py, or the CLI's CSVLogger dir) and, for train.py runs, `summary.json`.
 Each metric is drawn twice: against the RL step and against the rollouts consumed (`rollouts/total`), the
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from lit_rlvr.extras import require
+from lit_rlvr.config.extras import require
 
 pd = require("pandas")
 
@@ -217,7 +217,7 @@ def _fmt(value, digits: int = 3) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lit_rlvr.report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lit_rlvr.run.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="run directories (each with metrics.csv)")
     parser.add_argument("--out", default="report.png", help="figure path; the table goes next to it as .md")
     parser.add_argument("--group", action="store_true",

@@ -1,0 +1,76 @@
+"""Every error class of lit-rlvr, in one place, and the switch that shows their tracebacks (`LIT_RLVR_DEBUG=1`).
+
+The errors a user fixes carry one line each (a key, its value and what is allowed; a file and what is wrong with
+it); `lit_rlvr.run.one_line` prints them that way at the entry points. This module imports nothing else of lit-rlvr
+and no torch: reward worker processes import it. Control-flow exceptions private to one module (a reward that is
+not a score, a row that does not parse) stay beside their code.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+DEBUG_ENV = "LIT_RLVR_DEBUG"  # =1: config errors raise with their traceback instead of one line
+
+
+def debug() -> bool:
+    """Whether the user asked for tracebacks (`LIT_RLVR_DEBUG` set and not 0)."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+class ConfigError(ValueError):
+    """Invalid option values: one line per key (`problems`); entry points print the lines without a traceback."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+class RewardOptionError(ValueError):
+    """Bad reward settings, one line each (`problems`); the entry points print them as config errors."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the file, what is wrong and the key to change."""
+
+
+class DataError(ValueError):
+    """A bad data file or row; the message names the file, the 1-based row and the field, and the fix."""
+
+
+class MissingExtra(ImportError):
+    """An optional dependency is not installed; the message names the feature and the pip command."""
+
+
+class StorageError(OSError):
+    """A file of the run could not be written; the message is one line: cause, path, what was needed."""
+
+    def __init__(self, message: str, path: Path, cause_errno: Optional[int] = None):
+        super().__init__(cause_errno, message)
+        self.message, self.path = message, Path(path)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class StopRequested(BaseException):
+    """A stop request outlived the grace period mid-step (a BaseException: no `except Exception` contains it).
+    `signal_name`: "SIGTERM" or "SIGINT"."""
+
+    def __init__(self, signal_name: str, message: str):
+        super().__init__(message)
+        self.signal_name = signal_name
+
+
+class RewardHangError(RuntimeError):
+    """A reward call overran `reward.options.timeout_s` and could not be cut: the run stopped after saving."""
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself failed (not the program): an infrastructure error, never a wrong answer."""

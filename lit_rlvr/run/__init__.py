@@ -1,0 +1,2 @@
+"""Run infrastructure: checkpoints and resume, files that survive a full disk, RNG state, the step log and metrics
+files, stop requests, collectives, the process's warnings and garbage collection, MFU, run reports."""
