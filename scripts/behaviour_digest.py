@@ -63,12 +63,15 @@ def run(name: str, root: Path, drop: tuple[str, ...]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("names", nargs="*", default=list(CONFIGS), choices=list(CONFIGS), metavar="NAME")
+    parser.add_argument("names", nargs="*", default=list(CONFIGS), metavar="NAME", help=", ".join(CONFIGS))
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--keep", help="write the runs here instead of a temporary folder")
     parser.add_argument("--drop-columns", action="append", default=[], metavar="PREFIX",
                         help="also leave out metrics.csv columns starting with PREFIX (repeatable)")
     args = parser.parse_args()
+    unknown = [n for n in args.names if n not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configuration {unknown[0]!r}; known: {', '.join(CONFIGS)}")
     with tempfile.TemporaryDirectory(prefix="digest-") as tmp:
         root = Path(args.keep) if args.keep else Path(tmp)
         with ThreadPoolExecutor(args.jobs) as pool:

@@ -98,3 +98,19 @@ def test_judge_settings_one_line_each(fake_openai, options, line):
     options = {k: fake_openai[0] if v == "URL" else v for k, v in options.items()}
     problems = reward_problems("judge", options)
     assert len(problems) == 1 and problems[0].startswith(line), problems
+
+
+def test_a_token_counts_for_the_word_it_begins():
+    """A tokenizer may split "yes"; the first token ("y", "Ye") is what one step returns. "yeah", "nope" and blanks
+    count for neither."""
+    from types import SimpleNamespace
+
+    from lit_rlvr.rewards.judge import yes_probability
+
+    def response(tops):
+        content = [SimpleNamespace(top_logprobs=[SimpleNamespace(token=t, logprob=math.log(p)) for t, p in tops])]
+        return SimpleNamespace(choices=[SimpleNamespace(logprobs=SimpleNamespace(content=content))])
+
+    result = yes_probability(response([("y", 0.3), (" Ye", 0.1), ("N", 0.2), ("yeah", 0.2), (" ", 0.1), ("nope", 0.1)]))
+    assert not result.malformed and result.score == pytest.approx(0.4 / 0.6)
+    assert yes_probability(response([("yeah", 0.5), ("nope", 0.5)])).malformed

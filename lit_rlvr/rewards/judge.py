@@ -6,8 +6,9 @@
 The judge sees `template` filled with `{prompt}`, `{completion}` and `{answer}` as one user message. Two scores:
 
 - `score: yes_prob` (default): one token, with log-probs; the score is P(yes) / (P(yes) + P(no)) over the top
-  `top_logprobs` candidates (tokens compared stripped and lower-cased), in [0, 1], with no text to parse. Neither
-  in the candidates: malformed (score 0).
+  `top_logprobs` candidates, in [0, 1], with no text to parse. A candidate counts as yes (no) when, stripped and
+  lower-cased, it is "yes" ("no") or the start of it: a tokenizer may split the word, and the first token is all
+  one step returns. Neither among the candidates: malformed (score 0).
 - `score: parsed`: up to `max_tokens` tokens of text; the last number in it divided by `max_score`, clipped to
   [0, 1]. No number: malformed (score 0).
 
@@ -119,16 +120,17 @@ class JudgeReward:
 
 
 def yes_probability(response: Any) -> RewardResult:
-    """P(yes) / (P(yes) + P(no)) from the first generated token's top log-probs."""
+    """P(yes) / (P(yes) + P(no)) from the first generated token's top log-probs (a token counts for a word it
+    begins: "Yes", " yes", "y")."""
     content = response.choices[0].logprobs.content if response.choices[0].logprobs else None
     if not content:
         return RewardResult(0.0, True, "the judge returned no log-probs (does the server support logprobs?)")
     yes = no = 0.0
     for candidate in content[0].top_logprobs:
         word = candidate.token.strip().lower()
-        if word == "yes":
+        if word and "yes".startswith(word):
             yes += math.exp(candidate.logprob)
-        elif word == "no":
+        elif word and "no".startswith(word):
             no += math.exp(candidate.logprob)
     if yes + no == 0.0:
         return RewardResult(0.0, True, "neither yes nor no among the judge's top tokens")
