@@ -49,8 +49,9 @@ def measured(workload: str, rank: int) -> dict:
     out = {}
     for label, lora, sync in (("full", None, "adapter"), ("adapter", {"rank": rank}, "adapter"),
                               ("merged", {"rank": rank}, "merged")):
+        engine_options = {"mode": "copy", "lora_sync": sync, "sync_check_every": 0}  # the bytes alone
         module = GRPOModule(model=cfg.model.name_or_path, model_options=options, lora=lora,
-                            engine_options={"mode": "copy", "lora_sync": sync})
+                            engine_options=engine_options)
         module.setup("fit")
         module.driver.push(step=0)  # the first push (full weights where needed)
         out[f"{label}_bytes"] = module.driver.push(step=1).nbytes
