@@ -43,19 +43,18 @@ def measured(workload: str, rank: int) -> dict:
     from omegaconf import OmegaConf
 
     from lit_rlvr.module import GRPOModule
-    from lit_rlvr.rollout.lora import push_policy
 
     cfg = common.compose("grpo", [f"{k}={v}" for k, v in common.WORKLOADS[workload].items()])
     options = OmegaConf.to_container(cfg.model.options, resolve=True)
     out = {}
     for label, lora, sync in (("full", None, "adapter"), ("adapter", {"rank": rank}, "adapter"),
                               ("merged", {"rank": rank}, "merged")):
+        engine_options = {"mode": "copy", "lora_sync": sync, "sync_check_every": 0}  # the bytes alone
         module = GRPOModule(model=cfg.model.name_or_path, model_options=options, lora=lora,
-                            engine_options={"mode": "copy", "lora_sync": sync})
+                            engine_options=engine_options)
         module.setup("fit")
-        push_policy(module.engine, module.policy, version=0)  # the first push (full weights where needed)
-        module.engine.version = 0
-        out[f"{label}_bytes"] = push_policy(module.engine, module.policy, version=1)
+        module.driver.push(step=0)  # the first push (full weights where needed)
+        out[f"{label}_bytes"] = module.driver.push(step=1).nbytes
     out["adapter_frac"] = out["adapter_bytes"] / out["full_bytes"]
     out["merged_frac"] = out["merged_bytes"] / out["full_bytes"]
     return out

@@ -629,4 +629,4 @@ class GRPOModule(pl.LightningModule):
         if "rng" in state:  # a resumed run draws the random numbers the uninterrupted run would have drawn
             set_rng_states(state["rng"])
         if self.driver is not None:  # the engine must receive the restored weights before the next rollout
-            self.driver.forget_engine_weights()
+            self.driver.weight_sync.forget()

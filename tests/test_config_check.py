@@ -119,3 +119,19 @@ def test_require_names_the_extra():
     EXTRAS["no_such_pkg_t20"] = ("report", "a test")
     with pytest.raises(MissingExtra, match=r"pip install 'lit-rlvr\[report\]'"):
         require("no_such_pkg_t20")
+
+
+def test_vllm_lora_rank_limit_is_checked_before_the_model_loads(tmp_path):
+    """vLLM serves adapters up to rank 512 (`VLLMEngine.max_lora_rank`): a larger rank is one line before any work;
+    merged pushes (`engine.options.lora_sync=merged`) carry any rank."""
+    line = ("model.lora.rank=600: engine=vllm serves LoRA adapters up to rank 512 (engine.options.lora_sync=adapter); "
+            "lower model.lora.rank, or set engine.options.lora_sync=merged")
+    with pytest.raises(ConfigError) as err:
+        check_config(_compose("engine=vllm", "model.lora.rank=600"))
+    assert err.value.problems == [line]
+    check_config(_compose("engine=vllm", "model.lora.rank=600", "engine.options.lora_sync=merged"))
+    check_config(_compose("engine=vllm", "model.lora.rank=512"))
+    check_config(_compose("engine=sglang", "model.lora.rank=600"))  # no limit declared
+    done = _train_py("engine=vllm", "model.lora.rank=600", tmp_path=tmp_path)
+    assert done.returncode == 2 and [e for e in done.stderr.splitlines() if e.startswith("config error:")] == [
+        f"config error: {line}"]

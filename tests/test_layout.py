@@ -273,7 +273,7 @@ def test_the_engine_contract_has_defaults_for_all_but_generation_and_weights():
 
     engine = Minimal()
     engine.sleep(), engine.wake(), engine.end_weight_update(), engine.shutdown()
-    assert engine.to("cpu") is engine and engine.version == 0 and engine.generation_dtype() is None
+    assert engine.to("cpu") is engine and engine.holds_weights and engine.generation_dtype() is None
     assert not engine.shares_weights and not engine.can_generate_stacked and engine.weight_dtype is None
 
 

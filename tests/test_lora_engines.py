@@ -74,8 +74,6 @@ def test_adapter_sync_pushes_the_adapter_alone_and_the_engine_follows():
 
 
 def test_merged_sync_pushes_the_adapted_layers_after_the_first_push():
-    from lit_rlvr.rollout.lora import push_policy
-
     module = lora_module({"mode": "copy", "lora_sync": "merged"})
     module.setup("fit")
     engine = module.engine
@@ -84,13 +82,12 @@ def test_merged_sync_pushes_the_adapted_layers_after_the_first_push():
     load, end = engine.load_weights, engine.end_weight_update
     engine.load_weights = lambda bucket: (pushes[-1].update(n for n, _ in bucket), load(bucket))[1]
     engine.end_weight_update = lambda: (pushes.append(set()), end())[1]
-    push_policy(engine, module.policy, version=0)
-    engine.version = 0
+    module.driver.push(step=0)
     with torch.no_grad():
         for name, p in module.policy.named_parameters():
             if "lora_B" in name:
                 p.fill_(0.01)
-    push_policy(engine, module.policy, version=1)
+    module.driver.push(step=1)
     adapted = {hf_name(f"{n}.base_layer.weight") for n, _ in lora_layers(module.policy)}
     assert pushes[0] == set(dict(engine.model.named_parameters()))  # first: everything
     assert pushes[1] == adapted  # then only W + BA of the adapted layers

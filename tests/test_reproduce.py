@@ -57,7 +57,6 @@ class StubEngine(RolloutEngine):
 
     def __init__(self, p):
         self.p, self.calls = p, []
-        self.version = 0
 
     def generate(self, prompt_token_ids, n_per_prompt, params):
         self.calls.append((list(n_per_prompt), params.seed))

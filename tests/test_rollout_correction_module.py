@@ -15,9 +15,9 @@ import torch
 from lit_rlvr.data.datamodule import RLVRDataModule
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.module import GRPOModule
-from lit_rlvr.rollout import driver as driver_module
 from lit_rlvr.rollout.batch import Rollouts
 from lit_rlvr.rollout.hf import HFEngine
+from lit_rlvr.rollout.weight_sync import WeightSync
 from lit_rlvr.rollout.weights import push_weights
 from tiny_options import TINY as TINY_OPTIONS
 
@@ -44,18 +44,18 @@ def fit(steps: int = 2, drop_push_at: int | None = None, **kwargs) -> list[dict]
     optimizer step (it keeps sampling with the previous ones while claiming the new version)."""
     pl.seed_everything(0, verbose=False)
     m = module(**kwargs)
-    real = driver_module.push_policy
+    real = WeightSync._send
 
-    def push(engine, policy, *, version):
-        if version == drop_push_at:
-            return  # a lost push: the engine keeps sampling with the previous weights under the new version
-        real(engine, policy, version=version)
+    def send(sync, step):
+        if step == drop_push_at:
+            return 0  # a lost push: the engine keeps sampling with the previous weights under the new version
+        return real(sync, step)
 
     metrics = StepMetrics()
     trainer = pl.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                          callbacks=[metrics])
-    with mock.patch.object(driver_module, "push_policy", push):
+    with mock.patch.object(WeightSync, "_send", send):
         trainer.fit(m, datamodule=RLVRDataModule(batch_size=4, seed=0))
     assert len(metrics.rows) == steps
     return metrics.rows

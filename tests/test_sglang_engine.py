@@ -234,7 +234,7 @@ def test_engine_arguments_and_per_rank_ports_seeds_gpus(fake_sglang, monkeypatch
     assert (rank0["base_gpu_id"], rank0["random_seed"], rank0["mem_fraction_static"]) == (0, 7, 0.4)
     config = json.loads((Path(rank0["model_path"]) / "config.json").read_text())
     assert config["architectures"] == ["Qwen3ForCausalLM"]  # sglang picks its model class from it
-    assert engine.mode == "copy" and engine.version == -1 and engine.bucket_bytes == 256 << 20
+    assert not engine.shares_weights and not engine.holds_weights and engine.bucket_bytes == 256 << 20
     engine.shutdown()
     assert not Path(rank0["model_path"]).exists()
 
@@ -264,7 +264,7 @@ def test_weight_push_flushes_once_after_last_bucket(fake_sglang):
     assert fake.calls == ["begin", *updates, "end", "flush"]  # one session, one flush after the last bucket
     assert all(flush is False and load_format is None for _, flush, load_format in updates)
     assert fake.loaded == [name for name, _ in model.named_parameters()]  # HF names, unchanged
-    engine.version = 0
+    assert engine.holds_weights
     out = engine.generate([[5, 6], [7]], [2, 1], SamplingParams(temperature=0.0))
     assert [[c.token_ids.tolist() for c in g] for g in out] == [[[7, 2], [7, 2]], [[8, 2]]]
     assert out[0][0].finish_reason == "stop" and out[0][0].logprobs.tolist() == [-0.5, -0.25]
@@ -286,11 +286,10 @@ def test_sleep_wake_are_idempotent_and_drop_the_weights(fake_sglang):
     engine, model = _engine()
     fake = fake_sglang.instances[-1]
     push_weights(engine, model)
-    engine.version = 3
     fake.calls.clear()
     engine.sleep()
     engine.sleep()
-    assert fake.calls == [("release", None)] and engine.version == -1  # the trainer pushes again
+    assert fake.calls == [("release", None)] and not engine.holds_weights  # the trainer pushes again
     engine.wake()
     engine.wake()
     assert fake.calls == [("release", None), ("resume", None)]
@@ -357,7 +356,6 @@ def test_real_sglang_greedy_equals_hf_engine(tiny_path):
                           server_args={"attention_backend": "torch_native", "disable_cuda_graph": True})
     try:
         push_weights(engine, model)
-        engine.version = 0
         got = engine.generate(prompts, [2, 1, 1, 1], params)
         engine.sleep()
         engine.wake()

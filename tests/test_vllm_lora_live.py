@@ -35,24 +35,29 @@ def lora_policy():
 
 
 @pytest.fixture(scope="module")
-def engine(lora_policy):
-    from lit_rlvr.rollout.lora import push_policy
+def sync(lora_policy):
+    """The engine with the policy pushed once, and the `WeightSync` that pushed it (what the engine holds)."""
     from lit_rlvr.rollout.vllm import VLLMEngine
+    from lit_rlvr.rollout.weight_sync import WeightSync
 
     model, tokenizer = lora_policy
     eng = VLLMEngine(model, tokenizer, kv_cache_memory_bytes=64 << 20, dtype="float32", enforce_eager=True,
-                     max_loras=4)
-    eng.bucket_bytes = 4096
+                     max_loras=4, bucket_bytes=4096)
     assert eng.serves_lora and eng.serves_many_adapters
-    pushed = push_policy(eng, model, version=0)
-    eng.version = 0
+    weight_sync = WeightSync(eng, model)
+    pushed = weight_sync.push(step=0).nbytes
     base = sum(p.numel() * 4 for n, p in model.named_parameters() if ".lora_" not in n)
     adapter = sum(p.numel() * 4 for n, p in model.named_parameters() if ".lora_" in n)
     assert pushed == base + adapter  # the first push: the base by name, then the adapter
-    yield eng
+    yield weight_sync
     pids = eng.engine_pids()
     eng.shutdown()
     assert not _alive(pids, grace_s=20), "engine processes outlived shutdown()"
+
+
+@pytest.fixture(scope="module")
+def engine(sync):
+    return sync.engine
 
 
 def test_sampling_with_the_pushed_adapter_matches_the_trainers_lora_policy(engine, lora_policy):
@@ -77,11 +82,10 @@ def test_sampling_with_the_pushed_adapter_matches_the_trainers_lora_policy(engin
     assert [c[0].token_ids.tolist() for c in base] != [c[0].token_ids.tolist() for c in ours]
 
 
-def test_c3po_sampled_adapters_decode_in_one_call_each_with_its_own(engine, lora_policy):
+def test_c3po_sampled_adapters_decode_in_one_call_each_with_its_own(sync, engine, lora_policy):
     from lora_live import assert_blocks_match_each_adapter
 
     from lit_rlvr.rollout import SamplingParams
-    from lit_rlvr.rollout.lora import generate_with_adapters
 
     model, tokenizer = lora_policy
     prompts = _prompts(tokenizer)[:2]
@@ -93,15 +97,15 @@ def test_c3po_sampled_adapters_decode_in_one_call_each_with_its_own(engine, lora
     real = engine._llm.generate
     engine._llm.generate = lambda *a, **k: calls.append(len(a[0])) or real(*a, **k)
     try:
-        got = generate_with_adapters(engine, model, prompts, [[1, 1]] * 3, params, stacks, version=7)
+        got = engine.generate_stacked(prompts, [[1, 1]] * 3, sync.load_samples(stacks, params, step=7), None)
     finally:
         engine._llm.generate = real
     assert calls == [6]  # one engine call for the 3 adapters' rows
     assert_blocks_match_each_adapter(got, model, tokenizer, prompts, [1, 1], params, stacks, atol=1e-4)
 
 
-def test_an_adapter_that_never_arrives_is_caught(engine, lora_policy):
-    from lit_rlvr.rollout.lora import EngineSyncError, SyncCheck, check_engine_sync, probe_prompt, push_policy
+def test_an_adapter_that_never_arrives_is_caught(sync, engine, lora_policy):
+    from lit_rlvr.rollout.lora import EngineSyncError, SyncCheck, check_engine_sync, probe_prompt
 
     model, tokenizer = lora_policy
     check = SyncCheck()
@@ -111,7 +115,7 @@ def test_an_adapter_that_never_arrives_is_caught(engine, lora_policy):
     real = engine.load_adapter
     engine.load_adapter = lambda *a: None  # ... that the engine drops
     try:
-        push_policy(engine, model, version=1)
+        sync.push(step=1)
         with pytest.raises(EngineSyncError, match="not sampling the policy being trained"):
             check_engine_sync(engine, model, probe_prompt(tokenizer), check=check, version=1)
     finally:
@@ -119,5 +123,5 @@ def test_an_adapter_that_never_arrives_is_caught(engine, lora_policy):
         with torch.no_grad():
             for p, v in zip([p for p in model.parameters() if p.requires_grad], saved):
                 p.copy_(v)
-    push_policy(engine, model, version=2)  # a push that arrives: in step again
+    sync.push(step=2)  # a push that arrives: in step again
     assert float(check_engine_sync(engine, model, probe_prompt(tokenizer), check=check, version=2)) < 1e-4

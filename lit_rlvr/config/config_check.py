@@ -22,8 +22,8 @@ from omegaconf.errors import OmegaConfBaseException
 from lit_rlvr.config import extras
 from lit_rlvr.config.bounds import bound_problems, declared_context
 from lit_rlvr.config.errors import ConfigError
-from lit_rlvr.config.options import (RANGES, compile_problems, finite_problems, group_size_problem, problem_line,
-                                     range_problems, unknown_key_problems)
+from lit_rlvr.config.options import (RANGES, compile_problems, finite_problems, group_size_problem,
+                                     lora_rank_problems, problem_line, range_problems, unknown_key_problems)
 from lit_rlvr.envs import environment_spec
 from lit_rlvr.models.lora import LoraOptions
 from lit_rlvr.models.warmup import tiny_option_names
@@ -260,11 +260,25 @@ def _check_lora(cfg: DictConfig) -> list[str]:
         options = LoraOptions.from_any(OmegaConf.to_container(node, resolve=True) if node is not None else None)
     except (ValueError, TypeError) as err:
         return [str(err)]
+    problems = _engine_lora_problems(cfg)
     name, model_options = OmegaConf.select(cfg, "model.name_or_path"), OmegaConf.select(cfg, "model.options")
     if name is None:
-        return []
+        return problems
     model_options = OmegaConf.to_container(model_options, resolve=True) if model_options is not None else None
-    return options.model_problems(str(name), model_options)  # every target names a module, before any work
+    return problems + options.model_problems(str(name), model_options)  # every target names a module, before any work
+
+
+def _engine_lora_problems(cfg: DictConfig) -> list[str]:
+    """`model.lora.rank` against what the engine serves as adapters (its `max_lora_rank`: vLLM's), before the model
+    loads."""
+    name = str(OmegaConf.select(cfg, "engine.name"))
+    rank = OmegaConf.select(cfg, "model.lora.rank")
+    if name not in ENGINE_CLASSES or rank is None:
+        return []
+    (engine, *_) = _init_classes(ENGINE_CLASSES[name])
+    default = inspect.signature(engine.__init__).parameters["lora_sync"].default
+    lora_sync = OmegaConf.select(cfg, "engine.options.lora_sync", default=default)
+    return lora_rank_problems(engine, name, int(rank), str(lora_sync))
 
 
 def _check_compile(cfg: DictConfig) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 from lit_rlvr.config.problems import (INFINITE_OK, check_finite, convert, finite_problem, finite_problems, problem_line,
                                       unknown_key_problems)
@@ -94,6 +94,16 @@ RANGES: dict[str, Rule] = {
 # one engine call's options (`SamplingParams`): the algorithm's rows, where temperature 0 (greedy) is valid
 RANGES.update({f"sampling.{k}": RANGES[f"algorithm.{k}"] for k in ("top_p", "top_k", "max_new_tokens")})
 RANGES["sampling.temperature"] = RANGES["algorithm.eval_temperature"]
+
+
+def lora_rank_problems(engine: Any, engine_name: str, rank: Optional[int], lora_sync: str) -> list[str]:
+    """A LoRA rank above what the engine class `engine` serves as adapters (its `max_lora_rank`), one line; checked with
+    the config, before the model loads, and by the engine itself."""
+    cap = engine.max_lora_rank
+    if rank is None or lora_sync != "adapter" or cap is None or rank <= cap:
+        return []
+    return [f"model.lora.rank={rank}: engine={engine_name} serves LoRA adapters up to rank {cap} "
+            "(engine.options.lora_sync=adapter); lower model.lora.rank, or set engine.options.lora_sync=merged"]
 
 
 def compile_problems(value: Any, sharded: bool) -> list[str]:

@@ -23,9 +23,9 @@ from lit_rlvr.config.errors import RewardHangError
 from lit_rlvr.envs import Environment
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts, rollouts_from_completions
 from lit_rlvr.rollout.engine import Completion, EngineError, RolloutEngine, SamplingConfig, SamplingParams
-from lit_rlvr.rollout.lora import (SyncCheck, can_generate_with_adapters, check_engine_sync, generate_with_adapters,
-                                   probe_prompt, push_policy)
+from lit_rlvr.rollout.lora import SyncCheck, probe_prompt
 from lit_rlvr.rollout.multi_turn import Episode, MultiTurn, score_episodes
+from lit_rlvr.rollout.weight_sync import PushResult, WeightSync
 from lit_rlvr.run import distributed as D
 from lit_rlvr.run.rng import seed_of
 from lit_rlvr.run.step_log import StepTimer
@@ -51,14 +51,6 @@ class _Tally:
     """What one driver call spends: phase seconds and the post-push checks' metrics."""
 
     timer: StepTimer = field(default_factory=StepTimer)
-    metrics: dict[str, Tensor] = field(default_factory=dict)
-
-
-@dataclass
-class PushResult:
-    """One weight push: its seconds and, when the post-push check ran, `engine/sync_logp_diff`."""
-
-    seconds: float
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
@@ -91,16 +83,12 @@ class RolloutDriver:
                  policy: nn.Module, sync_check: Optional[SyncCheck] = None, environment: Optional[Environment] = None,
                  chat_template: bool = False):
         self.engine, self.tokenizer, self.reward_runner = engine, tokenizer, reward_runner
-        self.sampling, self.policy, self.sync_check = sampling, policy, sync_check
+        self.sampling, self.policy = sampling, policy
         context = model_context(policy, tokenizer)  # multi-turn rollouts stop at the model's last position
         self.multi_turn = (MultiTurn(environment, tokenizer, chat_template=chat_template, context=context)
                            if environment else None)
-        self._holds_mean = False  # whether the engine holds the mean weights of step `engine.version`
-        self._pushes = 0  # pushes to a non-shared engine so far (the post-push check runs every k-th)
-
-    def forget_engine_weights(self) -> None:
-        """The policy's weights changed outside a push (a checkpoint was restored): push before the next rollout."""
-        self._holds_mean = False
+        probe = probe_prompt(tokenizer) if sync_check is not None and sync_check.every else ()
+        self.weight_sync = WeightSync(engine, policy, sync_check, probe)  # what the engine holds; every push
 
     # -- generation --------------------------------------------------------------------------------------------
     def rollout(self, plan: RolloutPlan, *, step: int, seed_key: tuple) -> RolloutResult:
@@ -153,7 +141,7 @@ class RolloutDriver:
         """Samples of one weight source in one round (None when `counts` are all 0; the push still happens)."""
         with tally.timer("gen_s"), plan.weight_context(source):
             mean = plan.uses_mean_weights and plan.num_weight_sources == 1
-            if not mean or not self._holds_mean or self.engine.version != step:
+            if not mean or not self.weight_sync.holds(step):
                 self._tallied_push(step, mean, tally)
             if sum(counts) == 0:
                 return None
@@ -186,8 +174,7 @@ class RolloutDriver:
         """One stacked engine call for all weight sources: an engine that has one, sharing the model, and
         equal totals per source (C3PO: G/N per prompt each)."""
         totals = {sum(c) for c in per_source}
-        stackable = self.engine.shares_weights or can_generate_with_adapters(self.engine, self.policy)
-        return (plan.num_weight_sources > 1 and self.engine.can_generate_stacked and stackable
+        return (plan.num_weight_sources > 1 and self.weight_sync.can_stack_sources()
                 and self.multi_turn is None  # multi-turn: one source after another
                 and len(totals) == 1 and totals != {0})
 
@@ -206,8 +193,8 @@ class RolloutDriver:
                 if self.engine.shares_weights:
                     completions = self.engine.generate_stacked(plan.prompt_token_ids, per_source, sampling, stacks)
                 else:  # LoRA on a multi-adapter engine: N sampled adapters, one call
-                    completions = generate_with_adapters(self.engine, self.policy, plan.prompt_token_ids,
-                                                         per_source, sampling, stacks, version=step)
+                    sampling = self.weight_sync.load_samples(stacks, sampling, step=step)
+                    completions = self.engine.generate_stacked(plan.prompt_token_ids, per_source, sampling, None)
         pad = self.tokenizer.pad_token_id
         packed = [rollouts_from_completions(plan, c, source=s, pad_id=pad) for s, c in enumerate(completions)]
         return Rollouts.concat(packed, pad)  # one decode and one reward call for all sources
@@ -250,7 +237,7 @@ class RolloutDriver:
     def evaluate(self, plan: RolloutPlan, n: int, *, step: int, seed: int) -> Tensor:
         """[B, n] bool: whether each of n samples per prompt, drawn from the mean weights of `step` with the
         evaluation sampling options, is correct."""
-        if not self._holds_mean or self.engine.version != step:
+        if not self.weight_sync.holds(step):
             self.push(step=step)
         params = self.sampling.params(seed, evaluation=True)
         if self.multi_turn is not None:  # correct: the environment's reward is positive
@@ -270,29 +257,9 @@ class RolloutDriver:
 
     # -- weights -----------------------------------------------------------------------------------------------
     def push(self, *, step: int, holds_mean: bool = True) -> PushResult:
-        """Send the policy's current weights to the engine (no copy in `shared` mode) as version `step`; wakes a
-        sleeping engine; then the post-push check. Every push of the run goes through here, so a test can wrap
-        it."""
-        timer = StepTimer()
-        with timer("sync_s"):
-            self.engine.wake()
-            if not self.engine.shares_weights:
-                push_policy(self.engine, self.policy, version=step)  # LoRA: adapters or merged (rollout.lora)
-            self.engine.version = step
-            self._holds_mean = holds_mean
-        return PushResult(timer.times["sync_s"], self._check_sync(step))
-
-    def _check_sync(self, step: int) -> dict[str, Tensor]:
-        """After a push to a non-shared engine: its log-probs of a few sampled tokens against the trainer's, as
-        `engine/sync_logp_diff`; a gap above the bound raises `EngineSyncError` (rollout.lora.check_engine_sync)."""
-        check = self.sync_check
-        if self.engine.shares_weights or check is None or check.every == 0:
-            return {}
-        self._pushes += 1
-        if (self._pushes - 1) % check.every:
-            return {}
-        diff = check_engine_sync(self.engine, self.policy, probe_prompt(self.tokenizer), check=check, version=step)
-        return {"engine/sync_logp_diff": diff}
+        """Send the policy's current weights to the engine as those of `step` (`WeightSync.push`). Every push of
+        the run goes through here, so a test can wrap it."""
+        return self.weight_sync.push(step=step, holds_mean=holds_mean)
 
     def _tallied_push(self, step: int, holds_mean: bool, tally: _Tally) -> None:
         """A push inside a rollout: its seconds and its check go to the call's tally."""

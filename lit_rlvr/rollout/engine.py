@@ -79,26 +79,27 @@ class Completion:
 
 
 class RolloutEngine:
-    """The whole engine contract (docs/architecture.md §7): the trainer calls nothing and reads nothing else of an
-    engine.
+    """The whole engine contract (docs/architecture.md §7, checked against the engine classes by
+    tests/test_engine_contract.py): the trainer calls nothing and reads nothing else of an engine.
 
     Subclasses implement `generate` and `load_weights`; every other member has a default that fits an engine
-    with its own copy of the weights, in the trainer's process, with nothing to release."""
+    with its own copy of the weights, in the trainer's process, with nothing to release. The attributes are what
+    the engine is (capabilities, set when it is built) and `holds_weights`, what it serves with now; which weights
+    those are (version, mean or weight sample, adapter names) is the trainer's bookkeeping, kept by
+    `lit_rlvr.rollout.weight_sync.WeightSync`, never by the engine."""
 
-    version: int = 0  # optimizer step whose weights the engine holds (-1: none yet)
     shares_weights: bool = False  # True: samples with the trainer's own model, so a push copies nothing
-    can_generate_stacked: bool = False  # True: `generate_stacked` samples several weight samples in one call
+    can_generate_stacked: bool = False  # True: `generate_stacked` samples several weight sources in one call
     bucket_bytes: int = 256 << 20  # size cap of one `load_weights` call of a push
     weight_dtype: Optional[torch.dtype] = None  # pushes are cast to it (None: the trainer's dtype)
-    dtype: Optional[torch.dtype] = None  # what it generates in (None: its `model`'s, else the policy's)
     model: Optional[nn.Module] = None  # its in-process model, if it has one
+    holds_weights: bool = True  # False while it holds no pushed weights (a dummy start; a sleep that freed them)
     # LoRA (lit_rlvr.rollout.lora): how a LoRA policy reaches it (`engine.options.lora_sync`: adapter | merged)
     lora_sync: str = "adapter"
     serves_lora: bool = False  # True: `load_adapter` takes adapter tensors; generation uses `SamplingParams.adapter`
     serves_many_adapters: bool = False  # True: one `generate_stacked` call mixes adapters, one per weight source
     adapter_base_by_name: bool = True  # with adapters: the base weights arrive once by HF name (a server's dummy start)
-    holds_base: bool = False  # whether it holds the base weights a LoRA push builds on
-    active_adapter: Optional[str] = None  # the adapter pushed last (what generation uses by default)
+    max_lora_rank: Optional[int] = None  # the largest adapter rank it serves (None: any); checked with the config
 
     def generate(
         self, prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int], params: SamplingParams
@@ -119,8 +120,8 @@ class RolloutEngine:
 
     def load_adapter(self, name: str, tensors: dict[str, Tensor], config: dict, activate: bool = True) -> None:
         """Take a LoRA adapter (PEFT file keys -> tensors, PEFT config) under `name`; with `activate` it becomes the
-        one generation uses by default (3PO's samples for a multi-adapter call are loaded aside); when
-        `serves_lora`."""
+        one generation uses when `SamplingParams.adapter` is None (3PO's samples for a multi-adapter call are loaded
+        aside); when `serves_lora`."""
         raise NotImplementedError(f"{type(self).__name__} serves no LoRA adapters")
 
     def end_weight_update(self) -> None:
@@ -131,9 +132,7 @@ class RolloutEngine:
         return self
 
     def generation_dtype(self) -> Optional[torch.dtype]:
-        """The dtype it generates in: `dtype`, else its model's; None when it cannot tell."""
-        if self.dtype is not None:
-            return getattr(torch, self.dtype, None) if isinstance(self.dtype, str) else self.dtype
+        """The dtype it generates in: its model's; None when it cannot tell."""
         if isinstance(self.model, nn.Module):
             return next(self.model.parameters()).dtype
         return None

@@ -179,16 +179,16 @@ class HFEngine(RolloutEngine):
         if mode not in ENGINE_MODES:
             raise ValueError(f"engine.options.mode={mode!r} is not valid; valid: {', '.join(ENGINE_MODES)}")
         # before any copy of the model: a bad value is one line naming its key
-        self.use_cache = convert("engine.options.use_cache", use_cache, bool)
-        self.max_batch = convert("engine.options.max_batch", max_batch, int)
-        problems = range_problems({"max_batch": self.max_batch}, "engine.options")  # 0 would loop on no rows
+        self._use_cache = convert("engine.options.use_cache", use_cache, bool)
+        self._max_batch = convert("engine.options.max_batch", max_batch, int)
+        problems = range_problems({"max_batch": self._max_batch}, "engine.options")  # 0 would loop on no rows
         if problems:
             raise ConfigError(problems)
         # one prompt prefill per distinct prompt, its cache rows repeated
-        self.share_prefill = convert("engine.options.share_prefill", share_prefill, bool)
+        self._share_prefill = convert("engine.options.share_prefill", share_prefill, bool)
         self.bucket_bytes = convert("engine.options.bucket_bytes", bucket_bytes, int)  # one weight push's cap (copy)
         own_dtype = _engine_dtype(dtype, model, mode)
-        self.mode = mode
+        self._mode = mode
         self.lora_sync = check_lora_sync(lora_sync)
         self.shares_weights = self.can_generate_stacked = mode == "shared"
         self.model = model if mode == "shared" else copy.deepcopy(model).to(own_dtype)
@@ -196,13 +196,13 @@ class HFEngine(RolloutEngine):
             if lora_sync == "merged":  # a plain transformers model, as a server without LoRA holds it
                 self.model = self.model.merge_and_unload()
             else:  # its own copy of the peft model: the base stays as copied, adapters arrive by push
-                self.serves_lora = self.holds_base = True
+                self.serves_lora = True
                 self.adapter_base_by_name = False
         if mode == "copy":
             self.model.requires_grad_(False)
             self.weight_dtype = own_dtype if dtype is not None else None  # pushes are cast to it
-        self.pad_id, self.eos_id = pad_id, eos_id
-        self.version = 0
+        self._pad_id, self._eos_id = pad_id, eos_id
+        self._active_adapter: Optional[str] = None  # the adapter loaded last: `copy` mode holds one at a time
         self._params = dict(self.model.named_parameters())
         # transformers >= 5.x names the KV cache argument `cache`; older releases `past_key_values`
         # (a peft wrapper's forward takes **kwargs: ask the transformers model under it)
@@ -212,7 +212,7 @@ class HFEngine(RolloutEngine):
     # -- weights ---------------------------------------------------------------------------------------------
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        if self.mode == "shared":
+        if self._mode == "shared":
             return  # the engine samples with the trainer's own tensors
         for name, tensor in named_tensors:
             target = self._params.get(name)
@@ -231,15 +231,15 @@ class HFEngine(RolloutEngine):
                            f"missing, {len(set(tensors) - set(slots))} unknown")
         for key, tensor in tensors.items():
             slots[key].copy_(tensor)
-        self.active_adapter = name
+        self._active_adapter = name
 
     def _check_adapter(self, params: SamplingParams) -> None:
-        if params.adapter is not None and params.adapter != self.active_adapter:
-            raise RuntimeError(f"HFEngine holds adapter {self.active_adapter!r}, asked for {params.adapter!r}")
+        if params.adapter is not None and params.adapter != self._active_adapter:
+            raise RuntimeError(f"HFEngine holds adapter {self._active_adapter!r}, asked for {params.adapter!r}")
 
     def to(self, device: torch.device) -> "HFEngine":
         """Move a `copy` engine's model (a `shared` one moves with the trainer's model)."""
-        if self.mode == "copy":
+        if self._mode == "copy":
             self.model.to(device)
         return self
 
@@ -255,9 +255,9 @@ class HFEngine(RolloutEngine):
         seeds = row_seeds(prompt_token_ids, n_per_prompt, params.seed)  # [R]
         done: list[Completion] = []
         with eval_mode(self.model):
-            for start in range(0, len(rows), self.max_batch):
-                done.extend(self._sample(rows[start : start + self.max_batch], params,
-                                         seeds[start : start + self.max_batch]))
+            for start in range(0, len(rows), self._max_batch):
+                done.extend(self._sample(rows[start : start + self._max_batch], params,
+                                         seeds[start : start + self._max_batch]))
         return _per_prompt(done, n_per_prompt)
 
     @torch.inference_mode()
@@ -276,7 +276,7 @@ class HFEngine(RolloutEngine):
         separate-call twin up to the float rounding of a batched matmul. Every source needs the same total
         count (equal row blocks) and the same sampling params but the seed.
         """
-        if self.mode != "shared":
+        if self._mode != "shared":
             raise RuntimeError("HFEngine.generate_stacked samples with the trainer's model: engine.mode must be shared")
         num = len(counts_per_source)
         per_source = sum(counts_per_source[0])
@@ -287,7 +287,7 @@ class HFEngine(RolloutEngine):
         rows = [[list(p) for p, n in zip(prompt_token_ids, counts) for _ in range(n)] for counts in counts_per_source]
         seeds = [row_seeds(prompt_token_ids, c, p.seed) for c, p in zip(counts_per_source, params_per_source)]
         done: list[list[Completion]] = [[] for _ in range(num)]
-        window = max(1, self.max_batch // num)  # rows per source per batch: blocks stay equal
+        window = max(1, self._max_batch // num)  # rows per source per batch: blocks stay equal
         with stacked_weights(self.model, stacks), eval_mode(self.model):
             for start in range(0, per_source, window):
                 batch = [r for block in rows for r in block[start : start + window]]
@@ -307,7 +307,7 @@ class HFEngine(RolloutEngine):
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
             position_ids=position_ids.to(device),
-            use_cache=self.use_cache,
+            use_cache=self._use_cache,
             logits_to_keep=last,
             **({self._cache_arg: cache} if cache is not None else {}),
         )
@@ -328,12 +328,12 @@ class HFEngine(RolloutEngine):
             inverses.append([index_of.setdefault(tuple(r), len(index_of)) for r in rows[start : start + size]])
             uniques.append(list(index_of))
         width = max(len(u) for u in uniques)
-        cache = growing_cache(self.model.config, room) if self.use_cache else None
-        if not self.share_prefill or width == size or not can_select_rows(cache):  # each row its own prefill
-            ids, mask = left_pad(rows, self.pad_id)
+        cache = growing_cache(self.model.config, room) if self._use_cache else None
+        if not self._share_prefill or width == size or not can_select_rows(cache):  # each row its own prefill
+            ids, mask = left_pad(rows, self._pad_id)
             return (ids, mask, *self._forward(ids, mask, cache))
         padded = [row for u in uniques for row in u + u[:1] * (width - len(u))]  # blocks·width distinct prompts
-        ids, mask = left_pad(padded, self.pad_id)  # [blocks·width, P]
+        ids, mask = left_pad(padded, self._pad_id)  # [blocks·width, P]
         logits, cache = self._forward(ids, mask, cache)
         index = torch.tensor([n * width + i for n, inverse in enumerate(inverses) for i in inverse])  # [R]
         if cache is not None:
@@ -349,11 +349,11 @@ class HFEngine(RolloutEngine):
         context = model_context(self.model)
         if context is not None:  # every row ends by the model's last position ("length"), never past it
             steps = max(1, min(steps, context - max(len(r) for r in rows)))
-        stop = torch.tensor([] if params.ignore_eos else sorted({self.eos_id, *params.stop_token_ids}),
+        stop = torch.tensor([] if params.ignore_eos else sorted({self._eos_id, *params.stop_token_ids}),
                             dtype=torch.long)
         # an environment's stop strings, as token sequences: a row also stops where one of them ends
         sequences = [] if params.ignore_eos else [torch.tensor(q, dtype=torch.long) for q in params.stop_sequences if q]
-        tokens = torch.full((num_rows, steps), self.pad_id, dtype=torch.long)  # [R, T]
+        tokens = torch.full((num_rows, steps), self._pad_id, dtype=torch.long)  # [R, T]
         logprobs = torch.zeros((num_rows, steps))  # [R, T]
         ids, mask, logits, cache = self._prefill(rows, blocks, steps)  # [R, P], [R, P], [R, V]
         width = mask.shape[1]
@@ -383,7 +383,7 @@ class HFEngine(RolloutEngine):
                     x[keep] for x in (live, token, done, uniforms, position, mask, ids))
                 if cache is not None:
                     cache.batch_select_indices(keep.to(next(self.model.parameters()).device))
-            if self.use_cache:
+            if self._use_cache:
                 logits, cache = self._forward(token[:, None], mask[:, : width + t + 1], cache,
                                               position_ids=(position + t)[:, None])
             else:

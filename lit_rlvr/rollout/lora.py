@@ -1,4 +1,5 @@
-"""Weight pushes for LoRA policies, and the post-push check that an engine samples the policy being trained.
+"""What a LoRA policy's weight push sends (`WeightSync` in lit_rlvr.rollout.weight_sync makes the pushes), and the
+post-push check that an engine samples the policy being trained.
 
 What reaches an engine (`engine.options.lora_sync`):
 * `shared` HF engine: nothing (it samples with the trainer's own modules, adapters included);
@@ -18,16 +19,16 @@ from __future__ import annotations
 
 import re
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from lit_rlvr.models.lora import ADAPTER_NAME, is_lora, lora_delta, lora_factor_names, lora_layers, peft_config_dict
 from lit_rlvr.config.options import convert
+from lit_rlvr.models.lora import ADAPTER_NAME, is_lora, lora_delta, lora_factor_names, lora_layers
 from lit_rlvr.rollout.engine import EngineError, RolloutEngine, SamplingParams
-from lit_rlvr.rollout.weights import buckets, full_named_weights, push_weights
+from lit_rlvr.rollout.weights import full_named_weights
 
 LORA_SYNC = ("adapter", "merged")
 ADAPTER_PREFIX = "lit_rlvr_v"
@@ -127,39 +128,6 @@ def merged_named_weights(policy: nn.Module, dtype: Optional[torch.dtype] = None,
                 yield hf_name(name), tensor if dtype is None else tensor.to(dtype)
 
 
-def push_lora_policy(engine: RolloutEngine, policy: nn.Module, *, version: int, sample: Optional[int] = None) -> int:
-    """Bring the policy's current weights (a LoRA policy) to a non-shared engine; returns the bytes pushed.
-
-    `adapter` sync on an engine that serves LoRA: base weights once (while `engine.version < 0`), then the adapter
-    under `adapter_name(version, sample)`, which the engine uses for generation from now on. Otherwise merged
-    weights (the adapted layers only, once the engine holds the rest)."""
-    dtype = engine.weight_dtype
-    first = engine.version < 0 or not engine.holds_base
-    pushed = 0
-    if engine.lora_sync == "adapter" and engine.serves_lora:
-        if first and engine.adapter_base_by_name:
-            pushed += _push_named(engine, base_named_weights(policy, dtype))
-        tensors = adapter_tensors(policy, dtype)
-        last_version, count = getattr(engine, "_lora_pushes", (None, -1))
-        push = count + 1 if last_version == version else 0
-        engine._lora_pushes = (version, push)
-        engine.load_adapter(adapter_name(version, sample, push), tensors, peft_config_dict(policy))
-        pushed += sum(t.numel() * t.element_size() for t in tensors.values())
-    else:
-        pushed += _push_named(engine, merged_named_weights(policy, dtype, adapted_only=not first))
-    engine.holds_base = True
-    return pushed
-
-
-def _push_named(engine: RolloutEngine, named: Iterator[tuple[str, Tensor]]) -> int:
-    pushed = 0
-    for bucket in buckets(named, engine.bucket_bytes):
-        engine.load_weights(bucket)
-        pushed += sum(t.numel() * t.element_size() for _, t in bucket)
-    engine.end_weight_update()
-    return pushed
-
-
 def merged_push_problems(engine: RolloutEngine, policy: nn.Module) -> list[str]:
     """Adapters a merged push cannot carry exactly, one line each: a layer whose base weight is tied to another
     module's (a tied `lm_head` / `embed_tokens`) holds one matrix in the engine, and W + ΔW there would change the
@@ -183,15 +151,6 @@ def merged_push_problems(engine: RolloutEngine, policy: nn.Module) -> list[str]:
     return problems
 
 
-def push_policy(engine: RolloutEngine, policy: nn.Module, *, version: int, sample: Optional[int] = None) -> int:
-    """Any policy to any engine (nothing for a `shared` one); returns the bytes pushed."""
-    if engine.shares_weights:
-        return 0
-    if is_lora(policy):
-        return push_lora_policy(engine, policy, version=version, sample=sample)
-    return push_weights(engine, policy, bucket_bytes=engine.bucket_bytes, dtype=engine.weight_dtype)
-
-
 def push_bytes(policy: nn.Module, *, lora_sync: str, first: bool, dtype: Optional[torch.dtype] = None) -> int:
     """What one push sends, counted from the parameter shapes (no tensor is computed; works on the meta device)."""
     size = lambda p: p.numel() * (dtype.itemsize if dtype is not None else p.element_size())  # noqa: E731
@@ -204,31 +163,6 @@ def push_bytes(policy: nn.Module, *, lora_sync: str, first: bool, dtype: Optiona
     if lora_sync == "adapter":
         return adapters + (base if first else 0)
     return base if first else adapted
-
-
-# -- C3PO on an engine that serves several adapters at once ----------------------------------------------------------
-def generate_with_adapters(engine: RolloutEngine, policy: nn.Module, prompt_token_ids: Sequence[Sequence[int]],
-                           counts_per_source: list[list[int]], params_per_source: list[SamplingParams],
-                           stacks: dict[Tensor, Tensor], *, version: int):
-    """3PO's N weight samples as N adapters over the one base: each sample's adapter is loaded (named with the
-    version and sample index), then one engine call generates every source's rows, each with its own adapter."""
-    names = {id(p): n for n, p in policy.named_parameters()}
-    dtype = engine.weight_dtype
-    config = peft_config_dict(policy)
-    params = []
-    for sample, source_params in enumerate(params_per_source):
-        tensors = {peft_file_name(names[id(p)]): s[sample] if dtype is None else s[sample].to(dtype)
-                   for p, s in stacks.items()}
-        name = adapter_name(version, sample)
-        engine.load_adapter(name, tensors, config, activate=False)  # aside: the mean stays the default
-        params.append(replace(source_params, adapter=name))
-    return engine.generate_stacked(prompt_token_ids, counts_per_source, params, None)
-
-
-def can_generate_with_adapters(engine: RolloutEngine, policy: nn.Module) -> bool:
-    """An engine that serves several adapters in one call, with a policy whose adapters live whole on this rank."""
-    return (engine.serves_lora and engine.lora_sync == "adapter" and engine.serves_many_adapters
-            and is_lora(policy) and not any(hasattr(p, "full_tensor") for p in policy.parameters()))
 
 
 # -- the post-push check --------------------------------------------------------------------------------------------

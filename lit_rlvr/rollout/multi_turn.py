@@ -25,9 +25,9 @@ import torch
 from lit_rlvr.data.lengths import over_limit
 from lit_rlvr.envs import Environment
 from lit_rlvr.rewards.base import RewardContract, plain_result
-from lit_rlvr.run.rng import seed_of
 from lit_rlvr.rollout.batch import Rollouts, Transcript
 from lit_rlvr.rollout.engine import Completion, SamplingParams
+from lit_rlvr.run.rng import seed_of
 from lit_rlvr.run.stop import STOP
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as Fn
 from torch import Tensor, nn
 
-
 CONTAINERS = (nn.ParameterDict, nn.ParameterList)  # hold parameters that their parent's forward reads; never run
 
 

@@ -26,8 +26,15 @@ import torch
 from torch import Tensor, nn
 
 from lit_rlvr.models.lora import is_lora
-from lit_rlvr.rollout.engine import (Completion, EngineError, RolloutEngine, SamplingParams, expand_rows,
-                                     save_policy_config, split_by_source)
+from lit_rlvr.rollout.engine import (
+    Completion,
+    EngineError,
+    RolloutEngine,
+    SamplingParams,
+    expand_rows,
+    save_policy_config,
+    split_by_source,
+)
 from lit_rlvr.rollout.lora import check_lora_sync
 
 FINISH_REASONS = {"stop": "stop", "length": "length"}  # sglang finish_reason["type"] -> ours; "abort" raises
@@ -192,9 +199,8 @@ def lora_server_args(model: nn.Module, max_loras: int, cpu: bool = False) -> dic
 
 
 class SGLangEngine(RolloutEngine):
-    """The RolloutEngine protocol on `sglang.Engine`; `version` is -1 while it holds no pushed weights."""
-
-    mode = "copy"  # weights arrive only through load_weights
+    """The RolloutEngine protocol on `sglang.Engine`; `holds_weights` is False until the first push and after a
+    sleep."""
 
     def __init__(self, model: nn.Module, tokenizer, *, mem_fraction_static: float = 0.5, bucket_bytes: int = 256 << 20,
                  base_port: int = 30000, port_stride: int = 10, seed: int = 0, deterministic: bool = False,
@@ -202,6 +208,7 @@ class SGLangEngine(RolloutEngine):
                  lora_sync: str = "adapter", max_loras: int = 8):
         self.lora_sync = check_lora_sync(lora_sync)
         self._adapters: set[str] = set()  # names of the adapters it holds
+        self._active_adapter: Optional[str] = None  # the one a request without `SamplingParams.adapter` uses
         server_args = dict(server_args or {})
         if is_lora(model) and lora_sync == "adapter":  # sglang's multi-LoRA serving: an adapter per request
             self.serves_lora = self.serves_many_adapters = self.can_generate_stacked = True
@@ -212,9 +219,8 @@ class SGLangEngine(RolloutEngine):
         if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "false").lower() in ("1", "true"):
             raise ValueError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: sglang would return log-probs before temperature "
                              "scaling, but the engine must return them under softmax(logits / T); unset it")
-        self.eos_id = tokenizer.eos_token_id
+        self._eos_id = tokenizer.eos_token_id
         self.bucket_bytes = bucket_bytes
-        self.version = -1
         self._asleep = self._updating = self._has_weights = False
         self._config_dir = None
         if model_path is None:  # load_format=dummy reads only the config: write the policy's own
@@ -335,19 +341,23 @@ class SGLangEngine(RolloutEngine):
         _check(self._call("flush the cache", self._engine.flush_cache), "flush_cache")
         self._has_weights = True
 
+    @property
+    def holds_weights(self) -> bool:
+        return self._has_weights
+
     # -- memory ----------------------------------------------------------------------------------------------
     def sleep(self) -> None:
         """Release weights, KV cache and CUDA graphs; the weights are not backed up, so the next push must
-        bring them (version -1 makes the trainer push again)."""
+        bring them (`holds_weights` False makes the trainer push again)."""
         if self._asleep or self._engine is None:
             return
         self.end_weight_update()
         for name in sorted(self._adapters):  # the next push brings base and adapter again, under a new name
             self._unload_adapter(name)
-        self.active_adapter = None
+        self._active_adapter = None
         self._wait_idle()
         self._call("release memory", self._engine.release_memory_occupation)
-        self._asleep, self._has_weights, self.version, self.holds_base = True, False, -1, False
+        self._asleep, self._has_weights = True, False
 
     def wake(self) -> None:
         if not self._asleep or self._engine is None:
@@ -364,7 +374,7 @@ class SGLangEngine(RolloutEngine):
         if not self._has_weights:
             raise RuntimeError("SGLangEngine holds no weights (dummy at start, released by sleep): push weights "
                                "with lit_rlvr.rollout.weights.push_weights before generate")
-        input_ids, sampling = build_requests(prompt_token_ids, n_per_prompt, params, self.eos_id)
+        input_ids, sampling = build_requests(prompt_token_ids, n_per_prompt, params, self._eos_id)
         if not input_ids:  # sglang rejects an empty batch
             return [[] for _ in prompt_token_ids]
         adapter = self._adapter(params.adapter)
@@ -381,7 +391,7 @@ class SGLangEngine(RolloutEngine):
         self.end_weight_update()
         input_ids, sampling, adapters = [], [], []
         for counts, params in zip(counts_per_source, params_per_source):
-            rows, kwargs = build_requests(prompt_token_ids, counts, params, self.eos_id)
+            rows, kwargs = build_requests(prompt_token_ids, counts, params, self._eos_id)
             input_ids += rows
             sampling += kwargs
             adapters += [self._adapter(params.adapter)] * len(rows)
@@ -399,14 +409,14 @@ class SGLangEngine(RolloutEngine):
         self.wake()
         self.end_weight_update()
         version = name.rsplit("_", 1)[0]
-        for old in [n for n in self._adapters if n.rsplit("_", 1)[0] != version and n != self.active_adapter]:
+        for old in [n for n in self._adapters if n.rsplit("_", 1)[0] != version and n != self._active_adapter]:
             self._unload_adapter(old)
         cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
         _check(self._call("load a LoRA adapter", self._engine.load_lora_adapter_from_tensors, name, cpu, config),
                f"load_lora_adapter_from_tensors({name!r})")
         self._adapters.add(name)
         if activate:
-            self.active_adapter = name
+            self._active_adapter = name
 
     def _unload_adapter(self, name: str) -> None:
         _check(self._call("unload a LoRA adapter", self._engine.unload_lora_adapter, name),
@@ -419,7 +429,7 @@ class SGLangEngine(RolloutEngine):
             if name is not None:
                 raise RuntimeError(f"SGLangEngine serves no adapters; asked for {name!r}")
             return None
-        name = name or self.active_adapter
+        name = name or self._active_adapter
         if name is not None and name not in self._adapters:
             raise RuntimeError(f"SGLangEngine holds no adapter {name!r} (it holds {sorted(self._adapters)})")
         return name

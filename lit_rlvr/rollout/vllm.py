@@ -22,12 +22,19 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lit_rlvr.models.lora import is_lora
 from lit_rlvr.config.problems import convert
-from lit_rlvr.rollout.engine import (Completion, RolloutEngine, SamplingParams, expand_rows, save_policy_config,
-                                     split_by_source)
-from lit_rlvr.rollout.lora import check_lora_sync
+from lit_rlvr.models.lora import is_lora
+from lit_rlvr.rollout.engine import (
+    Completion,
+    RolloutEngine,
+    SamplingParams,
+    expand_rows,
+    save_policy_config,
+    split_by_source,
+)
 from lit_rlvr.rollout.hf import row_seeds
+from lit_rlvr.config.options import lora_rank_problems
+from lit_rlvr.rollout.lora import check_lora_sync
 
 WORKER_EXTENSION = "lit_rlvr.rollout.vllm_worker.WeightReceiver"
 FINISH_REASONS = ("stop", "length")  # vLLM's finish_reason for these is ours; "abort" raises
@@ -121,12 +128,12 @@ def lora_args(model: nn.Module, max_loras: int) -> dict[str, Any]:
     """`vllm.LLM` arguments that serve the policy's LoRA adapters: rank cap, adapters per batch (C3PO's N
     samples and the mean), and the adapters kept in CPU memory."""
     rank = int(model.peft_config["default"].r)
-    cap = next((r for r in LORA_RANKS if r >= rank), None)
-    if cap is None:
-        raise ValueError(f"model.lora.rank={rank}: vLLM serves ranks up to {LORA_RANKS[-1]}; use "
-                         "engine.options.lora_sync=merged")
+    problems = lora_rank_problems(VLLMEngine, "vllm", rank, "adapter")  # the config check found it already
+    if problems:
+        raise ValueError(problems[0])
     max_loras = convert("engine.options.max_loras", max_loras, int)
-    return {"enable_lora": True, "max_lora_rank": cap, "max_loras": max_loras, "max_cpu_loras": 2 * max_loras + 2}
+    return {"enable_lora": True, "max_lora_rank": next(r for r in LORA_RANKS if r >= rank), "max_loras": max_loras,
+            "max_cpu_loras": 2 * max_loras + 2}
 
 
 def _import_vllm():
@@ -146,7 +153,8 @@ def _to_bytes(bucket: list[tuple[str, Tensor]]) -> bytes:
 
 
 class VLLMEngine(RolloutEngine):
-    """The RolloutEngine protocol on `vllm.LLM`; `version` is -1 while it holds no pushed weights.
+    """The RolloutEngine protocol on `vllm.LLM`; `holds_weights` is False until the first push and after a sleep
+    at level 2.
 
     Args:
         kv_cache_memory_bytes: a fixed KV cache size (needed on a CPU, where vLLM would otherwise reserve most of
@@ -157,7 +165,7 @@ class VLLMEngine(RolloutEngine):
         llm_args: any other `vllm.LLM` keyword argument, passed through.
     """
 
-    mode = "copy"  # weights arrive only through load_weights
+    max_lora_rank = LORA_RANKS[-1]
 
     def __init__(self, model: nn.Module, tokenizer, *, kv_cache_memory_bytes: Optional[int] = None,
                  gpu_memory_utilization: float = 0.5, bucket_bytes: int = 256 << 20, seed: int = 0,
@@ -171,15 +179,14 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"engine.options.sleep_level={sleep_level!r} is not valid; valid: 0, 1, 2")
         vllm = _import_vllm()
         self._vllm = vllm
-        self.eos_id = tokenizer.eos_token_id
-        self.bucket_bytes, self.sleep_level = bucket_bytes, sleep_level
-        self.version = -1
+        self._eos_id = tokenizer.eos_token_id
+        self.bucket_bytes, self._sleep_level = bucket_bytes, sleep_level
         self._pending: list[tuple[str, Tensor]] = []
         self._asleep = self._has_weights = False
         weight_dtype = getattr(torch, dtype, None) if dtype else next(model.parameters()).dtype
         if not isinstance(weight_dtype, torch.dtype):
             raise ValueError(f"engine.options.dtype={dtype!r} is not a torch dtype (e.g. bfloat16, float16, float32)")
-        self.weight_dtype = self.dtype = weight_dtype  # pushes are cast to it; param_noise reads `dtype`
+        self.weight_dtype = weight_dtype  # pushes are cast to it, and it generates in it
         self._config_dir = None
         if model_path is None:  # load_format=dummy reads only the config: write the policy's own
             self._config_dir = tempfile.TemporaryDirectory(prefix="lit_rlvr_vllm_")
@@ -190,6 +197,7 @@ class VLLMEngine(RolloutEngine):
                                enforce_eager=enforce_eager, sleep=sleep_level > 0, llm_args=dict(llm_args or {}))
         self.lora_sync = check_lora_sync(lora_sync)
         self._adapters: dict[str, Any] = {}  # name -> LoRARequest of the adapters it holds
+        self._active_adapter: Optional[str] = None  # the one a request without `SamplingParams.adapter` uses
         self._lora_dir = None
         if is_lora(model) and lora_sync == "adapter":  # vLLM's multi-LoRA serving: adapters by request
             kwargs.update(lora_args(model, max_loras))
@@ -218,18 +226,25 @@ class VLLMEngine(RolloutEngine):
         if bucket:
             self._llm.collective_rpc("lit_rlvr_reload", args=(_to_bytes(bucket),))
 
+    @property
+    def holds_weights(self) -> bool:
+        return self._has_weights
+
+    def generation_dtype(self) -> Optional[torch.dtype]:
+        return self.weight_dtype
+
     # -- memory ----------------------------------------------------------------------------------------------
     def sleep(self) -> None:
-        """With sleep_level > 0: free the KV cache (and at level 2 the weights: version -1 makes the trainer
-        push again). Level 1 keeps a CPU copy of the weights, which the next push overwrites anyway."""
-        if self.sleep_level == 0 or self._asleep or self._llm is None:
+        """With sleep_level > 0: free the KV cache (and at level 2 the weights: `holds_weights` False makes the
+        trainer push again). Level 1 keeps a CPU copy of the weights, which the next push overwrites anyway."""
+        if self._sleep_level == 0 or self._asleep or self._llm is None:
             return
         if self._pending:
             self.end_weight_update()
-        self._llm.sleep(level=self.sleep_level)
+        self._llm.sleep(level=self._sleep_level)
         self._asleep = True
-        if self.sleep_level == 2:
-            self._has_weights, self.version, self.holds_base = False, -1, False
+        if self._sleep_level == 2:
+            self._has_weights = False
 
     def wake(self) -> None:
         if not self._asleep or self._llm is None:
@@ -247,7 +262,7 @@ class VLLMEngine(RolloutEngine):
         if not self._has_weights:
             raise RuntimeError("VLLMEngine holds no weights (dummy at start, released by sleep level 2): push weights "
                                "with lit_rlvr.rollout.weights.push_weights before generate")
-        prompts, sampling = request_rows(prompt_token_ids, n_per_prompt, params, self.eos_id)
+        prompts, sampling = request_rows(prompt_token_ids, n_per_prompt, params, self._eos_id)
         if not prompts:
             return [[] for _ in prompt_token_ids]
         lora = self._lora_request(params.adapter)
@@ -265,7 +280,7 @@ class VLLMEngine(RolloutEngine):
             self.end_weight_update()
         prompts, sampling, loras = [], [], []
         for counts, params in zip(counts_per_source, params_per_source):
-            rows, kwargs = request_rows(prompt_token_ids, counts, params, self.eos_id)
+            rows, kwargs = request_rows(prompt_token_ids, counts, params, self._eos_id)
             prompts += rows
             sampling += kwargs
             loras += [self._lora_request(params.adapter)] * len(rows)
@@ -286,7 +301,7 @@ class VLLMEngine(RolloutEngine):
         if self._pending:
             self.end_weight_update()
         version = name.rsplit("_", 1)[0]
-        for old in [n for n in self._adapters if n.rsplit("_", 1)[0] != version and n != self.active_adapter]:
+        for old in [n for n in self._adapters if n.rsplit("_", 1)[0] != version and n != self._active_adapter]:
             self._llm.llm_engine.remove_lora(self._adapters.pop(old).lora_int_id)
         directory = Path(self._lora_dir.name) / name
         directory.mkdir(parents=True, exist_ok=True)
@@ -301,14 +316,14 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError(f"vLLM did not load the LoRA adapter {name!r}")
         self._adapters[name] = request
         if activate:
-            self.active_adapter = name
+            self._active_adapter = name
 
     def _lora_request(self, name: Optional[str]):
         if not self.serves_lora:
             if name is not None:
                 raise RuntimeError(f"VLLMEngine serves no adapters; asked for {name!r}")
             return None
-        name = name or self.active_adapter
+        name = name or self._active_adapter
         if name is None:
             return None  # the base alone (no adapter pushed yet)
         if name not in self._adapters:

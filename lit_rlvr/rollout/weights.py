@@ -36,15 +36,18 @@ def buckets(named: Iterator[tuple[str, Tensor]], max_bytes: int) -> Iterator[lis
         yield bucket
 
 
-def push_weights(engine: RolloutEngine, model: nn.Module, *, bucket_bytes: int = 256 << 20,
-                 dtype: Optional[torch.dtype] = None) -> int:
-    """Send the model's weights to `engine.load_weights` bucket by bucket; returns the bytes pushed.
-
-    `engine.end_weight_update` is called after the last bucket (SGLang flushes its cache once there).
-    """
+def push_named(engine: RolloutEngine, named: Iterator[tuple[str, Tensor]], bucket_bytes: int) -> int:
+    """Send (HF name, tensor) pairs to `engine.load_weights` in buckets of at most `bucket_bytes`, then
+    `engine.end_weight_update` (SGLang flushes its cache once there); returns the bytes pushed."""
     pushed = 0
-    for bucket in buckets(full_named_weights(model, dtype), bucket_bytes):
+    for bucket in buckets(named, bucket_bytes):
         engine.load_weights(bucket)
         pushed += sum(t.numel() * t.element_size() for _, t in bucket)
     engine.end_weight_update()
     return pushed
+
+
+def push_weights(engine: RolloutEngine, model: nn.Module, *, bucket_bytes: int = 256 << 20,
+                 dtype: Optional[torch.dtype] = None) -> int:
+    """Send all the model's weights to the engine (`push_named`); returns the bytes pushed."""
+    return push_named(engine, full_named_weights(model, dtype), bucket_bytes)

@@ -42,7 +42,6 @@ def test_fp32_trainer_into_bf16_engine(policy):
     try:
         assert engine.weight_dtype == torch.bfloat16 and next(model.parameters()).dtype == torch.float32
         push_weights(engine, model, bucket_bytes=32 << 10, dtype=engine.weight_dtype)  # as GRPOModule pushes
-        engine.version = 0
         prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
         params = SamplingParams(temperature=0.0, max_new_tokens=8)
         got = engine.generate(prompts, [1] * len(prompts), params)

@@ -40,21 +40,27 @@ def lora_policy():
 
 
 @pytest.fixture(scope="module")
-def engine(lora_policy):
-    from lit_rlvr.rollout.lora import push_policy
+def sync(lora_policy):
+    """The engine with the policy pushed, and the `WeightSync` that pushed it (what the engine holds)."""
     from lit_rlvr.rollout.sglang import SGLangEngine
+    from lit_rlvr.rollout.weight_sync import WeightSync
 
     model, tokenizer = lora_policy
     eng = SGLangEngine(model, tokenizer, **cpu_options(max_loras=4, base_port=32000))
     assert eng.serves_lora and eng.serves_many_adapters and eng.lora_sync == "adapter"
-    pushed = push_policy(eng, model, version=0)
-    eng.version = 0
+    weight_sync = WeightSync(eng, model)
+    pushed = weight_sync.push(step=0).nbytes
     base = sum(p.numel() * 4 for n, p in model.named_parameters() if ".lora_" not in n)
     adapter = sum(p.numel() * 4 for n, p in model.named_parameters() if ".lora_" in n)
     assert pushed == base + adapter  # the first push: the base by name, then the adapter
-    assert push_policy(eng, model, version=0) == adapter  # later pushes: the adapter alone
-    yield eng
+    assert weight_sync.push(step=0).nbytes == adapter  # later pushes: the adapter alone
+    yield weight_sync
     eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine(sync):
+    return sync.engine
 
 
 def _ids(tokenizer, prompts=PROMPTS):
@@ -81,9 +87,7 @@ def test_sampling_with_the_pushed_adapter_matches_the_trainers_lora_policy(engin
     assert [c[0].token_ids.tolist() for c in base] != [c[0].token_ids.tolist() for c in ours]
 
 
-def test_c3po_sampled_adapters_decode_in_one_call_each_with_its_own(engine, lora_policy):
-    from lit_rlvr.rollout.lora import generate_with_adapters
-
+def test_c3po_sampled_adapters_decode_in_one_call_each_with_its_own(sync, engine, lora_policy):
     model, tokenizer = lora_policy
     prompts = _ids(tokenizer)[:2]
     adapters = [p for p in model.parameters() if p.requires_grad]
@@ -93,16 +97,16 @@ def test_c3po_sampled_adapters_decode_in_one_call_each_with_its_own(engine, lora
     calls, real = [], engine._engine.generate
     engine._engine.generate = lambda *a, **k: calls.append(len(k["input_ids"])) or real(*a, **k)
     try:
-        got = generate_with_adapters(engine, model, prompts, [[1, 1]] * 3, params, stacks, version=7)
+        got = engine.generate_stacked(prompts, [[1, 1]] * 3, sync.load_samples(stacks, params, step=7), None)
     finally:
         del engine._engine.generate
     assert calls == [6]  # one engine call for the 3 adapters' rows
     assert_blocks_match_each_adapter(got, model, tokenizer, prompts, [1, 1], params, stacks, atol=1e-5)
-    assert engine.active_adapter.startswith("lit_rlvr_v0_")  # the samples were loaded aside: the mean is the default
+    assert engine._active_adapter == sync.adapter  # the samples were loaded aside: the mean is the default
 
 
-def test_an_adapter_that_never_arrives_is_caught_and_a_sleep_starts_over(engine, lora_policy):
-    from lit_rlvr.rollout.lora import EngineSyncError, SyncCheck, check_engine_sync, probe_prompt, push_policy
+def test_an_adapter_that_never_arrives_is_caught_and_a_sleep_starts_over(sync, engine, lora_policy):
+    from lit_rlvr.rollout.lora import EngineSyncError, SyncCheck, check_engine_sync, probe_prompt
 
     model, tokenizer = lora_policy
     check = SyncCheck()
@@ -111,7 +115,7 @@ def test_an_adapter_that_never_arrives_is_caught_and_a_sleep_starts_over(engine,
     randomise_adapters(model, seed=9)  # a training step's new adapter ...
     engine.load_adapter = lambda *a, **k: None  # ... that the engine drops
     try:
-        push_policy(engine, model, version=1)
+        sync.push(step=1)
         with pytest.raises(EngineSyncError, match="not sampling the policy being trained"):
             check_engine_sync(engine, model, probe_prompt(tokenizer), check=check, version=1)
     finally:
@@ -120,8 +124,8 @@ def test_an_adapter_that_never_arrives_is_caught_and_a_sleep_starts_over(engine,
             for p, v in zip([p for p in model.parameters() if p.requires_grad], saved):
                 p.copy_(v)
     engine.sleep()  # adapters unloaded, the base released: the next push brings both
-    assert engine.version == -1 and engine.active_adapter is None and not engine._adapters
+    assert not engine.holds_weights and engine._active_adapter is None and not engine._adapters
+    assert not sync.holds(1)  # the owner sees the weights gone
     base = sum(p.numel() * 4 for n, p in model.named_parameters() if ".lora_" not in n)
-    assert push_policy(engine, model, version=2) > base
-    engine.version = 2
+    assert sync.push(step=2).nbytes > base
     assert float(check_engine_sync(engine, model, probe_prompt(tokenizer), check=check, version=2)) < 1e-5
