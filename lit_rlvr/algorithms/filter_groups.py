@@ -56,7 +56,8 @@ class GroupFilter:
     `collect(batch, rollout, next_batch)` with `rollout(batch, seed_stream) -> Rollouts` (the module's plan →
     callbacks → generate; each refill samples from its own seed stream) and `next_batch() -> batch or None` (the
     data stream's next batch; None when it ran out). Returns the rollouts and the metrics `dapo/kept_groups`,
-    `dapo/refill_rounds`, `dapo/cap_hit` (always 0 now: the budget stops the run), and `reward/accuracy_generated`,
+    `dapo/refill_rounds`, `dapo/cap_hit` (1 when the data ran out before the batch was full; past the budget
+    the run stops instead), and `reward/accuracy_generated`,
     `reward/mean_generated` over *all* generated rollouts (`reward/accuracy` and `reward/mean` are measured on the
     kept groups).
     """
