@@ -3,8 +3,8 @@
     lit-rlvr fit --config conf/cli/tiny_grpo.yaml [--trainer.max_steps 5] [--ckpt_path last.ckpt]
     lit-rlvr validate --config conf/cli/tiny_grpo.yaml --ckpt_path outputs/cli/tiny_grpo/checkpoints/last.ckpt
 
-The model is chosen in subclass mode (`model: {class_path: ..., init_args: ...}`): any GRPOModule subclass,
-by import path (`lit_rlvr.algorithms.DAPOModule`, `my_losses.MyModule`) or short name for the shipped ones.
+The model is chosen in subclass mode (`model: {class_path: ..., init_args: ...}`): GRPOModule, whose `policy_loss`,
+`advantages` and `filter_groups` give GSPO, Dr. GRPO and DAPO, or a subclass by import path (`my_losses.MyModule`).
 Choose it in the config file: `--model X` given after `--config` keeps the init_args the config resolved,
 including the first class's defaults (jsonargparse issue #460). `seed_everything` also
 seeds the module's sampling and the data order, as `seed=` does for train.py. Hydra's `train.py` is the
@@ -20,7 +20,6 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningCLI
 
-import lit_rlvr.algorithms  # noqa: F401  (registers DAPOModule, DrGRPOModule, GSPOModule for short names)
 from lit_rlvr.config.errors import debug
 from lit_rlvr.data.datamodule import RLVRDataModule
 from lit_rlvr.module import GRPOModule

@@ -13,6 +13,7 @@ import copy
 import functools
 import logging
 from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 from typing import Any, Callable, Iterator, Optional, Union
 
 import lightning.pytorch as pl
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from lit_rlvr import functional as F
+from lit_rlvr.algorithms.filter_groups import FilterGroups, GroupFilter
 from lit_rlvr.config.bounds import check_bounds, model_context, response_budget
 from lit_rlvr.config.errors import ConfigError, RewardHangError
 from lit_rlvr.config.options import compile_problems, consistency_problems, finite_problems, range_problems
@@ -56,7 +58,7 @@ log = logging.getLogger(__name__)
 NESTED_OPTIONS = {"model_options": "model.options", "lora": "model.lora", "reward_options": "reward.options",
                   "engine_options": "engine.options", "env_options": "env", "perf_options": "perf",
                   "optimizer_options": "algorithm.optimizer_options",
-                  "rollout_correction": "algorithm.rollout_correction"}
+                  "rollout_correction": "algorithm.rollout_correction", "filter_groups": "algorithm.filter_groups"}
 
 
 class NonFiniteError(RuntimeError):
@@ -75,8 +77,11 @@ class GRPOModule(pl.LightningModule):
     and cached); `reward` a built-in name (`lit_rlvr.rewards.REWARDS`), "package.module:function", or the callable
     `fn(prompt, completion, answer) -> score` itself; `group_size` G samples per prompt; `lr`; `eps_low`/`eps_high` clip
     range; `dual_clip` c (> 1: verl's clip_ratio_c; None = off); `seq_mask_tau` τ of the sequence-level
-    importance mask (3PO; None = off); `loss_aggregation` (one of
-    `functional.AGGREGATIONS`); `scale_adv_by_std`; `kl_coef` β (> 0 loads a frozen reference copy) with
+    importance mask (3PO; None = off); `policy_loss` a name of `functional.POLICY_LOSSES` (`ppo_clip`, `gspo`);
+    `advantages` a name of `functional.ADVANTAGES` (`grpo`, `dr_grpo`); `loss_aggregation` (one of
+    `functional.AGGREGATIONS`); `scale_adv_by_std`; `filter_groups` verl's dynamic-sampling options (DAPO;
+    `algorithms.FilterGroups`); `overlong_cache_len` (0 = off) and `overlong_penalty_factor`: DAPO's overlong reward
+    shaping (`compute_advantages`); `kl_coef` β (> 0 loads a frozen reference copy) with
     `kl_estimator` (and `kl_k3_cap`: verl caps k3 at 10; None = no cap); `entropy_coef` η; `ppo_epochs` passes
     over each rollout batch; `mini_batches` optimizer steps per epoch; `micro_batch_size` completions per
     forward/backward; `micro_batch_tokens` (None = off) packs completions of similar length into micro-batches of
@@ -124,6 +129,11 @@ class GRPOModule(pl.LightningModule):
         eps_high: float = 0.2,
         dual_clip: Optional[float] = None,
         seq_mask_tau: Optional[float] = None,
+        policy_loss: str = "ppo_clip",
+        advantages: str = "grpo",
+        filter_groups: Optional[dict[str, Any]] = None,
+        overlong_cache_len: int = 0,
+        overlong_penalty_factor: float = 1.0,
         rollout_correction: Optional[dict[str, Any]] = None,
         loss_aggregation: str = "seq-mean-token-mean",
         scale_adv_by_std: bool = True,
@@ -182,6 +192,17 @@ class GRPOModule(pl.LightningModule):
         self.step_metrics: dict[str, Tensor] = {}
         self._mask_counts: Optional[Tensor] = None  # during `update`: [counted, kept] loss tokens
         self._compiled: dict[str, nn.Module] = {}  # a dict: the compiled wrapper must not register as a submodule
+        # the loss's metrics that average over sequences rather than tokens (GSPO's clip fraction)
+        per_sequence = F.SEQUENCE_METRICS[policy_loss]
+        self.token_metrics = self.token_metrics - per_sequence
+        self.sequence_metrics = self.sequence_metrics | per_sequence
+        enable = self.filter_groups.enable  # DAPO's dynamic sampling
+        self.group_filter = GroupFilter(self.filter_groups, self.tokenizer.pad_token_id) if enable else None
+        self._data_iter: Optional[Iterator] = None  # during a step that reads further batches (the group filter)
+        if self.group_filter is not None:
+            # Lightning hands a step the data iterator only when `training_step` takes `dataloader_iter`, and then
+            # skips its batch hooks: only a run whose collector reads further batches is switched to it
+            self.training_step = self._training_step_reading_batches
 
     def _check_options(self) -> None:
         """The table of ranges that train.py checks too (lit_rlvr.config.options), before the model loads."""
@@ -197,6 +218,7 @@ class GRPOModule(pl.LightningModule):
         if problems:
             raise ConfigError(problems)
         self.rollout_correction = RolloutCorrector.from_options(hp.rollout_correction, type(self), GRPOModule)
+        self.filter_groups = FilterGroups.from_options(hp.filter_groups)
         check_optimizer_options(hp.optimizer, hp.optimizer_options, lr=hp.lr, grad_clip=hp.grad_clip,
                                 weight_decay=hp.weight_decay, dtype=hp.dtype)
 
@@ -272,7 +294,7 @@ class GRPOModule(pl.LightningModule):
         self.flops.reset()
         self.step_metrics = {}
         self.step_rollouts_start = self.counters["rollouts_total"]
-        rollouts = self.collect_rollouts(batch)  # plan → callbacks edit it → generate and score
+        rollouts = self.collect(batch)  # plan → callbacks edit it → generate and score (→ filter, refill)
         self.engine.sleep()  # SGLang frees its KV cache and weights while the trainer needs the memory
         self.call_rl_hooks("on_before_advantages", rollouts)  # V0.5: the fused baselines
         rollouts.advantages, adv_metrics = self.compute_advantages(rollouts)
@@ -285,23 +307,56 @@ class GRPOModule(pl.LightningModule):
         self.counters["rl_steps"] += 1
         return None
 
-    def collect_rollouts(self, batch: dict[str, list]) -> Rollouts:
-        """Plan the batch, let the callbacks edit the plan, generate and score. Subclasses that need more
-        prompts than one batch (DAPO's dynamic sampling) override this and call it once per batch."""
-        plan = self.make_plan(batch)
+    def _training_step_reading_batches(self, dataloader_iter: Iterator) -> None:
+        """`training_step` of a run whose collector reads further batches of the data stream within the step."""
+        batch, batch_idx, _ = next(dataloader_iter)
+        self._note_batch()
+        self._data_iter = dataloader_iter
+        try:
+            return type(self).training_step(self, batch, batch_idx)
+        finally:
+            self._data_iter = None
+
+    def collect(self, batch: dict[str, list]) -> Rollouts:
+        """The step's rollouts: the batch's (`collect_rollouts`), or with `filter_groups` the groups whose metric
+        differs, refilled from the next batches (`GroupFilter`)."""
+        if self.group_filter is None:
+            return self.collect_rollouts(batch)
+        rollouts, metrics = self.group_filter.collect(batch, self.collect_rollouts, self._next_batch)
+        self.log_metrics(metrics)
+        return rollouts
+
+    def _next_batch(self) -> Optional[dict[str, list]]:
+        """The data stream's next batch within this step, or None when it ran out (or outside `fit`)."""
+        if self._data_iter is None:
+            return None
+        try:
+            batch, _, _ = next(self._data_iter)
+        except StopIteration:
+            return None
+        self._note_batch()
+        return batch
+
+    def _note_batch(self) -> None:
+        """Tell the datamodule a batch was used: it keeps the data position that a resume continues from
+        (Lightning skips its batch hooks when the step reads the iterator itself)."""
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        if hasattr(datamodule, "note_batches"):
+            datamodule.note_batches(1)
+
+    def collect_rollouts(self, batch: dict[str, list], seed_stream: tuple[int, ...] = ()) -> Rollouts:
+        """Plan the batch, let the callbacks edit the plan, generate and score. `seed_stream`: appended to the seed
+        keys of the plan's engine calls, so each batch of a step that draws several (the group filter's refills)
+        samples from its own stream; () for the step's first."""
+        plan = self.make_plan(batch, seed_stream)
         self.call_rl_hooks("on_rollout_plan", plan)
         return self.rollout(plan)
 
-    def make_plan(self, batch: dict[str, list]) -> RolloutPlan:
+    def make_plan(self, batch: dict[str, list], seed_stream: tuple[int, ...] = ()) -> RolloutPlan:
         prompts = [self.render_prompt(p) for p in batch["prompt"]]
         token_ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"] if prompts else []
         return RolloutPlan(prompts, list(batch["answer"]), token_ids, [self.hparams.group_size] * len(prompts),
-                           seed_stream=self.seed_stream())
-
-    def seed_stream(self) -> tuple[int, ...]:
-        """Appended to the seed keys of the plan's engine calls: a subclass that draws several plans in one step
-        (DAPO's refills) gives each its own stream; () for the step's first plan."""
-        return ()
+                           seed_stream=seed_stream)
 
     def render_prompt(self, prompt: Any) -> str:
         if isinstance(prompt, str) and not self.hparams.chat_template:
@@ -351,18 +406,37 @@ class GRPOModule(pl.LightningModule):
 
     # -- advantages and loss (subclass points) ----------------------------------------------------------------
     def compute_advantages(self, rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
-        """[N] advantages; relative to `rollouts.baseline` when a callback set one (V0.5)."""
+        """[N] advantages of `algorithm.advantages` (`functional.ADVANTAGES`); relative to `rollouts.baseline` when
+        a callback set one (V0.5). With `overlong_cache_len` > 0, of the reward plus DAPO's overlong penalty
+        (Yu et al. 2025, Eq. 13: `functional.overlong_penalty` over the last `overlong_cache_len` tokens of the
+        budget, scaled by `overlong_penalty_factor`); `rollouts.rewards` stays the task reward, so `reward/accuracy`
+        keeps its meaning. With an environment the budget is the rollout's, `env.max_tokens`, over its whole
+        response (turns and observations), not one turn's `max_new_tokens`."""
+        hp = self.hparams
+        metrics: dict[str, Tensor] = {}
+        if hp.overlong_cache_len > 0:
+            if self.environment is None:
+                lengths, max_len = rollouts.response_mask.sum(-1), hp.max_new_tokens  # [N]
+            else:
+                lengths, max_len = rollouts.response_attention_mask.sum(-1), self.environment.max_tokens  # [N]
+            penalty, metrics = F.overlong_penalty(lengths, max_len=max_len, cache_len=hp.overlong_cache_len,
+                                                  factor=hp.overlong_penalty_factor)
+            rollouts = replace(rollouts, rewards=rollouts.rewards + penalty)  # [N]; a view of the batch, no copy
+            metrics["reward/shaped_mean"] = rollouts.rewards.mean()
         group, num_groups = rollouts.advantage_groups()  # the prompts, or smaller groups set by a callback (M3PO)
-        return F.grpo_advantages(rollouts.rewards, group, num_groups, scale_by_std=self.hparams.scale_adv_by_std,
-                                 baseline=rollouts.baseline)
+        adv, adv_metrics = F.ADVANTAGES[hp.advantages](rollouts.rewards, group, num_groups,
+                                                       scale_by_std=hp.scale_adv_by_std, baseline=rollouts.baseline)
+        return adv, {**metrics, **adv_metrics}
 
     def policy_loss(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
                     rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
-        """Surrogate loss of one micro-batch. logp, old_logp, mask: [n, T]; advantages: [n]."""
+        """Surrogate loss of one micro-batch, `algorithm.policy_loss` of `functional.POLICY_LOSSES`, with the
+        rollout correction's token weights. logp, old_logp, mask: [n, T]; advantages: [n]."""
         hp = self.hparams
-        return F.ppo_clip_loss(logp, old_logp, advantages, mask, eps_low=hp.eps_low, eps_high=hp.eps_high,
-                               aggregation=hp.loss_aggregation, norm_len=hp.max_new_tokens, dual_clip=hp.dual_clip,
-                               token_weights=getattr(rollouts, "token_weights", None))
+        return F.POLICY_LOSSES[hp.policy_loss](logp, old_logp, advantages, mask, eps_low=hp.eps_low,
+                                               eps_high=hp.eps_high, aggregation=hp.loss_aggregation,
+                                               norm_len=hp.max_new_tokens, dual_clip=hp.dual_clip,
+                                               token_weights=getattr(rollouts, "token_weights", None))
 
     def forward_logprobs(self, model, rollouts: Rollouts) -> tuple[Tensor, Tensor]:
         """Log-probs [n, T] of the response tokens at the sampling temperature, and the logits [n, T, V]. Every token

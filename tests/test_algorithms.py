@@ -1,4 +1,5 @@
-"""DAPO, Dr. GRPO and GSPO: hand-worked loss numbers, DAPO's dynamic sampling, and the shipped configs."""
+"""DAPO, Dr. GRPO and GSPO as config values of GRPOModule: hand-worked loss numbers, DAPO's dynamic sampling
+(`filter_groups`), and the shipped configs."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import pytest
 import torch
 
 from lit_rlvr import functional as F
-from lit_rlvr.algorithms import DAPOModule, DrGRPOModule, GSPOModule
+from lit_rlvr.algorithms import GenerationBudgetError
 from lit_rlvr.data.datamodule import RLVRDataModule
 from lit_rlvr.hooks import RLVRCallback
+from lit_rlvr.module import GRPOModule
+from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.rewards.base import RewardResult, RewardRunner
 from lit_rlvr.rollout.batch import Rollouts
 from tiny_options import TINY as TINY_OPTIONS
@@ -23,8 +26,17 @@ CACHE = os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr")
 TINY = {"cache_dir": CACHE, **TINY_OPTIONS}  # = conf/model/tiny.yaml
 
 
-def tiny(cls, **kwargs):
-    return cls(model="tiny", model_options=dict(TINY), **{"group_size": 4, "max_new_tokens": 8, **kwargs})
+# the options conf/algorithm/{dapo,dr_grpo,gspo}.yaml set over grpo.yaml (test_algorithm_configs_instantiate)
+DAPO = {"eps_low": 0.2, "eps_high": 0.28, "loss_aggregation": "token-mean", "overlong_cache_len": 3,
+        "overlong_penalty_factor": 1.0, "filter_groups": {"enable": True, "metric": "acc", "max_num_gen_batches": 4}}
+DR_GRPO = {"advantages": "dr_grpo", "scale_adv_by_std": False, "loss_aggregation": "seq-mean-token-sum-norm"}
+GSPO = {"policy_loss": "gspo", "eps_low": 3e-4, "eps_high": 4e-4, "mini_batches": 2,
+        "loss_aggregation": "seq-mean-token-mean"}
+
+
+def tiny(options=None, **kwargs):
+    return GRPOModule(model="tiny", model_options=dict(TINY),
+                      **{"group_size": 4, "max_new_tokens": 8, **(options or {}), **kwargs})
 
 
 def batch_of(rewards: list[list[float]], lengths: list[int], width: int = 8) -> Rollouts:
@@ -49,7 +61,7 @@ ADV = torch.tensor([1.0, -1.0])
 
 
 def test_dapo_loss_token_mean_with_clip_higher():
-    module = tiny(DAPOModule)
+    module = tiny(DAPO)
     assert (module.hparams.eps_low, module.hparams.eps_high, module.hparams.loss_aggregation) == (
         0.2, 0.28, "token-mean")
     logp = torch.log(RATIOS)
@@ -76,7 +88,7 @@ def test_overlong_penalty_eq13():
 
 
 def test_dapo_advantages_add_overlong_penalty():
-    module = tiny(DAPOModule, overlong_cache_len=3)
+    module = tiny(DAPO, overlong_cache_len=3)
     # one group, rewards (1, 1, −1, −1), lengths (2, 7, 2, 8): shaped (1, 1/3, −1, −2), mean −0.4167
     rollouts = batch_of([[1.0, 1.0, -1.0, -1.0]], [2, 7, 2, 8])
     adv, metrics = module.compute_advantages(rollouts)
@@ -96,7 +108,7 @@ def test_constant_groups():
 
 # -- Dr. GRPO ------------------------------------------------------------------------------------------------------
 def test_dr_grpo_advantages_and_sum_norm():
-    module = tiny(DrGRPOModule)
+    module = tiny(DR_GRPO)
     rollouts = batch_of([[1.0, -1.0, -1.0], [1.0, 1.0]], [2, 3, 1, 4, 4])
     adv, metrics = module.compute_advantages(rollouts)
     # group 0 mean −1/3 → (4/3, −2/3, −2/3), no division by the std (≈ 1.155); group 1 constant → 0
@@ -111,17 +123,30 @@ def test_dr_grpo_advantages_and_sum_norm():
     assert grpo_like.item() == pytest.approx(-(4 / 3 - 2 / 3) / 2)  # 1/|o_i| instead: a different number
 
 
-def test_dr_grpo_rejects_contradicting_options():
+def test_contradicting_options_are_refused():
     with pytest.raises(ValueError, match="algorithm.scale_adv_by_std"):
-        tiny(DrGRPOModule, scale_adv_by_std=True)
-    with pytest.raises(ValueError, match="algorithm.loss_aggregation"):
-        tiny(GSPOModule, loss_aggregation="token-mean")
+        tiny(DR_GRPO, scale_adv_by_std=True)
     with pytest.raises(ValueError, match="algorithm.dual_clip"):  # a sequence-level clip: no per-token floor
-        tiny(GSPOModule, dual_clip=3.0)
+        tiny(GSPO, dual_clip=3.0)
+
+
+@pytest.mark.parametrize("key, valid", [("policy_loss", "ppo_clip, gspo"), ("advantages", "grpo, dr_grpo")])
+def test_unknown_loss_or_advantage_name_lists_the_valid_ones(key, valid):
+    with pytest.raises(ConfigError) as err:
+        tiny(**{key: "nope"})
+    assert err.value.problems == [f"algorithm.{key}='nope' is not valid: expected one of {valid}"]
+
+
+def test_filter_groups_options_are_checked():
+    with pytest.raises(ConfigError, match=r"algorithm\.filter_groups\.max_num_gen_batche\b"):
+        tiny(filter_groups={"enable": True, "max_num_gen_batche": 3})
+    with pytest.raises(ConfigError, match=r"algorithm\.filter_groups\.metric='seq_reward' is not valid: expected "
+                                          r"one of acc, score"):
+        tiny(filter_groups={"enable": True, "metric": "seq_reward"})
 
 
 def test_dr_grpo_passes_dual_clip_to_its_loss():
-    module = tiny(DrGRPOModule, dual_clip=3.0)
+    module = tiny(DR_GRPO, dual_clip=3.0)
     logp, mask = torch.tensor([[1.5, 0.5]]), torch.ones(1, 2, dtype=torch.bool)  # ratios e^1.5 > 3, e^0.5
     loss, metrics = module.policy_loss(logp, torch.zeros(1, 2), torch.tensor([-1.0]), mask, None)
     assert metrics["loss/pg_clipfrac_lower"].item() == pytest.approx(0.5)
@@ -129,7 +154,7 @@ def test_dr_grpo_passes_dual_clip_to_its_loss():
 
 # -- GSPO ----------------------------------------------------------------------------------------------------------
 def test_gspo_sequence_ratio_and_clip():
-    module = tiny(GSPOModule)
+    module = tiny(GSPO)
     assert (module.hparams.eps_low, module.hparams.eps_high) == (3e-4, 4e-4)
     # log ratios; seq 0 (A=+1): mean(0.1, −0.3) = −0.1 → s = 0.904837 (below 1 − ε: unclipped term is smaller)
     # seq 1 (A=+1): mean(0.2, 0, 0.1) = 0.1 → s = 1.105171, clipped to 1.0004
@@ -146,6 +171,32 @@ def test_gspo_sequence_ratio_and_clip():
     assert logp.grad[0].tolist() == pytest.approx([-s0 / 6, -s0 / 6, 0.0], rel=1e-5)
     assert logp.grad[1].tolist() == [0.0, 0.0, 0.0]
     assert logp.grad[2].tolist() == pytest.approx([s2 / 6, s2 / 6, 0.0], rel=1e-5)
+
+
+def test_gspo_token_weights_weight_each_tokens_term_of_the_token_level_form():
+    """Eq. 10's token-level form, as verl: w_t scales token t's term (and only its gradient); the sequence's value is
+    its clipped term times its tokens' mean weight. With w = 1 it is the sequence-level loss (value and gradient)."""
+    log_ratio = torch.tensor([[0.1, -0.3, 5.0], [0.2, 0.0, 0.1], [0.3, 0.3, -7.0]])
+    mask = torch.tensor([[True, True, False], [True, True, True], [True, True, False]])
+    adv = torch.tensor([1.0, 1.0, -1.0])
+    s0, s2 = math.exp(-0.1), math.exp(0.3)
+
+    def loss_and_grad(weights, aggregation="seq-mean-token-mean"):
+        logp = log_ratio.clone().requires_grad_(True)
+        loss, _ = F.gspo_loss(logp, torch.zeros(3, 3), adv, mask, token_weights=weights, aggregation=aggregation)
+        loss.backward()
+        return loss.item(), logp.grad
+
+    plain, plain_grad = loss_and_grad(None)
+    ones, ones_grad = loss_and_grad(torch.ones(3, 3))
+    assert ones == pytest.approx(plain, rel=1e-6) and torch.allclose(ones_grad, plain_grad, atol=1e-7)
+    loss, grad = loss_and_grad(torch.tensor([[0.5, 1.5, 0.0], [2.0, 2.0, 2.0], [1.0, 0.0, 9.0]]))
+    assert loss == pytest.approx(-(s0 * 1.0 + 1.0004 * 2.0 - s2 * 0.5) / 3, rel=1e-6)
+    assert grad[0].tolist() == pytest.approx([-0.5 * s0 / 6, -1.5 * s0 / 6, 0.0], rel=1e-5)
+    assert grad[1].tolist() == [0.0, 0.0, 0.0]  # clipped: no gradient whatever its weights
+    assert grad[2].tolist() == pytest.approx([s2 / 6, 0.0, 0.0], rel=1e-5)
+    token_mean, _ = loss_and_grad(None, "token-mean")  # another aggregation: the token terms' mean over 7 tokens
+    assert token_mean == pytest.approx(-(2 * s0 + 3 * 1.0004 - 2 * s2) / 7, rel=1e-6)
 
 
 # -- DAPO dynamic sampling -----------------------------------------------------------------------------------------
@@ -176,7 +227,7 @@ def fit_dapo(constant_for, steps: int, **kwargs) -> tuple[Recorder, RLVRDataModu
     pl.seed_everything(0, verbose=False)
     # no overlong shaping: it depends on how long the model's completions run, which varies with where the
     # warm-up landed; these tests are about the groups that the rewards alone make constant
-    module = tiny(DAPOModule, **{"overlong_cache_len": 0, **kwargs})
+    module = tiny(DAPO, **{"overlong_cache_len": 0, **kwargs})
     module.reward_runner = RewardRunner(stub_reward(constant_for))
     data = RLVRDataModule(batch_size=4, seed=0)
     recorder = Recorder()
@@ -192,7 +243,7 @@ def is_odd(prompt: str) -> bool:
 
 
 def test_dapo_dynamic_sampling_fills_batch_from_next_prompts():
-    recorder, data = fit_dapo(is_odd, steps=2, max_refill_batches=8)
+    recorder, data = fit_dapo(is_odd, steps=2, filter_groups={"enable": True, "max_num_gen_batches": 9})
     fresh = RLVRDataModule(batch_size=4, seed=0)  # the run's data order from the start (the run's own
     fresh.setup("fit")  # datamodule now holds the position it stopped at)
     batches = iter(fresh.train_dataloader())  # a step takes whole batches until it has
@@ -213,18 +264,18 @@ def test_dapo_dynamic_sampling_fills_batch_from_next_prompts():
     assert sum(m["dapo/refill_rounds"] for m in recorder.metrics) >= 1
 
 
-def test_dapo_dynamic_sampling_stops_at_cap():
-    recorder, _ = fit_dapo(lambda prompt: True, steps=1, max_refill_batches=2)
-    (m,) = recorder.metrics
-    assert (m["dapo/cap_hit"], m["dapo/refill_rounds"], m["dapo/kept_groups"]) == (1, 2, 0)
-    assert m["rollouts/per_step"] == 3 * 16  # the first batch and two refills, no more
-    assert m["reward/accuracy_generated"] == 0.0
-    assert recorder.trained[0].advantages is not None and recorder.trained[0].advantages.abs().max() == 0
+def test_dapo_dynamic_sampling_stops_past_its_budget():
+    """As verl: a step that spent `max_num_gen_batches` without enough varied groups stops the run, naming the key."""
+    with pytest.raises(GenerationBudgetError) as err:
+        fit_dapo(lambda prompt: True, steps=1, filter_groups={"enable": True, "max_num_gen_batches": 3})
+    assert err.value.problems == [
+        "algorithm.filter_groups.max_num_gen_batches=3: 3 generation batches gave 0 of 4 groups whose acc differs; "
+        "raise it (0 = no limit), or set algorithm.filter_groups.enable=false"]
 
 
 # -- shipped configs -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name, cls", [("dapo", DAPOModule), ("dr_grpo", DrGRPOModule), ("gspo", GSPOModule)])
-def test_algorithm_configs_instantiate(name, cls, tmp_path):
+@pytest.mark.parametrize("name, options", [("dapo", DAPO), ("dr_grpo", DR_GRPO), ("gspo", GSPO)])
+def test_algorithm_configs_instantiate(name, options, tmp_path):
     from hydra import compose, initialize_config_dir
 
     from lit_rlvr.recipe import build_module
@@ -233,4 +284,5 @@ def test_algorithm_configs_instantiate(name, cls, tmp_path):
     with initialize_config_dir(str(conf), version_base="1.3"):
         cfg = compose("config", overrides=[f"algorithm={name}", f"cache_dir={CACHE}"])
     module = build_module(cfg)
-    assert type(module) is cls and cfg.algorithm.name == name
+    assert type(module) is GRPOModule and cfg.algorithm.name == name
+    assert {k: module.hparams[k] for k in options} == options

@@ -59,6 +59,12 @@ def test_missing_path_is_named():
     ("data.batch_size=0", "data.batch_size=0", ">= 1"),
     ("algorithm.top_p=1.5", "algorithm.top_p=1.5", "(0, 1]"),
     ("model.compile=yes", "model.compile='yes'", "true or false"),
+    ("algorithm.policy_loss=ppo", "algorithm.policy_loss='ppo'", "one of ppo_clip, gspo"),
+    ("algorithm.advantages=rloo", "algorithm.advantages='rloo'", "one of grpo, dr_grpo"),
+    ("algorithm.filter_groups.max_num_gen_batches=-1", "algorithm.filter_groups.max_num_gen_batches=-1", ">= 0"),
+    ("algorithm.filter_groups.metric=seq_reward", "algorithm.filter_groups.metric='seq_reward'", "one of acc, score"),
+    ("+algorithm.filter_groups.max_gen=3", "algorithm.filter_groups.max_gen",
+     "valid: enable, max_num_gen_batches, metric"),
 ])
 def test_bad_value_names_key_value_and_expectation(override, key, expected):
     with pytest.raises(ConfigError) as err:

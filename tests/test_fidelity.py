@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from lit_rlvr import functional as F
-from lit_rlvr.algorithms import DAPOModule
 from lit_rlvr.config.options import consistency_problems, range_problems
 from lit_rlvr.functional.value_prior import shrinkage_fusion
 from lit_rlvr.module import GRPOModule
@@ -246,7 +245,7 @@ def test_overlong_penalty_factor_scales_eq13():
 
 
 def test_dapo_module_passes_the_factor_and_checks_it():
-    module = DAPOModule(model="tiny", model_options=dict(TINY), group_size=4, max_new_tokens=8, overlong_cache_len=3,
+    module = GRPOModule(model="tiny", model_options=dict(TINY), group_size=4, max_new_tokens=8, overlong_cache_len=3,
                         overlong_penalty_factor=0.5)
     # one group, rewards (1, 1, −1, −1), lengths (2, 7, 2, 8): penalties 0, −1/3, 0, −1/2 at factor 0.5
     rollouts = _batch(module, [2, 7, 2, 8], width=8)
@@ -255,4 +254,4 @@ def test_dapo_module_passes_the_factor_and_checks_it():
     shaped = torch.tensor([1.0, 1 - 1 / 3, -1.0, -1.5])
     assert adv.tolist() == pytest.approx(((shaped - shaped.mean()) / (shaped.std() + 1e-6)).tolist(), abs=1e-5)
     with pytest.raises(ValueError, match="algorithm.overlong_penalty_factor"):
-        DAPOModule(model="tiny", model_options=dict(TINY), max_new_tokens=8, overlong_penalty_factor=-0.5)
+        GRPOModule(model="tiny", model_options=dict(TINY), max_new_tokens=8, overlong_penalty_factor=-0.5)

@@ -227,8 +227,8 @@ def test_a_value_that_does_not_convert_names_key_value_and_type(override, line):
     assert len(problems) == 1 and problems[0].startswith(line), problems
 
 
-def test_dapo_types_its_base_modules_arguments():
-    """DAPOModule passes **kwargs to GRPOModule: those arguments are typed too."""
+def test_dapo_config_is_typed_as_grpo_modules_arguments():
+    """algorithm=dapo builds GRPOModule: its arguments are typed."""
     assert _problems("algorithm=dapo", "algorithm.lr=abc") == ["algorithm.lr='abc' is not valid: expected a number"]
 
 

@@ -146,11 +146,9 @@ def test_token_budget_micro_batches_keep_observation_columns(policy_dir):
 def test_dapo_overlong_penalty_uses_the_rollouts_token_budget(policy_dir):
     """With an environment a rollout's budget is env.max_tokens over its whole response: several turns whose model
     tokens add up past one turn's max_new_tokens are not overlong."""
-    from lit_rlvr.algorithms import DAPOModule
-
     options = {"group_size": 2, "max_new_tokens": 4, "overlong_cache_len": 2}
-    single = DAPOModule(model=policy_dir, **options)
-    multi = DAPOModule(model=policy_dir, **options, env="retry",
+    single = GRPOModule(model=policy_dir, **options)
+    multi = GRPOModule(model=policy_dir, **options, env="retry",
                        env_options={"options": {"reward": "arithmetic"}, "max_tokens": 12})
     r = batch()  # present tokens per row 7, 8, 6, 9 (model tokens 4, 7, 2, 7)
     _, with_env = multi.compute_advantages(r)

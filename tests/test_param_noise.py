@@ -220,7 +220,8 @@ def test_m3po_advantages_within_each_chunk():
                         source=torch.tensor([0, 0, 1, 1]), num_groups=1, prompts=["p"], answers=["a"],
                         rewards=torch.tensor([1.0, -1.0, 1.0, 1.0]))
     logged = {}
-    stub = SimpleNamespace(log_metrics=logged.update, hparams=SimpleNamespace(scale_adv_by_std=True))
+    hparams = SimpleNamespace(advantages="grpo", scale_adv_by_std=True, overlong_cache_len=0)  # grpo.yaml's
+    stub = SimpleNamespace(log_metrics=logged.update, hparams=hparams)
     ParamNoise("m3po", num_samples=2).on_before_advantages(None, stub, rollouts)
     adv, metrics = GRPOModule.compute_advantages(stub, rollouts)
     # within chunk 0: mean 0, std √2 -> ±1/√2; chunk 1 is constant -> 0 (pooled would give −√3, +1/√3, …)

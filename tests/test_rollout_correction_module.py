@@ -194,14 +194,22 @@ def test_sequence_rejection_in_bypass_mode_is_3pos_sequence_mask():
     assert mask_metrics["loss/seq_mask_frac"] == pytest.approx(2 / 8)
 
 
-def test_options_are_checked_by_the_constructor_and_other_losses_are_refused():
+class OwnLoss(GRPOModule):
+    """A subclass's loss that does not say it applies the correction's token weights."""
+
+    def policy_loss(self, logp, old_logp, advantages, mask, rollouts):
+        from lit_rlvr import functional as F
+
+        return F.ppo_clip_loss(logp, old_logp, advantages, mask)
+
+
+def test_options_are_checked_by_the_constructor_and_a_loss_without_token_weights_is_refused():
     with pytest.raises(ValueError, match=r"algorithm\.rollout_correction\.rollout_is='tok'"):
         module(rollout_correction={"rollout_is": "tok"})
-    from lit_rlvr.algorithms.gspo import GSPOModule
-
-    with pytest.raises(ValueError, match="GSPOModule.policy_loss does not apply rollouts.token_weights"):
-        GSPOModule(model="tiny", model_options=dict(TINY), rollout_correction={"rollout_rs": "sequence"})
-    GSPOModule(model="tiny", model_options=dict(TINY))  # metrics only: fine
+    with pytest.raises(ValueError, match="OwnLoss.policy_loss does not apply rollouts.token_weights"):
+        OwnLoss(model="tiny", model_options=dict(TINY), rollout_correction={"rollout_rs": "sequence"})
+    OwnLoss(model="tiny", model_options=dict(TINY))  # metrics only: fine
+    module(policy_loss="gspo", rollout_correction={"rollout_is": "token"})  # every named loss takes token weights
 
 
 def test_3po_refuses_decoupled_mode_before_any_work():

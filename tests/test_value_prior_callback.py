@@ -96,7 +96,8 @@ def test_baseline_is_eq8_and_advantages_are_r_minus_b():
     rollouts = fake_rollouts(prompts, [[1, 1, 1, -1], [-1, -1, -1, -1], [1, -1]])
     cb.on_before_advantages(None, None, rollouts)
     torch.testing.assert_close(rollouts.baseline, torch.tensor([0.0, -0.861111, -0.5]), atol=1e-5, rtol=0)
-    module = types.SimpleNamespace(hparams=types.SimpleNamespace(scale_adv_by_std=False))  # conf/algorithm/v05.yaml
+    hparams = types.SimpleNamespace(advantages="grpo", scale_adv_by_std=False, overlong_cache_len=0)  # v05.yaml
+    module = types.SimpleNamespace(hparams=hparams)
     adv, _ = GRPOModule.compute_advantages(module, rollouts)
     expected = rollouts.rewards - rollouts.baseline[rollouts.group]
     torch.testing.assert_close(adv, expected)

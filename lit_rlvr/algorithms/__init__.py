@@ -1,7 +1,6 @@
-"""Other policy-gradient losses as short subclasses of `GRPOModule` (the worked examples of docs/architecture.md §4)."""
+"""What a variant adds beyond a loss and an advantage (those are chosen by name from `lit_rlvr.functional`):
+collectors that decide which rollouts a step trains on (DAPO's dynamic sampling: `filter_groups`)."""
 
-from lit_rlvr.algorithms.dapo import DAPOModule
-from lit_rlvr.algorithms.dr_grpo import DrGRPOModule
-from lit_rlvr.algorithms.gspo import GSPOModule
+from lit_rlvr.algorithms.filter_groups import FilterGroups, GenerationBudgetError, GroupFilter
 
-__all__ = ["DAPOModule", "DrGRPOModule", "GSPOModule"]
+__all__ = ["FilterGroups", "GenerationBudgetError", "GroupFilter"]

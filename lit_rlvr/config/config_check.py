@@ -64,6 +64,7 @@ def check_config(cfg: DictConfig) -> None:
     problems = problems or _check_finite(cfg)  # before the ranges: a nan is one line, not one per check
     if not problems:
         problems = (_check_ranges(cfg) + _check_lora(cfg) + _check_extras(cfg) + _check_rollout_correction(cfg)
+                    + _check_filter_groups(cfg)
                     + _check_compile(cfg) + _check_env(cfg) + _check_context(cfg) + _check_reward(cfg))
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)))  # a value two checks refuse is one line
@@ -169,7 +170,7 @@ def _resolved(node: DictConfig, skip: list[str]) -> dict[str, Any]:
 
 def _init_classes(target: str) -> list[type]:
     """The class of `target` and, while an `__init__` passes **kwargs on, its bases: the classes whose arguments
-    the config may set (DAPOModule's **kwargs are GRPOModule's)."""
+    the config may set (a subclass's **kwargs are GRPOModule's)."""
     module_name, _, name = target.rpartition(".")
     classes = []
     for cls in getattr(importlib.import_module(module_name), name).__mro__:
@@ -355,6 +356,19 @@ def _check_rollout_correction(cfg: DictConfig) -> list[str]:
         return [str(err)]
     return []
 
+
+def _check_filter_groups(cfg: DictConfig) -> list[str]:
+    """`algorithm.filter_groups`, by the collector's own check (unknown keys; the ranges are rows of RANGES)."""
+    node = OmegaConf.select(cfg, "algorithm.filter_groups")
+    if node is None:
+        return []
+    from lit_rlvr.algorithms.filter_groups import FilterGroups
+
+    try:
+        FilterGroups.from_options(OmegaConf.to_container(node, resolve=True))
+    except ConfigError as err:
+        return list(err.problems)
+    return []
 
 
 def _check_context(cfg: DictConfig) -> list[str]:

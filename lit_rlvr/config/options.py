@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from lit_rlvr.config.problems import (INFINITE_OK, check_finite, convert, finite_problem, finite_problems, problem_line,
                                       unknown_key_problems)
-from lit_rlvr.functional import AGGREGATIONS, KL_ESTIMATORS
+from lit_rlvr.functional import ADVANTAGES, AGGREGATIONS, GROUP_FILTER_METRICS, KL_ESTIMATORS, POLICY_LOSSES
 
 __all__ = ["RANGES", "INFINITE_OK", "check_finite", "convert", "finite_problem", "finite_problems",
            "problem_line", "range_problems", "unknown_key_problems"]
@@ -42,6 +42,8 @@ RANGES: dict[str, Rule] = {
     "algorithm.kl_coef": (lambda v: v >= 0, "a number >= 0"),
     "algorithm.kl_estimator": (lambda v: v in KL_ESTIMATORS, f"one of {', '.join(KL_ESTIMATORS)}"),
     "algorithm.loss_aggregation": (lambda v: v in AGGREGATIONS, f"one of {', '.join(AGGREGATIONS)}"),
+    "algorithm.policy_loss": (lambda v: v in POLICY_LOSSES, f"one of {', '.join(POLICY_LOSSES)}"),
+    "algorithm.advantages": (lambda v: v in ADVANTAGES, f"one of {', '.join(ADVANTAGES)}"),
     "algorithm.eps_low": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
     "algorithm.eps_high": (lambda v: v >= 0, "a number >= 0"),
     "algorithm.dual_clip": (lambda v: v is None or v > 1, "a number > 1 (the dual-clip bound c; verl: 3.0) or null "
@@ -58,8 +60,13 @@ RANGES: dict[str, Rule] = {
     "algorithm.max_bad_steps": _at_least(1),
     "algorithm.warmup_steps": _at_least(0),
     "algorithm.micro_batch_tokens": (lambda v: v is None or v >= 1, "an integer >= 1 or null (off)"),
-    # DAPO's (lit_rlvr.algorithms.dapo)
-    "algorithm.max_refill_batches": _at_least(0),
+    # DAPO's dynamic sampling, verl's names (lit_rlvr.algorithms.filter_groups)
+    "algorithm.filter_groups.enable": (lambda v: isinstance(v, bool), "true or false"),
+    "algorithm.filter_groups.metric": (lambda v: v in GROUP_FILTER_METRICS,
+                                       f"one of {', '.join(GROUP_FILTER_METRICS)}"),
+    "algorithm.filter_groups.max_num_gen_batches": (lambda v: _integer(v) and v >= 0, "an integer >= 0 (generation "
+                                                    "batches per step, the first included; 0 = no limit)"),
+    # DAPO's overlong reward shaping (GRPOModule.compute_advantages)
     "algorithm.overlong_cache_len": _at_least(0),
     "algorithm.overlong_penalty_factor": (lambda v: v >= 0, "a number >= 0 (the largest length penalty; a negative "
                                                             "one would reward length)"),
@@ -147,6 +154,12 @@ def consistency_problems(options: Mapping[str, Any]) -> list[str]:
     if cap is not None and estimator not in ("k3", "k3+"):
         problems.append(f"algorithm.kl_k3_cap={cap} caps the k3 estimator: it needs algorithm.kl_estimator=k3 or "
                         f"k3+ (got {estimator!r}); null = no cap")
+    if options.get("advantages") == "dr_grpo" and options.get("scale_adv_by_std"):
+        problems.append("algorithm.scale_adv_by_std=true contradicts algorithm.advantages=dr_grpo (no std division); "
+                        "set algorithm.scale_adv_by_std=false, or algorithm.advantages=grpo")
+    if options.get("policy_loss") == "gspo" and options.get("dual_clip") is not None:
+        problems.append(f"algorithm.dual_clip={options['dual_clip']} floors per-token PPO terms; algorithm.policy_loss"
+                        "=gspo clips one ratio per sequence: set algorithm.dual_clip=null")
     cache, budget = options.get("overlong_cache_len"), options.get("max_new_tokens")
     if cache is not None and budget is not None and cache > budget:
         problems.append(f"algorithm.overlong_cache_len={cache} is longer than algorithm.max_new_tokens={budget}: "

@@ -2,12 +2,23 @@
 and the model FLOPs of a step (flops.py).
 Functions take tensors plus keyword hyperparameters and return `(value, metrics)` where metrics are detached."""
 
-from lit_rlvr.functional.advantages import constant_groups, group_mean, group_std, grpo_advantages
+from lit_rlvr.functional.advantages import (
+    ADVANTAGES,
+    GROUP_FILTER_METRICS,
+    constant_groups,
+    dr_grpo_advantages,
+    group_mean,
+    group_std,
+    grpo_advantages,
+    informative_groups,
+)
 from lit_rlvr.functional.chunks import chunk_groups, partial_chunk_success
 from lit_rlvr.functional.flops import forward_flops, generation_flops, update_flops
 from lit_rlvr.functional.kl import KL_ESTIMATORS, kl_penalty
 from lit_rlvr.functional.losses import (
     AGGREGATIONS,
+    POLICY_LOSSES,
+    SEQUENCE_METRICS,
     aggregate,
     entropy_from_logits,
     gspo_loss,
@@ -21,17 +32,23 @@ from lit_rlvr.functional.rollout_correction import mismatch_metrics, rejection_m
 from lit_rlvr.functional.shaping import overlong_penalty
 
 __all__ = [
+    "ADVANTAGES",
     "AGGREGATIONS",
+    "GROUP_FILTER_METRICS",
+    "POLICY_LOSSES",
+    "SEQUENCE_METRICS",
     "KL_ESTIMATORS",
     "aggregate",
     "chunk_groups",
     "constant_groups",
+    "dr_grpo_advantages",
     "entropy_from_logits",
     "forward_flops",
     "generation_flops",
     "group_mean",
     "group_std",
     "grpo_advantages",
+    "informative_groups",
     "gspo_loss",
     "kl_penalty",
     "micro_batches",

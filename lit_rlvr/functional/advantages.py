@@ -73,3 +73,35 @@ def grpo_advantages(
     zero = (largest == 0) & present  # [B] groups that give no gradient
     metrics = {"groups/zero_adv_frac": (zero.sum() / present.sum().clamp_min(1)).detach()}
     return adv, metrics
+
+
+def dr_grpo_advantages(
+    rewards: Tensor,
+    group: Tensor,
+    num_groups: int,
+    *,
+    scale_by_std: bool = False,
+    baseline: Optional[Tensor] = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Dr. GRPO (Liu et al. 2025, arXiv 2503.20783, §3.2): A_i = r_i − mean_g r, without GRPO's division by
+    std_g r (which up-weights prompts that are too easy or too hard). `scale_by_std` is in the signature of every
+    advantage and must be False here (True contradicts the method: a ValueError, not ignored)."""
+    if scale_by_std:
+        raise ValueError("scale_by_std=True: Dr. GRPO's advantage has no std division; use grpo_advantages")
+    return grpo_advantages(rewards, group, num_groups, scale_by_std=False, baseline=baseline)
+
+
+# the advantages `algorithm.advantages` chooses from; one signature: (rewards, group, num_groups, *, scale_by_std,
+# baseline) -> (advantages, metrics)
+ADVANTAGES = {"grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages}
+# what DAPO's dynamic sampling compares within a group (verl's `algorithm.filter_groups.metric`)
+GROUP_FILTER_METRICS = ("acc", "score")
+
+
+def informative_groups(rewards: Tensor, group: Tensor, num_groups: int, *, metric: str = "acc") -> Tensor:
+    """[B] bool: groups whose `metric` differs between completions (DAPO, Yu et al. 2025, Eq. 11:
+    0 < #correct < G). `acc`: correctness (reward > 0); `score`: the reward itself. Empty groups are kept."""
+    if metric not in GROUP_FILTER_METRICS:
+        raise ValueError(f"metric={metric!r}; valid: {', '.join(GROUP_FILTER_METRICS)}")
+    values = (rewards > 0).to(rewards.dtype) if metric == "acc" else rewards  # [N]
+    return ~constant_groups(values, group, num_groups)

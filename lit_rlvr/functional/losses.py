@@ -120,29 +120,57 @@ def gspo_loss(
     *,
     eps_low: float = 3e-4,
     eps_high: float = 4e-4,
+    aggregation: str = "seq-mean-token-mean",
+    norm_len: Optional[int] = None,
+    dual_clip: Optional[float] = None,
+    token_weights: Optional[Tensor] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", Eq. 5–7): sequence-level ratio
     s_i = exp(min(mean_t(logp − old), 10)), clipped per sequence; loss = −mean_i min(s_i·A_i, clip(s_i)·A_i).
 
-    The token-level form with a stop-gradient keeps the per-token gradient of Eq. 10:
-    s_i,t = sg[s_i]·exp(logp_t − sg[logp_t]) equals s_i in value.
-    Defaults are the paper's clip range (3e-4, 4e-4). The cap of the log-ratio at 10 is verl's
-    (`SEQ_LOG_RATIO_MAX`; no gradient past it). The mean is over `sequence_rows` (empty rows left out).
+    Token weights and other aggregations use the token-level form of Eq. 10, as verl's GSPO loss does:
+    s_i,t = sg[s_i]·exp(logp_t − sg[logp_t]) equals s_i in value and gives token t the gradient of Eq. 10;
+    each token's term min(s_i,t·A_i, clip(s_i,t)·A_i) is scaled by its weight w_t [N, T] (the rollout
+    correction's IS weights and rejection mask) and the terms are reduced by `aggregation` (with
+    `seq-mean-token-mean` and w = 1 this is the sequence-level loss above, which is computed directly then).
+    So a weight acts on its own token's gradient, and a sequence's loss value is its clipped term times the
+    mean weight of its tokens (docs/fidelity.md). `dual_clip` must be None: it floors per-token PPO terms and has
+    no sequence-level form here. Defaults are the paper's clip range (3e-4, 4e-4). The cap of the log-ratio at
+    10 is verl's (`SEQ_LOG_RATIO_MAX`; no gradient past it). Sequence means are over `sequence_rows`.
+    Metrics: `loss/pg_clipfrac` = sequences clipped (a mean over sequences: `SEQUENCE_METRICS`), `loss/approx_kl`.
     """
+    if dual_clip is not None:
+        raise ValueError(f"dual_clip={dual_clip}: GSPO clips one ratio per sequence; dual-clip floors per-token "
+                         "PPO terms (policy loss ppo_clip); None turns it off")
     m = mask.to(logp.dtype)  # [N, T]
     present = sequence_rows(mask)  # [N]
     num_seqs = present.sum().to(logp.dtype).clamp_min(1.0)  # []
     lengths = m.sum(-1).clamp_min(1.0)  # [N]
-    seq_log_ratio = (((logp - old_logp) * m).sum(-1) / lengths).clamp(max=SEQ_LOG_RATIO_MAX)  # [N]
-    seq_ratio = torch.exp(seq_log_ratio)  # [N]
+    mean_log_ratio = ((logp - old_logp) * m).sum(-1) / lengths  # [N]
+    seq_ratio = torch.exp(mean_log_ratio.clamp(max=SEQ_LOG_RATIO_MAX))  # [N]
     unclipped = seq_ratio * advantages  # [N]
     clipped = torch.clamp(seq_ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages  # [N]
-    loss = -(torch.minimum(unclipped, clipped) * present).sum() / num_seqs
     metrics = {
         "loss/pg_clipfrac": ((clipped < unclipped) & present).sum().to(logp.dtype).detach() / num_seqs,
         "loss/approx_kl": (0.5 * ((logp - old_logp).detach() ** 2) * m).sum() / m.sum().clamp_min(1.0),
     }
-    return loss, metrics
+    if token_weights is None and aggregation == "seq-mean-token-mean":
+        loss = -(torch.minimum(unclipped, clipped) * present).sum() / num_seqs
+        return loss, metrics
+    token_log_ratio = logp - logp.detach() + mean_log_ratio.detach()[:, None]  # [N, T]: log s_i in value
+    token_ratio = torch.exp(token_log_ratio.clamp(max=SEQ_LOG_RATIO_MAX))  # [N, T]
+    adv = advantages[:, None].to(logp.dtype)  # [N, 1]
+    terms = torch.minimum(token_ratio * adv, torch.clamp(token_ratio, 1.0 - eps_low, 1.0 + eps_high) * adv)  # [N, T]
+    if token_weights is not None:
+        terms = terms * token_weights.detach().to(terms.dtype)  # [N, T]
+    return -aggregate(terms, mask, aggregation, norm_len=norm_len), metrics
+
+
+# the policy losses `algorithm.policy_loss` chooses from; one signature: (logp, old_logp, advantages, mask, *,
+# eps_low, eps_high, aggregation, norm_len, dual_clip, token_weights) -> (loss, metrics)
+POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss}
+# each loss's metrics that are means over sequences (micro-batches weight them by sequences); the rest: over tokens
+SEQUENCE_METRICS = {"ppo_clip": frozenset(), "gspo": frozenset({"loss/pg_clipfrac"})}
 
 
 def sequence_importance_mask(

@@ -1,0 +1,103 @@
+"""DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476, §3.2, Eq. 11) as a collector any loss can use.
+
+`algorithm.filter_groups` carries verl's keys and meanings: `enable`, `metric` (what must differ within a group:
+`acc` correctness, `score` the task reward), `max_num_gen_batches` (generation batches per step, the first
+included; 0 = no limit). Groups whose metric is equal for every completion have zero advantage and are dropped;
+the batch is refilled with the groups of the data stream's *next* batches (the prompts a plain run would see
+next; nothing is read twice) until it holds `data.batch_size` groups. As in verl's recipe each refill generates a
+whole batch and the surplus groups of the last one are discarded; running out of the budget stops the run with
+one line naming the key (verl raises there too); running out of data trains on the groups it has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+from torch import Tensor
+
+from lit_rlvr import functional as F
+from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.config.options import RANGES, range_problems, unknown_key_problems
+from lit_rlvr.rollout.batch import Rollouts
+
+KEY = "algorithm.filter_groups"
+Batch = dict[str, list]
+
+
+class GenerationBudgetError(ConfigError):
+    """A step drew `max_num_gen_batches` generation batches and still lacks groups whose metric differs: the
+    budget (or the data's difficulty for this policy), not a bug, is the cause; one line from every entry point."""
+
+
+@dataclass(frozen=True)
+class FilterGroups:
+    """verl's `algorithm.filter_groups` (docs/fidelity.md lists where lit-rlvr follows it)."""
+
+    enable: bool = False
+    metric: str = "acc"
+    max_num_gen_batches: int = 0
+
+    @classmethod
+    def from_options(cls, options: Optional[Mapping[str, Any]]) -> "FilterGroups":
+        """From the module's `filter_groups` dict (None = off); unknown keys and values out of range fail, one line
+        each, with the rows of `lit_rlvr.config.options`."""
+        options = dict(options or {})
+        problems = unknown_key_problems(KEY, list(options), [f.name for f in fields(cls)])
+        problems += range_problems(options, KEY, RANGES)
+        if problems:
+            raise ConfigError(problems)
+        return cls(**options)
+
+
+class GroupFilter:
+    """Collects one step's rollouts: this batch's groups whose metric differs, refilled from the next batches.
+
+    `collect(batch, rollout, next_batch)` with `rollout(batch, seed_stream) -> Rollouts` (the module's plan →
+    callbacks → generate; each refill samples from its own seed stream) and `next_batch() -> batch or None` (the
+    data stream's next batch; None when it ran out). Returns the rollouts and the metrics `dapo/kept_groups`,
+    `dapo/refill_rounds`, `dapo/cap_hit` (1 when the data ran out before the batch was full; past the budget
+    the run stops instead), and `reward/accuracy_generated`,
+    `reward/mean_generated` over *all* generated rollouts (`reward/accuracy` and `reward/mean` are measured on the
+    kept groups).
+    """
+
+    def __init__(self, options: FilterGroups, pad_token_id: int):
+        self.options = options
+        self.pad_token_id = pad_token_id
+
+    def collect(self, batch: Batch, rollout: Callable[[Batch, tuple[int, ...]], Rollouts],
+                next_batch: Callable[[], Optional[Batch]]) -> tuple[Rollouts, dict[str, Tensor]]:
+        target = len(batch["prompt"])
+        budget = self.options.max_num_gen_batches
+        kept: list[Rollouts] = []
+        correct, total, generated, refills = 0.0, 0.0, 0, 0
+        while True:
+            rollouts = rollout(batch, (-refills,) if refills else ())
+            keep = F.informative_groups(rollouts.rewards, rollouts.group, rollouts.num_groups,
+                                        metric=self.options.metric)  # [B]
+            kept.append(rollouts.select_groups(keep))
+            correct += float((rollouts.rewards > 0).sum())
+            total += float(rollouts.rewards.sum())
+            generated += rollouts.num_samples
+            have = sum(part.num_groups for part in kept)
+            if have >= target:
+                break
+            if budget and refills + 1 >= budget:
+                raise GenerationBudgetError([
+                    f"{KEY}.max_num_gen_batches={budget}: {refills + 1} generation batches gave {have} of {target} "
+                    f"groups whose {self.options.metric} differs; raise it (0 = no limit), or set {KEY}.enable=false"])
+            batch = next_batch()
+            if batch is None:  # the epoch's data ran out: train on what we have
+                break
+            refills += 1
+        if have == 0:  # every group constant and the data ran out: all advantages are 0 this step
+            out = rollouts
+        else:
+            out = Rollouts.stack_groups(kept, self.pad_token_id)
+            out = out.select_groups(torch.arange(out.num_groups) < target)
+        metrics = {"dapo/kept_groups": float(min(have, target)), "dapo/refill_rounds": float(refills),
+                   "dapo/cap_hit": float(have < target), "reward/accuracy_generated": correct / max(generated, 1),
+                   "reward/mean_generated": total / max(generated, 1)}
+        return out, {k: torch.tensor(v) for k, v in metrics.items()}
