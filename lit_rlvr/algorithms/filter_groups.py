@@ -18,17 +18,12 @@ import torch
 from torch import Tensor
 
 from lit_rlvr import functional as F
-from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.config.errors import ConfigError, GenerationBudgetError
 from lit_rlvr.config.options import RANGES, range_problems, unknown_key_problems
 from lit_rlvr.rollout.batch import Rollouts
 
 KEY = "algorithm.filter_groups"
 Batch = dict[str, list]
-
-
-class GenerationBudgetError(ConfigError):
-    """A step drew `max_num_gen_batches` generation batches and still lacks groups whose metric differs: the
-    budget (or the data's difficulty for this policy), not a bug, is the cause; one line from every entry point."""
 
 
 @dataclass(frozen=True)

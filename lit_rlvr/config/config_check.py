@@ -19,6 +19,7 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lit_rlvr.algorithms.filter_groups import FilterGroups
 from lit_rlvr.config import extras
 from lit_rlvr.config.bounds import bound_problems, declared_context
 from lit_rlvr.config.errors import ConfigError
@@ -362,8 +363,6 @@ def _check_filter_groups(cfg: DictConfig) -> list[str]:
     node = OmegaConf.select(cfg, "algorithm.filter_groups")
     if node is None:
         return []
-    from lit_rlvr.algorithms.filter_groups import FilterGroups
-
     try:
         FilterGroups.from_options(OmegaConf.to_container(node, resolve=True))
     except ConfigError as err:

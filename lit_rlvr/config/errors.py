@@ -28,6 +28,11 @@ class ConfigError(ValueError):
         super().__init__("\n".join(problems))
 
 
+class GenerationBudgetError(ConfigError):
+    """A step drew `max_num_gen_batches` generation batches and still lacks groups whose metric differs: the
+    budget (or the data's difficulty for this policy), not a bug, is the cause; one line from every entry point."""
+
+
 class RewardOptionError(ValueError):
     """Bad reward settings, one line each (`problems`); the entry points print them as config errors."""
 
