@@ -2,7 +2,7 @@
 
 VLLMEngine against HFEngine on one policy (greedy tokens equal, fp32 behaviour log-probs within 1e-5 of the
 policy's forward at the sampling temperature), weight pushes (perturbed weights -> outputs follow; the prefix
-cache does not serve KV of the old weights), and `train.py engine=vllm_cpu` for GRPO, C3PO and V0.5, resume, and
+cache does not serve KV of the old weights), and `train.py engine=vllm_cpu` for GRPO, C3PO with V0.5 (one run), resume, and
 1 vs 2 ranks. The policy is the tiny architecture with 2 heads of 64/2 = 32 dims: vLLM's CPU attention refuses
 the default tiny model's head_dim 16. Every engine process must be gone when its owner is.
 """
@@ -221,7 +221,8 @@ def test_in_process_mode_is_refused(policy, monkeypatch):
 COMMON = ["data.batch_size=8", "data.num_test=16", "algorithm.group_size=4", "callbacks.progress=null",
           "reward.name=tests.reward_helpers:digit_share"]
 FSDP_CPU = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy.param_dtype=float32"]
-V05 = ["algorithm=v05", "algorithm.callbacks.value_prior.min_context=4", "algorithm.callbacks.value_prior.k_max=8"]
+C3PO_V05 = ["algorithm=c3po_v05", "algorithm.callbacks.value_prior.min_context=4",
+            "algorithm.callbacks.value_prior.k_max=8"]
 
 
 def _train(run_dir: Path, policy_dir: Path, overrides: list[str], steps: int, ranks: int = 1) -> Path:
@@ -271,16 +272,16 @@ def runs(policy_dir, tmp_path_factory):
     out["grpo_resumed"] = _train(base / "grpo_resumed", policy_dir, [], steps=2)
     _train(out["grpo_resumed"], policy_dir, [f"resume={out['grpo_resumed']}/checkpoints/last.ckpt"], steps=3)
     out["grpo_two_ranks"] = _train(base / "two_ranks", policy_dir, FSDP_CPU, steps=3, ranks=2)
-    out["c3po"] = _train(base / "c3po", policy_dir, ["algorithm=c3po"], steps=2)
-    out["v05"] = _train(base / "v05", policy_dir, V05, steps=3)
+    # both papers' callbacks in one run (C3PO's weight-sample pushes, V0.5's prior): one vLLM start, not two
+    out["c3po_v05"] = _train(base / "c3po_v05", policy_dir, [*C3PO_V05], steps=3)
     return out
 
 
-@pytest.mark.parametrize("name,algorithm,steps", [("grpo", "grpo", 3), ("c3po", "c3po", 2), ("v05", "v05", 3)])
+@pytest.mark.parametrize("name,algorithm,steps", [("grpo", "grpo", 3), ("c3po_v05", "c3po_v05", 3)])
 def test_train_with_vllm_writes_summary_metrics_and_checkpoint(runs, name, algorithm, steps):
     summary = json.loads((runs[name] / "summary.json").read_text())
     assert summary["algorithm"] == algorithm and summary["steps"] == steps
-    if algorithm != "v05":  # V0.5's budget rule decides how many rollouts each prompt gets
+    if "v05" not in algorithm:  # V0.5's budget rule decides how many rollouts each prompt gets
         assert summary["rollouts_total"] == steps * 8 * 4
     assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
     assert (runs[name] / "checkpoints" / "last.ckpt").stat().st_size > 0
@@ -300,8 +301,10 @@ def test_behaviour_logprobs_from_vllm_equal_the_trainers(runs):
     assert all(r["mismatch/kl"] < 1e-8 and abs(r["mismatch/is_weight_max"] - 1) < 1e-3 for r in _rows(runs["grpo"]))
 
 
-def test_v05_prior_is_present_after_its_context_fills(runs):
-    assert _rows(runs["v05"])[-1]["v05/prior_present"] == 1.0
+def test_v05_prior_is_present_and_c3po_samples_weights(runs):
+    rows = _rows(runs["c3po_v05"])
+    assert rows[-1]["v05/prior_present"] == 1.0
+    assert all(r["noise/numel"] > 0 and r["noise/param_delta_rms"] > 0 for r in rows)  # sampled weights generated
 
 
 def test_resume_with_vllm_continues_exactly(runs):
