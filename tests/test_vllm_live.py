@@ -2,9 +2,9 @@
 
 VLLMEngine against HFEngine on one policy (greedy tokens equal, fp32 behaviour log-probs within 1e-5 of the
 policy's forward at the sampling temperature), weight pushes (perturbed weights -> outputs follow; the prefix
-cache does not serve KV of the old weights), and `train.py engine=vllm_cpu` for GRPO, C3PO with V0.5 (one run), resume, and
-1 vs 2 ranks. The policy is the tiny architecture with 2 heads of 64/2 = 32 dims: vLLM's CPU attention refuses
-the default tiny model's head_dim 16. Every engine process must be gone when its owner is.
+cache does not serve KV of the old weights), and `train.py engine=vllm_cpu` for GRPO, C3PO with V0.5 (one run),
+resume, and 1 vs 2 ranks. The policy is the tiny architecture with 2 heads of 64/2 = 32 dims: vLLM's CPU
+attention refuses the default tiny model's head_dim 16. Every engine process must be gone when its owner is.
 """
 
 from __future__ import annotations
