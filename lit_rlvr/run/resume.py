@@ -43,7 +43,14 @@ MUTABLE = ("algorithm.eval_samples", "algorithm.eval_temperature", "algorithm.ma
            # the post-push check only watches (it never changes what is sampled)
            "engine.options.sync_check_tol", "engine.options.sync_check_every")
 # keys added after checkpoints were written without them: absent there means this value
-ADDED_LATER = {"env.name": "none"}
+ADDED_LATER = {"env.name": "none", "algorithm.policy_loss": "ppo_clip", "algorithm.advantages": "grpo",
+               "algorithm.filter_groups.enable": False, "algorithm.filter_groups.metric": "acc",
+               "algorithm.filter_groups.max_num_gen_batches": 0, "algorithm.overlong_cache_len": 0,
+               "algorithm.overlong_penalty_factor": 1.0}
+# the loss variants were subclasses before they became options: a checkpoint that names one records the same run as
+# GRPOModule with these settings (DAPO's refills: max_refill_batches after the first batch = generation batches - 1)
+VARIANT_CLASSES = {"lit_rlvr.algorithms.DAPOModule": {}, "lit_rlvr.algorithms.DrGRPOModule": {"advantages": "dr_grpo"},
+                   "lit_rlvr.algorithms.GSPOModule": {"policy_loss": "gspo"}}
 # optimizer settings that a checkpoint's optimizer state would silently put back: applied after the restore
 OPTIMIZER_KEYS = {"algorithm.lr": "lr", "algorithm.weight_decay": "weight_decay"}
 
@@ -107,9 +114,27 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+def in_todays_keys(recorded: dict[str, Any]) -> dict[str, Any]:
+    """A flat recorded config in the keys of today's configs (the variant classes of `VARIANT_CLASSES`, DAPO's
+    `dynamic_sampling` and `max_refill_batches`); a config that names none of them comes back unchanged."""
+    settings = VARIANT_CLASSES.get(recorded.get("algorithm._target_"))
+    if settings is None:
+        return recorded
+    upgraded = {k: v for k, v in recorded.items() if k not in ("algorithm.dynamic_sampling",
+                                                                "algorithm.max_refill_batches")}
+    upgraded["algorithm._target_"] = "lit_rlvr.module.GRPOModule"
+    upgraded.update({f"algorithm.{k}": v for k, v in settings.items()})
+    if "algorithm.dynamic_sampling" in recorded:
+        refills = recorded.get("algorithm.max_refill_batches")
+        upgraded["algorithm.filter_groups.enable"] = bool(recorded["algorithm.dynamic_sampling"])
+        upgraded["algorithm.filter_groups.metric"] = "acc"
+        upgraded["algorithm.filter_groups.max_num_gen_batches"] = 0 if refills is None else int(refills) + 1
+    return upgraded
+
+
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     """(key, checkpoint value, this run's value) for each frozen key that differs; `<absent>` where missing."""
-    old, new = flatten(saved), flatten(current)
+    old, new = in_todays_keys(flatten(saved)), flatten(current)
     diffs = []
     for key in sorted(set(old) | set(new)):
         if not _under(key, FROZEN) or _under(key, MUTABLE):
