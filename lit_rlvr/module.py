@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from lit_rlvr import functional as F
 from lit_rlvr.algorithms.filter_groups import FilterGroups, GroupFilter
 from lit_rlvr.config.bounds import check_bounds, model_context, response_budget
-from lit_rlvr.config.errors import ConfigError, RewardHangError
+from lit_rlvr.config.errors import ConfigError, GenerationBudgetError, RewardHangError
 from lit_rlvr.config.options import compile_problems, consistency_problems, finite_problems, range_problems
 from lit_rlvr.data.formats import render_prompt
 from lit_rlvr.envs import build_environment
@@ -322,7 +322,11 @@ class GRPOModule(pl.LightningModule):
         differs, refilled from the next batches (`GroupFilter`)."""
         if self.group_filter is None:
             return self.collect_rollouts(batch)
-        rollouts, metrics = self.group_filter.collect(batch, self.collect_rollouts, self._next_batch)
+        try:
+            rollouts, metrics = self.group_filter.collect(batch, self.collect_rollouts, self._next_batch)
+        except GenerationBudgetError as err:  # what the run keeps, and that the cap may change on resume
+            raise GenerationBudgetError([f"{err.problems[0]}; {checkpoint_hint(self._trainer)} (the cap may change "
+                                         "on resume)"]) from err
         self.log_metrics(metrics)
         return rollouts
 

@@ -14,6 +14,7 @@ import torch
 
 from lit_rlvr import functional as F
 from lit_rlvr.algorithms import GenerationBudgetError
+from lit_rlvr.run.one_line import one_line
 from lit_rlvr.data.datamodule import RLVRDataModule
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.module import GRPOModule
@@ -268,9 +269,13 @@ def test_dapo_dynamic_sampling_stops_past_its_budget():
     """As verl: a step that spent `max_num_gen_batches` without enough varied groups stops the run, naming the key."""
     with pytest.raises(GenerationBudgetError) as err:
         fit_dapo(lambda prompt: True, steps=1, filter_groups={"enable": True, "max_num_gen_batches": 3})
-    assert err.value.problems == [
+    (line,) = err.value.problems
+    assert line.startswith(
         "algorithm.filter_groups.max_num_gen_batches=3: 3 generation batches gave 0 of 4 groups whose acc differs; "
-        "raise it (0 = no limit), or set algorithm.filter_groups.enable=false"]
+        "raise it (0 = no limit), or set algorithm.filter_groups.enable=false; ")
+    assert line.endswith("(the cap may change on resume)") and "checkpoint" in line  # what the stopped run keeps
+    assert one_line(err.value)[0] == "stopped"  # the entry points' line: a stop mid-run, not a refused setting
+
 
 
 # -- shipped configs -----------------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ import re
 import sys
 from typing import Optional
 
-from lit_rlvr.config.errors import DEBUG_ENV, CheckpointError, ConfigError, DataError, StorageError, debug
+from lit_rlvr.config.errors import (DEBUG_ENV, CheckpointError, ConfigError, DataError, GenerationBudgetError,
+                                     StorageError, debug)
 from lit_rlvr.run.storage import storage_cause
 
 _CONFIG_PHASE = "_lit_rlvr_config_phase"  # set on an exception raised while the run was being built
@@ -53,6 +54,8 @@ def one_line(err: BaseException) -> Optional[tuple[str, list[str]]]:
         where = next((e.filename for e in _chain(err) if isinstance(e, OSError) and e.filename), None)
         first = (str(err).splitlines() or [""])[0][:200]
         return "error", [f"{cause}: {where}" if where else f"{cause} ({type(err).__name__}: {first})"]
+    if isinstance(err, GenerationBudgetError):  # raised mid-run: a stop, not a setting refused before any work
+        return "stopped", list(err.problems)
     if isinstance(err, ConfigError):
         return "config error", list(err.problems)
     if getattr(err, _CONFIG_PHASE, False) or isinstance(err, (CheckpointError, DataError)):

@@ -40,8 +40,9 @@ MUTABLE = ("algorithm.eval_samples", "algorithm.eval_temperature", "algorithm.ma
            "engine.options.sleep_level", "engine.options.enforce_eager", "env.timeout_s",
            # the same update through compiled kernels (float order only, as micro_batch_size)
            "model.compile",
-           # the post-push check only watches (it never changes what is sampled)
-           "engine.options.sync_check_tol", "engine.options.sync_check_every")
+           # the post-push check only watches (it never changes what is sampled); DAPO's cap only stops a run
+           "engine.options.sync_check_tol", "engine.options.sync_check_every",
+           "algorithm.filter_groups.max_num_gen_batches")
 # keys added after checkpoints were written without them: absent there means this value
 ADDED_LATER = {"env.name": "none", "algorithm.policy_loss": "ppo_clip", "algorithm.advantages": "grpo",
                "algorithm.filter_groups.enable": False, "algorithm.filter_groups.metric": "acc",
