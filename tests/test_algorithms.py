@@ -144,6 +144,8 @@ def test_filter_groups_options_are_checked():
     with pytest.raises(ConfigError, match=r"algorithm\.filter_groups\.metric='seq_reward' is not valid: expected "
                                           r"one of acc, score"):
         tiny(filter_groups={"enable": True, "metric": "seq_reward"})
+    with pytest.raises(ConfigError, match=r"algorithm\.filter_groups=True is not valid: expected a mapping"):
+        tiny(filter_groups=True)
 
 
 def test_dr_grpo_passes_dual_clip_to_its_loss():

@@ -65,6 +65,7 @@ def test_missing_path_is_named():
     ("algorithm.filter_groups.metric=seq_reward", "algorithm.filter_groups.metric='seq_reward'", "one of acc, score"),
     ("+algorithm.filter_groups.max_gen=3", "algorithm.filter_groups.max_gen",
      "valid: enable, max_num_gen_batches, metric"),
+    ("algorithm.filter_groups=true", "algorithm.filter_groups=True", "a mapping of {enable, metric"),
 ])
 def test_bad_value_names_key_value_and_expectation(override, key, expected):
     with pytest.raises(ConfigError) as err:

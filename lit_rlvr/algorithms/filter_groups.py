@@ -19,7 +19,7 @@ from torch import Tensor
 
 from lit_rlvr import functional as F
 from lit_rlvr.config.errors import ConfigError, GenerationBudgetError
-from lit_rlvr.config.options import RANGES, range_problems, unknown_key_problems
+from lit_rlvr.config.options import RANGES, problem_line, range_problems, unknown_key_problems
 from lit_rlvr.rollout.batch import Rollouts
 
 KEY = "algorithm.filter_groups"
@@ -38,6 +38,9 @@ class FilterGroups:
     def from_options(cls, options: Optional[Mapping[str, Any]]) -> "FilterGroups":
         """From the module's `filter_groups` dict (None = off); unknown keys and values out of range fail, one line
         each, with the rows of `lit_rlvr.config.options`."""
+        if options is not None and not isinstance(options, Mapping):
+            names = ", ".join(f.name for f in fields(cls))
+            raise ConfigError([problem_line(KEY, options, f"a mapping of {{{names}}} or null")])
         options = dict(options or {})
         problems = unknown_key_problems(KEY, list(options), [f.name for f in fields(cls)])
         problems += range_problems(options, KEY, RANGES)

@@ -364,7 +364,7 @@ def _check_filter_groups(cfg: DictConfig) -> list[str]:
     if node is None:
         return []
     try:
-        FilterGroups.from_options(OmegaConf.to_container(node, resolve=True))
+        FilterGroups.from_options(OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node)
     except ConfigError as err:
         return list(err.problems)
     return []
