@@ -93,6 +93,14 @@ def test_judge_parsed_score_and_custom_template(fake_openai):
     ({"base_url": "URL", "model": "m", "top_logprobs": 50}, "reward.options.top_logprobs=50 is not valid"),
     ({"base_url": "http://127.0.0.1:1/v1", "model": "m"}, "reward.options.base_url='http://127.0.0.1:1/v1': the "
                                                           "server cannot be reached"),
+    ({"base_url": "URL", "model": "???"}, "reward.options.model=??? is not valid: expected a value"),
+    ({"base_url": "URL", "model": "m", "template": "{completion!z}"}, "reward.options.template='{completion!z}' is "
+                                                                      "not valid: expected a format string that fills"),
+    ({"base_url": "URL", "model": "m", "template": "{completion:%%}"}, "reward.options.template='{completion:%%}'"),
+    ({"base_url": "URL", "model": "m", "timeout_s": -1}, "reward.options.timeout_s=-1 is not valid: expected a "
+                                                         "number of seconds > 0"),
+    ({"base_url": "URL", "model": "m", "max_token": 9}, "reward.options.max_token is not an option (did you mean "
+                                                     "reward.options.max_tokens?)"),
 ])
 def test_judge_settings_one_line_each(fake_openai, options, line):
     options = {k: fake_openai[0] if v == "URL" else v for k, v in options.items()}

@@ -12,7 +12,7 @@ from lit_rlvr.rewards.base import (DEFAULT_SCORE_BOUND, DEFAULT_TIMEOUT_S, Failu
 
 from lit_rlvr.config.errors import RewardOptionError
 from lit_rlvr.rewards.async_runner import DEFAULT_MAX_CONCURRENT, AsyncRewardRunner, is_async
-from lit_rlvr.rewards.checks import is_int, problem_line
+from lit_rlvr.rewards.checks import is_int, is_number, problem_line
 from lit_rlvr.rewards.terms import SHARED_KEYS, build_terms, term_specs
 from lit_rlvr.rewards.workers import ProcessRewardRunner
 
@@ -106,12 +106,17 @@ def reward_problems(name: Any, options: Optional[dict[str, Any]] = None, key: st
     cap = options.get("max_concurrent")
     if cap is not None and not is_int(cap, 1):
         problems.append(problem_line(f"{key}.options.max_concurrent", cap, "an integer >= 1 (calls in flight)"))
+    timeout = options.get("timeout_s")
+    if timeout is not None and not (is_number(timeout) and 0 < timeout < float("inf")):
+        problems.append(problem_line(f"{key}.options.timeout_s", timeout, "a number of seconds > 0"))
     try:
         obj = _load(name)
     except ValueError as err:
         return problems + [str(err)]
     check = getattr(obj, "check_options", None) if isinstance(obj, type) else None
-    return problems + (list(check(options)) if check is not None else [])
+    named = {line.split("=")[0] for line in problems}  # a class that checks the same key again adds no second line
+    own = list(check(options)) if check is not None else []
+    return problems + [line for line in own if line.split("=")[0] not in named]
 
 
 def _takes_cap(name: Any) -> bool:

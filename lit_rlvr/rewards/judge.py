@@ -20,6 +20,7 @@ to `base_url`'s host and port): unreachable stops the run before any work, in on
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 import string
@@ -27,6 +28,7 @@ from typing import Any, Optional
 
 from lit_rlvr.config.errors import RewardOptionError
 from lit_rlvr.config.extras import installed, message, require
+from lit_rlvr.config.problems import unknown_key_problems
 from lit_rlvr.rewards.base import RewardResult
 from lit_rlvr.rewards.checks import is_int, is_number, problem_line
 from lit_rlvr.rewards.remote import url_problem
@@ -51,6 +53,10 @@ def template_problem(template: Any, key: str = "reward.options.template") -> Opt
     if unknown or "completion" not in names:
         return problem_line(key, template, "a string with {completion} (and {prompt}, {answer}); no other fields"
                                            + (f" (found {{{unknown[0]}}})" if unknown else ""))
+    try:  # a conversion or format spec that str.format refuses ({completion!z}, {completion:%%})
+        template.format(**{name: "" for name in FIELDS})
+    except (ValueError, KeyError, IndexError) as err:
+        return problem_line(key, template, f"a format string that fills ({err})")
     return None
 
 
@@ -83,14 +89,20 @@ class JudgeReward:
 
     @classmethod
     def check_options(cls, options: dict[str, Any]) -> list[str]:
-        missing = [k for k in ("base_url", "model") if k not in options]
-        if missing:
-            return [f"reward=judge needs reward.options.{k}" for k in missing]
+        runner_keys = ("timeout_s", "max_concurrent", "isolation", "score_bound")
+        own = [p for p in inspect.signature(cls).parameters if p != "probe"]
+        problems = unknown_key_problems("reward.options", list(options), [*own, *runner_keys])
+        for k in ("base_url", "model"):
+            if k not in options or options[k] is None:
+                problems.append(f"reward=judge needs reward.options.{k}")
+            elif options[k] == "???":  # Hydra's unset value
+                problems.append(problem_line(f"reward.options.{k}", "???", f"a value: set reward.options.{k}=..."))
+        if problems:
+            return problems
         if not installed("openai"):
             return [f"reward=judge: {message('openai')}"]
         try:
-            cls(**{k: v for k, v in options.items() if k not in ("timeout_s", "max_concurrent", "isolation",
-                                                                 "score_bound")})
+            cls(**{k: v for k, v in options.items() if k not in runner_keys})
         except RewardOptionError as err:
             return list(err.problems)
         except TypeError as err:
