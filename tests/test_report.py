@@ -88,3 +88,13 @@ def test_report_from_two_runs(two_runs, tmp_path, capsys):
     row = next(line for line in markdown.splitlines() if line.startswith("| dr_grpo"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1:3] == ["3", "192"]  # steps, rollouts consumed (3 x 8 prompts x 8 samples)
+
+
+def test_a_path_that_is_no_run_dir_is_one_line(tmp_path, capsys):
+    from lit_rlvr.run.report import main
+
+    with pytest.raises(SystemExit) as done:
+        main([str(tmp_path / "nowhere")])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nowhere: no metrics.csv" in err

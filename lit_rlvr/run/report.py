@@ -223,7 +223,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--group", action="store_true",
                         help="draw the runs of one algorithm (e.g. seeds) as their mean with a ± sd band")
     args = parser.parse_args(argv)
-    runs = [load_run(r) for r in args.runs]
+    try:
+        runs = [load_run(r) for r in args.runs]
+    except FileNotFoundError as err:  # a path that is not a run dir: its line, not a traceback
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
     if args.group:
         runs = group_runs(runs)
     out = Path(args.out)
