@@ -280,6 +280,20 @@ def test_dapo_dynamic_sampling_stops_past_its_budget():
 
 
 
+def test_a_step_that_keeps_refilling_says_so(caplog):
+    """Without a cap a step refills until its batch is full: after 10 generation batches it says how far it got."""
+    from lit_rlvr.algorithms import FilterGroups, GroupFilter
+
+    batches = iter([{"prompt": ["p"]}] * 11)
+    constant = GroupFilter(FilterGroups(enable=True, max_num_gen_batches=0), pad_token_id=0)
+    with caplog.at_level("WARNING"):
+        rollouts, metrics = constant.collect({"prompt": ["p"]}, lambda batch, seeds: batch_of([[1.0, 1.0]], [2, 2]),
+                                             lambda: next(batches, None))
+    assert metrics["dapo/refill_rounds"] == 11 and metrics["dapo/cap_hit"] == 1.0  # the data ran out
+    (line,) = [r.getMessage() for r in caplog.records if "generation batches" in r.getMessage()]
+    assert line.startswith("algorithm.filter_groups: 10 generation batches in this step gave 0 of 1 groups")
+
+
 # -- shipped configs -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name, options", [("dapo", DAPO), ("dr_grpo", DR_GRPO), ("gspo", GSPO)])
 def test_algorithm_configs_instantiate(name, options, tmp_path):

@@ -11,6 +11,7 @@ one line naming the key (verl raises there too); running out of data trains on t
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping, Optional
 
@@ -23,6 +24,7 @@ from lit_rlvr.config.options import RANGES, problem_line, range_problems, unknow
 from lit_rlvr.rollout.batch import Rollouts
 
 KEY = "algorithm.filter_groups"
+log = logging.getLogger(__name__)
 Batch = dict[str, list]
 
 
@@ -90,6 +92,10 @@ class GroupFilter:
             if batch is None:  # the epoch's data ran out: train on what we have
                 break
             refills += 1
+            if refills in (10, 100, 1000, 10000):  # a step that keeps refilling (no cap) says so as it goes
+                log.warning("%s: %d generation batches in this step gave %d of %d groups whose %s differs (no "
+                            "update until the batch is full; %s.max_num_gen_batches caps it)", KEY, refills, have,
+                            target, self.options.metric, KEY)
         if have == 0:  # every group constant and the data ran out: all advantages are 0 this step
             out = rollouts
         else:
