@@ -66,10 +66,12 @@ def test_missing_path_is_named():
     ("+algorithm.filter_groups.max_gen=3", "algorithm.filter_groups.max_gen",
      "valid: enable, max_num_gen_batches, metric"),
     ("algorithm.filter_groups=true", "algorithm.filter_groups=True", "a mapping of {enable, metric"),
+    ("algorithm.policy_loss=gspo algorithm.dual_clip=3.0", "algorithm.dual_clip=3.0 floors per-token PPO terms",
+     "set algorithm.dual_clip=null"),
 ])
 def test_bad_value_names_key_value_and_expectation(override, key, expected):
     with pytest.raises(ConfigError) as err:
-        check_config(_compose(override))
+        check_config(_compose(*override.split()))
     assert len(err.value.problems) == 1
     line = err.value.problems[0]
     assert line.startswith(key) and expected in line

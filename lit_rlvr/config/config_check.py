@@ -23,8 +23,9 @@ from lit_rlvr.algorithms.filter_groups import FilterGroups
 from lit_rlvr.config import extras
 from lit_rlvr.config.bounds import bound_problems, declared_context
 from lit_rlvr.config.errors import ConfigError
-from lit_rlvr.config.options import (RANGES, compile_problems, finite_problems, group_size_problem,
-                                     lora_rank_problems, problem_line, range_problems, unknown_key_problems)
+from lit_rlvr.config.options import (RANGES, compile_problems, consistency_problems, finite_problems,
+                                     group_size_problem, lora_rank_problems, problem_line, range_problems,
+                                     unknown_key_problems)
 from lit_rlvr.envs import environment_spec
 from lit_rlvr.models.lora import LoraOptions
 from lit_rlvr.models.warmup import tiny_option_names
@@ -65,7 +66,7 @@ def check_config(cfg: DictConfig) -> None:
     problems = problems or _check_finite(cfg)  # before the ranges: a nan is one line, not one per check
     if not problems:
         problems = (_check_ranges(cfg) + _check_lora(cfg) + _check_extras(cfg) + _check_rollout_correction(cfg)
-                    + _check_filter_groups(cfg)
+                    + _check_filter_groups(cfg) + _check_consistency(cfg)
                     + _check_compile(cfg) + _check_env(cfg) + _check_context(cfg) + _check_reward(cfg))
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)))  # a value two checks refuse is one line
@@ -356,6 +357,12 @@ def _check_rollout_correction(cfg: DictConfig) -> list[str]:
     except ValueError as err:
         return [str(err)]
     return []
+
+
+def _check_consistency(cfg: DictConfig) -> list[str]:
+    """The rules between algorithm options (gspo with dual_clip, ...), as the module's constructor checks them."""
+    node = cfg.get("algorithm")
+    return consistency_problems(OmegaConf.to_container(node, resolve=True)) if node is not None else []
 
 
 def _check_filter_groups(cfg: DictConfig) -> list[str]:
