@@ -3,32 +3,17 @@ DAPO's dynamic sampling with GSPO's loss, each a short in-process `train.py` run
 
 from __future__ import annotations
 
-import csv
 import math
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import open_dict
-
-from lit_rlvr.recipe import train
-
-CONF = Path(__file__).resolve().parents[1] / "conf"
-
+from recipe_runs import train_in_process
 
 def run(tmp_path: Path, tiny_path: str, *overrides: str) -> tuple[dict, list[dict]]:
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        cfg = compose("config", return_hydra_config=True, overrides=[
-            f"model.name_or_path={tiny_path}", f"hydra.run.dir={tmp_path}", "trainer.max_steps=3",
-            "data.batch_size=2", "data.num_test=2", "eval_before=false", "callbacks.progress=null",
-            "algorithm.group_size=4", "algorithm.max_new_tokens=6", *overrides])
-    with open_dict(cfg):
-        cfg.hydra.runtime.output_dir = cfg.hydra.run.dir
-    HydraConfig.instance().set_config(cfg)
-    summary = train(cfg, tmp_path)
-    rows = [r for r in csv.DictReader((tmp_path / "metrics.csv").open()) if r.get("loss/policy")]  # RL steps
-    return summary, rows
+    return train_in_process(tmp_path, [
+        f"model.name_or_path={tiny_path}", "trainer.max_steps=3",
+        "data.batch_size=2", "data.num_test=2", "eval_before=false", "callbacks.progress=null",
+        "algorithm.group_size=4", "algorithm.max_new_tokens=6", *overrides])
 
 
 @pytest.mark.parametrize("overrides, column", [

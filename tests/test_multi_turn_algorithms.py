@@ -4,34 +4,21 @@ engines (vLLM, SGLang) run the same loop in their own tests (tests/test_vllm_liv
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import open_dict
+from recipe_runs import train_in_process
 
-from lit_rlvr.recipe import train
-
-CONF = Path(__file__).resolve().parents[1] / "conf"
 ALGORITHMS = ["grpo", "dapo", "dr_grpo", "gspo", "b3po", "m3po", "c3po", "v05", "c3po_v05"]
 
 
 def run(tmp_path: Path, tiny_path: str, *overrides: str) -> tuple[dict, list[dict]]:
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        cfg = compose("config", return_hydra_config=True, overrides=[
-            "env=retry", f"model.name_or_path={tiny_path}", f"hydra.run.dir={tmp_path}", "trainer.max_steps=1",
-            "data.batch_size=2", "data.num_test=4", "eval_before=false", "callbacks.progress=null",
-            "callbacks.completions.every_n_steps=1", "algorithm.max_new_tokens=6", "env.max_tokens=48", *overrides])
-    with open_dict(cfg):
-        cfg.hydra.runtime.output_dir = cfg.hydra.run.dir
-    HydraConfig.instance().set_config(cfg)
-    summary = train(cfg, tmp_path)
-    rows = [r for r in csv.DictReader((tmp_path / "metrics.csv").open()) if r.get("loss/policy")]  # RL steps
-    return summary, rows
+    return train_in_process(tmp_path, [
+        "env=retry", f"model.name_or_path={tiny_path}", "trainer.max_steps=1",
+        "data.batch_size=2", "data.num_test=4", "eval_before=false", "callbacks.progress=null",
+        "callbacks.completions.every_n_steps=1", "algorithm.max_new_tokens=6", "env.max_tokens=48", *overrides])
 
 
 # with the other capabilities: an engine with its own weights, LoRA adapters (pushed to a copy engine: C3PO's sampled
