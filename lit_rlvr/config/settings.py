@@ -1,0 +1,283 @@
+"""The run's settings as typed, frozen dataclasses: one class per Hydra group, each default defined once.
+
+`train.py` (Hydra builds them from the composed config), the Lightning CLI (the same nested names under
+`model.init_args.`) and Python (`GRPOModule(algorithm=AlgorithmConfig(lr=1e-4))`) all construct these classes, so
+they share one default and one check per setting. A field's metadata carries its valid range (`rule`: a predicate
+and what is expected, for the one-line error) and whether a resumed run may change it (`on_resume`); the range
+table that every entry point checks (`lit_rlvr.config.options.RANGES`) and the resume check's list of changeable
+keys (`lit_rlvr.run.resume`) are read off these fields (`rows`, `resume_mutable`).
+
+The `algorithm` group is flat in the YAML (`algorithm.lr`, `algorithm.eps_low`), as verl's and TRL's users know it;
+`AlgorithmConfig` is the union of the parts the code takes separately (`OptimConfig`, `LossConfig`, `UpdateConfig`,
+`SamplingOptions`), each a view (`algorithm.loss`, `algorithm.update`, ...).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Callable, Iterator, Mapping, Optional
+
+from lit_rlvr.config.problems import problem_line
+from lit_rlvr.functional import ADVANTAGES, AGGREGATIONS, GROUP_FILTER_METRICS, KL_ESTIMATORS, POLICY_LOSSES
+
+Rule = tuple[Callable[[Any], bool], str]  # (is the value valid?, what is expected)
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def at_least(low: int, what: str = "an integer") -> Rule:
+    return (lambda v: v >= low, f"{what} >= {low}")
+
+
+def one_of(names: Any) -> Rule:
+    return (lambda v: v in names, f"one of {', '.join(names)}")
+
+
+POSITIVE: Rule = (lambda v: v > 0, "a number > 0")
+NON_NEGATIVE: Rule = (lambda v: v >= 0, "a number >= 0")
+
+
+def setting(default: Any = MISSING, rule: Optional[Rule] = None, *, on_resume: bool = False,
+            factory: Any = MISSING) -> Any:
+    """A dataclass field with its range (`rule`) and whether a resume may change it (`on_resume`: the same math
+    or only where and how it is measured)."""
+    return field(default=default, default_factory=factory, metadata={"rule": rule, "on_resume": on_resume})
+
+
+def rows(cls: type, section: str) -> Iterator[tuple[str, Rule]]:
+    """(config key, rule) of every field of `cls` (and of its nested settings classes) that has a rule."""
+    for f in fields(cls):
+        key = f"{section}.{f.name}"
+        nested = _settings_class(f)
+        if nested is not None:
+            yield from rows(nested, key)
+        elif f.metadata.get("rule") is not None:
+            yield key, f.metadata["rule"]
+
+
+def resume_mutable(cls: type, section: str) -> Iterator[str]:
+    """The config keys under `section` that a resumed run may change."""
+    for f in fields(cls):
+        key = f"{section}.{f.name}"
+        nested = _settings_class(f)
+        if nested is not None:
+            yield from resume_mutable(nested, key)
+        elif f.metadata.get("on_resume"):
+            yield key
+
+
+def _settings_class(f: Any) -> Optional[type]:
+    factory = f.default_factory
+    return factory if isinstance(factory, type) and hasattr(factory, "__dataclass_fields__") else None
+
+
+def field_problems(values: Mapping[str, Any], cls: type, section: str) -> list[str]:
+    """One line per value of `values` (field name -> value) that its field's rule in `cls` rejects."""
+    rules = dict(rows(cls, section))
+    problems = []
+    for name, value in values.items():
+        rule = rules.get(f"{section}.{name}")
+        if rule is None:
+            continue
+        try:
+            ok = rule[0](value)
+        except TypeError:  # e.g. null where a number is needed
+            ok = False
+        if not ok:
+            problems.append(problem_line(f"{section}.{name}", value, rule[1]))
+    return problems
+
+
+def part(cls: type, source: Any) -> Any:
+    """The fields of dataclass `cls` read off `source` (a larger settings object with the same field names)."""
+    return cls(**{f.name: getattr(source, f.name) for f in fields(cls)})
+
+
+# -- the algorithm group -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OptimConfig:
+    """The optimizer and its schedule. `optimizer`: `adamw` (uses `betas`, `weight_decay`) or `ivon`
+    (`lit_rlvr.optim.IVON`, for 3PO: `optimizer_options` must give `ess` λ). `optimizer_options` go to the
+    optimizer's constructor. `warmup_steps` W: linear warm-up over the first W updates (`warmup_from_zero`: verl's
+    shape, from lr 0). `grad_clip`: the gradient norm's bound (0 or null = off). lr 3e-4 is the tiny CPU default's
+    best by measurement (docs/results/tiny_presets.md); 1e-6 is usual for 4B+ models."""
+
+    optimizer: str = setting("adamw", one_of(("adamw", "ivon")))
+    lr: float = setting(3.0e-4, POSITIVE)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = setting(0.0, NON_NEGATIVE)
+    warmup_steps: int = setting(0, at_least(0))
+    warmup_from_zero: bool = False
+    grad_clip: Optional[float] = setting(1.0, (lambda v: v is None or v >= 0, "a number >= 0 (0 = off) or null"))
+    optimizer_options: dict[str, Any] = setting(factory=dict)
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The surrogate loss and the advantages: `policy_loss` and `advantages` name functions of
+    `lit_rlvr.functional` (`POLICY_LOSSES`, `ADVANTAGES`); `eps_low`/`eps_high` the clip range; `dual_clip` c (> 1,
+    verl's clip_ratio_c; null = off); `seq_mask_tau` τ of 3PO's sequence importance mask (null = off); `kl_coef` β
+    (> 0 loads a frozen reference) with `kl_estimator` and `kl_k3_cap` (verl caps k3 at 10); `entropy_coef` η;
+    `overlong_cache_len` and `overlong_penalty_factor`: DAPO's overlong reward shaping (0 = off)."""
+
+    policy_loss: str = setting("ppo_clip", one_of(POLICY_LOSSES))
+    advantages: str = setting("grpo", one_of(ADVANTAGES))
+    eps_low: float = setting(0.2, (lambda v: 0 <= v < 1, "a number in [0, 1)"))
+    eps_high: float = setting(0.2, NON_NEGATIVE)
+    dual_clip: Optional[float] = setting(None, (lambda v: v is None or v > 1, "a number > 1 (the dual-clip bound c; "
+                                                                              "verl: 3.0) or null (off)"))
+    seq_mask_tau: Optional[float] = setting(None, (lambda v: v is None or v > 1, "a number > 1 (the importance mask "
+                                                   "keeps ratios in [1/τ, τ]; 3PO's paper: 2) or null (off)"))
+    loss_aggregation: str = setting("seq-mean-token-mean", one_of(AGGREGATIONS))
+    scale_adv_by_std: bool = True
+    kl_coef: float = setting(0.0, NON_NEGATIVE)
+    kl_estimator: str = setting("k3", one_of(KL_ESTIMATORS))
+    kl_k3_cap: Optional[float] = setting(None, (lambda v: v is None or v > 0, "a number > 0 (verl: 10) or null "
+                                                                              "(no cap)"))
+    entropy_coef: float = 0.0
+    overlong_cache_len: int = setting(0, at_least(0))
+    overlong_penalty_factor: float = setting(1.0, (lambda v: v >= 0, "a number >= 0 (the largest length penalty; a "
+                                                                     "negative one would reward length)"))
+
+
+@dataclass(frozen=True)
+class UpdateConfig:
+    """How one batch becomes optimizer steps: `ppo_epochs` passes, `mini_batches` optimizer steps per pass,
+    `micro_batch_size` completions per forward/backward, or with `micro_batch_tokens` (null = off) micro-batches of
+    similar-length completions up to that many padded tokens (verl's dynamic batch size). `max_bad_steps`
+    non-finite steps in a row stop the run."""
+
+    ppo_epochs: int = setting(1, at_least(1))
+    mini_batches: int = setting(1, at_least(1))
+    micro_batch_size: int = setting(64, at_least(1), on_resume=True)  # memory only: the same sums
+    micro_batch_tokens: Optional[int] = setting(None, (lambda v: v is None or v >= 1, "an integer >= 1 or null (off)"))
+    max_bad_steps: int = setting(5, at_least(1), on_resume=True)
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Sampling for training rollouts and evaluation. `temperature` (training) must be > 0: at 0 every completion of
+    a prompt is the same greedy one and no advantage is ever nonzero; evaluation may be greedy (`eval_temperature`
+    0). `ignore_eos` (benchmarks): training completions run to `max_new_tokens`. `eval_samples` n: held-out mean@n
+    and pass@n."""
+
+    temperature: float = setting(1.0, (lambda v: v > 0, "a number > 0 (0 would make every completion of a prompt "
+                                       "the same greedy one; use algorithm.eval_temperature=0 for greedy evaluation)"))
+    top_p: float = setting(1.0, (lambda v: 0 < v <= 1, "a number in (0, 1]"))
+    top_k: int = setting(0, (lambda v: v >= 0, "an integer >= 0 (0 = off)"))
+    max_new_tokens: int = setting(8, at_least(1))
+    ignore_eos: bool = False
+    eval_temperature: float = setting(1.0, (lambda v: v >= 0, "a number >= 0 (0 = greedy)"), on_resume=True)
+    eval_samples: int = setting(4, at_least(1), on_resume=True)
+
+
+@dataclass(frozen=True)
+class FilterGroups:
+    """verl's `algorithm.filter_groups`, DAPO's dynamic sampling (lit_rlvr.algorithms.filter_groups;
+    docs/fidelity.md lists where lit-rlvr follows verl): keep the groups whose `metric` differs, refill from the
+    next batches, at most `max_num_gen_batches` generation batches per step (0 = no limit)."""
+
+    enable: bool = setting(False, (lambda v: isinstance(v, bool), "true or false"))
+    metric: str = setting("acc", one_of(GROUP_FILTER_METRICS))
+    max_num_gen_batches: int = setting(0, (lambda v: _integer(v) and v >= 0, "an integer >= 0 (generation batches "
+                                           "per step, the first included; 0 = no limit)"), on_resume=True)
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig(SamplingOptions, UpdateConfig, LossConfig, OptimConfig):
+    """The `algorithm` group: `group_size` G completions per prompt, and the fields of its parts (see each class).
+    `rollout_correction`: verl's options for the engine's drift (`lit_rlvr.rollout_correction`), a mapping of
+    `RolloutCorrection`'s fields; `filter_groups`: DAPO's dynamic sampling."""
+
+    group_size: int = setting(8, at_least(1))
+    filter_groups: FilterGroups = setting(factory=FilterGroups)
+    rollout_correction: dict[str, Any] = setting(factory=dict)
+
+    @property
+    def optim(self) -> OptimConfig:
+        return part(OptimConfig, self)
+
+    @property
+    def loss(self) -> LossConfig:
+        return part(LossConfig, self)
+
+    @property
+    def update(self) -> UpdateConfig:
+        return part(UpdateConfig, self)
+
+    @property
+    def sampling(self) -> SamplingOptions:
+        return part(SamplingOptions, self)
+
+
+# -- the other groups ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelConfig:
+    """The `model` group: `name_or_path` an HF path or hub name, or "tiny" (the built-in model, warm-started and
+    cached, `options` its warm-up's settings); `dtype` of the trained weights; `chat_template`: prompts go through
+    the tokenizer's chat template (instruct models); `compile`: the update's forward and backward through
+    `torch.compile` (docs/mfu.md); `lora`: LoRA adapters instead of full fine-tuning (`LoraOptions`' fields;
+    docs/lora.md)."""
+
+    name_or_path: str = "tiny"
+    dtype: str = "float32"
+    chat_template: bool = False
+    compile: bool = setting(False, on_resume=True)  # the same update through compiled kernels (float order only)
+    options: dict[str, Any] = setting(factory=dict)
+    lora: dict[str, Any] = setting(factory=dict)
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """The `reward` group: `name` a built-in reward (`lit_rlvr.rewards.REWARDS`) or "package.module:function";
+    `options` the reward's and its runner's settings (docs/rewards.md)."""
+
+    name: str = "arithmetic"
+    options: dict[str, Any] = setting(factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The `engine` group: `name` hf | sglang | vllm, `options` the engine's (docs/engines.md)."""
+
+    name: str = "hf"
+    options: dict[str, Any] = setting(factory=dict)
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """The `env` group: multi-turn rollouts with an environment (`lit_rlvr.envs`; "none": single-turn);
+    null limits take the environment class's defaults (docs/environments.md)."""
+
+    name: str = "none"
+    max_turns: Optional[int] = setting(None, (lambda v: v is None or _integer(v) and v >= 1,
+                                               "an integer >= 1 (model turns per rollout)"))
+    max_tokens: Optional[int] = setting(None, (lambda v: v is None or _integer(v) and v >= 1,
+                                               "an integer >= 1 (response tokens per rollout, model and observation "
+                                               "tokens)"))
+    timeout_s: Optional[float] = setting(None, (lambda v: v is None or _real(v) and math.isfinite(v) and v > 0,
+                                                "a finite number of seconds > 0 (one environment call)"),
+                                         on_resume=True)
+    stop: Optional[list[str]] = setting(None, (lambda v: v is None or isinstance(v, (list, tuple)) and all(
+        isinstance(s, str) and s for s in v), "a list of non-empty strings (an empty one would end every model turn "
+                                              "at its first token)"))
+    options: dict[str, Any] = setting(factory=dict)
+
+
+@dataclass(frozen=True)
+class PerfConfig:
+    """`perf`: `peak_flops` the device's peak FLOP/s that `perf/mfu_*` divide by (null: a CPU's is measured once and
+    cached in `cache_dir`, a GPU's published; docs/mfu.md)."""
+
+    peak_flops: Optional[float] = setting(None, (lambda v: v is None or _real(v) and v > 0,
+                                                 "the device's peak FLOP/s, a number > 0 (e.g. 989.4e12: an H100 in "
+                                                 "bf16), or null (a CPU's measured, a GPU's published; docs/mfu.md)"))
+    cache_dir: Optional[str] = None
