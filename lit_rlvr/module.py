@@ -13,7 +13,7 @@ import copy
 import functools
 import logging
 from contextlib import ExitStack, contextmanager
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any, Callable, Iterator, Optional, Union
 
 import lightning.pytorch as pl
@@ -24,6 +24,8 @@ from lit_rlvr import functional as F
 from lit_rlvr.algorithms.filter_groups import FilterGroups, GroupFilter
 from lit_rlvr.config.bounds import check_bounds, model_context, response_budget
 from lit_rlvr.config.errors import ConfigError, GenerationBudgetError, RewardHangError
+from lit_rlvr.config.settings import AlgorithmConfig
+from lit_rlvr.config.settings import FilterGroups as SettingsFilterGroups
 from lit_rlvr.config.options import compile_problems, consistency_problems, finite_problems, range_problems
 from lit_rlvr.data.formats import render_prompt
 from lit_rlvr.envs import build_environment
@@ -163,6 +165,11 @@ class GRPOModule(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = False
+        hp = self.hparams  # (transitional: the typed settings, until the constructor takes them)
+        given = {f.name: hp[f.name] for f in fields(AlgorithmConfig) if f.name in hp}
+        given["filter_groups"] = SettingsFilterGroups(**(hp.filter_groups or {}))
+        given["rollout_correction"] = dict(hp.rollout_correction or {})
+        self.algorithm = AlgorithmConfig(**given)
         self.flops = StepFlops(**(perf_options or {}))  # perf/*: model FLOPs and MFU of each step
         self._check_options()
         self.environment = build_environment(env, env_options, reward=reward, reward_options=reward_options)
