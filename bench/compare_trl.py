@@ -75,14 +75,13 @@ def step_prompts(cfg, steps: int) -> list[dict]:
     return rows
 
 
-def trl_config(hp, batch_size: int, seed: int, steps: int, output_dir: str):
-    """GRPOConfig of the reference workload from our module's hyperparameters `hp` (the values in effect);
+def trl_config(algo, batch_size: int, seed: int, steps: int, output_dir: str):
+    """GRPOConfig of the reference workload from our module's `AlgorithmConfig` `algo` (the values in effect);
     fails naming any argument this TRL version lacks."""
     try:
         from trl import GRPOConfig
     except ImportError as err:
         raise TRLUnavailable(f"trl is not installed ({err}); pip install -e '.[bench]'") from err
-    algo = hp  # GRPOModule's hyperparameters
     wanted = dict(
         output_dir=output_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, seed=seed,
         per_device_train_batch_size=batch_size * algo.group_size, gradient_accumulation_steps=1,
@@ -107,7 +106,7 @@ def trl_config(hp, batch_size: int, seed: int, steps: int, output_dir: str):
         raise TRLUnavailable(f"GRPOConfig rejects the workload: {err}") from err
 
 
-def build_trl(cfg, hp, steps: int, rows: list[dict], baton, output_dir: str):
+def build_trl(cfg, algo, steps: int, rows: list[dict], baton, output_dir: str):
     """(GRPOTrainer, its step timer) on the tiny model directory of `cfg`."""
     from datasets import Dataset
     from omegaconf import OmegaConf
@@ -149,7 +148,7 @@ def build_trl(cfg, hp, steps: int, rows: list[dict], baton, output_dir: str):
 
     timer = StepTimer()
     reward = TRLReward(cfg.reward.name, OmegaConf.to_container(cfg.reward.options, resolve=True))
-    config = trl_config(hp, cfg.data.batch_size, cfg.seed, steps, output_dir)
+    config = trl_config(algo, cfg.data.batch_size, cfg.seed, steps, output_dir)
     try:
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=Dataset.from_list(rows),
                               processing_class=tokenizer, callbacks=[timer])
@@ -190,7 +189,7 @@ def run_ours(overrides: list[str], total: int, baton) -> dict:
     recorder.time_calls(HFEngine, "_forward", "gen_forward_s")  # the transformers forwards inside generation
     module, datamodule, trainer = common.build_run(cfg, total, recorder)
     trainer.fit(module, datamodule=datamodule)
-    return {"rows": recorder.rows, "lr": module.hparams.lr, "peak_rss_mb": common.peak_rss_mb(),
+    return {"rows": recorder.rows, "lr": module.algorithm.lr, "peak_rss_mb": common.peak_rss_mb(),
             "peak_flops": module.flops.peak}
 
 
@@ -199,9 +198,9 @@ def run_trl(overrides: list[str], total: int, baton) -> dict:
     from lit_rlvr.recipe import build_module
 
     cfg = common.compose("grpo", overrides)
-    hp = build_module(cfg).hparams  # the hyperparameters our side runs with, as the module resolves them
+    algo = build_module(cfg).algorithm  # the settings our side runs with, as the module resolves them
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as output_dir:
-        trainer, timer, reward = build_trl(cfg, hp, total, step_prompts(cfg, total), baton, output_dir)
+        trainer, timer, reward = build_trl(cfg, algo, total, step_prompts(cfg, total), baton, output_dir)
         trainer.train()
     return {"walls": timer.walls, "gens": timer.gens, "lengths": reward.mean_lengths,
             "flops": trl_flops(trainer.model, trainer.processing_class, reward.batches),

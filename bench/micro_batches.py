@@ -14,6 +14,8 @@ relative to its norm (float32 summed in another order: ~1e-6; a wrong weighting 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import sys
 import time
 from pathlib import Path
@@ -48,7 +50,7 @@ def timed_pass(module, rollouts, tokens) -> tuple[float, "object", float]:
     """(seconds, flat gradient, padding share) of one forward/backward pass with micro_batch_tokens = tokens."""
     import torch
 
-    module.hparams.micro_batch_tokens = tokens
+    module.algorithm = replace(module.algorithm, micro_batch_tokens=tokens)
     module.policy.zero_grad()
     sums: dict = {}
     t0 = time.perf_counter()
@@ -77,7 +79,7 @@ def run(args) -> dict:
     fixed_s = common.median(times["fixed"])
     result = {"workload": args.workload, "repeats": args.repeats, "completions": len(lengths),
               "response_len_mean": float(lengths.mean()), "response_len_max": float(lengths.max()),
-              "micro_batch_size": module.hparams.micro_batch_size, "budget": BUDGET,
+              "micro_batch_size": module.algorithm.micro_batch_size, "budget": BUDGET,
               "fixed_s": fixed_s, "fixed_padding_frac": padding["fixed"]}
     for name in names[1:]:
         result[f"{name}_s"] = common.median(times[name])

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import logging
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 from typing_extensions import override
 
 from lit_rlvr import functional as F
 from lit_rlvr.config.options import convert
+from lit_rlvr.config.settings import AlgorithmConfig
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.models.lora import trainable_parameters
 from lit_rlvr.optim import IVON, bf16_spacing_warning
@@ -91,24 +92,24 @@ class ParamNoise(RLVRCallback):
 
     # -- checks before any work --------------------------------------------------------------------------------
     @override
-    def check_module_options(self, options: Mapping[str, Any]) -> None:
-        if options.get("optimizer") != "ivon":
+    def check_algorithm(self, algorithm: AlgorithmConfig) -> None:
+        if algorithm.optimizer != "ivon":
             raise ValueError(f"{KEY} samples weights from IVON's posterior: set algorithm.optimizer=ivon (with "
                              f"algorithm.optimizer_options.ess etc.; see conf/algorithm/c3po.yaml), got "
-                             f"algorithm.optimizer={options.get('optimizer')!r}")
-        self._check_group_size(int(options["group_size"]))
-        epochs, minis = options.get("ppo_epochs", 1), options.get("mini_batches", 1)
+                             f"algorithm.optimizer={algorithm.optimizer!r}")
+        self._check_group_size(algorithm.group_size)
+        epochs, minis = algorithm.ppo_epochs, algorithm.mini_batches
         if epochs * minis != 1:
             # a second IVON step inside one RL step would move m and re-seed the samples the rollouts came from
             raise ValueError(f"3PO takes one IVON step per RL step: set algorithm.ppo_epochs=1 and "
                              f"algorithm.mini_batches=1 (got {epochs} and {minis})")
-        if not RolloutCorrection.from_options(options.get("rollout_correction")).bypass:
+        if not RolloutCorrection.from_options(algorithm.rollout_correction).bypass:
             # π_old recomputed at the mean m: its IS weight π_m/π_engine(θ̂_c) would undo the weight noise
             raise ValueError("3PO samples from IVON weight samples, but algorithm.rollout_correction recomputes π_old "
                              "at the mean weights (bypass_mode=false, which rollout_is or rollout_rs imply when "
                              "bypass_mode is null): set algorithm.rollout_correction.bypass_mode=true (rollout_rs "
                              "works there, rollout_is does not)")
-        if options.get("seq_mask_tau") is None and not self._tau_warned:
+        if algorithm.seq_mask_tau is None and not self._tau_warned:
             log.warning("3PO without the sequence importance mask (algorithm.seq_mask_tau=null); the paper uses 2.0")
             self._tau_warned = True
 

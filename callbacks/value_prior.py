@@ -28,12 +28,13 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 from torch import Tensor
 from typing_extensions import override
 
+from lit_rlvr.config.settings import AlgorithmConfig
 from lit_rlvr.config.options import check_finite
 from lit_rlvr.functional.ranking import binary_auroc_py
 from lit_rlvr.functional.value_prior import (
@@ -184,12 +185,12 @@ class ValuePrior(RLVRCallback):
             self._restore_backbone_cache()
 
     @override
-    def check_module_options(self, options: Mapping[str, Any]) -> None:
+    def check_algorithm(self, algorithm: AlgorithmConfig) -> None:
         if not self._k_init_given:
-            self.k_init = int(options["group_size"])
+            self.k_init = algorithm.group_size
             _check_budget(self.k_init, self.k_max, self.cost, self.min_active_frac, self.pad_to, self.round_size)
         if not self._warned_options:
-            self._warned_options = _warn_unused_module_options(options, self.k_init)
+            self._warned_options = _warn_unused_settings(algorithm, self.k_init)
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -458,15 +459,15 @@ def _check_rewards(reward_range: Sequence[float], noise_var: Optional[float]) ->
     return low, high, float(noise_var) if noise_var is not None else reward_noise_var(low, high)
 
 
-def _warn_unused_module_options(options: Mapping[str, Any], k_init: int) -> bool:
-    """Say so when a module option the user may have set has no effect, or departs from the paper, under V0.5;
+def _warn_unused_settings(algorithm: AlgorithmConfig, k_init: int) -> bool:
+    """Say so when an algorithm setting the user may have set has no effect, or departs from the paper, under V0.5;
     returns whether it said anything."""
     warned = False
-    if options.get("group_size", k_init) != k_init:
+    if algorithm.group_size != k_init:
         log.warning("V0.5: algorithm.group_size=%s is not used; %s.k_init=%d samples per prompt start each step "
-                    "and OSLA adds more", options["group_size"], KEY, k_init)
+                    "and OSLA adds more", algorithm.group_size, KEY, k_init)
         warned = True
-    if options.get("scale_adv_by_std", False):
+    if algorithm.scale_adv_by_std:
         warned = True
         log.warning("V0.5 with algorithm.scale_adv_by_std=true divides A = r − b by the group's reward std; the "
                     "paper uses the fused baseline alone (algorithm.scale_adv_by_std=false)")

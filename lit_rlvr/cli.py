@@ -20,6 +20,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningCLI
 
+from lit_rlvr.config.arguments import GROUPS
 from lit_rlvr.config.errors import debug
 from lit_rlvr.data.datamodule import RLVRDataModule
 from lit_rlvr.module import GRPOModule
@@ -28,19 +29,14 @@ from lit_rlvr.run.one_line import config_phase, one_line_errors, rename_keys, ro
 from lit_rlvr.run.storage import check_writable_dir
 
 
-# the recipe's key prefixes (in the checks' messages) -> where the same setting is in this CLI's config
-CLI_KEYS = {"algorithm.": "model.init_args.", "model.options.": "model.init_args.model_options.",
-            "reward.options.": "model.init_args.reward_options.", "engine.options.": "model.init_args.engine_options.",
-            "model.name_or_path": "model.init_args.model", "model.dtype": "model.init_args.dtype",
-            "reward.name": "model.init_args.reward", "engine.name": "model.init_args.engine",
-            "model.lora.": "model.init_args.lora.", "model.compile": "model.init_args.compile_update",
-            "perf.": "model.init_args.perf_options.", "env.name": "model.init_args.env",
-            "env.": "model.init_args.env_options."}
+# the module's arguments are train.py's config groups: a key is the same under one prefix (`algorithm.lr` is
+# `model.init_args.algorithm.lr`)
+CLI_KEYS = {f"{group}.": f"model.init_args.{group}." for group in GROUPS}
 
 
 def cli_keys(line: str) -> str:
     """A check's message with train.py's key names (`algorithm.group_size`) as this CLI's
-    (`model.init_args.group_size`)."""
+    (`model.init_args.algorithm.group_size`)."""
     return rename_keys(line, CLI_KEYS)
 
 

@@ -7,12 +7,13 @@ Two callbacks that edit the plan must compose: edit what you need, keep what oth
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable
 
 from lightning.pytorch.callbacks import Callback
 
 from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.config.options import group_size_problem
+from lit_rlvr.config.settings import AlgorithmConfig
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -23,9 +24,9 @@ class RLVRCallback(Callback):
     # True for a callback that sets each prompt's sample count itself (V0.5): the module's group_size is unused
     sets_sample_counts = False
 
-    def check_module_options(self, options: Mapping[str, Any]) -> None:
-        """The module's options (its constructor's arguments: `group_size`, `optimizer`, …), before any work: raise a
-        ValueError naming the config key when this callback cannot work with them, or take a default from them.
+    def check_algorithm(self, algorithm: AlgorithmConfig) -> None:
+        """The module's algorithm settings (`group_size`, `optimizer`, …), before any work: raise a ValueError naming
+        the config key when this callback cannot work with them, or take a default from them.
         Called by train.py before the model loads and again by the module's `setup` (say a warning once)."""
 
     def on_rollout_plan(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", plan: RolloutPlan) -> None:
@@ -47,13 +48,13 @@ class RLVRCallback(Callback):
         """After the optimizer step and the engine sync of this RL step."""
 
 
-def check_rl_callbacks(callbacks: Iterable[Any], options: Mapping[str, Any]) -> None:
-    """Each `RLVRCallback`'s `check_module_options(options)`, then the module's own rule that needs the callbacks
+def check_rl_callbacks(callbacks: Iterable[Any], algorithm: AlgorithmConfig) -> None:
+    """Each `RLVRCallback`'s `check_algorithm(algorithm)`, then the module's own rule that needs the callbacks
     (a group of one only where a callback sets the sample counts)."""
     rl = [cb for cb in callbacks if isinstance(cb, RLVRCallback)]
     for cb in rl:
-        cb.check_module_options(options)
+        cb.check_algorithm(algorithm)
     counts_set_by = next((type(cb).__name__ for cb in rl if cb.sets_sample_counts), None)
-    problems = group_size_problem(int(options["group_size"]), counts_set_by)
+    problems = group_size_problem(algorithm.group_size, counts_set_by)
     if problems:
         raise ConfigError(problems)

@@ -13,7 +13,7 @@ import copy
 import functools
 import logging
 from contextlib import ExitStack, contextmanager
-from dataclasses import fields, replace
+from dataclasses import asdict, fields, replace
 from typing import Any, Callable, Iterator, Optional, Union
 
 import lightning.pytorch as pl
@@ -24,11 +24,12 @@ from lit_rlvr import functional as F
 from lit_rlvr.algorithms.filter_groups import FilterGroups, GroupFilter
 from lit_rlvr.config.bounds import check_bounds, model_context, response_budget
 from lit_rlvr.config.errors import ConfigError, GenerationBudgetError, RewardHangError
-from lit_rlvr.config.settings import AlgorithmConfig
-from lit_rlvr.config.settings import FilterGroups as SettingsFilterGroups
+from lit_rlvr.config.arguments import module_settings
+from lit_rlvr.config.settings import (AlgorithmConfig, EngineConfig, EnvConfig, ModelConfig, PerfConfig,
+                                      RewardConfig)
 from lit_rlvr.config.options import compile_problems, consistency_problems, finite_problems, range_problems
 from lit_rlvr.data.formats import render_prompt
-from lit_rlvr.envs import build_environment
+from lit_rlvr.envs import build_environment, env_options
 from lit_rlvr.hooks import RLVRCallback, check_rl_callbacks
 from lit_rlvr.models import load_policy
 from lit_rlvr.models.lora import LoraOptions, apply_lora, reference_model, trainable_parameters
@@ -56,13 +57,6 @@ from lit_rlvr.run.validation import ValidationMetrics
 log = logging.getLogger(__name__)
 
 
-# the module's dict arguments and their train.py keys (every float in them must be finite: lit_rlvr.config.options)
-NESTED_OPTIONS = {"model_options": "model.options", "lora": "model.lora", "reward_options": "reward.options",
-                  "engine_options": "engine.options", "env_options": "env", "perf_options": "perf",
-                  "optimizer_options": "algorithm.optimizer_options",
-                  "rollout_correction": "algorithm.rollout_correction", "filter_groups": "algorithm.filter_groups"}
-
-
 class NonFiniteError(RuntimeError):
     pass
 
@@ -75,124 +69,61 @@ class MaskedStepError(ConfigError):
 class GRPOModule(pl.LightningModule):
     """GRPO with PPO-clip (Shao et al. 2024) and the usual knobs; docs/architecture.md §4 has the equations.
 
-    Args (the ones a user changes most): `model` an HF path or hub name, or "tiny" (the built-in model, warm-started
-    and cached); `reward` a built-in name (`lit_rlvr.rewards.REWARDS`), "package.module:function", or the callable
-    `fn(prompt, completion, answer) -> score` itself; `group_size` G samples per prompt; `lr`; `eps_low`/`eps_high` clip
-    range; `dual_clip` c (> 1: verl's clip_ratio_c; None = off); `seq_mask_tau` τ of the sequence-level
-    importance mask (3PO; None = off); `policy_loss` a name of `functional.POLICY_LOSSES` (`ppo_clip`, `gspo`);
-    `advantages` a name of `functional.ADVANTAGES` (`grpo`, `dr_grpo`); `loss_aggregation` (one of
-    `functional.AGGREGATIONS`); `scale_adv_by_std`; `filter_groups` verl's dynamic-sampling options (DAPO;
-    `algorithms.FilterGroups`); `overlong_cache_len` (0 = off) and `overlong_penalty_factor`: DAPO's overlong reward
-    shaping (`compute_advantages`); `kl_coef` β (> 0 loads a frozen reference copy) with
-    `kl_estimator` (and `kl_k3_cap`: verl caps k3 at 10; None = no cap); `entropy_coef` η; `ppo_epochs` passes
-    over each rollout batch; `mini_batches` optimizer steps per epoch; `micro_batch_size` completions per
-    forward/backward; `micro_batch_tokens` (None = off) packs completions of similar length into micro-batches of
-    at most that many padded tokens, prompt included (`functional.micro_batches`). `ignore_eos` (benchmarks):
-    training completions run to `max_new_tokens` whatever they sample. `warmup_steps` W: linear lr
-    warm-up over the first W optimizer updates (`warmup_from_zero`: verl's shape, from lr 0).
-    `optimizer`: `adamw` (uses `betas`, `weight_decay`) or `ivon` (`lit_rlvr.optim.IVON`, for 3PO; `lr` plus
-    `optimizer_options`: ess λ (required), hess_init, beta1, beta2, weight_decay δ, clip_radius, …); extra
-    `optimizer_options` go to the optimizer's constructor either way. `lora`: adapters only (`models.lora`).
-    `rollout_correction`: verl's options for the engine's drift (`lit_rlvr.rollout_correction`). `perf_options`
-    (config `perf`): `peak_flops`, the device's peak FLOP/s that `perf/mfu_*` divide by (None: measured on a CPU,
-    published on a GPU; `lit_rlvr.run.perf`), and `cache_dir`, where a CPU's measured peak is kept.
-    `compile_update` (config `model.compile`): the update's forward and backward run through
-    `torch.compile(policy, dynamic=True)`, compiled at the first update (a minute on a CPU; docs/mfu.md); sampling,
-    the reference model and π_old's forward stay eager. Not with FSDP.
-    `env`: multi-turn rollouts with an
-    environment (`lit_rlvr.envs`; None or "none": single-turn), `env_options` its `max_turns`, `max_tokens`,
-    `timeout_s`, `stop` and the environment class's `options` (docs/environments.md).
+    Settings (lit_rlvr.config.settings), one typed object per config group, each given as the object, a mapping of
+    its fields, or its shorthand: `model` a `ModelConfig`, an HF path or hub name, "tiny" (the built-in model), or an
+    `nn.Module` with its `tokenizer`; `algorithm` an `AlgorithmConfig` (loss, advantages, update, optimizer,
+    sampling; verl's `rollout_correction` and `filter_groups`); `reward` a `RewardConfig`, a built-in name,
+    "package.module:function" or the callable `fn(prompt, completion, answer) -> score`; `engine` (hf, sglang,
+    vllm); `env` (multi-turn environments, docs/environments.md); `perf` (the peak FLOP/s of `perf/mfu_*`);
+    `seed`. A notebook may give any setting as a flat keyword instead (`lr=1e-4`, `group_size=4`,
+    `model_options={...}`: `lit_rlvr.config.arguments.SHORTCUTS`).
     """
 
     # loss metrics that are means over response tokens, and over sequences (a subclass may move one)
     token_metrics = frozenset({"loss/entropy", "loss/pg_clipfrac", "loss/pg_clipfrac_lower", "loss/approx_kl"})
     sequence_metrics = frozenset({"loss/seq_mask_frac"})
 
-    def __init__(
-        self,
-        model: str = "tiny",
-        model_options: Optional[dict[str, Any]] = None,
-        dtype: str = "float32",
-        lora: Optional[dict[str, Any]] = None,
-        reward: Union[str, Callable[..., Any]] = "arithmetic",
-        reward_options: Optional[dict[str, Any]] = None,
-        engine: str = "hf",
-        engine_options: Optional[dict[str, Any]] = None,
-        group_size: int = 8,
-        lr: float = 1e-5,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        warmup_steps: int = 0,
-        warmup_from_zero: bool = False,
-        grad_clip: float = 1.0,
-        optimizer: str = "adamw",
-        optimizer_options: Optional[dict[str, Any]] = None,
-        eps_low: float = 0.2,
-        eps_high: float = 0.2,
-        dual_clip: Optional[float] = None,
-        seq_mask_tau: Optional[float] = None,
-        policy_loss: str = "ppo_clip",
-        advantages: str = "grpo",
-        filter_groups: Optional[dict[str, Any]] = None,
-        overlong_cache_len: int = 0,
-        overlong_penalty_factor: float = 1.0,
-        rollout_correction: Optional[dict[str, Any]] = None,
-        loss_aggregation: str = "seq-mean-token-mean",
-        scale_adv_by_std: bool = True,
-        kl_coef: float = 0.0,
-        kl_estimator: str = "k3",
-        kl_k3_cap: Optional[float] = None,
-        entropy_coef: float = 0.0,
-        ppo_epochs: int = 1,
-        mini_batches: int = 1,
-        micro_batch_size: int = 64,
-        micro_batch_tokens: Optional[int] = None,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        max_new_tokens: int = 24,
-        ignore_eos: bool = False,
-        chat_template: bool = False,
-        eval_samples: int = 1,
-        eval_temperature: float = 0.0,
-        max_bad_steps: int = 5,
-        seed: int = 0,
-        perf_options: Optional[dict[str, Any]] = None,
-        compile_update: bool = False,
-        env: Optional[str] = None,
-        env_options: Optional[dict[str, Any]] = None,
-    ):
+    def __init__(self, model: Union[ModelConfig, str, nn.Module] = ModelConfig(),
+                 algorithm: AlgorithmConfig = AlgorithmConfig(),
+                 reward: Union[RewardConfig, str, Callable[..., Any]] = RewardConfig(),
+                 engine: Union[EngineConfig, str] = EngineConfig(), env: Union[EnvConfig, str, None] = EnvConfig(),
+                 perf: PerfConfig = PerfConfig(), seed: int = 0, tokenizer: Any = None, **shortcuts: Any):
         super().__init__()
-        self.save_hyperparameters()
         self.automatic_optimization = False
-        hp = self.hparams  # (transitional: the typed settings, until the constructor takes them)
-        given = {f.name: hp[f.name] for f in fields(AlgorithmConfig) if f.name in hp}
-        given["filter_groups"] = SettingsFilterGroups(**(hp.filter_groups or {}))
-        given["rollout_correction"] = dict(hp.rollout_correction or {})
-        self.algorithm = AlgorithmConfig(**given)
-        self.flops = StepFlops(**(perf_options or {}))  # perf/*: model FLOPs and MFU of each step
-        self._check_options()
-        self.environment = build_environment(env, env_options, reward=reward, reward_options=reward_options)
-        path = resolve_model_path(model, model_options)
-        self.policy, self.tokenizer = load_policy(path, dtype)
+        with config_phase():  # unknown keys, types and ranges: one line each, before the model loads
+            self.settings = module_settings(model, algorithm, reward, engine, env, perf, seed, shortcuts)
+        # Lightning's copy, for `load_from_checkpoint` and the loggers (nested plain values: the CLI's keys)
+        self.save_hyperparameters(self.settings.as_dict())
+        self.lora, self.rollout_correction, self.filter_groups = self._check_settings()
+        cfg, algo = self.settings, self.settings.algorithm
+        self.flops = StepFlops(cfg.perf.peak_flops, cfg.perf.cache_dir)  # perf/*: model FLOPs and MFU of each step
+        env_name = None if cfg.env.name == "none" else cfg.env.name
+        self.environment = build_environment(env_name, env_options(cfg.env), reward=cfg.reward.name,
+                                             reward_options=cfg.reward.options)
+        if isinstance(model, nn.Module):  # a model object with its tokenizer (a notebook)
+            if tokenizer is None:
+                raise ConfigError([f"model={type(model).__name__}: an nn.Module needs its tokenizer (tokenizer=...)"])
+            self.policy, self.tokenizer, self.model_path = model, tokenizer, None
+        else:
+            self.model_path = resolve_model_path(cfg.model.name_or_path, cfg.model.options)
+            self.policy, self.tokenizer = load_policy(self.model_path, cfg.model.dtype)
         self.context = model_context(self.policy, self.tokenizer)  # the positions every rollout must fit
         env_tokens = self.environment.max_tokens if self.environment is not None else None
-        check_bounds(self.context, max_new_tokens=max_new_tokens, env_max_tokens=env_tokens)  # before any work
-        self.response_budget = response_budget(max_new_tokens, env_tokens)  # (tokens, key): the data check's
+        check_bounds(self.context, max_new_tokens=algo.max_new_tokens, env_max_tokens=env_tokens)  # before any work
+        self.response_budget = response_budget(algo.max_new_tokens, env_tokens)  # (tokens, key): the data check's
         self.policy = apply_lora(self.policy, self.lora, seed=seed)  # only the adapters require grad
         self.policy.train()  # from_pretrained returns eval mode; Lightning toggles modes itself from here
-        self.model_path = path
-        copies = kl_coef > 0 and not self.lora.enabled  # LoRA's KL reference: the base itself (no second copy)
+        copies = algo.kl_coef > 0 and not self.lora.enabled  # LoRA's KL reference: the base itself (no second copy)
         self.ref_policy = copy.deepcopy(self.policy).requires_grad_(False).eval() if copies else None
-        self.reward_runner = build_reward_runner(reward, reward_options)
-        self.sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k,
-                                       max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
-                                       eval_temperature=eval_temperature,
+        self.reward_runner = build_reward_runner(cfg.reward.name, cfg.reward.options)
+        self.sampling = SamplingConfig(temperature=algo.temperature, top_p=algo.top_p, top_k=algo.top_k,
+                                       max_new_tokens=algo.max_new_tokens, ignore_eos=algo.ignore_eos,
+                                       eval_temperature=algo.eval_temperature,
                                        stop_token_ids=stop_token_ids(self.policy, self.tokenizer.eos_token_id))
         # built in setup(): after the strategy has placed (and maybe sharded) the policy
         self.engine: Optional[Any] = None
         self.driver: Optional[RolloutDriver] = None
-        self.val_metrics = ValidationMetrics(eval_samples)
+        self.val_metrics = ValidationMetrics(algo.eval_samples)
         self.counters = {"rollouts_total": 0, "tokens_generated": 0, "skipped_steps": 0, "bad_steps_in_row": 0,
                          "reward_failures": 0, "rl_steps": 0}
         self.timer = StepTimer()
@@ -200,7 +131,7 @@ class GRPOModule(pl.LightningModule):
         self._mask_counts: Optional[Tensor] = None  # during `update`: [counted, kept] loss tokens
         self._compiled: dict[str, nn.Module] = {}  # a dict: the compiled wrapper must not register as a submodule
         # the loss's metrics that average over sequences rather than tokens (GSPO's clip fraction)
-        per_sequence = F.SEQUENCE_METRICS[policy_loss]
+        per_sequence = F.SEQUENCE_METRICS[algo.policy_loss]
         self.token_metrics = self.token_metrics - per_sequence
         self.sequence_metrics = self.sequence_metrics | per_sequence
         enable = self.filter_groups.enable  # DAPO's dynamic sampling
@@ -211,42 +142,56 @@ class GRPOModule(pl.LightningModule):
             # skips its batch hooks: only a run whose collector reads further batches is switched to it
             self.training_step = self._training_step_reading_batches
 
-    def _check_options(self) -> None:
-        """The table of ranges that train.py checks too (lit_rlvr.config.options), before the model loads."""
-        hp = self.hparams
-        nested = {key: finite_problems(hp.get(name), key) for name, key in NESTED_OPTIONS.items()}
-        problems = (range_problems(hp, "algorithm") + [p for lines in nested.values() for p in lines]
-                    + consistency_problems(hp) + compile_problems(hp.compile_update, sharded=False)
-                    + reward_problems(hp.reward, hp.reward_options))  # e.g. a reward server's URL, reached
+    @property
+    def algorithm(self) -> AlgorithmConfig:
+        return self.settings.algorithm
+
+    @algorithm.setter
+    def algorithm(self, value: AlgorithmConfig) -> None:  # tests and benchmarks vary one setting of a built module
+        self.settings = replace(self.settings, algorithm=value)
+
+    def _check_settings(self) -> tuple[LoraOptions, RolloutCorrector, FilterGroups]:
+        """The rules of the range table that train.py checks too (lit_rlvr.config.options), before the model loads."""
+        cfg, algo = self.settings, self.settings.algorithm
+        flat = {f.name: getattr(algo, f.name) for f in fields(algo) if f.name != "filter_groups"}
+        sections = {"model.options": cfg.model.options, "model.lora": cfg.model.lora,
+                    "reward.options": cfg.reward.options, "engine.options": cfg.engine.options, "env": asdict(cfg.env),
+                    "perf": asdict(cfg.perf), "algorithm.optimizer_options": algo.optimizer_options,
+                    "algorithm.rollout_correction": algo.rollout_correction}
+        problems = (range_problems(flat, "algorithm")
+                    + range_problems(asdict(algo.filter_groups), "algorithm.filter_groups")
+                    + [p for key, section in sections.items() for p in finite_problems(section, key)]
+                    + consistency_problems(flat) + compile_problems(cfg.model.compile, sharded=False)
+                    + reward_problems(cfg.reward.name, cfg.reward.options))  # e.g. a reward server's URL, reached
         if problems:
             raise ConfigError(problems)
-        self.lora = LoraOptions.from_any(hp.lora)
-        problems = self.lora.model_problems(hp.model, hp.model_options)  # before the warm-up and the load
+        lora = LoraOptions.from_any(cfg.model.lora)
+        problems = lora.model_problems(cfg.model.name_or_path, cfg.model.options)  # before the warm-up and the load
         if problems:
             raise ConfigError(problems)
-        self.rollout_correction = RolloutCorrector.from_options(hp.rollout_correction, type(self), GRPOModule)
-        self.filter_groups = FilterGroups.from_options(hp.filter_groups)
-        check_optimizer_options(hp.optimizer, hp.optimizer_options, lr=hp.lr, grad_clip=hp.grad_clip,
-                                weight_decay=hp.weight_decay, dtype=hp.dtype)
+        check_optimizer_options(algo.optimizer, algo.optimizer_options, lr=algo.lr, grad_clip=algo.grad_clip,
+                                weight_decay=algo.weight_decay, dtype=cfg.model.dtype)
+        return (lora, RolloutCorrector.from_options(algo.rollout_correction, type(self), GRPOModule),
+                FilterGroups.from_options(asdict(algo.filter_groups)))
 
     # -- Lightning plumbing ----------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
-        check_rl_callbacks(self.rl_callbacks(), self.hparams)  # the Lightning CLI and Python reach this first
-        if self.hparams.compile_update:  # (setup may run without a trainer: tests, notebooks)
+        check_rl_callbacks(self.rl_callbacks(), self.algorithm)  # the Lightning CLI and Python reach this first
+        if self.settings.model.compile:  # (setup may run without a trainer: tests, notebooks)
             problems = compile_problems(True, sharded=hasattr(self.trainer.strategy, "parallelize"))
             if problems:
                 raise ConfigError(problems)
         if self.engine is None:
-            options = dict(self.hparams.engine_options or {})
+            options = dict(self.settings.engine.options)
             with config_phase():  # the engine's option checks are config errors (one line from every entry)
                 sync_check = SyncCheck.take_from(options)  # the driver's post-push check, not the engine's option
-                self.engine = build_engine(self.hparams.engine, self.policy, self.tokenizer, options)
+                self.engine = build_engine(self.settings.engine.name, self.policy, self.tokenizer, options)
                 problems = merged_push_problems(self.engine, self.policy)  # before any rollout
                 if problems:
                     raise ConfigError(problems)
             self.driver = RolloutDriver(self.engine, self.tokenizer, self.reward_runner, self.sampling, self.policy,
                                         sync_check, environment=self.environment,
-                                        chat_template=self.hparams.chat_template)
+                                        chat_template=self.settings.model.chat_template)
 
     def configure_model(self) -> None:
         """Lightning's parallelism hook: a sharding strategy (`FSDP2Strategy.parallelize`) shards here."""
@@ -275,11 +220,11 @@ class GRPOModule(pl.LightningModule):
             self.engine.sleep()
 
     def configure_optimizers(self):
-        hp, trainer = self.hparams, self._trainer  # None when called outside a fit (tests, notebooks)
+        hp, trainer = self.algorithm, self._trainer  # None when called outside a fit (tests, notebooks)
         with config_phase():  # the optimizer's own checks (torch: "Invalid learning rate") are config errors
             optimizer = build_optimizer(hp.optimizer, trainable_parameters(self.policy),
-                                        lr=self.lora.learning_rate(hp.lr), betas=hp.betas,
-                                        weight_decay=hp.weight_decay, options=hp.optimizer_options, seed=hp.seed,
+                                        lr=self.lora.learning_rate(hp.lr), betas=hp.betas, weight_decay=hp.weight_decay,
+                                        options=hp.optimizer_options, seed=self.settings.seed,
                                         rank=self.global_rank, world_size=trainer.world_size if trainer else 1,
                                         strategy=type(trainer.strategy).__name__ if trainer else "none")
         factor = functools.partial(warmup_factor, warmup_steps=hp.warmup_steps, from_zero=hp.warmup_from_zero)
@@ -366,14 +311,14 @@ class GRPOModule(pl.LightningModule):
     def make_plan(self, batch: dict[str, list], seed_stream: tuple[int, ...] = ()) -> RolloutPlan:
         prompts = [self.render_prompt(p) for p in batch["prompt"]]
         token_ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"] if prompts else []
-        return RolloutPlan(prompts, list(batch["answer"]), token_ids, [self.hparams.group_size] * len(prompts),
+        return RolloutPlan(prompts, list(batch["answer"]), token_ids, [self.algorithm.group_size] * len(prompts),
                            seed_stream=seed_stream)
 
     def render_prompt(self, prompt: Any) -> str:
-        if isinstance(prompt, str) and not self.hparams.chat_template:
+        if isinstance(prompt, str) and not self.settings.model.chat_template:
             return prompt
 
-        return render_prompt(prompt, self.tokenizer, chat_template=self.hparams.chat_template)
+        return render_prompt(prompt, self.tokenizer, chat_template=self.settings.model.chat_template)
 
     def rollout(self, plan: RolloutPlan) -> Rollouts:
         """The plan's samples, generated and scored (`RolloutDriver.rollout`); counted into the run's totals."""
@@ -393,7 +338,7 @@ class GRPOModule(pl.LightningModule):
     def seed_key(self) -> tuple[int, int]:
         """(run seed, step): the key of this step's sampling seeds; the driver appends the round, the weight source
         and the plan's stream, so every engine call of a run draws from its own seed."""
-        return (self.hparams.seed, self.global_step)
+        return (self.settings.seed, self.global_step)
 
     @contextmanager
     def _engine_hint(self) -> Iterator[None]:
@@ -401,7 +346,7 @@ class GRPOModule(pl.LightningModule):
         try:
             yield
         except EngineError as err:  # the same class (e.g. EngineSyncError), with the engine's name and the hint
-            raise type(err)(f"engine {self.hparams.engine!r}: {err}; {checkpoint_hint(self._trainer)}") from err
+            raise type(err)(f"engine {self.settings.engine.name!r}: {err}; {checkpoint_hint(self._trainer)}") from err
 
     def sync_engine(self) -> None:
         """After the optimizer step: the engine must hold the new mean weights (version = global step)."""
@@ -423,7 +368,7 @@ class GRPOModule(pl.LightningModule):
         budget, scaled by `overlong_penalty_factor`); `rollouts.rewards` stays the task reward, so `reward/accuracy`
         keeps its meaning. With an environment the budget is the rollout's, `env.max_tokens`, over its whole
         response (turns and observations), not one turn's `max_new_tokens`."""
-        hp = self.hparams
+        hp = self.algorithm
         metrics: dict[str, Tensor] = {}
         if hp.overlong_cache_len > 0:
             if self.environment is None:
@@ -443,7 +388,7 @@ class GRPOModule(pl.LightningModule):
                     rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
         """Surrogate loss of one micro-batch, `algorithm.policy_loss` of `functional.POLICY_LOSSES`, with the
         rollout correction's token weights. logp, old_logp, mask: [n, T]; advantages: [n]."""
-        hp = self.hparams
+        hp = self.algorithm
         return F.POLICY_LOSSES[hp.policy_loss](logp, old_logp, advantages, mask, eps_low=hp.eps_low,
                                                eps_high=hp.eps_high, aggregation=hp.loss_aggregation,
                                                norm_len=hp.max_new_tokens, dual_clip=hp.dual_clip,
@@ -464,7 +409,7 @@ class GRPOModule(pl.LightningModule):
     def update_policy(self) -> nn.Module:
         """The policy as the update's loss runs it: compiled with `compile_update` (dynamic shapes: micro-batches
         of any size and width reuse one graph), itself otherwise. Same parameters either way."""
-        if not self.hparams.compile_update:
+        if not self.settings.model.compile:
             return self.policy
         if "policy" not in self._compiled:
             self._compiled["policy"] = torch.compile(self.policy, dynamic=True)
@@ -472,7 +417,7 @@ class GRPOModule(pl.LightningModule):
 
     def micro_batch_loss(self, rollouts: Rollouts, weight: float) -> tuple[Tensor, dict[str, Tensor]]:
         """Loss of one micro-batch, scaled by its share `weight` of the pass so micro-batches sum exactly."""
-        hp = self.hparams
+        hp = self.algorithm
         logp, logits = self.forward_logprobs(self.update_policy(), rollouts)  # [n, T], [n, T, V]
         mask = rollouts.response_mask.to(self.device)
         old = rollouts.old_logp.to(self.device)
@@ -522,7 +467,7 @@ class GRPOModule(pl.LightningModule):
         self._mask_counts = None
         if counted == 0 or kept > 0:
             return
-        keys = [f"algorithm.seq_mask_tau={self.hparams.seq_mask_tau!r}"] if self.hparams.seq_mask_tau else []
+        keys = [f"algorithm.seq_mask_tau={self.algorithm.seq_mask_tau!r}"] if self.algorithm.seq_mask_tau else []
         keys += self.rollout_correction.options.masking_settings()
         settings = ", ".join(keys) if keys else "no masking setting is on (a callback's or subclass's token weights)"
         raise MaskedStepError([f"step {self.global_step}: every one of the {int(counted)} loss tokens was masked "
@@ -532,7 +477,7 @@ class GRPOModule(pl.LightningModule):
     def update(self, rollouts: Rollouts) -> None:
         """`ppo_epochs` × `mini_batches` optimizer steps; each step runs the loss passes (one per weight sample
         for M3PO) inside the callbacks' loss contexts, micro-batch by micro-batch."""
-        hp = self.hparams
+        hp = self.algorithm
         optimizer = self.optimizers()
         # every rank takes the same number of optimizer steps (FSDP's collectives), each on at least one rollout:
         # a batch smaller than mini_batches on some rank (DAPO kept few groups) gets one step per rollout
@@ -575,7 +520,7 @@ class GRPOModule(pl.LightningModule):
         gradients are averaged over ranks: the sum equals the loss of the whole global batch. Metrics are
         weighted the same way by what they average over (`token_metrics`, `sequence_metrics`, else the loss's
         unit), so they do not depend on the micro-batching or the number of ranks."""
-        hp = self.hparams
+        hp = self.algorithm
         tokens = rollouts.response_mask.sum(-1).double()  # [n]
         seqs = F.sequence_rows(rollouts.response_mask).double()  # [n] the rows sequence means count (not empty ones)
         world = D.world_size()
@@ -614,7 +559,7 @@ class GRPOModule(pl.LightningModule):
         """Clip, check finiteness (also of the loss passes before the last: `earlier_finite`), step; returns the
         gradient norm before clipping."""
         params = [p for p in self.policy.parameters() if p.grad is not None]
-        clip = self.hparams.grad_clip if self.hparams.grad_clip and self.hparams.grad_clip > 0 else float("inf")
+        clip = self.algorithm.grad_clip if self.algorithm.grad_clip and self.algorithm.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, clip) if params else torch.tensor(0.0)
         if hasattr(norm, "full_tensor"):  # FSDP2: the norm over all shards, as a DTensor
             norm = norm.full_tensor()
@@ -638,10 +583,10 @@ class GRPOModule(pl.LightningModule):
             discard()
         log.warning("non-finite %s at step %d: step skipped (%d in a row)", what, self.global_step,
                     self.counters["bad_steps_in_row"])
-        if self.counters["bad_steps_in_row"] >= self.hparams.max_bad_steps:
+        if self.counters["bad_steps_in_row"] >= self.algorithm.max_bad_steps:
             raise NonFiniteError(
                 f"{self.counters['bad_steps_in_row']} non-finite steps in a row (algorithm.max_bad_steps="
-                f"{self.hparams.max_bad_steps}); lower algorithm.lr or check the reward; "
+                f"{self.algorithm.max_bad_steps}); lower algorithm.lr or check the reward; "
                 f"{checkpoint_hint(self._trainer)}")
 
     # -- metrics ----------------------------------------------------------------------------------------------
@@ -666,7 +611,7 @@ class GRPOModule(pl.LightningModule):
             "perf/tokens_per_s": torch.tensor(rollouts.num_tokens() / max(step_s, 1e-9)),
             "time/step_s": torch.tensor(step_s),
             **{f"time/{k}": torch.tensor(v) for k, v in self.timer.times.items()},
-            **self.flops.metrics(rollouts, self.timer.times, passes=self.hparams.ppo_epochs,
+            **self.flops.metrics(rollouts, self.timer.times, passes=self.algorithm.ppo_epochs,
                                  reference=self.ref_policy is not None,
                                  recompute=recomputes_forward(self.policy),
                                  old_forward=not self.rollout_correction.options.bypass),
@@ -681,8 +626,8 @@ class GRPOModule(pl.LightningModule):
         if self.engine is None:
             self.setup("validate")
         with self._engine_hint():  # the engine keys its seed per prompt: every evaluation draws the same samples
-            correct = self.driver.evaluate(self.make_plan(batch), self.hparams.eval_samples, step=self.global_step,
-                                           seed=seed_of("eval", self.hparams.seed))  # [B, n]
+            correct = self.driver.evaluate(self.make_plan(batch), self.algorithm.eval_samples, step=self.global_step,
+                                           seed=seed_of("eval", self.settings.seed))  # [B, n]
         self.val_metrics.update(correct)
 
     def on_validation_epoch_end(self) -> None:

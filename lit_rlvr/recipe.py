@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import inspect
 import io
 import logging
 import math
@@ -15,15 +16,17 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue
 
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lit_rlvr.config.arguments import build
 from lit_rlvr.config.config_check import env_arguments
 from lit_rlvr.config.errors import ConfigError, DataError, StopRequested
 from lit_rlvr.config.options import problem_line
+from lit_rlvr.config.settings import AlgorithmConfig
 from lit_rlvr.hooks import check_rl_callbacks
 from lit_rlvr.models.lora import is_adapter_dir, load_adapter_weights, options_from_adapter
 from lit_rlvr.module import GRPOModule
@@ -45,34 +48,34 @@ warnings.filterwarnings("ignore", message=".*when logging on epoch level in dist
 SUMMARY_FILE = "summary.json"
 
 
-def algorithm_options(cfg: DictConfig) -> dict[str, Any]:
-    """The module's arguments from the `algorithm` group (its `_target_` included), plus `model.chat_template`:
-    whether prompts go through the tokenizer's chat template is the model's property (instruct models need it)."""
+def module_arguments(cfg: DictConfig) -> dict[str, Any]:
+    """The module's arguments from the composed config: the class (`algorithm._target_`: GRPOModule or a subclass)
+    and one mapping per settings group, with the same nested names (lit_rlvr.config.settings). A `???` value of
+    `env` is left out, so the environment's own check names what it needs (env=skyrl: `env.options.id`)."""
     algorithm = OmegaConf.to_container(cfg.algorithm, resolve=True)
     for key in ("name", "callbacks"):
         algorithm.pop(key, None)
-    algorithm["chat_template"] = bool(cfg.model.get("chat_template") or False)
-    return algorithm
+    env = env_arguments(cfg)
+    target = algorithm.pop("_target_")
+    # a subclass's own arguments (docs/write_your_own_loss.md) are keys of the algorithm group too
+    try:
+        own = set(inspect.signature(get_class(target).__init__).parameters)
+    except Exception:  # noqa: BLE001 - a bad `_target_` is named by `_instantiate`, which imports it again
+        own = set()
+    own -= set(inspect.signature(GRPOModule.__init__).parameters)
+    extra = {key: algorithm.pop(key) for key in list(algorithm) if key in own}
+    return {"_target_": target, **extra, "algorithm": algorithm,
+            "model": OmegaConf.to_container(cfg.model, resolve=True),
+            "reward": OmegaConf.to_container(cfg.reward, resolve=True),
+            "engine": OmegaConf.to_container(cfg.engine, resolve=True),
+            "env": {"name": env.get("env", "none"), **env.get("env_options", {})},
+            "perf": OmegaConf.to_container(cfg.perf, resolve=True) if cfg.get("perf") is not None else None,
+            "seed": cfg.seed}
 
 
 def build_module(cfg: DictConfig) -> GRPOModule:
-    """The algorithm's module with the model, reward and engine choices and the run seed."""
-    return _instantiate(
-        algorithm_options(cfg),
-        model=cfg.model.name_or_path,
-        model_options=OmegaConf.to_container(cfg.model.options, resolve=True),
-        dtype=cfg.model.dtype,
-        lora=OmegaConf.to_container(cfg.model.lora, resolve=True) if cfg.model.get("lora") else None,
-        compile_update=bool(cfg.model.get("compile") or False),
-        reward=cfg.reward.name,
-        reward_options=OmegaConf.to_container(cfg.reward.options, resolve=True),
-        engine=cfg.engine.name,
-        engine_options=OmegaConf.to_container(cfg.engine.options, resolve=True),
-        **env_arguments(cfg),
-        seed=cfg.seed,
-        perf_options=OmegaConf.to_container(cfg.perf, resolve=True) if cfg.get("perf") is not None else None,
-        _convert_="all",
-    )
+    """The algorithm's module with the model, reward, engine and environment settings and the run seed."""
+    return _instantiate(module_arguments(cfg), _convert_="all")
 
 
 def _instantiate(node: Any, **kwargs: Any) -> Any:
@@ -171,7 +174,8 @@ def _build_run(cfg: DictConfig, run_dir: Path) -> tuple[pl.LightningDataModule, 
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
         datamodule = _instantiate(cfg.data)
         trainer = build_trainer(cfg, run_dir, overrides)
-        check_rl_callbacks(trainer.callbacks, algorithm_options(cfg))  # before the model loads
+        algorithm = build(AlgorithmConfig, module_arguments(cfg)["algorithm"], "algorithm")
+        check_rl_callbacks(trainer.callbacks, algorithm)  # before the model loads
         _load_data(datamodule, trainer, "fit")
         module = build_module(cfg)
         _check_prompt_tokens(datamodule, module)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import zlib
@@ -63,7 +64,7 @@ ADV = torch.tensor([1.0, -1.0])
 
 def test_dapo_loss_token_mean_with_clip_higher():
     module = tiny(DAPO)
-    assert (module.hparams.eps_low, module.hparams.eps_high, module.hparams.loss_aggregation) == (
+    assert (module.algorithm.eps_low, module.algorithm.eps_high, module.algorithm.loss_aggregation) == (
         0.2, 0.28, "token-mean")
     logp = torch.log(RATIOS)
     loss, metrics = module.policy_loss(logp, torch.zeros_like(logp), ADV, MASK, None)
@@ -158,7 +159,7 @@ def test_dr_grpo_passes_dual_clip_to_its_loss():
 # -- GSPO ----------------------------------------------------------------------------------------------------------
 def test_gspo_sequence_ratio_and_clip():
     module = tiny(GSPO)
-    assert (module.hparams.eps_low, module.hparams.eps_high) == (3e-4, 4e-4)
+    assert (module.algorithm.eps_low, module.algorithm.eps_high) == (3e-4, 4e-4)
     # log ratios; seq 0 (A=+1): mean(0.1, −0.3) = −0.1 → s = 0.904837 (below 1 − ε: unclipped term is smaller)
     # seq 1 (A=+1): mean(0.2, 0, 0.1) = 0.1 → s = 1.105171, clipped to 1.0004
     # seq 2 (A=−1): mean(0.3, 0.3) = 0.3 → s = 1.349859, min(−1.349859, −1.0004) = −1.349859 (unclipped)
@@ -306,4 +307,4 @@ def test_algorithm_configs_instantiate(name, options, tmp_path):
         cfg = compose("config", overrides=[f"algorithm={name}", f"cache_dir={CACHE}"])
     module = build_module(cfg)
     assert type(module) is GRPOModule and cfg.algorithm.name == name
-    assert {k: module.hparams[k] for k in options} == options
+    assert {k: dataclasses.asdict(module.algorithm)[k] for k in options} == options

@@ -1,7 +1,7 @@
 """The Lightning CLI example (conf/cli/tiny_grpo.yaml) trains with the Hydra default's settings: every module
-and data argument it ends up with (its own values, else the classes' defaults) equals what `python train.py`
+setting and data argument it ends up with (its own values, else the classes' defaults) equals what `python train.py`
 passes, but for the few that make it a short example (`SHORTER`). Its lr was once 2e-3, which collapses the
-tiny policy (see conf/algorithm/grpo.yaml)."""
+tiny policy (see docs/results/tiny_presets.md)."""
 
 import inspect
 from pathlib import Path
@@ -11,54 +11,62 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from lit_rlvr.data.datamodule import RLVRDataModule
-from lit_rlvr.module import GRPOModule
+from lit_rlvr.config.arguments import GROUPS, ModuleSettings, module_settings
+from lit_rlvr.recipe import module_arguments
 
 REPO = Path(__file__).resolve().parents[1]
 SHORTER = {"data.batch_size", "data.num_test"}  # a 5-step example on fewer prompts
-SET_BY_THE_CLI = {"model.seed", "data.seed"}  # linked to seed_everything, as seed= does for train.py
+SET_BY_THE_CLI = {"seed"}  # linked to seed_everything, as seed= does for train.py
 
 
 def _defaults(cls) -> dict:
     return {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items() if k != "self"}
 
 
-def _cli() -> dict:
+def _cli() -> tuple[ModuleSettings, dict]:
     config = yaml.safe_load((REPO / "conf" / "cli" / "tiny_grpo.yaml").read_text())
-    model = {**_defaults(GRPOModule), **config["model"]["init_args"]}
-    data = {**_defaults(RLVRDataModule), **config["data"]}
-    return {**{f"model.{k}": v for k, v in model.items()}, **{f"data.{k}": v for k, v in data.items()}}
+    args = config["model"]["init_args"]
+    groups = {name: args.get(name) for name in GROUPS}
+    return module_settings(**groups, seed=config["seed_everything"], shortcuts={}), {
+        **_defaults(RLVRDataModule), **config["data"]}
 
 
-def _hydra() -> dict:
+def _hydra() -> tuple[ModuleSettings, dict]:
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
         cfg = compose("config")
-    algorithm = OmegaConf.to_container(cfg.algorithm, resolve=True)  # max_new_tokens reads the data config's budget
-    for key in ("name", "callbacks", "_target_"):
-        algorithm.pop(key)
-    options = OmegaConf.to_container(cfg.model.options, resolve=False)
-    options.pop("cache_dir")  # the CLI's module reads $LIT_RLVR_CACHE itself
-    model = {**_defaults(GRPOModule), **algorithm, "model": cfg.model.name_or_path, "model_options": options,
-             "dtype": cfg.model.dtype, "reward": cfg.reward.name, "engine": cfg.engine.name,
-             "engine_options": OmegaConf.to_container(cfg.engine.options)}
+    args = module_arguments(cfg)
+    args.pop("_target_")
+    settings = module_settings(**{name: args[name] for name in GROUPS}, seed=args["seed"], shortcuts={})
     data = OmegaConf.to_container(cfg.data, resolve=False)
     data.pop("_target_")
-    data = {**_defaults(RLVRDataModule), **data}
-    return {**{f"model.{k}": v for k, v in model.items()}, **{f"data.{k}": v for k, v in data.items()}}
+    return settings, {**_defaults(RLVRDataModule), **data}
+
+
+def _without_cache_dirs(settings: ModuleSettings) -> dict:
+    """The settings as plain values but the cache paths: the CLI's module reads $LIT_RLVR_CACHE itself."""
+    values = settings.as_dict()
+    values["model"]["options"].pop("cache_dir", None)
+    values["perf"].pop("cache_dir", None)
+    return values
 
 
 def _same(a, b) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return list(a) == list(b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return a == b or (a is None and b == {}) or (a == {} and b is None)
+    return a == b
 
 
 def test_cli_example_agrees_with_hydra_defaults():
-    cli, hydra = _cli(), _hydra()
-    differ = {k: (cli.get(k), hydra.get(k)) for k in sorted(set(cli) | set(hydra))
-              if k not in SHORTER | SET_BY_THE_CLI and not _same(cli.get(k), hydra.get(k))}
+    """Every setting the CLI example's module gets (its own values, else the settings classes' defaults) equals what
+    `python train.py` gives it; the data module's arguments too, but for the few that make the example short."""
+    (cli, cli_data), (hydra, hydra_data) = _cli(), _hydra()
+    cli_values, hydra_values = _without_cache_dirs(cli), _without_cache_dirs(hydra)
+    differ = {f"{group}.{k}": (v, hydra_values[group].get(k)) for group, values in cli_values.items()
+              if isinstance(values, dict) for k, v in values.items() if not _same(v, hydra_values[group].get(k))}
     assert not differ, f"conf/cli/tiny_grpo.yaml (CLI, Hydra): {differ}"
+    differ = {k: (cli_data.get(k), hydra_data.get(k)) for k in sorted(set(cli_data) | set(hydra_data))
+              if k not in SHORTER | SET_BY_THE_CLI and not _same(cli_data.get(k), hydra_data.get(k))}
+    assert not differ, f"conf/cli/tiny_grpo.yaml data (CLI, Hydra): {differ}"
 
 
 def test_cli_trainer_matches_hydra_trainer():

@@ -37,7 +37,7 @@ def test_every_algorithm_builds_module_and_trainer(algorithm, tiny_path, tmp_pat
     cfg = _compose(f"algorithm={algorithm}", f"hydra.run.dir={tmp_path}", f"model.name_or_path={tiny_path}")
     module = build_module(cfg)
     trainer = build_trainer(cfg, tmp_path)
-    assert module.hparams.group_size >= 1
+    assert module.algorithm.group_size >= 1
     wanted = set((cfg.algorithm.get("callbacks") or {}).keys())
     names = {type(cb).__name__ for cb in trainer.callbacks}
     assert len(wanted) <= len(names)

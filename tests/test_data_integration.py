@@ -214,7 +214,7 @@ def test_model_configs_name_their_models_and_set_the_chat_template():
     assert _compose().model.chat_template is False  # tiny: raw prompts; the model config is the one owner
     assert "chat_template" not in _compose().algorithm
     module = build_module(_compose("model.chat_template=true"))
-    assert module.hparams.chat_template is True
+    assert module.settings.model.chat_template is True
     module.reward_runner.close()
 
 

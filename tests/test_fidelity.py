@@ -4,6 +4,8 @@ and DAPO's overlong penalty factor."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import math
 import os
 
@@ -160,7 +162,7 @@ def test_module_gradient_with_an_empty_row_equals_the_batch_without_it(aggregati
     oracle = rollouts.select(torch.tensor([0, 2, 3]))
 
     def grad(batch: Rollouts, size: int) -> torch.Tensor:
-        module.hparams.micro_batch_size = size
+        module.algorithm = replace(module.algorithm, micro_batch_size=size)
         module.policy.zero_grad()
         module._backward_pass(batch, 0, {})
         return torch.cat([q.grad.flatten() for q in module.policy.parameters() if q.grad is not None])

@@ -10,6 +10,8 @@ Python constructors and the Lightning CLI, with one line naming the key, the val
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import math
 import os
 import subprocess
@@ -133,12 +135,12 @@ def test_an_update_that_masks_every_token_stops_the_run_naming_the_settings(tiny
 def test_the_all_masked_stop_catches_the_sequence_mask_too(tiny_module):
     from lit_rlvr.module import MaskedStepError
 
-    tiny_module.hparams.seq_mask_tau = 2.0
+    tiny_module.algorithm = replace(tiny_module.algorithm, seq_mask_tau=2.0)
     try:
         with pytest.raises(MaskedStepError, match=r"algorithm\.seq_mask_tau=2\.0"):
             _masked_update(tiny_module, 1.0)  # every sequence's ratio is e^length >= e > 2
     finally:
-        tiny_module.hparams.seq_mask_tau = None
+        tiny_module.algorithm = replace(tiny_module.algorithm, seq_mask_tau=None)
 
 
 # -- 9: non-finite values ----------------------------------------------------------------------------------------
@@ -254,11 +256,12 @@ def test_the_cli_refuses_the_same_settings_with_its_key_names(tmp_path):
     command = [sys.executable, "-c", "from lit_rlvr.cli import main; main()", "fit", "--config",
                str(REPO / "conf" / "cli" / "tiny_grpo.yaml"), "--trainer.logger.init_args.save_dir", str(tmp_path)]
     cases = {
-        "--model.init_args.lora={rank: 8, alpha: .inf}": "model.init_args.lora.alpha=inf is not valid: expected a "
-                                                           "finite number",
-        "--model.init_args.lora={rank: abc}": "model.init_args.lora.rank='abc' is not valid: expected an integer",
-        "--model.init_args.rollout_correction={rollout_rs: token, rollout_rs_threshold: 0.5}":
-            "model.init_args.rollout_correction.rollout_rs_threshold=0.5 for rollout_rs='token'",
+        "--model.init_args.model.lora={rank: 8, alpha: .inf}": "model.init_args.model.lora.alpha=inf is not valid: "
+                                                                 "expected a finite number",
+        "--model.init_args.model.lora={rank: abc}": "model.init_args.model.lora.rank='abc' is not valid: expected an "
+                                                    "integer",
+        "--model.init_args.algorithm.rollout_correction={rollout_rs: token, rollout_rs_threshold: 0.5}":
+            "model.init_args.algorithm.rollout_correction.rollout_rs_threshold=0.5 for rollout_rs='token'",
     }
     for arg, expected in cases.items():
         done = subprocess.run([*command, arg], cwd=REPO, capture_output=True, text=True, timeout=300)

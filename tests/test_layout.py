@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import builtins
 import dataclasses
-import inspect
 import re
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from lit_rlvr.config.settings import AlgorithmConfig, LossConfig
 from lit_rlvr.callbacks import ValuePrior
 from lit_rlvr.hooks import check_rl_callbacks
 from lit_rlvr.module import GRPOModule
@@ -237,7 +237,7 @@ def test_the_rollout_driver_reads_no_module_or_trainer():
 
 def test_callbacks_use_only_the_public_module_api():
     """`pl_module.X` in a callback names public module API only: no private attribute, no hyperparameter read
-    (the module passes its options to `check_module_options`)."""
+    (the module passes its algorithm settings to `check_algorithm`)."""
     used = {}
     for path in _py_files("callbacks"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -278,10 +278,10 @@ def test_the_engine_contract_has_defaults_for_all_but_generation_and_weights():
 
 
 def test_the_batch_carries_per_step_data_only():
-    """Loss options (`scale_adv_by_std`, `seq_mask_tau`) are the module's; the batch holds no copy of them."""
+    """Loss settings (`scale_adv_by_std`, `seq_mask_tau`) are the algorithm's; the batch holds no copy of them."""
     names = {f.name for f in dataclasses.fields(Rollouts)}
     assert not names & {"scale_adv_by_std", "seq_mask_tau", "chunk"} and "source" in names
-    assert {"scale_adv_by_std", "seq_mask_tau"} <= set(inspect.signature(GRPOModule.__init__).parameters)
+    assert {"scale_adv_by_std", "seq_mask_tau"} <= {f.name for f in dataclasses.fields(LossConfig)}
 
 
 def test_seq_mask_tau_is_checked_by_the_module():
@@ -290,7 +290,7 @@ def test_seq_mask_tau_is_checked_by_the_module():
 
 
 def test_k_init_follows_the_module_group_size():
-    options = {"group_size": 6, "scale_adv_by_std": False}
+    options = AlgorithmConfig(group_size=6, scale_adv_by_std=False)
     callback = ValuePrior(value_model=object())  # a ready V0: setup builds nothing
     check_rl_callbacks([callback], options)
     assert callback.k_init == 6

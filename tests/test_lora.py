@@ -105,7 +105,7 @@ def test_only_adapters_train_and_the_optimizer_holds_them_alone(optimizer):
     opt = module.configure_optimizers()["optimizer"]
     held = [p for g in opt.param_groups for p in g["params"]]
     assert {id(p) for p in held} == {id(p) for p in trainable_parameters(module.policy)}
-    assert opt.param_groups[0]["lr"] == pytest.approx(module.hparams.lr * 10)  # lr_scale: the ~10x rule
+    assert opt.param_groups[0]["lr"] == pytest.approx(module.algorithm.lr * 10)  # lr_scale: the ~10x rule
     if optimizer == "ivon":
         assert opt.noise_stats()["noise/numel"] == sum(p.numel() for p in held)
 
@@ -127,7 +127,7 @@ def test_full_fine_tuning_is_unchanged_by_the_option():
     opt = module.configure_optimizers()["optimizer"]
     assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == sum(
         p.numel() for p in module.policy.parameters())
-    assert opt.param_groups[0]["lr"] == module.hparams.lr
+    assert opt.param_groups[0]["lr"] == module.algorithm.lr
 
 
 # -- exactness -----------------------------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ checks for the fixed sizes."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import os
 
 import pytest
@@ -79,7 +81,7 @@ def _rollouts(module: GRPOModule) -> Rollouts:
 
 
 def _pass(module: GRPOModule, rollouts: Rollouts, size: int, tokens) -> tuple[torch.Tensor, dict]:
-    module.hparams.micro_batch_size, module.hparams.micro_batch_tokens = size, tokens
+    module.algorithm = replace(module.algorithm, micro_batch_size=size, micro_batch_tokens=tokens)
     module.policy.zero_grad()
     sums: dict = {}
     module._backward_pass(rollouts, 0, sums)
@@ -114,7 +116,7 @@ def test_update_loop_forwards_the_grouped_trimmed_micro_batches():
     seen = []
     real = module.micro_batch_loss
     module.micro_batch_loss = lambda part, weight: seen.append(part) or real(part, weight)
-    module.hparams.micro_batch_tokens = 40
+    module.algorithm = replace(module.algorithm, micro_batch_tokens=40)
     sums: dict = {}
     module._backward_pass(rollouts, 0, sums)
     lengths = rollouts.prompt_mask.sum(-1) + rollouts.response_mask.sum(-1)

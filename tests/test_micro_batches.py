@@ -4,6 +4,8 @@ and `mini_batches` gives exactly that many optimizer steps."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import logging
 import os
 
@@ -30,7 +32,7 @@ def _rollouts(module: GRPOModule, tau) -> Rollouts:
         response_ids=torch.randint(4, 90, (n, t), generator=g), response_mask=torch.arange(t) < lengths[:, None],
         old_logp=torch.zeros(n, t), group=torch.arange(n) // 4, source=torch.zeros(n, dtype=torch.long),
         num_groups=2, prompts=["a", "b"], answers=[0, 0], advantages=torch.randn(n, generator=g))
-    module.hparams.seq_mask_tau = tau
+    module.algorithm = replace(module.algorithm, seq_mask_tau=tau)
     with torch.no_grad():
         logp, _ = module.forward_logprobs(module.policy, rollouts)  # [n, t]
     shift = torch.full((n, 1), 0.02)
@@ -46,7 +48,7 @@ def _grads_and_metrics(module: GRPOModule, tau) -> tuple[list, list]:
     rollouts = _rollouts(module, tau)
     grads, metrics = [], []
     for size in (8, 3, 1):
-        module.hparams.micro_batch_size = size
+        module.algorithm = replace(module.algorithm, micro_batch_size=size)
         module.policy.zero_grad()
         sums: dict = {}
         module._backward_pass(rollouts, 0, sums)
@@ -116,7 +118,7 @@ def test_mini_batches_give_exactly_that_many_optimizer_steps(caplog):
     rollouts = _rollouts(module, None)
     module.update(rollouts)
     assert len(steps) == 6 and all(steps)
-    module.hparams.mini_batches = 9
+    module.algorithm = replace(module.algorithm, mini_batches=9)
     steps.clear()
     with caplog.at_level(logging.WARNING, logger="lit_rlvr.module"):
         module.update(rollouts)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
+from lit_rlvr.config.settings import AlgorithmConfig
 from lit_rlvr import functional as F
 from lit_rlvr.callbacks import ParamNoise
 from lit_rlvr.data.datamodule import RLVRDataModule
@@ -43,7 +44,7 @@ def make_module(**overrides) -> GRPOModule:
 
 def fit(module: GRPOModule, callback: ParamNoise, steps: int, log_dir: Path | None = None) -> pl.Trainer:
     data = RLVRDataModule(task="arithmetic", batch_size=2, eval_batch_size=16, num_train=64, num_test=16,
-                          seed=module.hparams.seed)  # the logger merges both hparams: seeds must agree
+                          seed=module.settings.seed)  # the logger merges both hparams: seeds must agree
     logger = CSVLogger(str(log_dir), name="", version="") if log_dir else False
     trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=logger, callbacks=[callback],
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -220,8 +221,7 @@ def test_m3po_advantages_within_each_chunk():
                         source=torch.tensor([0, 0, 1, 1]), num_groups=1, prompts=["p"], answers=["a"],
                         rewards=torch.tensor([1.0, -1.0, 1.0, 1.0]))
     logged = {}
-    hparams = SimpleNamespace(advantages="grpo", scale_adv_by_std=True, overlong_cache_len=0)  # grpo.yaml's
-    stub = SimpleNamespace(log_metrics=logged.update, hparams=hparams)
+    stub = SimpleNamespace(log_metrics=logged.update, algorithm=AlgorithmConfig())  # grpo.yaml's
     ParamNoise("m3po", num_samples=2).on_before_advantages(None, stub, rollouts)
     adv, metrics = GRPOModule.compute_advantages(stub, rollouts)
     # within chunk 0: mean 0, std √2 -> ±1/√2; chunk 1 is constant -> 0 (pooled would give −√3, +1/√3, …)
@@ -327,8 +327,8 @@ def test_every_documented_option_is_checked_at_its_boundary():
                         (dict(variant="b3po", num_samples=0), "num_samples=0")):
         with pytest.raises(ValueError, match=rf"algorithm\.callbacks\.param_noise\.{key}"):
             ParamNoise(**kwargs)
-    ParamNoise("c3po", num_samples=1).check_module_options(
-        dict(optimizer="ivon", group_size=1, seq_mask_tau=2.0))  # N = 1 divides every G
+    ParamNoise("c3po", num_samples=1).check_algorithm(AlgorithmConfig(**
+        dict(optimizer="ivon", group_size=1, seq_mask_tau=2.0)))  # N = 1 divides every G
 
 
 def _chunked(rewards: list[float], source: list[int]) -> Rollouts:
@@ -396,13 +396,13 @@ def test_loss_context_holds_the_right_sample_and_records_its_gradient(variant, l
 def test_option_checks_and_bf16_check_cadence(monkeypatch, caplog):
     options = dict(optimizer="ivon", group_size=4, ppo_epochs=1, mini_batches=1, seq_mask_tau=2.0)
     callback = ParamNoise("c3po", num_samples=2)
-    callback.check_module_options(options)
+    callback.check_algorithm(AlgorithmConfig(**options))
     assert "without the sequence importance mask" not in caplog.text
-    callback.check_module_options(dict(options, seq_mask_tau=None))
+    callback.check_algorithm(AlgorithmConfig(**dict(options, seq_mask_tau=None)))
     assert "without the sequence importance mask" in caplog.text
     for epochs, minis in ((2, 1), (1, 2)):
         with pytest.raises(ValueError, match="algorithm.ppo_epochs=1 and algorithm.mini_batches=1"):
-            callback.check_module_options(dict(options, ppo_epochs=epochs, mini_batches=minis))
+            callback.check_algorithm(AlgorithmConfig(**dict(options, ppo_epochs=epochs, mini_batches=minis)))
     trainer, opt, _ = _ivon_trainer()
     checked = []
     monkeypatch.setattr(ParamNoise, "_maybe_warn_bf16", lambda self, module, optimizer: checked.append(module.step))

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lit_rlvr.config.settings import AlgorithmConfig
 from lit_rlvr.callbacks import ParamNoise
 from lit_rlvr.optim import IVON
 from lit_rlvr.rollout.batch import RolloutPlan
@@ -31,17 +32,17 @@ def test_bf16_check_every_defaults_to_100():
 def test_one_ivon_step_per_rl_step_refuses_epochs_times_mini_batches_above_one():
     """3PO needs ppo_epochs × mini_batches = 1: 2 epochs of 2 mini-batches (a ratio of 1) are 4 IVON steps."""
     callback = ParamNoise("c3po", num_samples=2)
-    callback.check_module_options(OPTIONS)
+    callback.check_algorithm(AlgorithmConfig(**OPTIONS))
     with pytest.raises(ValueError, match="algorithm.ppo_epochs=1 and algorithm.mini_batches=1"):
-        callback.check_module_options(dict(OPTIONS, ppo_epochs=2, mini_batches=2))
+        callback.check_algorithm(AlgorithmConfig(**dict(OPTIONS, ppo_epochs=2, mini_batches=2)))
 
 
 def test_missing_sequence_mask_warns_once_per_callback(caplog):
     """The seq_mask_tau=null warning is given once, not at every options check."""
     callback = ParamNoise("c3po", num_samples=2)
     with caplog.at_level(logging.WARNING, logger="lit_rlvr.callbacks.param_noise"):
-        callback.check_module_options(dict(OPTIONS, seq_mask_tau=None))
-        callback.check_module_options(dict(OPTIONS, seq_mask_tau=None))
+        callback.check_algorithm(AlgorithmConfig(**dict(OPTIONS, seq_mask_tau=None)))
+        callback.check_algorithm(AlgorithmConfig(**dict(OPTIONS, seq_mask_tau=None)))
     assert sum(TAU_WARNING in r.getMessage() for r in caplog.records) == 1
 
 

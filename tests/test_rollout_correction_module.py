@@ -5,6 +5,8 @@ micro-batching, and the HF engine's `dtype` option."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import os
 from unittest import mock
 
@@ -12,6 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from lit_rlvr.config.settings import AlgorithmConfig
 from lit_rlvr.data.datamodule import RLVRDataModule
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.module import GRPOModule
@@ -139,7 +142,7 @@ def gradient(m: GRPOModule, rollouts: Rollouts, micro_batch_size: int = 8) -> tu
     m.manual_backward = lambda loss: loss.backward()  # no trainer: plain autograd
     m.rl_callbacks = lambda: []
     m.step_metrics = {}
-    m.hparams.micro_batch_size = micro_batch_size
+    m.algorithm = replace(m.algorithm, micro_batch_size=micro_batch_size)
     m.policy.zero_grad()
     corrected = m.rollout_correction.before_update(m, rollouts)
     sums: dict = {}
@@ -217,9 +220,9 @@ def test_3po_refuses_decoupled_mode_before_any_work():
 
     options = dict(optimizer="ivon", group_size=4, seq_mask_tau=2.0, rollout_correction={"rollout_rs": "sequence"})
     with pytest.raises(ValueError, match="bypass_mode=true"):
-        ParamNoise(variant="c3po", num_samples=2).check_module_options(options)
+        ParamNoise(variant="c3po", num_samples=2).check_algorithm(AlgorithmConfig(**options))
     bypass = dict(options, rollout_correction={"rollout_rs": "sequence", "bypass_mode": True})
-    ParamNoise(variant="c3po", num_samples=2).check_module_options(bypass)  # composes with the sequence mask
+    ParamNoise(variant="c3po", num_samples=2).check_algorithm(AlgorithmConfig(**bypass))  # composes with the mask
 
 
 # -- HFEngine(dtype=...) ---------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from lit_rlvr.config.settings import AlgorithmConfig
 from lit_rlvr.callbacks import ValuePrior
 from lit_rlvr.data.datamodule import collate
 from lit_rlvr.hooks import RLVRCallback
@@ -96,8 +97,7 @@ def test_baseline_is_eq8_and_advantages_are_r_minus_b():
     rollouts = fake_rollouts(prompts, [[1, 1, 1, -1], [-1, -1, -1, -1], [1, -1]])
     cb.on_before_advantages(None, None, rollouts)
     torch.testing.assert_close(rollouts.baseline, torch.tensor([0.0, -0.861111, -0.5]), atol=1e-5, rtol=0)
-    hparams = types.SimpleNamespace(advantages="grpo", scale_adv_by_std=False, overlong_cache_len=0)  # v05.yaml
-    module = types.SimpleNamespace(hparams=hparams)
+    module = types.SimpleNamespace(algorithm=AlgorithmConfig(scale_adv_by_std=False))  # v05.yaml's
     adv, _ = GRPOModule.compute_advantages(module, rollouts)
     expected = rollouts.rewards - rollouts.baseline[rollouts.group]
     torch.testing.assert_close(adv, expected)
@@ -326,7 +326,7 @@ def test_trainer_run_v05_config_on_tiny_model(cache_dir, tmp_path):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     module = build_module(cfg)
-    assert module.hparams.group_size == 4 and module.hparams.scale_adv_by_std is False
+    assert module.algorithm.group_size == 4 and module.algorithm.scale_adv_by_std is False
     cb = instantiate(cfg.algorithm.callbacks.value_prior)
     spy = Spy()
     trainer = fit(module, [cb, spy], instantiate(cfg.data), steps=3)
@@ -416,7 +416,8 @@ def test_v0_is_built_on_the_strategys_device_not_where_the_module_still_is(monke
     built = {}
     monkeypatch.setattr(lit_rlvr.value.ValueModel, "create", staticmethod(lambda **kw: built.update(kw) or StubV0({})))
     trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(root_device=torch.device("cuda", 3)))
-    module = types.SimpleNamespace(device=torch.device("cpu"), hparams={"group_size": 4, "scale_adv_by_std": False})
+    module = types.SimpleNamespace(device=torch.device("cpu"),
+                                   algorithm=AlgorithmConfig(group_size=4, scale_adv_by_std=False))
     ValuePrior().setup(trainer, module, "fit")
     assert built["device"] == "cuda:3"
 

@@ -3,6 +3,7 @@
 import inspect
 import itertools
 import logging
+from dataclasses import replace
 import math
 import sys
 import types
@@ -13,8 +14,9 @@ import torch
 import yaml
 from torch.utils.data import DataLoader
 
+from lit_rlvr.config.settings import AlgorithmConfig
 from lit_rlvr.callbacks import ValuePrior
-from lit_rlvr.callbacks.value_prior import _warn_unused_module_options
+from lit_rlvr.callbacks.value_prior import _warn_unused_settings
 from lit_rlvr.functional import value_prior as lib
 from lit_rlvr.hooks import check_rl_callbacks
 from lit_rlvr.value import ValueModel
@@ -159,43 +161,42 @@ def test_k_max_of_one_is_valid_while_k_init_waits_for_group_size():
     """k_init None takes the module's group_size later: k_max = 1 is valid (a first round of 1 fits), and a
     group_size of 1 then gives k_init = 1."""
     cb = ValuePrior(k_max=1, value_model=StubV0({}))
-    cb.check_module_options({"group_size": 1})
+    cb.check_algorithm(AlgorithmConfig(group_size=1, scale_adv_by_std=False))
     assert cb.k_init == 1
     with pytest.raises(ValueError, match="k_init=2 is larger"):
-        cb.check_module_options({"group_size": 2})
+        cb.check_algorithm(AlgorithmConfig(group_size=2, scale_adv_by_std=False))
 
 
 def test_value_prior_sets_the_sample_counts_so_a_group_of_one_is_allowed():
     """V0.5 decides each prompt's sample count (`sets_sample_counts`): the module's group_size of 1 passes the
     check that rejects it for plain GRPO."""
     assert ValuePrior.sets_sample_counts is True
-    check_rl_callbacks([ValuePrior(k_init=1, value_model=StubV0({}))], {"group_size": 1})
+    check_rl_callbacks([ValuePrior(k_init=1, value_model=StubV0({}))], AlgorithmConfig(group_size=1))
 
 
-def test_unused_module_options_are_reported_and_said_once(caplog):
+def test_unused_settings_are_reported_and_said_once(caplog):
     """A group_size other than k_init and scale_adv_by_std=true each warn (and return True); matching options
     say nothing (False); the callback says it at most once over its two checks."""
-    assert _warn_unused_module_options({"group_size": 4}, 4) is False
-    assert _warn_unused_module_options({}, 4) is False
-    assert _warn_unused_module_options({"scale_adv_by_std": False}, 4) is False
+    v05 = AlgorithmConfig(group_size=4, scale_adv_by_std=False)  # conf/algorithm/v05.yaml's
+    assert _warn_unused_settings(v05, 4) is False
     with caplog.at_level(logging.WARNING):
-        assert _warn_unused_module_options({"group_size": 8}, 4) is True
+        assert _warn_unused_settings(replace(v05, group_size=8), 4) is True
     assert "group_size=8 is not used" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        assert _warn_unused_module_options({"group_size": 4, "scale_adv_by_std": True}, 4) is True
+        assert _warn_unused_settings(replace(v05, scale_adv_by_std=True), 4) is True
     assert "scale_adv_by_std=true" in caplog.text and "is not used" not in caplog.text
 
     cb = ValuePrior(k_init=4, value_model=StubV0({}))
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        cb.check_module_options({"group_size": 4})  # nothing to say
+        cb.check_algorithm(AlgorithmConfig(group_size=4, scale_adv_by_std=False))  # nothing to say
     assert caplog.text == ""
     with caplog.at_level(logging.WARNING):
-        cb.check_module_options({"group_size": 8})
+        cb.check_algorithm(AlgorithmConfig(group_size=8, scale_adv_by_std=False))
     assert caplog.text.count("is not used") == 1
     with caplog.at_level(logging.WARNING):
-        cb.check_module_options({"group_size": 8})  # the module's setup checks again: said once
+        cb.check_algorithm(AlgorithmConfig(group_size=8, scale_adv_by_std=False))  # setup checks again: said once
     assert caplog.text.count("is not used") == 1
 
 

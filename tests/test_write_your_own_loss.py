@@ -56,7 +56,7 @@ def test_doc_example_trains_two_steps(my_losses):
     pl.seed_everything(0, verbose=False)
     module = my_losses.ReinforceModule(model="tiny", model_options=dict(TINY), group_size=4, max_new_tokens=8,
                                        lr=2e-4, max_is_weight=2.0)
-    assert module.hparams.max_is_weight == 2.0
+    assert module.max_is_weight == 2.0 and module.hparams.max_is_weight == 2.0
     before = [p.detach().clone() for p in module.policy.parameters()]
     last = LastMetrics()
     trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,

@@ -23,6 +23,7 @@ from lit_rlvr.algorithms.filter_groups import FilterGroups
 from lit_rlvr.config import extras
 from lit_rlvr.config.bounds import bound_problems, declared_context
 from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.config.settings import AlgorithmConfig
 from lit_rlvr.config.options import (RANGES, compile_problems, consistency_problems, finite_problems,
                                      group_size_problem, lora_rank_problems, problem_line, range_problems,
                                      unknown_key_problems)
@@ -178,6 +179,8 @@ def _init_classes(target: str) -> list[type]:
     for cls in getattr(importlib.import_module(module_name), name).__mro__:
         if "__init__" not in vars(cls):
             continue
+        if cls.__module__ == "lit_rlvr.module" and cls.__name__ == "GRPOModule":
+            return [*classes, AlgorithmConfig]  # the settings arrive typed: the group's keys are their fields
         classes.append(cls)
         kinds = [p.kind for p in inspect.signature(cls.__init__).parameters.values()]
         if inspect.Parameter.VAR_KEYWORD not in kinds:
@@ -201,7 +204,7 @@ def _init_types(target: str, function: bool = False) -> dict[str, Any]:
     types: dict[str, Any] = {}
     for cls in reversed(_init_classes(target)):  # a subclass's annotation wins
         try:
-            hints = typing.get_type_hints(cls.__init__)
+            hints = typing.get_type_hints(cls if dataclasses.is_dataclass(cls) else cls.__init__)
         except Exception:  # an annotation that does not evaluate: check nothing rather than guess
             continue
         types.update({k: hints[k] for k in inspect.signature(cls.__init__).parameters if k in hints})

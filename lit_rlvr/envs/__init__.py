@@ -19,7 +19,7 @@ from lit_rlvr.rewards import resolve_reward
 from lit_rlvr.rewards.base import DEFAULT_SCORE_BOUND
 
 __all__ = ["ENVS", "ENV_KEYS", "EnvSpec", "Environment", "Message", "Observation", "StepOutput", "TextEnv",
-           "build_environment", "environment_spec", "own_copy", "score_of", "skyrl_class"]
+           "build_environment", "env_options", "environment_spec", "own_copy", "score_of", "skyrl_class"]
 
 ENVS = {
     "calculator": "lit_rlvr.envs.calculator:CalculatorEnv",
@@ -85,6 +85,12 @@ class EnvSpec:
     options: dict[str, Any]
     limits: dict[str, Any]
     stop: tuple[str, ...]
+
+
+def env_options(config: Any) -> dict[str, Any]:
+    """The `env` group's settings but its name (an `EnvConfig`), as `environment_spec` and `build_environment` take
+    them."""
+    return {key: getattr(config, key) for key in ENV_KEYS}
 
 
 def environment_spec(name: Any, env_options: Optional[dict[str, Any]] = None) -> Optional[EnvSpec]:

@@ -1,0 +1,96 @@
+"""`GRPOModule`'s arguments as typed settings (`lit_rlvr.config.settings`).
+
+Each group may be given as its settings object, as a mapping of its fields (the Lightning CLI's nested keys, a
+checkpoint's saved hyperparameters), or by its usual shorthand (`model="tiny"`, `reward="math"`, `engine="vllm"`,
+`env="calculator"`); a notebook may also give any setting as a flat keyword (`lr=1e-4`, `group_size=4`,
+`model_options={...}`), the constructor's arguments before the settings were typed, so old checkpoints load too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, is_dataclass
+from typing import Any, Mapping, Optional
+
+from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.config.problems import problem_line, unknown_key_problems
+from lit_rlvr.config.settings import AlgorithmConfig, EngineConfig, EnvConfig, ModelConfig, PerfConfig, RewardConfig
+
+# flat keyword -> (group, field); None: the keyword is a mapping of the group's fields
+SHORTCUTS: dict[str, tuple[str, Optional[str]]] = {
+    "model_options": ("model", "options"), "dtype": ("model", "dtype"), "lora": ("model", "lora"),
+    "compile_update": ("model", "compile"), "chat_template": ("model", "chat_template"),
+    "reward_options": ("reward", "options"), "engine_options": ("engine", "options"),
+    "env_options": ("env", None), "perf_options": ("perf", None),
+    **{f.name: ("algorithm", f.name) for f in fields(AlgorithmConfig)},
+}
+GROUPS = {"model": ModelConfig, "algorithm": AlgorithmConfig, "reward": RewardConfig, "engine": EngineConfig,
+          "env": EnvConfig, "perf": PerfConfig}
+
+
+@dataclass(frozen=True)
+class ModuleSettings:
+    """Every setting a `GRPOModule` runs with, typed: one object per config group, and the run seed."""
+
+    model: ModelConfig
+    algorithm: AlgorithmConfig
+    reward: RewardConfig
+    engine: EngineConfig
+    env: EnvConfig
+    perf: PerfConfig
+    seed: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """Nested plain values (the module's saved hyperparameters): `module_settings` reads them back."""
+        return {f.name: asdict(v) if is_dataclass(v) else v for f in fields(self) for v in [getattr(self, f.name)]}
+
+
+def build(cls: type, value: Any, section: str) -> Any:
+    """`value` (an instance, a mapping of the fields, or None for the defaults) as an instance of settings class
+    `cls`; nested settings classes from nested mappings. Unknown keys: one line each, naming a close match."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
+        raise ConfigError([problem_line(section, value, f"a mapping of {{{', '.join(f.name for f in fields(cls))}}}")])
+    names = [f.name for f in fields(cls)]
+    problems = unknown_key_problems(section, list(value), names)
+    if problems:
+        raise ConfigError(problems)
+    given = dict(value)
+    for f in fields(cls):
+        if f.name not in given:
+            continue
+        if isinstance(f.default_factory, type) and is_dataclass(f.default_factory):  # a nested settings class
+            given[f.name] = build(f.default_factory, given[f.name], f"{section}.{f.name}")
+        elif f.default_factory is dict and given[f.name] is None:  # an options mapping: null = none given
+            given[f.name] = {}
+    return cls(**given)
+
+
+def module_settings(model: Any, algorithm: Any, reward: Any, engine: Any, env: Any, perf: Any, seed: int,
+                    shortcuts: Mapping[str, Any]) -> ModuleSettings:
+    """The typed settings of `GRPOModule(model, algorithm, reward, engine, env, perf, seed, **shortcuts)`; `model`
+    may also be an `nn.Module` (its `name_or_path` is then its class name: the module keeps the object)."""
+    shorthand = {"model": "name_or_path", "reward": "name", "engine": "name", "env": "name"}
+    given = {"model": model, "algorithm": algorithm, "reward": reward, "engine": engine, "env": env, "perf": perf}
+    groups = {}
+    for group, cls in GROUPS.items():
+        value = given[group]
+        if group in shorthand and value is not None and not isinstance(value, (cls, Mapping)):
+            if group == "model" and not isinstance(value, str):  # an nn.Module object
+                value = type(value).__name__
+            value = {shorthand[group]: value}
+        groups[group] = build(cls, value, group)
+    problems = unknown_key_problems("", list(shortcuts), [*GROUPS, "seed", "tokenizer", *SHORTCUTS])
+    if problems:
+        raise ConfigError(problems)
+    for key, value in shortcuts.items():
+        group, name = SHORTCUTS[key]
+        values = dict(value or {}) if name is None else {name: value}  # None: a mapping of the group's fields
+        groups[group] = build(GROUPS[group], {**_fields(groups[group]), **values}, group)
+    return ModuleSettings(seed=seed, **groups)
+
+
+def _fields(settings: Any) -> dict[str, Any]:
+    return {f.name: getattr(settings, f.name) for f in fields(settings)}
