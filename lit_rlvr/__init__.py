@@ -24,6 +24,9 @@ _EXPORTS = {
     "ValuePrior": "lit_rlvr.callbacks",
     "SamplingConfig": "lit_rlvr.rollout.engine",
     "LoraOptions": "lit_rlvr.models.lora",
+    # the typed settings, one per config group (lit_rlvr/config/settings.py)
+    **dict.fromkeys(("AlgorithmConfig", "ModelConfig", "RewardConfig", "EngineConfig", "EnvConfig", "PerfConfig",
+                     "LossConfig", "UpdateConfig", "OptimConfig", "SamplingOptions"), "lit_rlvr.config.settings"),
 }
 __all__ = ["__version__", *_EXPORTS]
 

@@ -75,19 +75,22 @@ def test_group_of_one_is_refused_before_training(tmp_path):
     command = [exe] if exe else [sys.executable, "-m", "lit_rlvr.cli"]
     env = {**os.environ, "LIT_RLVR_CACHE": os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr")}
     done = subprocess.run([*command, "fit", "--config", str(CONFIG), "--trainer.max_steps", "1",
-                           "--model.init_args.group_size", "1", "--trainer.logger.init_args.save_dir", str(tmp_path)],
+                           "--model.init_args.algorithm.group_size", "1",
+                           "--trainer.logger.init_args.save_dir", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode != 0 and "model.init_args.group_size" in done.stderr, done.stderr[-3000:]
+    assert done.returncode != 0 and "model.init_args.algorithm.group_size" in done.stderr, done.stderr[-3000:]
 
 
 # -- issue 34, class 7: a constructor's or a check's config error is one line from every entry ---------------
 BAD_CLI = {  # argument -> what the line must say; raised by a constructor, at fit start, or by the optimizer
-    "--model.init_args.group_size=0": "model.init_args.group_size=0 is not valid: expected an integer >= 1",
-    "--model.init_args.group_size=1": "model.init_args.group_size=1 is not valid: expected an integer >= 2",
-    "--model.init_args.lr=-1": "model.init_args.lr=-1.0 is not valid: expected a number > 0",
-    "--model.init_args.betas=[2.0, 0.999]": "Invalid beta parameter at index 0: 2.0",  # torch's AdamW, at fit
+    "--model.init_args.algorithm.group_size=0": "model.init_args.algorithm.group_size=0 is not valid: expected an "
+                                                "integer >= 1",
+    "--model.init_args.algorithm.group_size=1": "model.init_args.algorithm.group_size=1 is not valid: expected an "
+                                                "integer >= 2",
+    "--model.init_args.algorithm.lr=-1": "model.init_args.algorithm.lr=-1.0 is not valid: expected a number > 0",
+    "--model.init_args.algorithm.betas=[2.0, 0.999]": "Invalid beta parameter at index 0: 2.0",  # torch's AdamW
     "--data.batch_size=0": "data.batch_size must be >= 1, got 0",
-    "--model.init_args.engine_options={mode: bad}": "model.init_args.engine_options.mode='bad' is not valid",
+    "--model.init_args.engine.options={mode: bad}": "model.init_args.engine.options.mode='bad' is not valid",
 }
 
 
@@ -118,7 +121,7 @@ def test_config_errors_are_one_line_from_the_cli_as_from_train_py(tmp_path):
     from lit_rlvr.cli import cli_keys
 
     train_line = _last_line(train)  # the same check, the same words; each entry names its own key
-    assert cli_keys(train_line) == lines["--model.init_args.group_size=0"], (train_line, lines)
+    assert cli_keys(train_line) == lines["--model.init_args.algorithm.group_size=0"], (train_line, lines)
     from lit_rlvr.module import GRPOModule
 
     with pytest.raises(ValueError) as err:  # Python: the same line, as the exception's message

@@ -238,12 +238,12 @@ def test_train_py_checks_the_same_rows(override, line):
 
 def test_the_lightning_cli_says_the_same_line_with_its_own_key(tmp_path):
     out = subprocess.run([sys.executable, "-m", "lit_rlvr.cli", "fit", "--config", "conf/cli/tiny_grpo.yaml",
-                          "--trainer.max_steps", "1", "--model.init_args.env", "retry",
-                          "--model.init_args.env_options", "{stop: ['']}", "--trainer.logger.init_args.save_dir",
+                          "--trainer.max_steps", "1", "--model.init_args.env.name", "retry",
+                          "--model.init_args.env.stop", "['']", "--trainer.logger.init_args.save_dir",
                           str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
     errors = [line for line in out.stderr.splitlines() if line.startswith("config error:")]
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
-    assert errors == ["config error: model.init_args.env_options.stop=[''] is not valid: expected a list of non-empty "
+    assert errors == ["config error: model.init_args.env.stop=[''] is not valid: expected a list of non-empty "
                       "strings (an empty one would end every model turn at its first token)"]
 
 

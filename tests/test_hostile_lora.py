@@ -206,7 +206,7 @@ def test_the_cli_names_its_own_key():
     from lit_rlvr.cli import cli_keys
 
     (line,) = LoraOptions(rank=4, target_modules=("v_prj",)).model_problems("tiny")
-    assert cli_keys(line).startswith("model.init_args.lora.target_modules: 'v_prj' names no module")
+    assert cli_keys(line).startswith("model.init_args.model.lora.target_modules: 'v_prj' names no module")
 
 
 def test_train_py_config_check_refuses_a_misspelt_target():
@@ -222,7 +222,7 @@ def test_train_py_config_check_refuses_a_misspelt_target():
 
 # -- the Lightning CLI writes the adapter as train.py does -----------------------------------------------------
 def test_the_cli_writes_the_adapter_beside_its_checkpoint(tmp_path):
-    """`lit-rlvr fit ... --model.init_args.lora '{rank: 4}'`: checkpoints/adapter/ in PEFT's format, loadable onto
+    """`lit-rlvr fit ... --model.init_args.model.lora '{rank: 4}'`: checkpoints/adapter/ in PEFT's format, loadable onto
     the base, beside last.ckpt (the CLI's ModelCheckpoint), as train.py's RunCheckpoint writes it."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -232,8 +232,9 @@ def test_the_cli_writes_the_adapter_beside_its_checkpoint(tmp_path):
 
     base = save(*build_tiny(), tmp_path / "model")  # no warm-up: any HF directory serves
     run = tmp_path / "run"
-    main(["fit", "--config", str(REPO / "conf" / "cli" / "tiny_grpo.yaml"), "--model.init_args.model", str(base),
-          "--model.init_args.lora", "{rank: 4}", "--model.init_args.group_size", "2", "--data.batch_size", "2",
+    main(["fit", "--config", str(REPO / "conf" / "cli" / "tiny_grpo.yaml"), "--model.init_args.model.name_or_path",
+          str(base), "--model.init_args.model.lora", "{rank: 4}", "--model.init_args.algorithm.group_size", "2",
+          "--data.batch_size", "2",
           "--trainer.max_steps", "1", "--trainer.logger.init_args.save_dir", str(run)])
     folder = run / "checkpoints"
     assert (folder / "last.ckpt").is_file()
