@@ -246,7 +246,7 @@ class RolloutCorrector:
 def old_logprobs(module: Any, rollouts: Rollouts) -> Tensor:
     """The trainer's log-probs [N, T] of the sampled tokens at the module's current weights (verl's recomputed
     π_old; 0 on padding), micro-batched as the update is."""
-    hp = module.hparams
+    hp = module.algorithm
     lengths = rollouts.prompt_mask.sum(-1) + rollouts.response_attention_mask.sum(-1)  # [N] forward widths
     width = None if hp.micro_batch_tokens else rollouts.prompt_ids.shape[1] + rollouts.response_ids.shape[1]
     micros, _ = micro_batches(lengths, max_rows=hp.micro_batch_size, max_tokens=hp.micro_batch_tokens, width=width)

@@ -152,16 +152,16 @@ IVON_RUN = {"optimizer": "ivon", "ppo_epochs": 1, "mini_batches": 1, "seq_mask_t
 def test_group_size_not_divisible_fails_before_the_model_loads_naming_both_keys():
     """train.py passes the algorithm options to the callbacks right after building them (check_rl_callbacks)."""
     with pytest.raises(ValueError, match=r"algorithm\.group_size=8.*algorithm\.callbacks\.param_noise\.num_samples=3"):
-        check_rl_callbacks([ParamNoise("c3po", num_samples=3)], {**IVON_RUN, "group_size": 8})
+        check_rl_callbacks([ParamNoise("c3po", num_samples=3)], AlgorithmConfig(**IVON_RUN, group_size=8))
 
 
 def test_m3po_with_one_completion_per_sample_fails_before_the_model_loads_naming_both_keys():
     """G/N = 1: each chunk's advantage is r − r = 0, so M3PO would learn nothing; G/N = 2 is the smallest that can."""
     with pytest.raises(ValueError, match=r"algorithm\.group_size=4.*algorithm\.callbacks\.param_noise\.num_samples=4"
                                          r".*advantage"):
-        check_rl_callbacks([ParamNoise("m3po", num_samples=4)], {**IVON_RUN, "group_size": 4})
-    check_rl_callbacks([ParamNoise("m3po", num_samples=4)], {**IVON_RUN, "group_size": 8})  # G/N = 2
-    check_rl_callbacks([ParamNoise("c3po", num_samples=4)], {**IVON_RUN, "group_size": 4})  # C3PO pools the G
+        check_rl_callbacks([ParamNoise("m3po", num_samples=4)], AlgorithmConfig(**IVON_RUN, group_size=4))
+    check_rl_callbacks([ParamNoise("m3po", num_samples=4)], AlgorithmConfig(**IVON_RUN, group_size=8))  # G/N = 2
+    check_rl_callbacks([ParamNoise("c3po", num_samples=4)], AlgorithmConfig(**IVON_RUN, group_size=4))  # C3PO pools
 
 
 def test_train_py_refuses_a_group_size_not_divisible_before_the_model_loads(tmp_path):

@@ -82,7 +82,7 @@ def module_settings(model: Any, algorithm: Any, reward: Any, engine: Any, env: A
                 value = type(value).__name__
             value = {shorthand[group]: value}
         groups[group] = build(cls, value, group)
-    problems = unknown_key_problems("", list(shortcuts), [*GROUPS, "seed", "tokenizer", *SHORTCUTS])
+    problems = unknown_key_problems("", list(shortcuts), SHORTCUTS)
     if problems:
         raise ConfigError(problems)
     for key, value in shortcuts.items():
