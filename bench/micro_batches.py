@@ -3,7 +3,7 @@
     python bench/micro_batches.py [--json] [--tokens 2048,4096,8192] [--repeats 5] [--workload long]
 
 One GRPO step of the workload (default: the long one, 8 prompts × 8 completions up to 256 tokens) collects a
-batch of rollouts; then the update's forward/backward over that batch (`GRPOModule._backward_pass`: every
+batch of rollouts; then the update's forward/backward over that batch (`Update.backward_pass`: every
 micro-batch's forward, loss and backward, the optimizer step left out as it is the same for both) runs with the
 fixed split (`algorithm.micro_batch_size` rows, padded to the batch's width, as the option off does) and with
 `algorithm.micro_batch_tokens` = each of `--tokens`, in turn, `--repeats` times (the order rotates each round,
@@ -13,8 +13,6 @@ relative to its norm (float32 summed in another order: ~1e-6; a wrong weighting 
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import sys
 import time
@@ -41,20 +39,22 @@ def collect(overrides: list[str]):
     module, datamodule, trainer = common.build_run(cfg, 1, common.StepRecorder("grpo"))
     trainer.callbacks.append(Keep())
     trainer.fit(module, datamodule=datamodule)
-    module.manual_backward = lambda loss: loss.backward()  # the pass alone, outside Lightning's loop
-    module.rl_callbacks = lambda: []
+    module.trainer = None  # the pass alone, outside Lightning's loop: plain autograd, no callbacks
     return module, Keep.rollouts
 
 
 def timed_pass(module, rollouts, tokens) -> tuple[float, "object", float]:
     """(seconds, flat gradient, padding share) of one forward/backward pass with micro_batch_tokens = tokens."""
+    import dataclasses
+
     import torch
 
-    module.algorithm = replace(module.algorithm, micro_batch_tokens=tokens)
+    module.algorithm = dataclasses.replace(module.algorithm, micro_batch_tokens=tokens)
+    update = module.make_update()
     module.policy.zero_grad()
     sums: dict = {}
     t0 = time.perf_counter()
-    module._backward_pass(rollouts, 0, sums)
+    update.backward_pass(rollouts, 0, sums)
     seconds = time.perf_counter() - t0
     grad = torch.cat([p.grad.flatten() for p in module.policy.parameters() if p.grad is not None])
     return seconds, grad, float(sums["micro/padding_frac"])

@@ -32,11 +32,11 @@ from typing_extensions import override
 from lit_rlvr import functional as F
 from lit_rlvr.config.options import convert
 from lit_rlvr.config.settings import AlgorithmConfig
+from lit_rlvr.config.rollout_correction import RolloutCorrection
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.models.lora import trainable_parameters
 from lit_rlvr.optim import IVON, bf16_spacing_warning
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
-from lit_rlvr.rollout_correction import RolloutCorrection
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl

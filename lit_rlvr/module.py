@@ -1,8 +1,9 @@
 """`GRPOModule`: the LightningModule of one RL step (docs/architecture.md §3).
 
-rollout → reward → advantages → PPO-clip loss over micro-batches → optimizer step → engine weight sync.
-Generation (engine calls, rounds, weight pushes, scoring) is the `RolloutDriver`'s (lit_rlvr.rollout.driver); the
-optimizer is built in lit_rlvr.optim. Subclass points: `compute_advantages`, `policy_loss`, `configure_optimizers`.
+plan → rollout and reward → advantages → update → engine weight sync. Generation (engine calls, rounds, weight
+pushes, scoring) is the `RolloutDriver`'s (lit_rlvr.rollout.driver); the update (loss passes over micro-batches,
+optimizer steps) is the `Update`'s (lit_rlvr.update), built from the module's parts for each step; the optimizer is
+built in lit_rlvr.optim. Subclass points: `compute_advantages`, `policy_loss`, `configure_optimizers`.
 Methods that change the plan, the baseline or the weights the gradient is taken at are `RLVRCallback`s
 (lit_rlvr.hooks).
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import asdict, fields, replace
 from typing import Any, Callable, Iterator, Optional, Union
 
@@ -23,8 +24,8 @@ from torch import Tensor, nn
 from lit_rlvr import functional as F
 from lit_rlvr.algorithms.filter_groups import FilterGroups, GroupFilter
 from lit_rlvr.config.bounds import check_bounds, model_context, response_budget
-from lit_rlvr.config.errors import ConfigError, GenerationBudgetError, RewardHangError
 from lit_rlvr.config.arguments import module_settings
+from lit_rlvr.config.errors import ConfigError, GenerationBudgetError, NonFiniteError, RewardHangError
 from lit_rlvr.config.settings import (AlgorithmConfig, EngineConfig, EnvConfig, ModelConfig, PerfConfig,
                                       RewardConfig)
 from lit_rlvr.config.options import compile_problems, consistency_problems, finite_problems, range_problems
@@ -32,7 +33,7 @@ from lit_rlvr.data.formats import render_prompt
 from lit_rlvr.envs import build_environment, env_options
 from lit_rlvr.hooks import RLVRCallback, check_rl_callbacks
 from lit_rlvr.models import load_policy
-from lit_rlvr.models.lora import LoraOptions, apply_lora, reference_model, trainable_parameters
+from lit_rlvr.models.lora import LoraOptions, apply_lora, trainable_parameters
 from lit_rlvr.models.warmup import resolve_model_path
 from lit_rlvr.optim.build import build_optimizer, check_optimizer_options
 from lit_rlvr.optim.schedule import warmup_factor
@@ -43,7 +44,6 @@ from lit_rlvr.rollout.driver import RolloutDriver, stop_token_ids
 from lit_rlvr.rollout.engine import EngineError, SamplingConfig
 from lit_rlvr.rollout.lora import SyncCheck, merged_push_problems
 from lit_rlvr.rollout.multi_turn import env_metrics
-from lit_rlvr.rollout_correction import RolloutCorrector
 from lit_rlvr.run import distributed as D
 from lit_rlvr.run.adapter_export import AdapterExport
 from lit_rlvr.run.checkpoint_io import checkpoint_hint
@@ -53,17 +53,11 @@ from lit_rlvr.run.perf import StepFlops, recomputes_forward
 from lit_rlvr.run.rng import rng_states, seed_of, set_rng_states
 from lit_rlvr.run.step_log import StepTimer, write_step_metrics
 from lit_rlvr.run.validation import ValidationMetrics
+from lit_rlvr.update import SEQUENCE_METRICS, TOKEN_METRICS, RolloutCorrector, Update
 
 log = logging.getLogger(__name__)
 
 
-class NonFiniteError(RuntimeError):
-    pass
-
-
-class MaskedStepError(ConfigError):
-    """An update whose every loss term was masked to 0 (loss 0, gradient 0): the settings that mask, not the data,
-    are the usual cause, so it stops the run as a config error (one line)."""
 
 
 class GRPOModule(pl.LightningModule):
@@ -80,8 +74,7 @@ class GRPOModule(pl.LightningModule):
     """
 
     # loss metrics that are means over response tokens, and over sequences (a subclass may move one)
-    token_metrics = frozenset({"loss/entropy", "loss/pg_clipfrac", "loss/pg_clipfrac_lower", "loss/approx_kl"})
-    sequence_metrics = frozenset({"loss/seq_mask_frac"})
+    token_metrics, sequence_metrics = TOKEN_METRICS, SEQUENCE_METRICS
 
     def __init__(self, model: Union[ModelConfig, str, nn.Module] = ModelConfig(),
                  algorithm: AlgorithmConfig = AlgorithmConfig(),
@@ -128,7 +121,6 @@ class GRPOModule(pl.LightningModule):
                          "reward_failures": 0, "rl_steps": 0}
         self.timer = StepTimer()
         self.step_metrics: dict[str, Tensor] = {}
-        self._mask_counts: Optional[Tensor] = None  # during `update`: [counted, kept] loss tokens
         self._compiled: dict[str, nn.Module] = {}  # a dict: the compiled wrapper must not register as a submodule
         # the loss's metrics that average over sequences rather than tokens (GSPO's clip fraction)
         per_sequence = F.SEQUENCE_METRICS[algo.policy_loss]
@@ -394,17 +386,29 @@ class GRPOModule(pl.LightningModule):
                                                norm_len=hp.max_new_tokens, dual_clip=hp.dual_clip,
                                                token_weights=getattr(rollouts, "token_weights", None))
 
-    def forward_logprobs(self, model, rollouts: Rollouts) -> tuple[Tensor, Tensor]:
-        """Log-probs [n, T] of the response tokens at the sampling temperature, and the logits [n, T, V]. Every token
-        of the sequence is attended to, observations included (`response_attention_mask`); the loss masks them."""
-        ids = torch.cat([rollouts.prompt_ids, rollouts.response_ids], dim=1).to(self.device)  # [n, P+T]
-        mask = torch.cat([rollouts.prompt_mask, rollouts.response_attention_mask], dim=1).to(self.device)  # [n, P+T]
-        position_ids = (mask.long().cumsum(-1) - 1).clamp_min(0)
-        width = rollouts.response_ids.shape[1]
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
-                       logits_to_keep=width + 1).logits[:, :-1]
-        return (F.token_logprobs(logits, rollouts.response_ids.to(self.device), temperature=self.sampling.temperature),
-                logits)
+    # -- the update -------------------------------------------------------------------------------------------
+    def update(self, rollouts: Rollouts) -> None:
+        """The step's optimizer steps (`lit_rlvr.update.Update`); its metrics go to this step's row."""
+        try:
+            self.log_metrics(self.make_update().run(rollouts, step=self.global_step))
+        except NonFiniteError as err:  # the same error, saying what the run keeps
+            raise NonFiniteError(f"{err}; {checkpoint_hint(self._trainer)}") from None
+
+    def make_update(self, optimizer: Optional[Any] = None) -> Update:
+        """The update, built from the module's parts as they are now: `algorithm`'s loss, update and optimizer
+        settings, the fit's optimizer and lr schedule, the callbacks' loss contexts. Cheap, so built for every step:
+        a `module.algorithm` replaced between steps takes effect at the next one. Without a trainer (tests,
+        notebooks): `optimizer` (None: loss passes only), plain autograd, no callbacks."""
+        fitting, algorithm = self._trainer is not None, self.algorithm
+        contexts = [functools.partial(cb.loss_context, self.trainer, self) for cb in self.rl_callbacks()]
+        return Update(self.policy, self.optimizers() if fitting else optimizer,
+                      self.lr_schedulers() if fitting else None, loss=algorithm.loss, update=algorithm.update,
+                      grad_clip=algorithm.grad_clip, temperature=algorithm.temperature,
+                      norm_len=algorithm.max_new_tokens, policy_loss=self.policy_loss,
+                      correction=self.rollout_correction, ref_policy=self.ref_policy, loss_contexts=contexts,
+                      backward=self.manual_backward if fitting else None, model=self.update_policy(),
+                      counters=self.counters, timer=self.timer, device=self.device,
+                      token_metrics=self.token_metrics, sequence_metrics=self.sequence_metrics)
 
     def update_policy(self) -> nn.Module:
         """The policy as the update's loss runs it: compiled with `compile_update` (dynamic shapes: micro-batches
@@ -414,180 +418,6 @@ class GRPOModule(pl.LightningModule):
         if "policy" not in self._compiled:
             self._compiled["policy"] = torch.compile(self.policy, dynamic=True)
         return self._compiled["policy"]
-
-    def micro_batch_loss(self, rollouts: Rollouts, weight: float) -> tuple[Tensor, dict[str, Tensor]]:
-        """Loss of one micro-batch, scaled by its share `weight` of the pass so micro-batches sum exactly."""
-        hp = self.algorithm
-        logp, logits = self.forward_logprobs(self.update_policy(), rollouts)  # [n, T], [n, T, V]
-        mask = rollouts.response_mask.to(self.device)
-        old = rollouts.old_logp.to(self.device)
-        advantages = rollouts.advantages.to(self.device)  # [n]
-        keep_metrics, keep = {}, None
-        if hp.seq_mask_tau is not None:
-            # 3PO: a sequence whose ratio left [1/τ, τ] gets no policy gradient. Its terms become 0 but its tokens
-            # stay in every normalisation, as the micro-batch weights assume: the loss cannot depend on micro-batching
-            keep, keep_metrics = F.sequence_importance_mask(logp, old, mask, tau=hp.seq_mask_tau)  # [n]
-            advantages = advantages * keep  # [n]
-        rollouts = self.rollout_correction.in_loss(rollouts, logp, old, mask, record=weight > 0)  # verl's IS, RS
-        if self._mask_counts is not None and weight > 0:
-            self._count_kept(mask, keep, rollouts.token_weights)
-        loss, metrics = self.policy_loss(logp, old, advantages, mask, rollouts)
-        metrics.update(keep_metrics)
-        with torch.set_grad_enabled(hp.entropy_coef > 0):
-            entropy = F.entropy_from_logits(logits / self.sampling.temperature)  # [n, T]
-        entropy_mean = F.aggregate(entropy, mask, hp.loss_aggregation, norm_len=hp.max_new_tokens)
-        loss = loss - hp.entropy_coef * entropy_mean
-        # the metric is nats per token whatever the loss aggregation, so runs of different losses compare
-        metrics["loss/entropy"] = F.aggregate(entropy.detach(), mask, "token-mean")
-        if hp.kl_coef > 0:
-            ref, adapter_off = reference_model(self.policy, self.ref_policy)  # LoRA: the base, adapter off
-            with torch.no_grad(), adapter_off:
-                ref_logp, _ = self.forward_logprobs(ref, rollouts)  # [n, T]
-            per_token = F.kl_penalty(logp, ref_logp, estimator=hp.kl_estimator, k3_cap=hp.kl_k3_cap)  # [n, T]
-            kl = F.aggregate(per_token, mask, hp.loss_aggregation, norm_len=hp.max_new_tokens)
-            loss = loss + hp.kl_coef * kl
-            metrics["loss/kl_ref"] = kl.detach()
-        metrics["loss/policy"] = loss.detach()
-        return loss * weight, metrics
-
-    def _count_kept(self, mask: Tensor, keep: Optional[Tensor], token_weights: Optional[Tensor]) -> None:
-        """Adds the micro-batch's counted tokens and those whose loss term is not masked to 0 (by the sequence
-        mask [n] or a token weight [n, T]) to this update's counts, kept on the device (no sync per micro-batch)."""
-        kept = mask.bool()  # [n, T]
-        if keep is not None:
-            kept = kept & keep.bool().to(kept.device)[:, None]  # [n, T]
-        if token_weights is not None:
-            kept = kept & (token_weights.to(kept.device) != 0)  # [n, T]
-        self._mask_counts += torch.stack([mask.sum(), kept.sum()]).to(self._mask_counts)
-
-    def _check_not_all_masked(self) -> None:
-        """Stops the run the first time an update's loss had tokens and masked every one of them: each later step
-        would be the same (loss 0, gradient 0), silently. Names the settings that mask."""
-        counted, kept = D.all_reduce(self._mask_counts.cpu()).tolist()
-        self._mask_counts = None
-        if counted == 0 or kept > 0:
-            return
-        keys = [f"algorithm.seq_mask_tau={self.algorithm.seq_mask_tau!r}"] if self.algorithm.seq_mask_tau else []
-        keys += self.rollout_correction.options.masking_settings()
-        settings = ", ".join(keys) if keys else "no masking setting is on (a callback's or subclass's token weights)"
-        raise MaskedStepError([f"step {self.global_step}: every one of the {int(counted)} loss tokens was masked "
-                               f"(loss 0, gradient 0), by {settings}; widen the bounds (the mismatch/* metrics "
-                               "show the ratios) or turn them off (null)"])
-
-    def update(self, rollouts: Rollouts) -> None:
-        """`ppo_epochs` × `mini_batches` optimizer steps; each step runs the loss passes (one per weight sample
-        for M3PO) inside the callbacks' loss contexts, micro-batch by micro-batch."""
-        hp = self.algorithm
-        optimizer = self.optimizers()
-        # every rank takes the same number of optimizer steps (FSDP's collectives), each on at least one rollout:
-        # a batch smaller than mini_batches on some rank (DAPO kept few groups) gets one step per rollout
-        fewest = -D.global_max(-rollouts.num_samples)
-        if fewest < hp.mini_batches:
-            log.warning("step %d: a rank holds %d rollouts, fewer than algorithm.mini_batches=%d: %d optimizer steps",
-                        self.global_step, fewest, hp.mini_batches, fewest)
-        steps = min(hp.mini_batches, fewest)
-        rollouts = self.rollout_correction.before_update(self, rollouts)  # decoupled mode: π_old, IS weights, RS
-        self._mask_counts = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss tokens: counted, kept
-        order = torch.arange(rollouts.num_samples)
-        loss_sums: dict[str, Tensor] = {}  # per-pass metrics, summed over passes
-        grad_norms: list[Tensor] = []
-        passes = 0
-        for _epoch in range(hp.ppo_epochs):
-            for mini in order.tensor_split(steps):  # exactly that many (torch.chunk can give fewer)
-                optimizer.zero_grad()
-                earlier_finite = True
-                for n, (loss_pass, index) in enumerate(self._loss_passes(rollouts, mini)):
-                    if n:  # M3PO: the next pass's context clears .grad, so the previous pass's is checked first
-                        earlier_finite &= bool(torch.isfinite(self._grad_norm()))
-                    self._backward_pass(rollouts.select(index), loss_pass, loss_sums)
-                    passes += 1
-                self.log_metrics(self.rollout_correction.first_pass_metrics())  # mismatch/*, once per update
-                grad_norms.append(self._optimizer_step(optimizer, loss_sums, earlier_finite))
-        self.log_metrics({k: v / passes for k, v in loss_sums.items()})
-        self.log_metrics({"grad/norm": torch.stack(grad_norms).mean()})
-        self._check_not_all_masked()
-
-    @staticmethod
-    def _loss_passes(rollouts: Rollouts, mini: Tensor) -> list[tuple[int, Tensor]]:
-        if rollouts.loss_pass is None:
-            return [(0, mini)]
-        passes = rollouts.loss_pass[mini]
-        return [(int(p), mini[passes == p]) for p in torch.unique(passes)]
-
-    def _backward_pass(self, rollouts: Rollouts, loss_pass: int, sums: dict[str, Tensor]) -> None:
-        """Backward of one loss pass, micro-batch by micro-batch. Each micro-batch's loss is weighted by its share
-        of the global pass (tokens for token-mean, else sequences) times the world size, since data-parallel
-        gradients are averaged over ranks: the sum equals the loss of the whole global batch. Metrics are
-        weighted the same way by what they average over (`token_metrics`, `sequence_metrics`, else the loss's
-        unit), so they do not depend on the micro-batching or the number of ranks."""
-        hp = self.algorithm
-        tokens = rollouts.response_mask.sum(-1).double()  # [n]
-        seqs = F.sequence_rows(rollouts.response_mask).double()  # [n] the rows sequence means count (not empty ones)
-        world = D.world_size()
-        totals = torch.tensor([float(tokens.sum()), float(seqs.sum())], dtype=torch.float64)
-        total_tokens, total_seqs = D.all_reduce(totals).clamp_min(1).tolist()
-        lengths = rollouts.prompt_mask.sum(-1) + rollouts.response_attention_mask.sum(-1)  # [n] forward widths
-        width = None if hp.micro_batch_tokens else rollouts.prompt_ids.shape[1] + rollouts.response_ids.shape[1]
-        micros, micro_metrics = F.micro_batches(lengths, max_rows=hp.micro_batch_size, max_tokens=hp.micro_batch_tokens,
-                                                width=width)  # untrimmed fixed micro-batches run at the full width
-        for k, v in micro_metrics.items():  # averaged over passes with the other pass metrics
-            sums[k] = sums.get(k, 0.0) + v
-        # FSDP gathers weights in every forward: ranks with fewer micro-batches run zero-weight ones on sample 0
-        padding = D.global_max(len(micros)) - len(micros)
-        with ExitStack() as stack:
-            for cb in self.rl_callbacks():
-                stack.enter_context(cb.loss_context(self.trainer, self, rollouts, loss_pass))
-            for i, micro in enumerate(micros + [torch.zeros(1, dtype=torch.long)] * padding):
-                real = i < len(micros)
-                token_w = float(tokens[micro].sum()) / total_tokens * world if real else 0.0
-                seq_w = float(seqs[micro].sum()) / total_seqs * world if real else 0.0
-                share = token_w if hp.loss_aggregation == "token-mean" else seq_w
-                part = rollouts.select(micro)
-                loss, metrics = self.micro_batch_loss(part.trim_padding() if hp.micro_batch_tokens else part, share)
-                self.manual_backward(loss)
-                for k, v in (metrics.items() if real else ()):
-                    w = token_w if k in self.token_metrics else seq_w if k in self.sequence_metrics else share
-                    sums[k] = sums.get(k, 0.0) + v * w
-
-    def _grad_norm(self) -> Tensor:
-        """The policy's gradient norm, over all shards under FSDP2."""
-        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.tensor(0.0)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
-
-    def _optimizer_step(self, optimizer, sums: dict[str, Tensor], earlier_finite: bool = True) -> Tensor:
-        """Clip, check finiteness (also of the loss passes before the last: `earlier_finite`), step; returns the
-        gradient norm before clipping."""
-        params = [p for p in self.policy.parameters() if p.grad is not None]
-        clip = self.algorithm.grad_clip if self.algorithm.grad_clip and self.algorithm.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, clip) if params else torch.tensor(0.0)
-        if hasattr(norm, "full_tensor"):  # FSDP2: the norm over all shards, as a DTensor
-            norm = norm.full_tensor()
-        loss_ok = bool(torch.isfinite(sums.get("loss/policy", torch.tensor(0.0))))
-        if not (loss_ok and earlier_finite and bool(torch.isfinite(norm))):
-            self._skip_step(optimizer, "loss" if not loss_ok else "gradient")
-            return norm.detach()
-        self.counters["bad_steps_in_row"] = 0
-        optimizer.step()
-        scheduler = self.lr_schedulers()
-        if scheduler is not None:
-            scheduler.step()
-        return norm.detach()
-
-    def _skip_step(self, optimizer, what: str) -> None:
-        self.counters["skipped_steps"] += 1
-        self.counters["bad_steps_in_row"] += 1
-        optimizer.zero_grad()
-        discard = getattr(optimizer, "discard_samples", None)  # IVON: this step's gradient samples must not leak
-        if discard is not None:
-            discard()
-        log.warning("non-finite %s at step %d: step skipped (%d in a row)", what, self.global_step,
-                    self.counters["bad_steps_in_row"])
-        if self.counters["bad_steps_in_row"] >= self.algorithm.max_bad_steps:
-            raise NonFiniteError(
-                f"{self.counters['bad_steps_in_row']} non-finite steps in a row (algorithm.max_bad_steps="
-                f"{self.algorithm.max_bad_steps}); lower algorithm.lr or check the reward; "
-                f"{checkpoint_hint(self._trainer)}")
 
     # -- metrics ----------------------------------------------------------------------------------------------
     def log_metrics(self, metrics: dict[str, Tensor]) -> None:

@@ -15,6 +15,7 @@ from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.data.datamodule import RLVRDataModule
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.rollout.batch import Rollouts
+from lit_rlvr.update import forward_logprobs
 from tiny_options import TINY
 
 
@@ -39,7 +40,7 @@ def rollouts(width: int, rows: int = 4) -> Rollouts:
 
 def logprobs_and_grads(module: GRPOModule, model, batch: Rollouts) -> tuple[torch.Tensor, list[torch.Tensor]]:
     module.policy.zero_grad()
-    logp, _ = module.forward_logprobs(model, batch)
+    logp, _ = forward_logprobs(model, batch, temperature=module.algorithm.temperature)
     (logp * batch.response_mask).sum().backward()
     return logp.detach(), [p.grad.clone() for p in module.policy.parameters() if p.requires_grad]
 

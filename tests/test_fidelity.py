@@ -156,15 +156,13 @@ def test_module_gradient_with_an_empty_row_equals_the_batch_without_it(aggregati
     that of the batch without it, at every micro-batch size (1 puts the empty row in a micro-batch of its own)."""
     module = GRPOModule(model="tiny", model_options=dict(TINY), group_size=2, max_new_tokens=5,
                         loss_aggregation=aggregation)
-    module.manual_backward = lambda loss: loss.backward()  # no trainer: plain autograd
-    module.rl_callbacks = lambda: []
     rollouts = _batch(module, [3, 0, 5, 2])
     oracle = rollouts.select(torch.tensor([0, 2, 3]))
 
     def grad(batch: Rollouts, size: int) -> torch.Tensor:
         module.algorithm = replace(module.algorithm, micro_batch_size=size)
         module.policy.zero_grad()
-        module._backward_pass(batch, 0, {})
+        module.make_update().backward_pass(batch, 0, {})  # no trainer: plain autograd
         return torch.cat([q.grad.flatten() for q in module.policy.parameters() if q.grad is not None])
 
     expected = grad(oracle, 4)

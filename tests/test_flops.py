@@ -103,7 +103,7 @@ def test_forward_matches_the_counter(model, shape):
 
 
 def test_forward_backward_matches_the_counter(model, shape):
-    """The update's forward (`GRPOModule.forward_logprobs`: logits_to_keep = width + 1, the last dropped), the
+    """The update's forward (`lit_rlvr.update.forward_logprobs`: logits_to_keep = width + 1, the last dropped), the
     log-probs of the response, backward: 3 forwards, the counter and ours."""
     rows, prompt, response = 4, 6, 9
     ids = torch.randint(4, 101, (rows, prompt + response), generator=torch.Generator().manual_seed(1))

@@ -28,7 +28,7 @@ from lit_rlvr.config.options import convert, range_problems
 from lit_rlvr.models.lora import LoraOptions
 from lit_rlvr.models.tiny import build_tiny
 from lit_rlvr.rollout.hf import HFEngine
-from lit_rlvr.rollout_correction import RolloutCorrection
+from lit_rlvr.config.rollout_correction import RolloutCorrection
 
 REPO = Path(__file__).resolve().parents[1]
 RC = "algorithm.rollout_correction"
@@ -94,10 +94,11 @@ def tiny_module(tiny_path):
 
 
 def _masked_update(module, shift: float, **options) -> None:
-    """The update's loss passes on 8 completions whose engine log-probs are `shift` nats per token below the
-    policy's, then the all-masked check, as `update` runs them (no trainer: plain autograd)."""
+    """One update on 8 completions whose engine log-probs are `shift` nats per token below the policy's (no
+    trainer: plain autograd, an optimizer at lr 0)."""
+    from lit_rlvr.config.rollout_correction import RolloutCorrection
     from lit_rlvr.rollout.batch import Rollouts
-    from lit_rlvr.rollout_correction import RolloutCorrection
+    from lit_rlvr.update import forward_logprobs
 
     g = torch.Generator().manual_seed(0)
     n, p, t = 8, 5, 6
@@ -108,21 +109,15 @@ def _masked_update(module, shift: float, **options) -> None:
         old_logp=torch.zeros(n, t), group=torch.arange(n) // 4, source=torch.zeros(n, dtype=torch.long),
         num_groups=2, prompts=["a", "b"], answers=[0, 0], advantages=torch.randn(n, generator=g))
     with torch.no_grad():
-        logp, _ = module.forward_logprobs(module.policy, rollouts)  # [n, t]
+        logp, _ = forward_logprobs(module.policy, rollouts, temperature=module.algorithm.temperature)  # [n, t]
     rollouts.old_logp = (logp - shift) * rollouts.response_mask
     module.rollout_correction.options = RolloutCorrection(**options)
-    module.manual_backward = lambda loss: loss.backward()
-    module.rl_callbacks = lambda: []
-    corrected = module.rollout_correction.before_update(module, rollouts)
-    module._mask_counts = torch.zeros(2, dtype=torch.float64)
-    module._backward_pass(corrected, 0, {})
-    module.rollout_correction.first_pass_metrics()
-    module._check_not_all_masked()
+    module.make_update(torch.optim.SGD(module.policy.parameters(), lr=0.0)).run(rollouts)
 
 
 def test_an_update_that_masks_every_token_stops_the_run_naming_the_settings(tiny_module):
     """Valid bounds, but an engine 1 nat per token away: every token's ratio e ≈ 2.7 leaves [1/1.5, 1.5]."""
-    from lit_rlvr.module import MaskedStepError
+    from lit_rlvr.config.errors import MaskedStepError
 
     with pytest.raises(MaskedStepError) as err:
         _masked_update(tiny_module, 1.0, rollout_rs="token", rollout_rs_threshold=1.5, bypass_mode=True)
@@ -133,14 +128,16 @@ def test_an_update_that_masks_every_token_stops_the_run_naming_the_settings(tiny
 
 
 def test_the_all_masked_stop_catches_the_sequence_mask_too(tiny_module):
-    from lit_rlvr.module import MaskedStepError
 
-    tiny_module.algorithm = replace(tiny_module.algorithm, seq_mask_tau=2.0)
+    from lit_rlvr.config.errors import MaskedStepError
+
+    unmasked = tiny_module.algorithm
+    tiny_module.algorithm = replace(unmasked, seq_mask_tau=2.0)
     try:
         with pytest.raises(MaskedStepError, match=r"algorithm\.seq_mask_tau=2\.0"):
             _masked_update(tiny_module, 1.0)  # every sequence's ratio is e^length >= e > 2
     finally:
-        tiny_module.algorithm = replace(tiny_module.algorithm, seq_mask_tau=None)
+        tiny_module.algorithm = unmasked
 
 
 # -- 9: non-finite values ----------------------------------------------------------------------------------------

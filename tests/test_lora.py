@@ -15,6 +15,7 @@ from lit_rlvr.module import GRPOModule
 from lit_rlvr.rollout.batch import Rollouts
 from lit_rlvr.rollout.engine import SamplingParams
 from lit_rlvr.rollout.hf import HFEngine
+from lit_rlvr.update import forward_logprobs
 from tiny_options import TINY as TINY_OPTIONS
 
 PROMPTS = ["12+34=", "5+5=", "71-18=", "3*4="]
@@ -26,7 +27,7 @@ def lora_module(rank: int = 4, **kwargs) -> GRPOModule:
 
 
 def batch(tokenizer, model, n: int = 2) -> Rollouts:
-    """Completions sampled from `model` for PROMPTS (greedy), as a Rollouts for `forward_logprobs`."""
+    """Completions sampled from `model` for PROMPTS (greedy), as a Rollouts for `lit_rlvr.update.forward_logprobs`."""
     from lit_rlvr.rollout.batch import RolloutPlan, rollouts_from_completions
 
     ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
@@ -136,8 +137,8 @@ def test_step0_lora_logprobs_equal_the_base_model_exactly(tiny_path):
     module = lora_module(rank=8)
     rollouts = batch(tokenizer, base)
     with torch.no_grad():
-        want, _ = module.forward_logprobs(base, rollouts)
-        got, _ = module.forward_logprobs(module.policy, rollouts)
+        want, _ = logprobs(module, base, rollouts)
+        got, _ = logprobs(module, module.policy, rollouts)
     assert torch.equal(got, want)  # B = 0: base + 0, bit for bit
 
 
@@ -164,14 +165,19 @@ def test_kl_reference_is_the_base_with_the_adapter_off(tiny_path):
     randomise_adapters(module.policy)
     rollouts = batch(tokenizer, base)
     with torch.no_grad():
-        want, _ = module.forward_logprobs(base, rollouts)
-        policy_logp, _ = module.forward_logprobs(module.policy, rollouts)
+        want, _ = logprobs(module, base, rollouts)
+        policy_logp, _ = logprobs(module, module.policy, rollouts)
     ref, adapter_off = reference_model(module.policy, module.ref_policy)
     with torch.no_grad(), adapter_off:
-        assert torch.equal(module.forward_logprobs(ref, rollouts)[0], want)
+        assert torch.equal(logprobs(module, ref, rollouts)[0], want)
     assert not torch.allclose(policy_logp, want, atol=1e-3)  # the adapter does change the policy
-    loss, metrics = module.micro_batch_loss(_scored(rollouts), 1.0)
+    loss, metrics = module.make_update().micro_batch_loss(_scored(rollouts), 1.0)
     assert float(metrics["loss/kl_ref"]) > 0
+
+
+def logprobs(module: GRPOModule, model, rollouts: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
+    """The update's forward of `model` at the module's sampling temperature: log-probs [n, T], logits."""
+    return forward_logprobs(model, rollouts, temperature=module.algorithm.temperature)
 
 
 def _scored(rollouts: Rollouts) -> Rollouts:
@@ -186,11 +192,11 @@ def test_merged_and_unmerged_logprobs_agree_and_unmerge_restores_the_base_bit_fo
     before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
     rollouts = batch(tokenizer, base)
     with torch.no_grad():
-        unmerged, _ = module.forward_logprobs(module.policy, rollouts)
+        unmerged, _ = logprobs(module, module.policy, rollouts)
         with merged_adapter(module.policy):
-            merged, _ = module.forward_logprobs(module.policy, rollouts)
+            merged, _ = logprobs(module, module.policy, rollouts)
             changed = [n for n, p in module.policy.named_parameters() if not torch.equal(p, before[n])]
-        after, _ = module.forward_logprobs(module.policy, rollouts)
+        after, _ = logprobs(module, module.policy, rollouts)
     assert changed and all("base_layer" in n for n in changed)  # the merge did write W + ΔW
     torch.testing.assert_close(merged, unmerged, rtol=0, atol=2e-5)  # fp32 rounding of W + ΔW
     assert all(torch.equal(p, before[n]) for n, p in module.policy.named_parameters())  # bit for bit

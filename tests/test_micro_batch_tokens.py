@@ -5,9 +5,8 @@ checks for the fixed sizes."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from lit_rlvr import functional as F
 from lit_rlvr.functional.losses import AGGREGATIONS
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.rollout.batch import Rollouts
+from lit_rlvr.update import forward_logprobs
 from tiny_options import TINY as TINY_OPTIONS
 
 TINY = {"cache_dir": os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr"), **TINY_OPTIONS}
@@ -73,7 +73,7 @@ def _rollouts(module: GRPOModule) -> Rollouts:
         num_groups=2, prompts=["a", "b"], answers=[0, 0], advantages=torch.randn(n, generator=g))
     rollouts.prompt_ids = rollouts.prompt_ids.masked_fill(~rollouts.prompt_mask, 0)  # the pad id
     with torch.no_grad():
-        logp, _ = module.forward_logprobs(module.policy, rollouts)  # [n, t]
+        logp, _ = forward_logprobs(module.policy, rollouts, temperature=module.algorithm.temperature)  # [n, t]
     shift = torch.full((n, 1), 0.02)
     shift[[1, 6]] = 1.0
     rollouts.old_logp = (logp - shift) * rollouts.response_mask
@@ -84,7 +84,7 @@ def _pass(module: GRPOModule, rollouts: Rollouts, size: int, tokens) -> tuple[to
     module.algorithm = replace(module.algorithm, micro_batch_size=size, micro_batch_tokens=tokens)
     module.policy.zero_grad()
     sums: dict = {}
-    module._backward_pass(rollouts, 0, sums)
+    module.make_update().backward_pass(rollouts, 0, sums)  # no trainer: plain autograd
     grad = torch.cat([q.grad.flatten() for q in module.policy.parameters() if q.grad is not None])
     return grad, {k: float(v) for k, v in sums.items() if not k.startswith("micro/")}
 
@@ -94,8 +94,6 @@ def _pass(module: GRPOModule, rollouts: Rollouts, size: int, tokens) -> tuple[to
 def test_gradient_equals_the_fixed_micro_batches(aggregation, tau):
     module = GRPOModule(model="tiny", model_options=dict(TINY), group_size=5, max_new_tokens=12,
                         loss_aggregation=aggregation, entropy_coef=0.01, seq_mask_tau=tau)
-    module.manual_backward = lambda loss: loss.backward()  # no trainer: plain autograd
-    module.rl_callbacks = lambda: []
     rollouts = _rollouts(module)
     want, want_metrics = _pass(module, rollouts, 10, None)  # one fixed micro-batch: the whole pass
     for size, tokens in ((64, 40), (3, 40), (64, 17), (64, 1)):  # budget 1: one row per micro-batch
@@ -110,15 +108,14 @@ def test_update_loop_forwards_the_grouped_trimmed_micro_batches():
     """What the forwards receive: the partition of functional.micro_batches, each trimmed to its own longest
     prompt and response (the point of the option), and the micro-batch metrics in the pass's sums."""
     module = GRPOModule(model="tiny", model_options=dict(TINY), group_size=5, max_new_tokens=12)
-    module.manual_backward = lambda loss: loss.backward()
-    module.rl_callbacks = lambda: []
     rollouts = _rollouts(module)
-    seen = []
-    real = module.micro_batch_loss
-    module.micro_batch_loss = lambda part, weight: seen.append(part) or real(part, weight)
     module.algorithm = replace(module.algorithm, micro_batch_tokens=40)
+    update = module.make_update()
+    seen = []
+    real = update.micro_batch_loss
+    update.micro_batch_loss = lambda part, weight: seen.append(part) or real(part, weight)
     sums: dict = {}
-    module._backward_pass(rollouts, 0, sums)
+    update.backward_pass(rollouts, 0, sums)
     lengths = rollouts.prompt_mask.sum(-1) + rollouts.response_mask.sum(-1)
     micros, metrics = F.micro_batches(lengths, max_rows=64, max_tokens=40)
     assert len(seen) == len(micros) > 1

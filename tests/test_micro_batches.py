@@ -1,6 +1,6 @@
-"""GRPOModule.update: the weighted micro-batch losses sum to the loss of the whole batch, so the
-gradient does not depend on `micro_batch_size` — for every aggregation, with and without 3PO's sequence mask —
-and `mini_batches` gives exactly that many optimizer steps."""
+"""The update (lit_rlvr.update.Update, as GRPOModule builds it): the weighted micro-batch losses sum to the loss
+of the whole batch, so the gradient does not depend on `micro_batch_size` — for every aggregation, with and without
+3PO's sequence mask — and `mini_batches` gives exactly that many optimizer steps."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from lit_rlvr import functional as F
 from lit_rlvr.functional.losses import AGGREGATIONS
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.rollout.batch import Rollouts
+from lit_rlvr.update import forward_logprobs
 from tiny_options import TINY as TINY_OPTIONS
 
 TINY = {"cache_dir": os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr"), **TINY_OPTIONS}  # = conf/model/tiny.yaml
@@ -34,7 +35,7 @@ def _rollouts(module: GRPOModule, tau) -> Rollouts:
         num_groups=2, prompts=["a", "b"], answers=[0, 0], advantages=torch.randn(n, generator=g))
     module.algorithm = replace(module.algorithm, seq_mask_tau=tau)
     with torch.no_grad():
-        logp, _ = module.forward_logprobs(module.policy, rollouts)  # [n, t]
+        logp, _ = forward_logprobs(module.policy, rollouts, temperature=module.algorithm.temperature)  # [n, t]
     shift = torch.full((n, 1), 0.02)
     shift[[1, 6]] = 1.0
     rollouts.old_logp = (logp - shift) * rollouts.response_mask
@@ -43,15 +44,13 @@ def _rollouts(module: GRPOModule, tau) -> Rollouts:
 
 def _grads_and_metrics(module: GRPOModule, tau) -> tuple[list, list]:
     """The gradient and the summed pass metrics at micro-batch sizes 8, 3 and 1."""
-    module.manual_backward = lambda loss: loss.backward()  # no trainer: plain autograd
-    module.rl_callbacks = lambda: []
     rollouts = _rollouts(module, tau)
     grads, metrics = [], []
     for size in (8, 3, 1):
         module.algorithm = replace(module.algorithm, micro_batch_size=size)
         module.policy.zero_grad()
         sums: dict = {}
-        module._backward_pass(rollouts, 0, sums)
+        module.make_update().backward_pass(rollouts, 0, sums)  # no trainer: plain autograd
         grads.append(torch.cat([q.grad.flatten() for q in module.policy.parameters() if q.grad is not None]))
         metrics.append({k: float(v) for k, v in sums.items() if not k.startswith("micro/")})  # they describe the split
     return grads, metrics
@@ -107,20 +106,15 @@ def test_mini_batches_give_exactly_that_many_optimizer_steps(caplog):
     """8 rollouts in 6 mini-batches: 6 steps (torch.chunk would make 4 of 2); in 9 mini-batches: one step per
     rollout, and a warning naming the key."""
     module = GRPOModule(model="tiny", model_options=dict(TINY), group_size=4, max_new_tokens=6, mini_batches=6)
-    module.manual_backward = lambda loss: loss.backward()  # no trainer: plain autograd
-    module.rl_callbacks = lambda: []
-    module.lr_schedulers = lambda: None
-    module.step_metrics = {}  # set per step by training_step
     steps = []
     optimizer = torch.optim.SGD(module.policy.parameters(), lr=0.0)
     optimizer.step = lambda: steps.append(sum(q.grad is not None for q in module.policy.parameters()))
-    module.optimizers = lambda: optimizer
     rollouts = _rollouts(module, None)
-    module.update(rollouts)
+    module.make_update(optimizer).run(rollouts)  # no trainer: plain autograd, no callbacks
     assert len(steps) == 6 and all(steps)
     module.algorithm = replace(module.algorithm, mini_batches=9)
     steps.clear()
-    with caplog.at_level(logging.WARNING, logger="lit_rlvr.module"):
-        module.update(rollouts)
+    with caplog.at_level(logging.WARNING, logger="lit_rlvr.update.update"):
+        module.make_update(optimizer).run(rollouts)
     assert len(steps) == 8 and "fewer than algorithm.mini_batches=9" in caplog.text
 

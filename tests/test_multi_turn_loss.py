@@ -1,5 +1,5 @@
-"""Observation tokens in the update (GRPOModule): visible to attention, absent from every loss term, normaliser,
-ratio, KL and entropy; the micro-batching and the token-budget trimming keep them in the sequence."""
+"""Observation tokens in the update (lit_rlvr.update.Update): visible to attention, absent from every loss term,
+normaliser, ratio, KL and entropy; the micro-batching and the token-budget trimming keep them in the sequence."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from lit_rlvr.models.tiny import build_tiny, save
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.rollout.batch import Rollouts
+from lit_rlvr.update import forward_logprobs
 
 P, T = 3, 12
 # per row: (model tokens, observation tokens, model tokens), right-padded to T
@@ -23,9 +24,7 @@ def policy_dir(tmp_path_factory):
 def module_for(path, **kwargs) -> GRPOModule:
     options = {"group_size": 2, "max_new_tokens": T, "temperature": 0.7, "entropy_coef": 0.01, "kl_coef": 0.05,
                "loss_aggregation": "token-mean", **kwargs}
-    module = GRPOModule(model=path, **options)
-    module.manual_backward = lambda loss: loss.backward()  # no trainer here
-    return module
+    return GRPOModule(model=path, **options)
 
 
 def batch(layout=LAYOUT, obs_token=7, seed=0) -> Rollouts:
@@ -51,10 +50,10 @@ def batch(layout=LAYOUT, obs_token=7, seed=0) -> Rollouts:
 
 
 def test_gradient_wrt_the_logits_of_observation_tokens_is_zero(policy_dir):
-    module = module_for(policy_dir)
+    update = module_for(policy_dir).make_update()  # no trainer: plain autograd
     rollouts = batch()
     captured = []
-    forward = module.forward_logprobs
+    forward = update.forward_logprobs
 
     def keep_logits(model, r):
         logp, logits = forward(model, r)
@@ -63,8 +62,8 @@ def test_gradient_wrt_the_logits_of_observation_tokens_is_zero(policy_dir):
             captured.append(logits)
         return logp, logits
 
-    module.forward_logprobs = keep_logits
-    loss, _ = module.micro_batch_loss(rollouts, 1.0)
+    update.forward_logprobs = keep_logits
+    loss, _ = update.micro_batch_loss(rollouts, 1.0)
     loss.backward()
     grad = captured[0].grad  # [N, T, V]: row t scores response token t
     observed = rollouts.response_attention_mask & ~rollouts.response_mask
@@ -77,12 +76,13 @@ def test_observations_change_the_loss_only_through_later_model_tokens(policy_dir
     logits held at batch A's values, batch B's loss and every metric equal A's, whatever B's observation positions
     hold. A normaliser that counted observation tokens, or a term that read them, would differ."""
     module = module_for(policy_dir)
+    update = module.make_update()
     a = batch()
     longer = [(x, o + 2, y) for x, o, y in LAYOUT]
     b = batch(longer, obs_token=40)
     b.response_ids[b.response_mask] = a.response_ids[a.response_mask]  # the same model tokens, shifted
     b.old_logp[b.response_mask] = a.old_logp[a.response_mask]
-    forward = module.forward_logprobs
+    forward = update.forward_logprobs
     held = {}
 
     def hold(model, r):
@@ -97,9 +97,9 @@ def test_observations_change_the_loss_only_through_later_model_tokens(policy_dir
         logits[b.response_mask] = held[key][1]
         return logp, logits
 
-    module.forward_logprobs = hold
-    loss_a, metrics_a = module.micro_batch_loss(a, 1.0)
-    loss_b, metrics_b = module.micro_batch_loss(b, 1.0)
+    update.forward_logprobs = hold
+    loss_a, metrics_a = update.micro_batch_loss(a, 1.0)
+    loss_b, metrics_b = update.micro_batch_loss(b, 1.0)
     torch.testing.assert_close(loss_b, loss_a, rtol=0, atol=1e-6)
     for k in metrics_a:
         torch.testing.assert_close(metrics_b[k], metrics_a[k], rtol=0, atol=1e-6, msg=k)
@@ -109,8 +109,8 @@ def test_attention_sees_observations(policy_dir):
     """The log-prob of a model token after an observation depends on the observation's tokens."""
     module = module_for(policy_dir)
     a, b = batch(obs_token=7), batch(obs_token=30)
-    logp_a, _ = module.forward_logprobs(module.policy, a)
-    logp_b, _ = module.forward_logprobs(module.policy, b)
+    logp_a, _ = forward_logprobs(module.policy, a, temperature=module.algorithm.temperature)
+    logp_b, _ = forward_logprobs(module.policy, b, temperature=module.algorithm.temperature)
     first = torch.tensor([x for x, _, _ in LAYOUT])
     rows = torch.arange(len(LAYOUT))
     torch.testing.assert_close(logp_a[rows, first - 1], logp_b[rows, first - 1])  # before: equal
@@ -126,7 +126,7 @@ def test_loss_normalisers_count_model_tokens_only(policy_dir, aggregation):
     for rows in (1, 64):
         module = module_for(policy_dir, micro_batch_size=rows, loss_aggregation=aggregation, kl_coef=0.0)
         torch.manual_seed(0)
-        module._backward_pass(batch(), 0, {})
+        module.make_update().backward_pass(batch(), 0, {})  # no trainer: plain autograd
         grads.append(torch.cat([p.grad.flatten() for p in module.policy.parameters() if p.grad is not None]))
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-7)
 
@@ -139,7 +139,7 @@ def test_token_budget_micro_batches_keep_observation_columns(policy_dir):
     assert trimmed.response_ids.shape[1] == T  # the columns attention uses are kept
     module = module_for(policy_dir, micro_batch_tokens=64)
     sums: dict = {}
-    module._backward_pass(batch(), 0, sums)
+    module.make_update().backward_pass(batch(), 0, sums)
     assert sums["micro/count"] >= 1
 
 

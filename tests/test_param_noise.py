@@ -25,6 +25,7 @@ from lit_rlvr.hooks import check_rl_callbacks
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.optim import IVON, sample_seed
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
+from lit_rlvr.update import Update
 from tiny_options import TINY as TINY_OPTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,12 +100,12 @@ def test_c3po_chunks_from_distinct_samples_loss_at_a_third_and_mean_restored(mon
     loss_weights: list[list[torch.Tensor]] = []
     before_step: list[list[torch.Tensor]] = []
 
-    real_forward = module.forward_logprobs
+    real_forward = Update.forward_logprobs
 
-    def forward_spy(model, rollouts):
+    def forward_spy(update, model, rollouts):
         if model is module.policy and torch.is_grad_enabled():
             loss_weights.append([p.detach().clone() for p in module.policy.parameters()])
-        return real_forward(model, rollouts)
+        return real_forward(update, model, rollouts)
 
     real_step = IVON.step
 
@@ -112,7 +113,7 @@ def test_c3po_chunks_from_distinct_samples_loss_at_a_third_and_mean_restored(mon
         before_step.append([p.detach().clone() for group in self.param_groups for p in group["params"]])
         return real_step(self, closure)
 
-    monkeypatch.setattr(module, "forward_logprobs", forward_spy)
+    monkeypatch.setattr(Update, "forward_logprobs", forward_spy)
     monkeypatch.setattr(IVON, "step", step_spy)
     trainer = fit(module, ParamNoise("c3po", num_samples=2), steps=1)
 

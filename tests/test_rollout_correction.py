@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from lit_rlvr.functional import rollout_correction as RC
-from lit_rlvr.rollout_correction import RolloutCorrection
+from lit_rlvr.config.rollout_correction import RolloutCorrection
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "rollout_correction" / "verl_0_9_1.json").read_text())
 CASES = FIXTURE["cases"]

@@ -5,9 +5,8 @@ micro-batching, and the HF engine's `dtype` option."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import os
+from dataclasses import replace
 from unittest import mock
 
 import lightning.pytorch as pl
@@ -22,6 +21,7 @@ from lit_rlvr.rollout.batch import Rollouts
 from lit_rlvr.rollout.hf import HFEngine
 from lit_rlvr.rollout.weight_sync import WeightSync
 from lit_rlvr.rollout.weights import push_weights
+from lit_rlvr.update import forward_logprobs
 from tiny_options import TINY as TINY_OPTIONS
 
 TINY = {"cache_dir": os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr"), **TINY_OPTIONS}  # = conf/model/tiny.yaml
@@ -129,7 +129,7 @@ def batch(m: GRPOModule, shift: float, far: float) -> Rollouts:
         old_logp=torch.zeros(n, t), group=torch.arange(n) // 4, source=torch.zeros(n, dtype=torch.long),
         num_groups=2, prompts=["a", "b"], answers=[0, 0], advantages=torch.randn(n, generator=g))
     with torch.no_grad():
-        logp, _ = m.forward_logprobs(m.policy, rollouts)  # [n, t]
+        logp, _ = forward_logprobs(m.policy, rollouts, temperature=m.algorithm.temperature)  # [n, t]
     moved = torch.full((n, 1), shift)
     moved[[1, 6]] = far
     rollouts.old_logp = (logp - moved) * rollouts.response_mask
@@ -137,19 +137,17 @@ def batch(m: GRPOModule, shift: float, far: float) -> Rollouts:
 
 
 def gradient(m: GRPOModule, rollouts: Rollouts, micro_batch_size: int = 8) -> tuple[torch.Tensor, dict]:
-    """The gradient of one update's loss pass, as `update` computes it (correction before, then the micro-batches),
-    and the metrics it logged."""
-    m.manual_backward = lambda loss: loss.backward()  # no trainer: plain autograd
-    m.rl_callbacks = lambda: []
-    m.step_metrics = {}
+    """The gradient of one update's loss pass, as `Update.run` computes it (correction before, then the
+    micro-batches; no trainer: plain autograd), and the metrics of the correction and the pass."""
     m.algorithm = replace(m.algorithm, micro_batch_size=micro_batch_size)
+    update = m.make_update()
     m.policy.zero_grad()
-    corrected = m.rollout_correction.before_update(m, rollouts)
+    corrected, metrics = update.correct(rollouts)
     sums: dict = {}
-    m._backward_pass(corrected, 0, sums)
-    m.log_metrics(m.rollout_correction.first_pass_metrics())
+    update.backward_pass(corrected, 0, sums)
+    metrics.update(update.correction.first_pass_metrics())
     grad = torch.cat([q.grad.flatten() for q in m.policy.parameters() if q.grad is not None])
-    return grad, {**{k: float(v) for k, v in m.step_metrics.items()}, **{k: float(v) for k, v in sums.items()}}
+    return grad, {**{k: float(v) for k, v in metrics.items()}, **{k: float(v) for k, v in sums.items()}}
 
 
 def test_decoupled_mode_without_mismatch_gives_todays_gradient():

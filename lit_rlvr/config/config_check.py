@@ -27,11 +27,11 @@ from lit_rlvr.config.settings import AlgorithmConfig
 from lit_rlvr.config.options import (RANGES, compile_problems, consistency_problems, finite_problems,
                                      group_size_problem, lora_rank_problems, problem_line, range_problems,
                                      unknown_key_problems)
+from lit_rlvr.config.rollout_correction import RolloutCorrection
 from lit_rlvr.envs import environment_spec
 from lit_rlvr.models.lora import LoraOptions
 from lit_rlvr.models.warmup import tiny_option_names
 from lit_rlvr.rewards import reward_problems
-from lit_rlvr.rollout_correction import RolloutCorrection
 
 
 # V0.5 starts each group with k_init samples and baselines them with the prior: one sample still has an advantage

@@ -33,6 +33,15 @@ class GenerationBudgetError(ConfigError):
     budget (or the data's difficulty for this policy), not a bug, is the cause; one line from every entry point."""
 
 
+class MaskedStepError(ConfigError):
+    """An update whose every loss term was masked to 0 (loss 0, gradient 0): the settings that mask, not the data,
+    are the usual cause, so it stops the run as a config error (one line)."""
+
+
+class NonFiniteError(RuntimeError):
+    """`algorithm.max_bad_steps` non-finite steps in a row (each one skipped): the run stops."""
+
+
 class RewardOptionError(ValueError):
     """Bad reward settings, one line each (`problems`); the entry points print them as config errors."""
 

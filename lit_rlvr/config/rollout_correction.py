@@ -2,22 +2,19 @@
 
 `GRPOModule`'s constructor builds a `RolloutCorrection` from its `rollout_correction` argument (a dict with verl's
 key names), so `train.py`, the Lightning CLI and Python share the checks and the defaults. The math is in
-`lit_rlvr.functional.rollout_correction`; docs/rollout_correction.md is the user guide.
+`lit_rlvr.functional.rollout_correction`; what one update runs of it, `lit_rlvr.update.correction`;
+docs/rollout_correction.md is the user guide.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional, Union
 
-import torch
 from torch import Tensor
 
-from lit_rlvr.run import distributed as D
 from lit_rlvr.functional import rollout_correction as RC
-from lit_rlvr.functional.micro_batches import micro_batches
-from lit_rlvr.rollout.batch import Rollouts
 
 KEY = "algorithm.rollout_correction"
 # verl keys that a verl config carries at these values; lit-rlvr does exactly that, so they are accepted as is
@@ -175,92 +172,3 @@ class RolloutCorrection:
             keep = keep.to(old_logp.dtype)
             weights = keep if weights is None else weights * keep
         return weights, metrics
-
-
-class RolloutCorrector:
-    """What `GRPOModule` runs of the correction in one update: before it (`before_update`), in each micro-batch
-    loss (`in_loss`) and after the first mini-batch's loss passes (`first_pass_metrics`)."""
-
-    def __init__(self, options: RolloutCorrection):
-        self.options = options
-        self._rows: Optional[list[tuple[Tensor, Tensor, Tensor]]] = None  # bypass: the first pass's forwards
-
-    @classmethod
-    def from_options(cls, options: Optional[Mapping[str, Any]], module_class: type, base: type) -> "RolloutCorrector":
-        """The module's `rollout_correction` dict, checked (`RolloutCorrection`), for `module_class` (`base`: the
-        class whose `policy_loss` applies token weights)."""
-        checked = RolloutCorrection.from_options(options)
-        checked.check_loss_class(module_class, base)
-        return cls(checked)
-
-    def before_update(self, module: Any, rollouts: Rollouts) -> Rollouts:
-        """Bypass mode: the engine's log-probs stay π_old; the loss forwards before the first optimizer step (at the
-        weights that sampled) give the `mismatch/*` metrics, at no cost. Decoupled mode: one extra no-grad forward
-        (`time/old_logp_s`) gives the trainer's π_old, which becomes the loss's old log-probs; the metrics, IS
-        weights and rejection mask come from π_old/π_engine."""
-        options = self.options
-        if options.bypass:
-            self._rows = []
-            return rollouts
-        self._rows = None
-        with module.timer("old_logp_s"):
-            old = old_logprobs(module, rollouts)  # [N, T]
-        weights, metrics = options.weights(old, rollouts.old_logp, rollouts.response_mask)
-        module.log_metrics(metrics)
-        return replace(rollouts, old_logp=old, token_weights=weights)
-
-    def in_loss(self, rollouts: Rollouts, logp: Tensor, engine_logp: Tensor, mask: Tensor, *,
-                record: bool = True) -> Rollouts:
-        """The micro-batch with its token weights on `logp`'s device; in bypass mode times the rejection mask
-        from the current log-probs (as verl's bypass loss takes it: rejected terms become 0 and stay in the
-        normalisers). logp, engine_logp, mask: [n, T]. `record`: False for a stand-in micro-batch (FSDP's
-        zero-weight ones), which the first pass's metrics must not count."""
-        weights = None if rollouts.token_weights is None else rollouts.token_weights.to(logp.device)  # [n, T]
-        if self.options.bypass and self.options.rollout_rs is not None:
-            keep, _ = RC.rejection_mask(logp.detach() - engine_logp.to(logp.dtype), mask,
-                                        modes=self.options.rollout_rs, threshold=self.options.rs_threshold)
-            weights = keep.to(logp.dtype) if weights is None else weights * keep
-        if self._rows is not None and record:
-            self._rows.append((logp.detach(), engine_logp, mask))
-        if weights is rollouts.token_weights:  # nothing to add: the caller's batch as it is
-            return rollouts
-        return replace(rollouts, token_weights=weights)
-
-    def first_pass_metrics(self) -> dict[str, Tensor]:
-        """Bypass mode, once per update: the mismatch metrics (and rejected fraction) of the recorded forwards
-        ([n_i, T_i] rows; widths may differ); {} afterwards and in decoupled mode."""
-        rows, self._rows = self._rows, None
-        if not rows:
-            return {}
-        width = max(r[0].shape[1] for r in rows)
-        logp, engine, mask = (torch.cat([_pad(r[i], width) for r in rows]) for i in range(3))  # [N, T]
-        _, metrics = RC.mismatch_metrics(logp, engine, mask)
-        if self.options.rollout_rs is not None:
-            _, rs_metrics = RC.rejection_mask(logp - engine.to(logp.dtype), mask, modes=self.options.rollout_rs,
-                                              threshold=self.options.rs_threshold)
-            metrics.update(rs_metrics)
-        return metrics
-
-
-@torch.no_grad()
-def old_logprobs(module: Any, rollouts: Rollouts) -> Tensor:
-    """The trainer's log-probs [N, T] of the sampled tokens at the module's current weights (verl's recomputed
-    π_old; 0 on padding), micro-batched as the update is."""
-    hp = module.algorithm
-    lengths = rollouts.prompt_mask.sum(-1) + rollouts.response_attention_mask.sum(-1)  # [N] forward widths
-    width = None if hp.micro_batch_tokens else rollouts.prompt_ids.shape[1] + rollouts.response_ids.shape[1]
-    micros, _ = micro_batches(lengths, max_rows=hp.micro_batch_size, max_tokens=hp.micro_batch_tokens, width=width)
-    padding = D.global_max(len(micros)) - len(micros)  # FSDP: every rank runs as many forwards
-    old = torch.zeros_like(rollouts.old_logp)  # [N, T]
-    for i, micro in enumerate(micros + [torch.zeros(1, dtype=torch.long)] * padding):
-        part = rollouts.select(micro)
-        logp, _ = module.forward_logprobs(module.policy, part.trim_padding() if hp.micro_batch_tokens else part)
-        if i < len(micros):
-            width = logp.shape[1]
-            old[micro, :width] = logp.float().cpu() * part.response_mask[:, :width]
-    return old
-
-
-def _pad(t: Tensor, width: int) -> Tensor:
-    """Right-pad [n, T'] to [n, width] with zeros (False for a mask)."""
-    return torch.nn.functional.pad(t.detach().cpu(), (0, width - t.shape[1]))
