@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_options import BAND, TINY
+from tiny_options import BAND, ONE_THREAD, TINY
 
 REPO = Path(__file__).resolve().parents[1]
 RL_STEPS = 60
@@ -50,8 +50,7 @@ def runs(tiny_path, tmp_path_factory) -> dict[str, tuple[dict, dict]]:
     own (the same settings, so the same entry name). Side by side with 1 thread each, on CI's 2 cores (2 threads
     each made the shared run's 60 steps 2.5x slower: its threads waited on each other)."""
     base, shared = tmp_path_factory.mktemp("float_orders"), Path(tiny_path)
-    one_thread = {"OMP_NUM_THREADS": "1"}
-    plans = {"shared": (shared, one_thread), "lower": (base / "cache" / shared.name, {**one_thread, **LOWER})}
+    plans = {"shared": (shared, ONE_THREAD), "lower": (base / "cache" / shared.name, {**ONE_THREAD, **LOWER})}
     with ThreadPoolExecutor(len(plans)) as pool:
         futures = {name: pool.submit(_run, base / name, model_dir, env) for name, (model_dir, env) in plans.items()}
     return {name: future.result() for name, future in futures.items()}
