@@ -8,6 +8,7 @@ EROFS or EFBIG itself. With FAULT_REPORT=PATH each test appends a JSON line (scr
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -255,16 +256,20 @@ RUN_DIRS = ["existing read-only", "new under read-only", "a file", "under a file
 def test_unwritable_run_dirs_are_one_line_naming_hydra_run_dir(tmp_path):
     if not full_disk.namespaces_work():
         pytest.skip("no user namespaces (unshare -Urm)")
+    cases = {kind: _run_dir_case(kind, tmp_path / kind.replace(" ", "_")) for kind in RUN_DIRS}
+    # each fails within seconds (before any model, data or Hydra log file), most of them importing: side by side
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        runs = {kind: pool.submit(_train, run_dir, "trainer.max_steps=1", **how)
+                for kind, (run_dir, how, _) in cases.items()}
+        packaged = pool.submit(_train, *_run_dir_case("existing read-only", tmp_path / "again")[:1],
+                               "trainer.max_steps=1", read_only=[tmp_path / "again" / "ro"],
+                               entry="lit-rlvr-train")  # the packaged entry: the same
     lines = {}
-    for kind in RUN_DIRS:  # each fails within seconds: before any model, data or Hydra log file
-        run_dir, how, expected = _run_dir_case(kind, tmp_path / kind.replace(" ", "_"))
-        done = _train(run_dir, "trainer.max_steps=1", **how)
-        lines[kind] = _one_line(done, "config error" if "file" in kind else "error")
+    for kind, (_, _, expected) in cases.items():
+        lines[kind] = _one_line(runs[kind].result(), "config error" if "file" in kind else "error")
         assert expected in lines[kind] and "hydra.run.dir" in lines[kind], (kind, lines[kind])
     assert "needs ~65.5 kB" in lines["full disk"]
-    done = _train(*_run_dir_case("existing read-only", tmp_path / "again")[:1], "trainer.max_steps=1",
-                  read_only=[tmp_path / "again" / "ro"], entry="lit-rlvr-train")  # the packaged entry: the same
-    assert "Read-only file system" in _one_line(done)
+    assert "Read-only file system" in _one_line(packaged.result())
     report(fault="unwritable run dir (5 kinds)", bad_inputs=len(RUN_DIRS) + 1, survived=False,
            stopped_cleanly=True, data_lost=0)
 

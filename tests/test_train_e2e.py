@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_options import BAND
+from tiny_options import BAND, ONE_THREAD
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 def default_run(tiny_path, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("default_run")
     cmd = [sys.executable, "train.py", "trainer.max_steps=80", f"hydra.run.dir={run_dir}"]
-    done = subprocess.run(cmd, cwd=REPO, env=os.environ.copy(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, cwd=REPO, env={**os.environ, **ONE_THREAD}, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return run_dir, done.stdout
 

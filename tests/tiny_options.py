@@ -19,3 +19,6 @@ TINY = tiny_options()
 # its own dev problems (checks every `eval_every` steps, so it may overshoot by a few points), and RL's held-out
 # problems are others of the same kind
 BAND = (TINY["target"] - 0.06, TINY["target"] + 0.12)
+# the environment of `train.py` subprocesses of the tiny model: 1 thread, as its ops are too small for more (with 2,
+# a default step's update took ~3x as long on a 2-core AMD EPYC), and tests run several such processes side by side
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
