@@ -23,7 +23,7 @@ _EXPORTS = {
     "ParamNoise": "lit_rlvr.callbacks",
     "ValuePrior": "lit_rlvr.callbacks",
     "SamplingConfig": "lit_rlvr.rollout.engine",
-    "LoraOptions": "lit_rlvr.models.lora",
+    "LoraOptions": "lit_rlvr.config.settings",
 }
 __all__ = ["__version__", *_EXPORTS]
 

@@ -23,7 +23,7 @@ from hydra import compose, initialize_config_dir
 from lit_rlvr.config.config_check import check_config
 from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.config.options import convert, range_problems
-from lit_rlvr.models.lora import LoraOptions
+from lit_rlvr.config.settings import LoraOptions
 from lit_rlvr.models.tiny import build_tiny
 from lit_rlvr.rollout.hf import HFEngine
 from lit_rlvr.rollout_correction import RolloutCorrection
