@@ -1,8 +1,4 @@
-"""Configuration: the typed settings (`settings`) and their Hydra schemas (`schemas`, registered on import), every
-error class (`errors`), the table of option ranges and its rules (`options`, `problems`), the bounds of a rollout
-against the model's context (`bounds`), optional dependencies (`extras`), and the checks of a composed `train.py`
-config (`config_check`, `hydra_checks`). docs/architecture.md §1 says which may import what."""
-
-from lit_rlvr.config.schemas import register
-
-register()
+"""Configuration: the typed settings (`settings`) and their Hydra schemas (`schemas`), every error class (`errors`),
+the table of option ranges and its rules (`options`, `problems`), the bounds of a rollout against the model's
+context (`bounds`), optional dependencies (`extras`), and the checks of a composed `train.py` config
+(`config_check`, `hydra_checks`). docs/architecture.md §1 says which may import what."""
