@@ -112,4 +112,5 @@ def console() -> None:
 
 
 if __name__ == "__main__":
+    check_command_line()
     main()
