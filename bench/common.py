@@ -167,6 +167,8 @@ def compose(algorithm: str, overrides: Iterable[str] = ()) -> Any:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    import lit_rlvr.config.schemas  # noqa: F401  (registers the groups' typed schemas that conf/config.yaml names)
+
     reference = dict(REFERENCE)
     if has_value_prior(algorithm):
         reference.pop("algorithm.group_size")

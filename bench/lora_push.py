@@ -24,7 +24,9 @@ def counted_4b(rank: int) -> dict:
     import torch
     from transformers import Qwen3ForCausalLM
 
-    from lit_rlvr.models.lora import LoraOptions, apply_lora
+    from lit_rlvr.config.settings import LoraOptions
+
+    from lit_rlvr.models.lora import apply_lora
     from lit_rlvr.models.reference_configs import qwen3_4b_config
     from lit_rlvr.rollout.lora import push_bytes
 

@@ -23,7 +23,7 @@ _EXPORTS = {
     "ParamNoise": "lit_rlvr.callbacks",
     "ValuePrior": "lit_rlvr.callbacks",
     "SamplingConfig": "lit_rlvr.rollout.engine",
-    "LoraOptions": "lit_rlvr.models.lora",
+    "LoraOptions": "lit_rlvr.config.settings",
     # the typed settings, one per config group (lit_rlvr/config/settings.py)
     **dict.fromkeys(("AlgorithmConfig", "ModelConfig", "RewardConfig", "EngineConfig", "EnvConfig", "PerfConfig",
                      "LossConfig", "UpdateConfig", "OptimConfig", "SamplingOptions"), "lit_rlvr.config.settings"),

@@ -1,9 +1,10 @@
 """The Hydra recipe's entry: `python train.py` in a clone and `lit-rlvr-train` after `pip install` run `run`.
 
 `lit-rlvr-train` reads the configs shipped in the package (`lit_rlvr.conf`, the clone's `conf/` folder), so it
-works from any directory; overrides are the same as train.py's. Config errors (a wrong type, a value out of
-range, a missing file named by a key, a constructor's check) and files that cannot be written (a full disk, a
-read-only directory) print one line and exit with code 2 (lit_rlvr/run/one_line.py); LIT_RLVR_DEBUG=1 shows the
+works from any directory; overrides are the same as train.py's. Config errors (a wrong type or an unknown key,
+which Hydra itself refuses while composing the typed settings: `check_command_line`; a value out of range, a
+missing file named by a key, a constructor's check) and files that cannot be written (a full disk, a read-only
+directory) print one line and exit with code 2 (lit_rlvr/run/one_line.py); LIT_RLVR_DEBUG=1 shows the
 traceback instead.
 """
 
@@ -12,12 +13,18 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Optional, Sequence
 
 import hydra
+from hydra import compose, initialize_config_dir, initialize_config_module
+from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig
 
 from lit_rlvr.config.config_check import check_config
+from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.config.schemas import composition_problem
 from lit_rlvr.recipe import check_run_dir, evaluate, print_summary, train
 from lit_rlvr.run import quiet
 from lit_rlvr.run.distributed import shutdown
@@ -43,6 +50,53 @@ def _run(cfg: DictConfig) -> None:
     shutdown()  # torchrun: close the process group before exit
 
 
+def compose_checked(config_dir: Optional[str], overrides: Sequence[str], config_name: str = "config") -> DictConfig:
+    """The config `train.py` composes from `config_dir` (None: the package's, `lit_rlvr.conf`) and `overrides`. A value
+    of the wrong type or an unknown key under a typed group (lit_rlvr/config/schemas.py), which Hydra refuses in
+    several lines, is a `ConfigError` line instead; each such override is set aside and the rest composed again, so
+    one `ConfigError` lists them all, with `check_config`'s lines for the rest."""
+    problems, rest = [], list(overrides)
+    while True:
+        try:
+            with (initialize_config_dir(config_dir, version_base="1.3") if config_dir else
+                  initialize_config_module("lit_rlvr.conf", version_base="1.3")):
+                cfg = compose(config_name, overrides=rest)
+            break
+        except ConfigCompositionException as err:
+            found = composition_problem(err)
+            if found is None:
+                raise
+            problems.append(found[0])
+            kept = [o for o in rest if o.lstrip("~+").split("=", 1)[0] != found[1]]
+            if len(kept) == len(rest):  # a config file's value, not an override
+                raise ConfigError(problems) from None
+            rest = kept
+    if problems:
+        try:
+            check_config(cfg)
+        except ConfigError as err:
+            problems += err.problems
+        raise ConfigError(problems)
+    return cfg
+
+
+def check_command_line(config_dir: Optional[str] = None, argv: Optional[Sequence[str]] = None) -> None:
+    """Before Hydra composes the command line's config: what the typed settings refuse is one line each (exit 2),
+    as every other config error (`compose_checked`); what else Hydra refuses (an unknown config name) it reports
+    itself. Help, multirun sweeps and other config folders go to Hydra unchecked."""
+    args = get_args_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    if (args.help or args.hydra_help or args.info or args.shell_completion or args.multirun or args.config_path
+            or args.config_dir or args.experimental_rerun):
+        return
+    with one_line_errors():
+        try:
+            compose_checked(config_dir, args.overrides, args.config_name or "config")
+        except ConfigError:
+            raise
+        except Exception:  # Hydra's own errors: it reports them when it composes
+            return
+
+
 @hydra.main(config_path="pkg://lit_rlvr.conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     """Console script `lit-rlvr-train [overrides]`."""
@@ -53,8 +107,10 @@ def console() -> None:
     """`lit-rlvr-train`: like `python -m`, the current directory is importable (reward.name=my_module:fn)."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    check_command_line()
     main()
 
 
 if __name__ == "__main__":
+    check_command_line()
     main()

@@ -22,18 +22,18 @@ import torch
 from torch import Tensor, nn
 
 from lit_rlvr import functional as F
-from lit_rlvr.algorithms.filter_groups import FilterGroups, GroupFilter
+from lit_rlvr.algorithms.filter_groups import GroupFilter
 from lit_rlvr.config.bounds import check_bounds, model_context, response_budget
 from lit_rlvr.config.arguments import module_settings
 from lit_rlvr.config.errors import ConfigError, GenerationBudgetError, NonFiniteError, RewardHangError
-from lit_rlvr.config.settings import (AlgorithmConfig, EngineConfig, EnvConfig, ModelConfig, PerfConfig,
-                                      RewardConfig)
+from lit_rlvr.config.settings import (AlgorithmConfig, EngineConfig, EnvConfig, FilterGroups, LoraOptions,
+                                      ModelConfig, PerfConfig, RewardConfig)
 from lit_rlvr.config.options import compile_problems, consistency_problems, finite_problems, range_problems
 from lit_rlvr.data.formats import render_prompt
 from lit_rlvr.envs import build_environment, env_options
 from lit_rlvr.hooks import RLVRCallback, check_rl_callbacks
 from lit_rlvr.models import load_policy
-from lit_rlvr.models.lora import LoraOptions, apply_lora, trainable_parameters
+from lit_rlvr.models.lora import apply_lora, model_problems, trainable_parameters
 from lit_rlvr.models.warmup import resolve_model_path
 from lit_rlvr.optim.build import build_optimizer, check_optimizer_options
 from lit_rlvr.optim.schedule import warmup_factor
@@ -146,10 +146,10 @@ class GRPOModule(pl.LightningModule):
         """The rules of the range table that train.py checks too (lit_rlvr.config.options), before the model loads."""
         cfg, algo = self.settings, self.settings.algorithm
         flat = {f.name: getattr(algo, f.name) for f in fields(algo) if f.name != "filter_groups"}
-        sections = {"model.options": cfg.model.options, "model.lora": cfg.model.lora,
+        sections = {"model.options": cfg.model.options,
                     "reward.options": cfg.reward.options, "engine.options": cfg.engine.options, "env": asdict(cfg.env),
                     "perf": asdict(cfg.perf), "algorithm.optimizer_options": algo.optimizer_options,
-                    "algorithm.rollout_correction": algo.rollout_correction}
+                    "algorithm.rollout_correction": asdict(algo.rollout_correction)}
         problems = (range_problems(flat, "algorithm")
                     + range_problems(asdict(algo.filter_groups), "algorithm.filter_groups")
                     + [p for key, section in sections.items() for p in finite_problems(section, key)]
@@ -157,14 +157,14 @@ class GRPOModule(pl.LightningModule):
                     + reward_problems(cfg.reward.name, cfg.reward.options))  # e.g. a reward server's URL, reached
         if problems:
             raise ConfigError(problems)
-        lora = LoraOptions.from_any(cfg.model.lora)
-        problems = lora.model_problems(cfg.model.name_or_path, cfg.model.options)  # before the warm-up and the load
+        lora = cfg.model.lora
+        problems = model_problems(lora, cfg.model.name_or_path, cfg.model.options)  # before the warm-up and the load
         if problems:
             raise ConfigError(problems)
         check_optimizer_options(algo.optimizer, algo.optimizer_options, lr=algo.lr, grad_clip=algo.grad_clip,
                                 weight_decay=algo.weight_decay, dtype=cfg.model.dtype)
         return (lora, RolloutCorrector.from_options(algo.rollout_correction, type(self), GRPOModule),
-                FilterGroups.from_options(asdict(algo.filter_groups)))
+                algo.filter_groups)
 
     # -- Lightning plumbing ----------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:

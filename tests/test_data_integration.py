@@ -121,6 +121,8 @@ def test_with_instruction_appends_to_last_user_turn_and_adds_system_prompt():
 def _compose(*overrides: str):
     from hydra import compose, initialize_config_dir
 
+    import lit_rlvr.config.schemas  # noqa: F401  (registers the groups' typed schemas that conf/config.yaml names)
+
     with initialize_config_dir(str(CONF), version_base="1.3"):
         return compose("config", overrides=list(overrides))
 

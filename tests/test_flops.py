@@ -125,7 +125,8 @@ def test_lora_forward_backward_matches_the_counter(model, shape):
     """The update on rank-4 adapters over every linear layer (the base frozen): the counter and ours. Two terms ours
     leaves out: the extra LM-head position (now 2 forwards: the frozen head's input gradient only), and the first
     layer's q, k, v projections and their adapters' A, whose input (the embeddings, frozen) needs no gradient."""
-    from lit_rlvr.models.lora import LoraOptions, apply_lora, lora_layers
+    from lit_rlvr.config.settings import LoraOptions
+    from lit_rlvr.models.lora import apply_lora, lora_layers
 
     policy = apply_lora(copy.deepcopy(model), LoraOptions(rank=4))
     adapter = sum(p.numel() for n, p in policy.named_parameters() if ".lora_" in n)

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from lit_rlvr.config.errors import ConfigError
-from lit_rlvr.models.lora import LoraOptions, apply_lora, lora_layers
+from lit_rlvr.config.settings import LoraOptions
+from lit_rlvr.models.lora import apply_lora, lora_layers, model_problems
 from lit_rlvr.models.tiny import build_tiny, save
 from lit_rlvr.rollout.lora import adapter_tensors, merged_named_weights
 from lit_rlvr.rollout.multi_weight import stacked_weights
@@ -148,7 +149,7 @@ def test_pushed_adapter_keys_are_peft_file_keys():
 
 # -- targets: each names a module that an adapter may sit on, checked before any work ------------------------------
 def test_a_misspelt_target_is_refused_naming_it_and_the_valid_names():
-    problems = LoraOptions(rank=4, target_modules=("q_proj", "v_prj")).model_problems("tiny")
+    problems = model_problems(LoraOptions(rank=4, target_modules=("q_proj", "v_prj")), "tiny")
     assert problems == ["model.lora.target_modules: 'v_prj' names no module of this model; valid: down_proj, "
                         "embed_tokens, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"]
 
@@ -156,7 +157,7 @@ def test_a_misspelt_target_is_refused_naming_it_and_the_valid_names():
 @pytest.mark.parametrize("target, kind", [("norm", "Qwen3RMSNorm"), ("self_attn", "Qwen3Attention"),
                                           ("layers", "ModuleList")])
 def test_a_target_no_adapter_may_sit_on_is_refused(target, kind):
-    (line,) = LoraOptions(rank=4, target_modules=(target,)).model_problems("tiny")
+    (line,) = model_problems(LoraOptions(rank=4, target_modules=(target,)), "tiny")
     assert line.startswith(f"model.lora.target_modules: {target!r} names a {kind} module; adapters sit on layers "
                            "of the kinds Linear, Embedding, Conv1D only; valid: down_proj, ")
 
@@ -180,7 +181,7 @@ def test_a_conv_or_attention_adapter_is_refused_on_the_loaded_model():
 
 def test_valid_targets_pass():
     for targets in (("q_proj", "v_proj"), ("self_attn.q_proj",), ("embed_tokens", "lm_head"), "all-linear"):
-        assert LoraOptions(rank=4, target_modules=targets).model_problems("tiny") == []
+        assert model_problems(LoraOptions(rank=4, target_modules=targets), "tiny") == []
 
 
 def test_the_module_refuses_a_misspelt_target_before_the_warm_up(monkeypatch):
@@ -205,7 +206,7 @@ def test_the_module_refuses_it_for_a_model_directory_before_loading(tmp_path, mo
 def test_the_cli_names_its_own_key():
     from lit_rlvr.cli import cli_keys
 
-    (line,) = LoraOptions(rank=4, target_modules=("v_prj",)).model_problems("tiny")
+    (line,) = model_problems(LoraOptions(rank=4, target_modules=("v_prj",)), "tiny")
     assert cli_keys(line).startswith("model.init_args.model.lora.target_modules: 'v_prj' names no module")
 
 

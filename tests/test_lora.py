@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lit_rlvr.models import load_policy
-from lit_rlvr.models.lora import (LoraOptions, apply_lora, base_model, is_lora, lora_layers, merged_adapter,
+from lit_rlvr.config.settings import LoraOptions
+from lit_rlvr.models.lora import (apply_lora, base_model, is_lora, lora_layers, merged_adapter,
                                   reference_model, trainable_parameters)
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.rollout.batch import Rollouts
@@ -62,16 +63,6 @@ def test_defaults_are_full_fine_tuning_and_the_study_settings():
     assert not LoraOptions.from_any(None).enabled and not LoraOptions.from_any({"rank": None}).enabled
     options = LoraOptions.from_any({"rank": 8})
     assert (options.alpha, options.target_modules, options.dropout, options.lr_scale) == (32.0, "all-linear", 0.0, 10.0)
-
-
-def test_hydra_default_and_the_class_agree():
-    """conf/model/*.yaml's `lora` block and `LoraOptions`' defaults are the same settings."""
-    from omegaconf import OmegaConf
-    from tiny_options import REPO
-
-    for name in ("tiny", "tiny_cot", "qwen3_4b", "qwen25_math_7b"):
-        node = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml").lora)
-        assert LoraOptions.from_any(node) == LoraOptions(), name
 
 
 def test_bad_target_names_the_key(tiny_path):

@@ -131,7 +131,8 @@ def test_bad_lora_sync_names_the_key():
 
 def test_qwen3_4b_adapter_push_is_under_2_percent_of_the_full_weights():
     """The budget, counted from the parameter shapes of the qwen3_4b config (meta device: no weights)."""
-    from lit_rlvr.models.lora import LoraOptions, apply_lora
+    from lit_rlvr.config.settings import LoraOptions
+    from lit_rlvr.models.lora import apply_lora
     from lit_rlvr.models.reference_configs import qwen3_4b_config
 
     with torch.device("meta"):

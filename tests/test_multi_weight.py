@@ -173,7 +173,8 @@ def test_c3po_shared_engine_stacked_equals_per_source(monkeypatch, lora):
 # -- LoRA: N adapters over one shared base ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def lora_policy(tiny_path):
-    from lit_rlvr.models.lora import LoraOptions, apply_lora
+    from lit_rlvr.config.settings import LoraOptions
+    from lit_rlvr.models.lora import apply_lora
 
     model, tokenizer = load_policy(tiny_path)
     model = apply_lora(model, LoraOptions(rank=4)).eval()

@@ -170,7 +170,8 @@ def test_step_flops_counts_the_adapters_where_they_run():
     from types import SimpleNamespace
 
     from lit_rlvr import functional as F
-    from lit_rlvr.models.lora import LoraOptions, apply_lora
+    from lit_rlvr.config.settings import LoraOptions
+    from lit_rlvr.models.lora import apply_lora
     from lit_rlvr.models.tiny import build_tiny
 
     policy = apply_lora(build_tiny(seed=0)[0], LoraOptions(rank=2))

@@ -375,7 +375,8 @@ def test_real_sglang_greedy_equals_hf_engine(tiny_path):
 def test_lora_server_args_serve_the_policys_adapters():
     """A LoRA policy with lora_sync=adapter starts sglang with its rank, the short names of the layers it adapts
     and the adapters a batch may mix; on a CPU with the pure-torch LoRA kernels (sglang's default are Triton's)."""
-    from lit_rlvr.models.lora import LoraOptions, apply_lora
+    from lit_rlvr.config.settings import LoraOptions
+    from lit_rlvr.models.lora import apply_lora
     from lit_rlvr.models.tiny import build_tiny
     from lit_rlvr.rollout.sglang import lora_server_args
 

@@ -25,7 +25,8 @@ def randomise_adapters(model, seed: int, scale: float = 0.3) -> None:
 
 @pytest.fixture(scope="module")
 def lora_policy():
-    from lit_rlvr.models.lora import LoraOptions, apply_lora
+    from lit_rlvr.config.settings import LoraOptions
+    from lit_rlvr.models.lora import apply_lora
     from lit_rlvr.models.tiny import build_tiny
 
     model, tokenizer = build_tiny(0, hidden_size=64, heads=2)  # head_dim 32

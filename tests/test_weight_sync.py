@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from lit_rlvr.models import load_policy
-from lit_rlvr.models.lora import LoraOptions, apply_lora
+from lit_rlvr.config.settings import LoraOptions
+from lit_rlvr.models.lora import apply_lora
 from lit_rlvr.rollout.engine import RolloutEngine, SamplingParams
 from lit_rlvr.rollout.hf import HFEngine
 from lit_rlvr.rollout.lora import adapter_name

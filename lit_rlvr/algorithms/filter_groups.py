@@ -12,43 +12,19 @@ one line naming the key (verl raises there too); running out of data trains on t
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields
-from typing import Any, Callable, Mapping, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
 from lit_rlvr import functional as F
-from lit_rlvr.config.errors import ConfigError, GenerationBudgetError
-from lit_rlvr.config.options import RANGES, problem_line, range_problems, unknown_key_problems
+from lit_rlvr.config.errors import GenerationBudgetError
+from lit_rlvr.config.settings import FILTER_GROUPS_KEY as KEY
+from lit_rlvr.config.settings import FilterGroups
 from lit_rlvr.rollout.batch import Rollouts
 
-KEY = "algorithm.filter_groups"
 log = logging.getLogger(__name__)
 Batch = dict[str, list]
-
-
-@dataclass(frozen=True)
-class FilterGroups:
-    """verl's `algorithm.filter_groups` (docs/fidelity.md lists where lit-rlvr follows it)."""
-
-    enable: bool = False
-    metric: str = "acc"
-    max_num_gen_batches: int = 0
-
-    @classmethod
-    def from_options(cls, options: Optional[Mapping[str, Any]]) -> "FilterGroups":
-        """From the module's `filter_groups` dict (None = off); unknown keys and values out of range fail, one line
-        each, with the rows of `lit_rlvr.config.options`."""
-        if options is not None and not isinstance(options, Mapping):
-            names = ", ".join(f.name for f in fields(cls))
-            raise ConfigError([problem_line(KEY, options, f"a mapping of {{{names}}} or null")])
-        options = dict(options or {})
-        problems = unknown_key_problems(KEY, list(options), [f.name for f in fields(cls)])
-        problems += range_problems(options, KEY, RANGES)
-        if problems:
-            raise ConfigError(problems)
-        return cls(**options)
 
 
 class GroupFilter:

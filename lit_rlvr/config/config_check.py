@@ -1,9 +1,10 @@
 """Typed checks of a composed `train.py` config, run before any work (no model, data or evaluation yet).
 
-Types come from the classes the config builds: the `_target_` of `algorithm` and `data` and `pl.Trainer` for
-`trainer`. Their `__init__` annotations become an OmegaConf structured config (a dataclass made on the fly),
-and each value is assigned to it, so OmegaConf's own conversion decides what is valid ("3" is an int, "abc" is
-not). Ranges that no annotation can say are in `lit_rlvr.config.options.RANGES`, the table the constructors check too.
+Types come from the classes the config builds: the typed settings for `algorithm` (`AlgorithmConfig`, and the
+arguments a subclass of the module adds), the `_target_` of `data` and `pl.Trainer` for `trainer`. The annotations
+become an OmegaConf structured config (a dataclass made on the fly), and each value is assigned to it, so
+OmegaConf's own conversion decides what is valid ("3" is an int, "abc" is not). Ranges that no annotation can say
+are in `lit_rlvr.config.options.RANGES`, the table the constructors check too.
 Each problem is one line naming the full key, the value and what is expected; `ConfigError` carries them all.
 """
 
@@ -19,7 +20,6 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lit_rlvr.algorithms.filter_groups import FilterGroups
 from lit_rlvr.config import extras
 from lit_rlvr.config.bounds import bound_problems, declared_context
 from lit_rlvr.config.errors import ConfigError
@@ -29,7 +29,9 @@ from lit_rlvr.config.options import (RANGES, compile_problems, consistency_probl
                                      unknown_key_problems)
 from lit_rlvr.config.rollout_correction import RolloutCorrection
 from lit_rlvr.envs import environment_spec
-from lit_rlvr.models.lora import LoraOptions
+from lit_rlvr.config.settings import FilterGroups, LoraOptions
+from lit_rlvr.models.lora import model_problems
+from lit_rlvr.module import GRPOModule
 from lit_rlvr.models.warmup import tiny_option_names
 from lit_rlvr.rewards import reward_problems
 
@@ -44,9 +46,6 @@ RUN_KEYS = {"seed": int, "mode": str, "eval_before": bool, "checkpoint_every": i
 PRIMARY_CONFIG = "config.yaml"
 # `model.*`, as recipe.build_module reads them (model.lora: LoraOptions' fields; model.options: the model's own)
 MODEL_KEYS = ("name_or_path", "dtype", "chat_template", "compile", "options", "lora")
-# the module's arguments that build_module fills from other groups: not `algorithm.*` keys
-NOT_ALGORITHM = {"model", "model_options", "dtype", "lora", "compile_update", "reward", "reward_options", "engine",
-                 "engine_options", "env", "env_options", "seed", "perf_options", "chat_template"}
 # keys of a group that the recipe reads besides its class's arguments
 GROUP_EXTRAS = {"algorithm": {"name", "callbacks"}, "data": {"name"}, "trainer": set()}
 
@@ -62,7 +61,8 @@ def check_config(cfg: DictConfig) -> None:
         missing = [k for k in node if not k.startswith("_") and OmegaConf.is_missing(node, k)]
         problems += [problem_line(f"{section}.{k}", "???", f"a value: set {section}.{k}=...") for k in missing]
         if target:
-            problems += _check_types(f"{section}.", _resolved(node, skip=missing), _init_types(target))
+            types = _algorithm_types(target) if section == "algorithm" else _init_types(target)
+            problems += _check_types(f"{section}.", _resolved(node, skip=missing), types)
     problems = _check_keys(cfg) + problems + _check_option_types(cfg)
     problems = problems or _check_finite(cfg)  # before the ranges: a nan is one line, not one per check
     if not problems:
@@ -151,7 +151,7 @@ def _check_keys(cfg: DictConfig) -> list[str]:
         target = target or (node.get("_target_") if isinstance(node, DictConfig) else None)
         if not target:
             continue
-        params = set(_init_parameters(target)) - {"self"} - (NOT_ALGORITHM if section == "algorithm" else set())
+        params = set(_algorithm_types(target)) if section == "algorithm" else set(_init_parameters(target)) - {"self"}
         if params:  # a class whose arguments cannot be listed: not checked
             keys = [k for k in node if not str(k).startswith("_")]
             problems += unknown_key_problems(section, keys, params | GROUP_EXTRAS[section])
@@ -191,6 +191,25 @@ def _init_classes(target: str) -> list[type]:
 def _init_parameters(target: str) -> list[str]:
     return [k for cls in _init_classes(target) for k, p in inspect.signature(cls.__init__).parameters.items()
             if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+
+
+def _algorithm_types(target: str) -> dict[str, Any]:
+    """The `algorithm` group's keys and types: `AlgorithmConfig`'s fields, and the arguments a subclass of the module
+    (`_target_`) adds to them."""
+    hints = typing.get_type_hints(AlgorithmConfig)
+    types = {f.name: hints[f.name] for f in dataclasses.fields(AlgorithmConfig)}
+    module_name, _, name = target.rpartition(".")
+    cls = getattr(importlib.import_module(module_name), name)
+    own = [c for c in cls.__mro__ if "__init__" in vars(c) and c not in GRPOModule.__mro__]
+    for sub in reversed(own):
+        try:
+            sub_hints = typing.get_type_hints(sub.__init__)
+        except Exception:  # an annotation that does not evaluate: its arguments pass unchecked
+            sub_hints = {}
+        for key, param in inspect.signature(sub.__init__).parameters.items():
+            if key != "self" and param.kind not in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
+                types[key] = sub_hints.get(key, Any)
+    return types
 
 
 def _init_types(target: str, function: bool = False) -> dict[str, Any]:
@@ -271,7 +290,7 @@ def _check_lora(cfg: DictConfig) -> list[str]:
     if name is None:
         return problems
     model_options = OmegaConf.to_container(model_options, resolve=True) if model_options is not None else None
-    return problems + options.model_problems(str(name), model_options)  # every target names a module, before any work
+    return problems + model_problems(options, str(name), model_options)  # every target names a module, before any work
 
 
 def _engine_lora_problems(cfg: DictConfig) -> list[str]:

@@ -1,4 +1,5 @@
-"""The valid ranges of the run's options, in one table that every entry point checks.
+"""The valid ranges of the run's options, in one table that every entry point checks: the typed settings' fields
+carry their own (`lit_rlvr.config.settings`), the keys of mapping-valued sections and the top level are listed here.
 
 `train.py` checks the composed config against it before any work (`lit_rlvr.config.config_check`); the constructors
 (`GRPOModule`, `RLVRDataModule`, `SamplingConfig`, `SamplingParams`) check their own arguments against the same
@@ -8,96 +9,33 @@ Hydra config paths; a constructor checks the rows of its section (`algorithm.`, 
 
 from __future__ import annotations
 
-import math
-import numbers
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from lit_rlvr.config.problems import (INFINITE_OK, check_finite, convert, finite_problem, finite_problems, problem_line,
                                       unknown_key_problems)
-from lit_rlvr.functional import ADVANTAGES, AGGREGATIONS, GROUP_FILTER_METRICS, KL_ESTIMATORS, POLICY_LOSSES
+from lit_rlvr.config.schemas import SCHEMAS
+from lit_rlvr.config.settings import Rule, at_least, rows
 
 __all__ = ["RANGES", "INFINITE_OK", "check_finite", "convert", "finite_problem", "finite_problems",
            "problem_line", "range_problems", "unknown_key_problems"]
 
-Rule = tuple[Callable[[Any], bool], str]  # (is the value valid?, what is expected)
-
-
-def _integer(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _real(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _at_least(low: int, what: str = "an integer") -> Rule:
-    return (lambda v: v >= low, f"{what} >= {low}")
-
-
-RANGES: dict[str, Rule] = {
-    "algorithm.group_size": _at_least(1),
-    "algorithm.lr": (lambda v: v > 0, "a number > 0"),
-    "algorithm.weight_decay": (lambda v: v >= 0, "a number >= 0"),
-    "algorithm.grad_clip": (lambda v: v is None or v >= 0, "a number >= 0 (0 = off) or null"),
-    "algorithm.kl_coef": (lambda v: v >= 0, "a number >= 0"),
-    "algorithm.kl_estimator": (lambda v: v in KL_ESTIMATORS, f"one of {', '.join(KL_ESTIMATORS)}"),
-    "algorithm.loss_aggregation": (lambda v: v in AGGREGATIONS, f"one of {', '.join(AGGREGATIONS)}"),
-    "algorithm.policy_loss": (lambda v: v in POLICY_LOSSES, f"one of {', '.join(POLICY_LOSSES)}"),
-    "algorithm.advantages": (lambda v: v in ADVANTAGES, f"one of {', '.join(ADVANTAGES)}"),
-    "algorithm.eps_low": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
-    "algorithm.eps_high": (lambda v: v >= 0, "a number >= 0"),
-    "algorithm.dual_clip": (lambda v: v is None or v > 1, "a number > 1 (the dual-clip bound c; verl: 3.0) or null "
-                                                          "(off)"),
-    "algorithm.seq_mask_tau": (lambda v: v is None or v > 1, "a number > 1 (the importance mask keeps ratios in "
-                                                             "[1/τ, τ]; 3PO's paper: 2) or null (off)"),
-    "algorithm.kl_k3_cap": (lambda v: v is None or v > 0, "a number > 0 (verl: 10) or null (no cap)"),
-    # training samples a group per prompt: at temperature 0 its completions are one greedy answer, all advantages 0
-    "algorithm.temperature": (lambda v: v > 0, "a number > 0 (0 would make every completion of a prompt the same "
-                                               "greedy one; use algorithm.eval_temperature=0 for greedy evaluation)"),
-    "algorithm.eval_temperature": (lambda v: v >= 0, "a number >= 0 (0 = greedy)"),
-    "algorithm.top_p": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
-    "algorithm.top_k": (lambda v: v >= 0, "an integer >= 0 (0 = off)"),
-    "algorithm.max_bad_steps": _at_least(1),
-    "algorithm.warmup_steps": _at_least(0),
-    "algorithm.micro_batch_tokens": (lambda v: v is None or v >= 1, "an integer >= 1 or null (off)"),
-    # DAPO's dynamic sampling, verl's names (lit_rlvr.algorithms.filter_groups)
-    "algorithm.filter_groups.enable": (lambda v: isinstance(v, bool), "true or false"),
-    "algorithm.filter_groups.metric": (lambda v: v in GROUP_FILTER_METRICS,
-                                       f"one of {', '.join(GROUP_FILTER_METRICS)}"),
-    "algorithm.filter_groups.max_num_gen_batches": (lambda v: _integer(v) and v >= 0, "an integer >= 0 (generation "
-                                                    "batches per step, the first included; 0 = no limit)"),
-    # DAPO's overlong reward shaping (GRPOModule.compute_advantages)
-    "algorithm.overlong_cache_len": _at_least(0),
-    "algorithm.overlong_penalty_factor": (lambda v: v >= 0, "a number >= 0 (the largest length penalty; a negative "
-                                                            "one would reward length)"),
-    **{f"algorithm.{k}": _at_least(1)
-       for k in ("ppo_epochs", "mini_batches", "micro_batch_size", "max_new_tokens", "eval_samples")},
+# the typed settings' rows (`setting(default, rule)` of lit_rlvr.config.settings), then the keys no dataclass has
+RANGES: dict[str, Rule] = {key: rule for section, cls in SCHEMAS.items() for key, rule in rows(cls, section)}
+RANGES.update({
     # the in-process engine's batch cap and the post-push check (lit_rlvr.rollout.hf, lit_rlvr.rollout.lora)
-    "engine.options.max_batch": _at_least(1),
+    "engine.options.max_batch": at_least(1),
     "engine.options.sync_check_every": (lambda v: v >= 0, "an integer >= 0 (pushes between checks; 0 = off)"),
     "engine.options.sync_check_tol": (lambda v: v is None or v > 0, "a number > 0 (the largest log-prob gap "
                                                                     "after a push), or null"),
     "data.batch_size": (lambda v: v >= 1, "an integer >= 1 (prompts per RL step)"),
-    "data.eval_batch_size": _at_least(1),
+    "data.eval_batch_size": at_least(1),
     "data.eval_limit": (lambda v: v is None or v >= 1, "an integer >= 1 or null"),
     "trainer.max_steps": (lambda v: v >= 1 or v == -1, "an integer >= 1 (optimizer steps), or -1"),
-    "checkpoint_every": _at_least(1),
+    "checkpoint_every": at_least(1),
     "stop_grace_s": (lambda v: not isinstance(v, bool) and v >= 0, "a number of seconds >= 0 (how long a step may "
                                                                     "still run after SIGTERM or Ctrl-C)"),
     "mode": (lambda v: v in ("train", "eval"), "train or eval"),
-    # multi-turn environments (lit_rlvr.envs checks them, for every entry point; null: the environment's default)
-    "env.max_turns": (lambda v: _integer(v) and v >= 1, "an integer >= 1 (model turns per rollout)"),
-    "env.max_tokens": (lambda v: _integer(v) and v >= 1, "an integer >= 1 (response tokens per rollout, model and "
-                                                         "observation tokens)"),
-    "env.timeout_s": (lambda v: _real(v) and math.isfinite(v) and v > 0, "a finite number of seconds > 0 (one "
-                                                                          "environment call)"),
-    "env.stop": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(s, str) and s for s in v),
-                 "a list of non-empty strings (an empty one would end every model turn at its first token)"),
-    "env.options": (lambda v: isinstance(v, Mapping), "a mapping of the environment's options"),
-    "perf.peak_flops": (lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0),
-                        "the device's peak FLOP/s, a number > 0 (e.g. 989.4e12: an H100 in bf16), or null (a CPU's "
-                        "measured, a GPU's published; docs/mfu.md)"),
-}
+})
 # one engine call's options (`SamplingParams`): the algorithm's rows, where temperature 0 (greedy) is valid
 RANGES.update({f"sampling.{k}": RANGES[f"algorithm.{k}"] for k in ("top_p", "top_k", "max_new_tokens")})
 RANGES["sampling.temperature"] = RANGES["algorithm.eval_temperature"]

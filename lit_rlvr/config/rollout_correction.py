@@ -19,7 +19,7 @@ from lit_rlvr.functional import rollout_correction as RC
 KEY = "algorithm.rollout_correction"
 # verl keys that a verl config carries at these values; lit-rlvr does exactly that, so they are accepted as is
 VERL_FIXED = {"loss_type": "ppo_clip", "rollout_is_batch_normalize": False}
-Threshold = Union[float, str]
+Threshold = Union[float, str]  # the fields are annotated Any: Hydra's schemas take no Union (checked here instead)
 
 
 @dataclass(frozen=True)
@@ -41,14 +41,16 @@ class RolloutCorrection:
     """
 
     rollout_is: Optional[str] = None
-    rollout_is_threshold: Threshold = 2.0
+    rollout_is_threshold: Any = 2.0  # a Threshold
     rollout_rs: Optional[str] = None
-    rollout_rs_threshold: Optional[Threshold] = None
+    rollout_rs_threshold: Any = None  # an Optional[Threshold]
     bypass_mode: Optional[bool] = None
 
     @classmethod
-    def from_options(cls, options: Optional[Mapping[str, Any]]) -> "RolloutCorrection":
-        """From the module's `rollout_correction` dict (None = all defaults); unknown keys fail, naming them."""
+    def from_options(cls, options: Union[None, Mapping[str, Any], "RolloutCorrection"]) -> "RolloutCorrection":
+        """From a mapping of verl's keys (None = all defaults); unknown keys fail, naming them."""
+        if isinstance(options, cls):
+            return options
         options = dict(options or {})
         names = [f.name for f in fields(cls)]
         for key, fixed in VERL_FIXED.items():

@@ -14,12 +14,15 @@ The `algorithm` group is flat in the YAML (`algorithm.lr`, `algorithm.eps_low`),
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
-from lit_rlvr.config.problems import problem_line
+from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.config.rollout_correction import RolloutCorrection
+from lit_rlvr.config.problems import convert, problem_line, unknown_key_problems
 from lit_rlvr.functional import ADVANTAGES, AGGREGATIONS, GROUP_FILTER_METRICS, KL_ESTIMATORS, POLICY_LOSSES
 
 Rule = tuple[Callable[[Any], bool], str]  # (is the value valid?, what is expected)
@@ -125,8 +128,10 @@ class LossConfig:
     """The surrogate loss and the advantages: `policy_loss` and `advantages` name functions of
     `lit_rlvr.functional` (`POLICY_LOSSES`, `ADVANTAGES`); `eps_low`/`eps_high` the clip range; `dual_clip` c (> 1,
     verl's clip_ratio_c; null = off); `seq_mask_tau` τ of 3PO's sequence importance mask (null = off); `kl_coef` β
-    (> 0 loads a frozen reference) with `kl_estimator` and `kl_k3_cap` (verl caps k3 at 10); `entropy_coef` η;
-    `overlong_cache_len` and `overlong_penalty_factor`: DAPO's overlong reward shaping (0 = off)."""
+    (> 0 loads a frozen reference) with `kl_estimator` (k1 | k2 | k3 | k3+, verl's straight-through: k3's value,
+    k2's gradient) and `kl_k3_cap` (verl caps k3 at 10); `entropy_coef` η; `overlong_cache_len` N and
+    `overlong_penalty_factor` (verl's overlong_buffer.penalty_factor; paper: 1): DAPO's overlong reward shaping over
+    the last N tokens of the budget (0 = off). `scale_adv_by_std`: GRPO's advantage divides by the group's std."""
 
     policy_loss: str = setting("ppo_clip", one_of(POLICY_LOSSES))
     advantages: str = setting("grpo", one_of(ADVANTAGES))
@@ -166,8 +171,8 @@ class UpdateConfig:
 class SamplingOptions:
     """Sampling for training rollouts and evaluation. `temperature` (training) must be > 0: at 0 every completion of
     a prompt is the same greedy one and no advantage is ever nonzero; evaluation may be greedy (`eval_temperature`
-    0). `ignore_eos` (benchmarks): training completions run to `max_new_tokens`. `eval_samples` n: held-out mean@n
-    and pass@n."""
+    0). `ignore_eos` (benchmarks only): training completions run to `max_new_tokens` (vLLM's and SGLang's
+    ignore_eos). `eval_samples` n: held-out mean@n and pass@n at `eval_temperature`."""
 
     temperature: float = setting(1.0, (lambda v: v > 0, "a number > 0 (0 would make every completion of a prompt "
                                        "the same greedy one; use algorithm.eval_temperature=0 for greedy evaluation)"))
@@ -179,27 +184,52 @@ class SamplingOptions:
     eval_samples: int = setting(4, at_least(1), on_resume=True)
 
 
+FILTER_GROUPS_KEY = "algorithm.filter_groups"
+
+
 @dataclass(frozen=True)
 class FilterGroups:
     """verl's `algorithm.filter_groups`, DAPO's dynamic sampling (lit_rlvr.algorithms.filter_groups;
-    docs/fidelity.md lists where lit-rlvr follows verl): keep the groups whose `metric` differs, refill from the
-    next batches, at most `max_num_gen_batches` generation batches per step (0 = no limit)."""
+    docs/fidelity.md lists where lit-rlvr follows verl): keep the groups whose `metric` (acc | score) differs
+    between their completions, refill from the next batches, at most `max_num_gen_batches` generation batches per
+    step, the first included (0 = no limit; exceeding it stops the run naming the key)."""
 
     enable: bool = setting(False, (lambda v: isinstance(v, bool), "true or false"))
     metric: str = setting("acc", one_of(GROUP_FILTER_METRICS))
     max_num_gen_batches: int = setting(0, (lambda v: _integer(v) and v >= 0, "an integer >= 0 (generation batches "
                                            "per step, the first included; 0 = no limit)"), on_resume=True)
 
+    @classmethod
+    def from_options(cls, options: Union[None, Mapping[str, Any], "FilterGroups"]) -> "FilterGroups":
+        """From a mapping of the fields (None = off); unknown keys and values out of range fail, one line each."""
+        if isinstance(options, cls):
+            return options
+        if options is not None and not isinstance(options, Mapping):
+            names = ", ".join(f.name for f in fields(cls))
+            raise ConfigError([problem_line(FILTER_GROUPS_KEY, options, f"a mapping of {{{names}}} or null")])
+        options = dict(options or {})
+        problems = unknown_key_problems(FILTER_GROUPS_KEY, list(options), [f.name for f in fields(cls)])
+        problems += field_problems(options, cls, FILTER_GROUPS_KEY)
+        if problems:
+            raise ConfigError(problems)
+        return cls(**options)
+
 
 @dataclass(frozen=True)
 class AlgorithmConfig(SamplingOptions, UpdateConfig, LossConfig, OptimConfig):
     """The `algorithm` group: `group_size` G completions per prompt, and the fields of its parts (see each class).
-    `rollout_correction`: verl's options for the engine's drift (`lit_rlvr.rollout_correction`), a mapping of
-    `RolloutCorrection`'s fields; `filter_groups`: DAPO's dynamic sampling."""
+    `rollout_correction`: verl's options for the engine's drift (`lit_rlvr.config.rollout_correction`,
+    docs/rollout_correction.md); `filter_groups`: DAPO's dynamic sampling."""
 
     group_size: int = setting(8, at_least(1))
     filter_groups: FilterGroups = setting(factory=FilterGroups)
-    rollout_correction: dict[str, Any] = setting(factory=dict)
+    rollout_correction: RolloutCorrection = setting(factory=RolloutCorrection)
+
+    def __post_init__(self) -> None:
+        # from a mapping (Python, a container of the composed config): the typed nested settings
+        object.__setattr__(self, "filter_groups", FilterGroups.from_options(self.filter_groups))
+        object.__setattr__(self, "rollout_correction", RolloutCorrection.from_options(self.rollout_correction))
+        object.__setattr__(self, "betas", tuple(self.betas))
 
     @property
     def optim(self) -> OptimConfig:
@@ -219,20 +249,101 @@ class AlgorithmConfig(SamplingOptions, UpdateConfig, LossConfig, OptimConfig):
 
 
 # -- the other groups ------------------------------------------------------------------------------------------------
+LORA_KEY = "model.lora"
+
+
+@dataclass(frozen=True)
+class LoraOptions:
+    """`model.lora`: LoRA adapters instead of full fine-tuning (lit_rlvr/models/lora.py builds them; docs/lora.md).
+
+    Args:
+        rank: r, the adapters' rank; None (default) trains all weights instead.
+        alpha: α; the adapter's output is scaled by α / r. 32, as in "LoRA Without Regret", where the best learning
+            rate then does not depend on r.
+        target_modules: the linear layers that get adapters: "all-linear" (every linear layer but the output
+            head, the study's recommendation: attention-only LoRA underperforms), or a list of module names
+            (e.g. [q_proj, k_proj, v_proj, o_proj]), each naming layers of a kind an adapter may sit on
+            (`lit_rlvr.models.lora.target_problems`).
+        dropout: dropout on the adapters' input while training (0: RL compares the loss forward's log-probs with
+            the sampler's, which dropout would make noisy).
+        lr_scale: the optimizer's learning rate is `algorithm.lr` x lr_scale with LoRA (the study's ~10x rule,
+            checked on tiny: docs/lora.md); set it to 1 to give `algorithm.lr` as the LoRA learning rate itself.
+    """
+
+    rank: Optional[int] = None
+    alpha: float = 32.0
+    target_modules: Any = "all-linear"  # str | tuple[str, ...] (a Hydra schema has no unions)
+    dropout: float = 0.0
+    lr_scale: float = 10.0
+
+    def __post_init__(self) -> None:
+        # a command line's "8" or "abc": converted here, or one line naming the key (nan/inf refused)
+        rank_expected = "an integer >= 1 (the adapters' rank), or null for full fine-tuning"
+        object.__setattr__(self, "rank", convert(f"{LORA_KEY}.rank", self.rank, int, optional=True,
+                                                 expected=rank_expected))
+        for name in ("alpha", "dropout", "lr_scale"):
+            object.__setattr__(self, name, convert(f"{LORA_KEY}.{name}", getattr(self, name), float))
+        if self.rank is not None and self.rank < 1:
+            raise ValueError(f"{LORA_KEY}.rank={self.rank!r}: {rank_expected}")
+        if not self.alpha > 0:
+            raise ValueError(f"{LORA_KEY}.alpha={self.alpha!r} must be > 0 (the adapter's output is scaled by "
+                             "alpha/rank)")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"{LORA_KEY}.dropout={self.dropout!r} must be in [0, 1)")
+        if not self.lr_scale > 0:
+            raise ValueError(f"{LORA_KEY}.lr_scale={self.lr_scale!r} must be > 0 (LoRA lr = algorithm.lr x lr_scale)")
+        targets = self.target_modules
+        if isinstance(targets, str) and targets != "all-linear":
+            raise ValueError(f"{LORA_KEY}.target_modules={targets!r}: 'all-linear' or a list of module names, e.g. "
+                             "[q_proj,k_proj,v_proj,o_proj]")
+        if not isinstance(targets, str):
+            object.__setattr__(self, "target_modules", tuple(str(t) for t in targets))
+            if not self.target_modules:
+                raise ValueError(f"{LORA_KEY}.target_modules is empty: 'all-linear' or a list of module names")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank is not None
+
+    def learning_rate(self, lr: float) -> float:
+        """The optimizer's rate for `algorithm.lr`: x lr_scale with LoRA (the ~10x rule), as is without."""
+        return lr * self.lr_scale if self.enabled else lr
+
+    @classmethod
+    def from_any(cls, value: Union[None, Mapping[str, Any], "LoraOptions"]) -> "LoraOptions":
+        """None or {} = full fine-tuning; a mapping of the fields (unknown keys are refused, naming the valid ones)."""
+        if isinstance(value, cls):
+            return value
+        value = dict(value or {})
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(value) - set(valid))
+        if unknown:
+            raise ValueError(f"{LORA_KEY}.{unknown[0]} is not a LoRA option; valid: {', '.join(valid)}")
+        return cls(**value)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["target_modules"] = self.target_modules if isinstance(self.target_modules, str) else list(
+            self.target_modules)
+        return out
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The `model` group: `name_or_path` an HF path or hub name, or "tiny" (the built-in model, warm-started and
     cached, `options` its warm-up's settings); `dtype` of the trained weights; `chat_template`: prompts go through
     the tokenizer's chat template (instruct models); `compile`: the update's forward and backward through
-    `torch.compile` (docs/mfu.md); `lora`: LoRA adapters instead of full fine-tuning (`LoraOptions`' fields;
-    docs/lora.md)."""
+    `torch.compile` (docs/mfu.md); `lora`: LoRA adapters instead of full fine-tuning (`LoraOptions`)."""
 
     name_or_path: str = "tiny"
     dtype: str = "float32"
     chat_template: bool = False
     compile: bool = setting(False, on_resume=True)  # the same update through compiled kernels (float order only)
     options: dict[str, Any] = setting(factory=dict)
-    lora: dict[str, Any] = setting(factory=dict)
+    lora: LoraOptions = setting(factory=LoraOptions)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lora", LoraOptions.from_any(self.lora))  # a mapping of its fields, or None
 
 
 @dataclass(frozen=True)
@@ -255,7 +366,8 @@ class EngineConfig:
 @dataclass(frozen=True)
 class EnvConfig:
     """The `env` group: multi-turn rollouts with an environment (`lit_rlvr.envs`; "none": single-turn);
-    null limits take the environment class's defaults (docs/environments.md)."""
+    null limits take the environment class's defaults (docs/environments.md). `stop`: more strings that end a model
+    turn, besides the environment class's own. `options`: the environment's (`reward`: null = the run's reward)."""
 
     name: str = "none"
     max_turns: Optional[int] = setting(None, (lambda v: v is None or _integer(v) and v >= 1,
@@ -266,10 +378,11 @@ class EnvConfig:
     timeout_s: Optional[float] = setting(None, (lambda v: v is None or _real(v) and math.isfinite(v) and v > 0,
                                                 "a finite number of seconds > 0 (one environment call)"),
                                          on_resume=True)
-    stop: Optional[list[str]] = setting(None, (lambda v: v is None or isinstance(v, (list, tuple)) and all(
-        isinstance(s, str) and s for s in v), "a list of non-empty strings (an empty one would end every model turn "
-                                              "at its first token)"))
-    options: dict[str, Any] = setting(factory=dict)
+    stop: list[str] = setting(rule=(lambda v: isinstance(v, (list, tuple)) and all(isinstance(s, str) and s for s in v),
+                                    "a list of non-empty strings (an empty one would end every model turn at its "
+                                    "first token)"), factory=list)
+    options: dict[str, Any] = setting(rule=(lambda v: isinstance(v, Mapping), "a mapping of the environment's "
+                                                                               "options"), factory=dict)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
-"""LoRA adapters on the policy (`model.lora.*`): the one owner of the setting, and what the rest of the library
-asks of a LoRA policy (its adapter parameters, the base model without them, its PEFT config; the adapter is
-written in PEFT's format by `lit_rlvr.run.adapter_export`).
+"""LoRA adapters on the policy (`model.lora.*`, whose settings are `lit_rlvr.config.settings.LoraOptions`): what
+the rest of the library asks of a LoRA policy (its adapter parameters, the base model without them, its PEFT
+config; the adapter is written in PEFT's format by `lit_rlvr.run.adapter_export`).
 
 LoRA (Hu et al. 2021) replaces the update of a weight W [out, in] by a low-rank product:
 
@@ -18,7 +18,6 @@ configs hold), so one `algorithm.lr` serves both; docs/lora.md has the tiny mode
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -29,10 +28,10 @@ from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D  # GPT-2's linear layer (weight [in, out]); peft adapts it as Linear
 
 from lit_rlvr.config.extras import require
-from lit_rlvr.config.options import convert
+from lit_rlvr.config.settings import LORA_KEY as KEY  # config path, for error messages
+from lit_rlvr.config.settings import LoraOptions
 from lit_rlvr.models import model_skeleton
 
-KEY = "model.lora"  # config path, for error messages
 ADAPTER_NAME = "default"  # peft's name of the one adapter we train
 # The layer kinds an adapter may sit on: the ones every path of the library computes exactly (the loss forward,
 # C3PO's stacked sampling in rollout/multi_weight.py, merged pushes, the PEFT export). peft can also adapt
@@ -40,107 +39,36 @@ ADAPTER_NAME = "default"  # peft's name of the one adapter we train
 ADAPTABLE = {"Linear": nn.Linear, "Embedding": nn.Embedding, "Conv1D": Conv1D}
 
 
-@dataclasses.dataclass(frozen=True)
-class LoraOptions:
-    """`model.lora.*` (Hydra), `GRPOModule(lora={...})` (Python, Lightning CLI). `rank` None = full fine-tuning.
+def target_problems(options: LoraOptions, model: Optional[nn.Module]) -> list[str]:
+    """One line per target of `options` that names no module of `model` (peft's rule: the module's name is the
+    target or ends in `.target`; peft itself only fails when no target matches at all) or names a module of a kind
+    no adapter may sit on (`ADAPTABLE`). `model` may be a meta-device skeleton (`model_skeleton`); None = not known
+    yet: nothing to say."""
+    if model is None or not options.enabled or isinstance(options.target_modules, str):  # all-linear: peft picks
+        return []
+    modules = [(name, module) for name, module in model.named_modules() if name]
+    kinds = tuple(ADAPTABLE.values())
+    valid = ", ".join(sorted({n.rsplit(".", 1)[-1] for n, m in modules if isinstance(m, kinds)}))
+    allowed = f"layers of the kinds {', '.join(ADAPTABLE)}"
+    problems = []
+    for target in options.target_modules:
+        matches = [m for n, m in modules if n == target or n.endswith("." + target)]
+        bad = sorted({type(m).__name__ for m in matches if not isinstance(m, kinds)})
+        if not matches:
+            problems.append(f"{KEY}.target_modules: {target!r} names no module of this model; valid: {valid}")
+        elif bad:
+            problems.append(f"{KEY}.target_modules: {target!r} names a {bad[0]} module; adapters sit on "
+                            f"{allowed} only; valid: {valid}")
+    return problems
 
-    Args:
-        rank: r, the adapters' rank; None (default) trains all weights instead.
-        alpha: α; the adapter's output is scaled by α / r. 32, as in "LoRA Without Regret", where the best learning
-            rate then does not depend on r.
-        target_modules: the linear layers that get adapters: "all-linear" (every linear layer but the output
-            head, the study's recommendation: attention-only LoRA underperforms), or a list of module names
-            (e.g. [q_proj, v_proj]), each naming layers of an `ADAPTABLE` kind (`target_problems`).
-        dropout: dropout on the adapters' input while training (0: RL compares the loss forward's log-probs with
-            the sampler's, which dropout would make noisy).
-        lr_scale: the optimizer's learning rate is `algorithm.lr` x lr_scale with LoRA (the study's ~10x rule);
-            set it to 1 to give `algorithm.lr` as the LoRA learning rate itself.
-    """
 
-    rank: Optional[int] = None
-    alpha: float = 32.0
-    target_modules: Union[str, tuple[str, ...]] = "all-linear"
-    dropout: float = 0.0
-    lr_scale: float = 10.0
-
-    def __post_init__(self) -> None:
-        # a command line's "8" or "abc": converted here, or one line naming the key (nan/inf refused)
-        rank_expected = "an integer >= 1 (the adapters' rank), or null for full fine-tuning"
-        object.__setattr__(self, "rank", convert(f"{KEY}.rank", self.rank, int, optional=True, expected=rank_expected))
-        for name in ("alpha", "dropout", "lr_scale"):
-            object.__setattr__(self, name, convert(f"{KEY}.{name}", getattr(self, name), float))
-        if self.rank is not None and self.rank < 1:
-            raise ValueError(f"{KEY}.rank={self.rank!r}: an integer >= 1 (the adapters' rank), or null for full "
-                             "fine-tuning")
-        if not self.alpha > 0:
-            raise ValueError(f"{KEY}.alpha={self.alpha!r} must be > 0 (the adapter's output is scaled by alpha/rank)")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"{KEY}.dropout={self.dropout!r} must be in [0, 1)")
-        if not self.lr_scale > 0:
-            raise ValueError(f"{KEY}.lr_scale={self.lr_scale!r} must be > 0 (LoRA lr = algorithm.lr x lr_scale)")
-        targets = self.target_modules
-        if isinstance(targets, str) and targets != "all-linear":
-            raise ValueError(f"{KEY}.target_modules={targets!r}: 'all-linear' or a list of module names, e.g. "
-                             "[q_proj,k_proj,v_proj,o_proj]")
-        if not isinstance(targets, str):
-            object.__setattr__(self, "target_modules", tuple(str(t) for t in targets))
-            if not self.target_modules:
-                raise ValueError(f"{KEY}.target_modules is empty: 'all-linear' or a list of module names")
-
-    @property
-    def enabled(self) -> bool:
-        return self.rank is not None
-
-    def target_problems(self, model: Optional[nn.Module]) -> list[str]:
-        """One line per listed target that names no module of `model` (peft's rule: the module's name is the
-        target or ends in `.target`; peft itself only fails when no target matches at all) or names a module
-        of a kind no adapter may sit on (`ADAPTABLE`). `model` may be a meta-device skeleton (`model_skeleton`);
-        None = not known yet: nothing to say."""
-        if model is None or not self.enabled or isinstance(self.target_modules, str):  # all-linear: peft picks
-            return []
-        modules = [(name, module) for name, module in model.named_modules() if name]
-        kinds = tuple(ADAPTABLE.values())
-        valid = ", ".join(sorted({n.rsplit(".", 1)[-1] for n, m in modules if isinstance(m, kinds)}))
-        allowed = f"layers of the kinds {', '.join(ADAPTABLE)}"
-        problems = []
-        for target in self.target_modules:
-            matches = [m for n, m in modules if n == target or n.endswith("." + target)]
-            bad = sorted({type(m).__name__ for m in matches if not isinstance(m, kinds)})
-            if not matches:
-                problems.append(f"{KEY}.target_modules: {target!r} names no module of this model; valid: {valid}")
-            elif bad:
-                problems.append(f"{KEY}.target_modules: {target!r} names a {bad[0]} module; adapters sit on "
-                                f"{allowed} only; valid: {valid}")
-        return problems
-
-    def model_problems(self, name_or_path: str, model_options: Optional[dict[str, Any]] = None) -> list[str]:
-        """`target_problems` before the model loads (no warm-up, engine or data yet): against the module tree
-        its config builds on the meta device, when the config is at hand."""
-        if not self.enabled or isinstance(self.target_modules, str):
-            return []
-        return self.target_problems(model_skeleton(name_or_path, model_options))
-
-    def learning_rate(self, lr: float) -> float:
-        """The optimizer's rate for `algorithm.lr`: x lr_scale with LoRA (the ~10x rule), as is without."""
-        return lr * self.lr_scale if self.enabled else lr
-
-    @classmethod
-    def from_any(cls, value: Union[None, dict[str, Any], "LoraOptions"]) -> "LoraOptions":
-        """None or {} = full fine-tuning; a dict of the fields (unknown keys are refused, naming the valid ones)."""
-        if isinstance(value, cls):
-            return value
-        value = dict(value or {})
-        valid = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(value) - set(valid))
-        if unknown:
-            raise ValueError(f"{KEY}.{unknown[0]} is not a LoRA option; valid: {', '.join(valid)}")
-        return cls(**value)
-
-    def as_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["target_modules"] = self.target_modules if isinstance(self.target_modules, str) else list(
-            self.target_modules)
-        return out
+def model_problems(options: LoraOptions, name_or_path: str, model_options: Optional[dict[str, Any]] = None
+                   ) -> list[str]:
+    """`target_problems` before the model loads (no warm-up, engine or data yet): against the module tree its
+    config builds on the meta device, when the config is at hand."""
+    if not options.enabled or isinstance(options.target_modules, str):
+        return []
+    return target_problems(options, model_skeleton(name_or_path, model_options))
 
 
 def apply_lora(model: nn.Module, options: LoraOptions, seed: int = 0) -> nn.Module:
@@ -152,7 +80,7 @@ def apply_lora(model: nn.Module, options: LoraOptions, seed: int = 0) -> nn.Modu
 
     peft = require("peft")
     LoraConfig, get_peft_model = peft.LoraConfig, peft.get_peft_model
-    problems = options.target_problems(model)
+    problems = target_problems(options, model)
     if problems:
         raise ValueError(problems[0])
     targets = options.target_modules if isinstance(options.target_modules, str) else list(options.target_modules)

@@ -18,36 +18,46 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import lightning.pytorch as pl
+from omegaconf import OmegaConf
 from typing_extensions import override
 
 from lit_rlvr.config.errors import CheckpointError
+from lit_rlvr.config.schemas import SCHEMAS
+from lit_rlvr.config.settings import resume_mutable
 
 log = logging.getLogger(__name__)
 
 CONFIG_KEY = "lit_rlvr_config"  # the checkpoint entry: {"config": resolved config, "overrides": [...]}
 FROZEN = ("seed", "algorithm", "model", "engine", "reward", "data", "env", "trainer.accelerator", "trainer.devices",
           "trainer.num_nodes", "trainer.precision", "trainer.strategy", "trainer.accumulate_grad_batches")
-# evaluation settings, memory knobs (same math) and paths inside the frozen sections
-MUTABLE = ("algorithm.eval_samples", "algorithm.eval_temperature", "algorithm.max_bad_steps",
-           "algorithm.micro_batch_size", "data.num_test", "data.eval_batch_size", "data.eval_limit",
-           "data.eval_path", "data.eval_split", "data.eval_fields", "model.options.cache_dir",
-           "engine.options.max_batch", "reward.options.isolation", "reward.options.timeout_s",
-           "reward.options.workers",
+
+
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """`{"a": {"b": 1}}` -> `{"a.b": 1}`; lists stay values."""
+    if not isinstance(node, dict) or (prefix and not node):
+        return {prefix: node}
+    flat: dict[str, Any] = {}
+    for key, value in node.items():
+        flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+# keys inside the frozen sections that may change: the typed settings' fields marked so (`setting(on_resume=True)`:
+# evaluation, memory knobs, the same update through compiled kernels, DAPO's cap that only stops a run), and of the
+# mapping-valued sections: evaluation settings, memory knobs and paths
+MUTABLE = (*(key for section, cls in SCHEMAS.items() for key in resume_mutable(cls, section)),
+           "data.num_test", "data.eval_batch_size", "data.eval_limit", "data.eval_path", "data.eval_split",
+           "data.eval_fields", "model.options.cache_dir", "engine.options.max_batch", "reward.options.isolation",
+           "reward.options.timeout_s", "reward.options.workers",
            # where and in how much memory an engine runs, not what it samples (a resumed job gets other ports)
            "engine.options.base_port", "engine.options.port_stride", "engine.options.bucket_bytes",
            "engine.options.mem_fraction_static", "engine.options.server_args.max_total_tokens",
            "engine.options.gpu_memory_utilization", "engine.options.kv_cache_memory_bytes",
-           "engine.options.sleep_level", "engine.options.enforce_eager", "env.timeout_s",
-           # the same update through compiled kernels (float order only, as micro_batch_size)
-           "model.compile",
-           # the post-push check only watches (it never changes what is sampled); DAPO's cap only stops a run
-           "engine.options.sync_check_tol", "engine.options.sync_check_every",
-           "algorithm.filter_groups.max_num_gen_batches")
-# keys added after checkpoints were written without them: absent there means this value
-ADDED_LATER = {"env.name": "none", "algorithm.policy_loss": "ppo_clip", "algorithm.advantages": "grpo",
-               "algorithm.filter_groups.enable": False, "algorithm.filter_groups.metric": "acc",
-               "algorithm.filter_groups.max_num_gen_batches": 0, "algorithm.overlong_cache_len": 0,
-               "algorithm.overlong_penalty_factor": 1.0}
+           "engine.options.sleep_level", "engine.options.enforce_eager",
+           # the post-push check only watches (it never changes what is sampled)
+           "engine.options.sync_check_tol", "engine.options.sync_check_every")
+# a typed setting added after checkpoints were written without it: absent there means its default
+ADDED_LATER = flatten({section: OmegaConf.to_container(OmegaConf.structured(cls)) for section, cls in SCHEMAS.items()})
 # the loss variants were subclasses before they became options: a checkpoint that names one records the same run as
 # GRPOModule with these settings (DAPO's refills: max_refill_batches after the first batch = generation batches - 1)
 VARIANT_CLASSES = {"lit_rlvr.algorithms.DAPOModule": {}, "lit_rlvr.algorithms.DrGRPOModule": {"advantages": "dr_grpo"},
@@ -83,8 +93,6 @@ def load_checkpoint(path: Path, key: str = "resume") -> dict[str, Any]:
 def resolved_config(cfg: Any) -> dict[str, Any]:
     """The run's config as plain containers, resolved section by section; a section that cannot be resolved here
     (e.g. a logger's `${hydra:...}` outside a Hydra run) is kept as written."""
-    from omegaconf import OmegaConf
-
     plain = OmegaConf.to_container(cfg, resolve=False)
     for key in plain:
         try:
@@ -93,16 +101,6 @@ def resolved_config(cfg: Any) -> dict[str, Any]:
         except Exception:  # omegaconf's interpolation errors have no common base class
             pass
     return plain
-
-
-def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    """`{"a": {"b": 1}}` -> `{"a.b": 1}`; lists stay values."""
-    if not isinstance(node, dict) or (prefix and not node):
-        return {prefix: node}
-    flat: dict[str, Any] = {}
-    for key, value in node.items():
-        flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
-    return flat
 
 
 def _under(key: str, prefixes: Iterable[str]) -> bool:
