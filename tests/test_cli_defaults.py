@@ -15,7 +15,7 @@ from lit_rlvr.config.arguments import GROUPS, ModuleSettings, module_settings
 from lit_rlvr.recipe import module_arguments
 
 REPO = Path(__file__).resolve().parents[1]
-SHORTER = {"data.batch_size", "data.num_test"}  # a 5-step example on fewer prompts
+SHORTER = {"batch_size", "num_test"}  # data: a 5-step example on fewer prompts
 SET_BY_THE_CLI = {"seed"}  # linked to seed_everything, as seed= does for train.py
 
 

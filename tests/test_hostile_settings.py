@@ -254,8 +254,9 @@ def test_the_cli_refuses_the_same_settings_with_its_key_names(tmp_path):
     cases = {
         "--model.init_args.model.lora={rank: 8, alpha: .inf}": "model.init_args.model.lora.alpha=inf is not valid: "
                                                                  "expected a finite number",
-        "--model.init_args.model.lora={rank: abc}": "model.init_args.model.lora.rank='abc' is not valid: expected an "
-                                                    "integer",
+        "--model.init_args.model.lora={rank: abc}": "model.init_args.model.lora.rank is not valid: expected an integer",
+        "--model.init_args.algorithm.lr=abc": "model.init_args.algorithm.lr=abc is not valid: expected a number",
+        "--model.init_args.algorithm.lrr=1": "model.init_args.algorithm.lrr is not an option",
         "--model.init_args.algorithm.rollout_correction={rollout_rs: token, rollout_rs_threshold: 0.5}":
             "model.init_args.algorithm.rollout_correction.rollout_rs_threshold=0.5 for rollout_rs='token'",
     }
