@@ -14,7 +14,7 @@ import copy
 import functools
 import logging
 from contextlib import contextmanager
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, replace
 from typing import Any, Callable, Iterator, Optional, Union
 
 import lightning.pytorch as pl
@@ -22,13 +22,13 @@ import torch
 from torch import Tensor, nn
 
 from lit_rlvr import functional as F
-from lit_rlvr.algorithms.filter_groups import FilterGroups, GroupFilter
+from lit_rlvr.algorithms.filter_groups import DataStream, FilterGroups, GroupFilter
 from lit_rlvr.config.bounds import check_bounds, model_context, response_budget
 from lit_rlvr.config.arguments import module_settings
 from lit_rlvr.config.errors import ConfigError, GenerationBudgetError, NonFiniteError, RewardHangError
 from lit_rlvr.config.settings import (AlgorithmConfig, EngineConfig, EnvConfig, ModelConfig, PerfConfig,
                                       RewardConfig)
-from lit_rlvr.config.options import compile_problems, consistency_problems, finite_problems, range_problems
+from lit_rlvr.config.options import compile_problems
 from lit_rlvr.data.formats import render_prompt
 from lit_rlvr.envs import build_environment, env_options
 from lit_rlvr.hooks import RLVRCallback, check_rl_callbacks
@@ -51,13 +51,11 @@ from lit_rlvr.run.freeze import FreezeSetupObjects
 from lit_rlvr.run.one_line import config_phase
 from lit_rlvr.run.perf import StepFlops, recomputes_forward
 from lit_rlvr.run.rng import rng_states, seed_of, set_rng_states
-from lit_rlvr.run.step_log import StepTimer, write_step_metrics
+from lit_rlvr.run.step_log import StepTimer, step_row, write_step_metrics
 from lit_rlvr.run.validation import ValidationMetrics
 from lit_rlvr.update import SEQUENCE_METRICS, TOKEN_METRICS, RolloutCorrector, Update
 
 log = logging.getLogger(__name__)
-
-
 
 
 class GRPOModule(pl.LightningModule):
@@ -128,10 +126,8 @@ class GRPOModule(pl.LightningModule):
         self.sequence_metrics = self.sequence_metrics | per_sequence
         enable = self.filter_groups.enable  # DAPO's dynamic sampling
         self.group_filter = GroupFilter(self.filter_groups, self.tokenizer.pad_token_id) if enable else None
-        self._data_iter: Optional[Iterator] = None  # during a step that reads further batches (the group filter)
-        if self.group_filter is not None:
-            # Lightning hands a step the data iterator only when `training_step` takes `dataloader_iter`, and then
-            # skips its batch hooks: only a run whose collector reads further batches is switched to it
+        self._data_stream = DataStream(None)  # a step's, when its collector reads further batches (DataStream)
+        if self.group_filter is not None:  # only such a run asks Lightning for the iterator (it skips batch hooks)
             self.training_step = self._training_step_reading_batches
 
     @property
@@ -143,18 +139,10 @@ class GRPOModule(pl.LightningModule):
         self.settings = replace(self.settings, algorithm=value)
 
     def _check_settings(self) -> tuple[LoraOptions, RolloutCorrector, FilterGroups]:
-        """The rules of the range table that train.py checks too (lit_rlvr.config.options), before the model loads."""
+        """The settings' own rules (`ModuleSettings.problems`), the reward's, LoRA's on this model and the
+        optimizer's, before the model loads."""
         cfg, algo = self.settings, self.settings.algorithm
-        flat = {f.name: getattr(algo, f.name) for f in fields(algo) if f.name != "filter_groups"}
-        sections = {"model.options": cfg.model.options, "model.lora": cfg.model.lora,
-                    "reward.options": cfg.reward.options, "engine.options": cfg.engine.options, "env": asdict(cfg.env),
-                    "perf": asdict(cfg.perf), "algorithm.optimizer_options": algo.optimizer_options,
-                    "algorithm.rollout_correction": algo.rollout_correction}
-        problems = (range_problems(flat, "algorithm")
-                    + range_problems(asdict(algo.filter_groups), "algorithm.filter_groups")
-                    + [p for key, section in sections.items() for p in finite_problems(section, key)]
-                    + consistency_problems(flat) + compile_problems(cfg.model.compile, sharded=False)
-                    + reward_problems(cfg.reward.name, cfg.reward.options))  # e.g. a reward server's URL, reached
+        problems = cfg.problems() + reward_problems(cfg.reward.name, cfg.reward.options)  # e.g. a server, reached
         if problems:
             raise ConfigError(problems)
         lora = LoraOptions.from_any(cfg.model.lora)
@@ -253,13 +241,12 @@ class GRPOModule(pl.LightningModule):
 
     def _training_step_reading_batches(self, dataloader_iter: Iterator) -> None:
         """`training_step` of a run whose collector reads further batches of the data stream within the step."""
-        batch, batch_idx, _ = next(dataloader_iter)
-        self._note_batch()
-        self._data_iter = dataloader_iter
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        self._data_stream = DataStream(dataloader_iter, datamodule)
         try:
-            return type(self).training_step(self, batch, batch_idx)
+            return type(self).training_step(self, *self._data_stream.first())
         finally:
-            self._data_iter = None
+            self._data_stream = DataStream(None)
 
     def collect(self, batch: dict[str, list]) -> Rollouts:
         """The step's rollouts: the batch's (`collect_rollouts`), or with `filter_groups` the groups whose metric
@@ -267,30 +254,12 @@ class GRPOModule(pl.LightningModule):
         if self.group_filter is None:
             return self.collect_rollouts(batch)
         try:
-            rollouts, metrics = self.group_filter.collect(batch, self.collect_rollouts, self._next_batch)
+            rollouts, metrics = self.group_filter.collect(batch, self.collect_rollouts, self._data_stream.next_batch)
         except GenerationBudgetError as err:  # what the run keeps, and that the cap may change on resume
             raise GenerationBudgetError([f"{err.problems[0]}; {checkpoint_hint(self._trainer)} (the cap may change "
                                          "on resume)"]) from err
         self.log_metrics(metrics)
         return rollouts
-
-    def _next_batch(self) -> Optional[dict[str, list]]:
-        """The data stream's next batch within this step, or None when it ran out (or outside `fit`)."""
-        if self._data_iter is None:
-            return None
-        try:
-            batch, _, _ = next(self._data_iter)
-        except StopIteration:
-            return None
-        self._note_batch()
-        return batch
-
-    def _note_batch(self) -> None:
-        """Tell the datamodule a batch was used: it keeps the data position that a resume continues from
-        (Lightning skips its batch hooks when the step reads the iterator itself)."""
-        datamodule = self.trainer.datamodule if self._trainer is not None else None
-        if hasattr(datamodule, "note_batches"):
-            datamodule.note_batches(1)
 
     def collect_rollouts(self, batch: dict[str, list], seed_stream: tuple[int, ...] = ()) -> Rollouts:
         """Plan the batch, let the callbacks edit the plan, generate and score. `seed_stream`: appended to the seed
@@ -426,28 +395,11 @@ class GRPOModule(pl.LightningModule):
                                   for k, v in metrics.items()})
 
     def _log_step(self, rollouts: Rollouts, step_s: float) -> None:
-        lengths = rollouts.response_mask.sum(-1).float()  # [N]
-        metrics = {
-            "reward/mean": rollouts.rewards.mean(),
-            "reward/accuracy": (rollouts.rewards > 0).float().mean(),
-            "reward/malformed_frac": rollouts.malformed.float().mean(),
-            "response/len_mean": lengths.mean(),
-            "response/len_max": lengths.max(),
-            "response/clip_frac": torch.tensor([r == "length" for r in rollouts.finish_reason]).float().mean(),
-            # generated this step (more than the trained batch when a subclass drops groups)
-            "rollouts/per_step": torch.tensor(float(self.counters["rollouts_total"] - self.step_rollouts_start)),
-            "rollouts/total": torch.tensor(float(self.counters["rollouts_total"])),
-            "train/skipped_steps": torch.tensor(float(self.counters["skipped_steps"])),
-            "perf/tokens_per_s": torch.tensor(rollouts.num_tokens() / max(step_s, 1e-9)),
-            "time/step_s": torch.tensor(step_s),
-            **{f"time/{k}": torch.tensor(v) for k, v in self.timer.times.items()},
-            **self.flops.metrics(rollouts, self.timer.times, passes=self.algorithm.ppo_epochs,
-                                 reference=self.ref_policy is not None,
-                                 recompute=recomputes_forward(self.policy),
-                                 old_forward=not self.rollout_correction.options.bypass),
-            **env_metrics(rollouts),  # multi-turn only: env/turns_mean, env/tool_calls_mean, ...
-        }
-        self.log_metrics(metrics)
+        flops = self.flops.metrics(rollouts, self.timer.times, passes=self.algorithm.ppo_epochs,
+                                   reference=self.ref_policy is not None, recompute=recomputes_forward(self.policy),
+                                   old_forward=not self.rollout_correction.options.bypass)
+        self.log_metrics(step_row(rollouts, self.counters, self.step_rollouts_start, self.timer, step_s,
+                                  {**flops, **env_metrics(rollouts)}))  # env/*: multi-turn only
         self.step_metrics = D.reduce_metrics(self.step_metrics)  # the global batch's figures, on every rank
         write_step_metrics(self.trainer, self.step_metrics, progress_bar=("reward/mean", "reward/accuracy"))
 
