@@ -13,9 +13,8 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-from contextlib import contextmanager
 from dataclasses import asdict, replace
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, ContextManager, Iterator, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -32,21 +31,19 @@ from lit_rlvr.config.options import compile_problems
 from lit_rlvr.data.formats import render_prompt
 from lit_rlvr.envs import build_environment, env_options
 from lit_rlvr.hooks import RLVRCallback, check_rl_callbacks
-from lit_rlvr.models import load_policy
 from lit_rlvr.models.lora import LoraOptions, apply_lora, trainable_parameters
-from lit_rlvr.models.warmup import resolve_model_path
+from lit_rlvr.models.warmup import load_model
 from lit_rlvr.optim.build import build_optimizer, check_optimizer_options
 from lit_rlvr.optim.schedule import warmup_factor
 from lit_rlvr.rewards import build_reward_runner, reward_problems
-from lit_rlvr.rollout import build_engine
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 from lit_rlvr.rollout.driver import RolloutDriver, stop_token_ids
-from lit_rlvr.rollout.engine import EngineError, SamplingConfig
-from lit_rlvr.rollout.lora import SyncCheck, merged_push_problems
+from lit_rlvr.rollout.engine import SamplingConfig, engine_hint
 from lit_rlvr.rollout.multi_turn import env_metrics
 from lit_rlvr.run import distributed as D
 from lit_rlvr.run.adapter_export import AdapterExport
 from lit_rlvr.run.checkpoint_io import checkpoint_hint
+from lit_rlvr.run.counters import RunCounters
 from lit_rlvr.run.freeze import FreezeSetupObjects
 from lit_rlvr.run.one_line import config_phase
 from lit_rlvr.run.perf import StepFlops, recomputes_forward
@@ -91,13 +88,7 @@ class GRPOModule(pl.LightningModule):
         env_name = None if cfg.env.name == "none" else cfg.env.name
         self.environment = build_environment(env_name, env_options(cfg.env), reward=cfg.reward.name,
                                              reward_options=cfg.reward.options)
-        if isinstance(model, nn.Module):  # a model object with its tokenizer (a notebook)
-            if tokenizer is None:
-                raise ConfigError([f"model={type(model).__name__}: an nn.Module needs its tokenizer (tokenizer=...)"])
-            self.policy, self.tokenizer, self.model_path = model, tokenizer, None
-        else:
-            self.model_path = resolve_model_path(cfg.model.name_or_path, cfg.model.options)
-            self.policy, self.tokenizer = load_policy(self.model_path, cfg.model.dtype)
+        self.policy, self.tokenizer, self.model_path = load_model(model, tokenizer, cfg.model)
         self.context = model_context(self.policy, self.tokenizer)  # the positions every rollout must fit
         env_tokens = self.environment.max_tokens if self.environment is not None else None
         check_bounds(self.context, max_new_tokens=algo.max_new_tokens, env_max_tokens=env_tokens)  # before any work
@@ -107,16 +98,12 @@ class GRPOModule(pl.LightningModule):
         copies = algo.kl_coef > 0 and not self.lora.enabled  # LoRA's KL reference: the base itself (no second copy)
         self.ref_policy = copy.deepcopy(self.policy).requires_grad_(False).eval() if copies else None
         self.reward_runner = build_reward_runner(cfg.reward.name, cfg.reward.options)
-        self.sampling = SamplingConfig(temperature=algo.temperature, top_p=algo.top_p, top_k=algo.top_k,
-                                       max_new_tokens=algo.max_new_tokens, ignore_eos=algo.ignore_eos,
-                                       eval_temperature=algo.eval_temperature,
-                                       stop_token_ids=stop_token_ids(self.policy, self.tokenizer.eos_token_id))
+        self.sampling = SamplingConfig.of(algo, stop_token_ids(self.policy, self.tokenizer.eos_token_id))
         # built in setup(): after the strategy has placed (and maybe sharded) the policy
         self.engine: Optional[Any] = None
         self.driver: Optional[RolloutDriver] = None
         self.val_metrics = ValidationMetrics(algo.eval_samples)
-        self.counters = {"rollouts_total": 0, "tokens_generated": 0, "skipped_steps": 0, "bad_steps_in_row": 0,
-                         "reward_failures": 0, "rl_steps": 0}
+        self.counters = RunCounters()
         self.timer = StepTimer()
         self.step_metrics: dict[str, Tensor] = {}
         self._compiled: dict[str, nn.Module] = {}  # a dict: the compiled wrapper must not register as a submodule
@@ -162,16 +149,12 @@ class GRPOModule(pl.LightningModule):
             if problems:
                 raise ConfigError(problems)
         if self.engine is None:
-            options = dict(self.settings.engine.options)
             with config_phase():  # the engine's option checks are config errors (one line from every entry)
-                sync_check = SyncCheck.take_from(options)  # the driver's post-push check, not the engine's option
-                self.engine = build_engine(self.settings.engine.name, self.policy, self.tokenizer, options)
-                problems = merged_push_problems(self.engine, self.policy)  # before any rollout
-                if problems:
-                    raise ConfigError(problems)
-            self.driver = RolloutDriver(self.engine, self.tokenizer, self.reward_runner, self.sampling, self.policy,
-                                        sync_check, environment=self.environment,
-                                        chat_template=self.settings.model.chat_template)
+                self.driver = RolloutDriver.build(self.settings.engine.name, self.settings.engine.options,
+                                                  self.policy, self.tokenizer, self.reward_runner, self.sampling,
+                                                  environment=self.environment,
+                                                  chat_template=self.settings.model.chat_template)
+            self.engine = self.driver.engine
 
     def configure_model(self) -> None:
         """Lightning's parallelism hook: a sharding strategy (`FSDP2Strategy.parallelize`) shards here."""
@@ -285,12 +268,8 @@ class GRPOModule(pl.LightningModule):
         """The plan's samples, generated and scored (`RolloutDriver.rollout`); counted into the run's totals."""
         with self._engine_hint():
             result = self.driver.rollout(plan, step=self.global_step, seed_key=self.seed_key())
-        for phase, seconds in result.seconds.items():
-            self.timer.add(phase, seconds)
+        result.count_into(self.counters, self.timer)
         self.log_metrics(result.metrics)
-        self.counters["rollouts_total"] += result.num_rollouts
-        self.counters["tokens_generated"] += result.num_tokens
-        self.counters["reward_failures"] += result.reward_failures
         if result.stop_reason:  # a hung reward call is left running: finish the step, save, stop
             self.trainer.should_stop = True
         self.flops.add_generation(result.rollouts)
@@ -301,13 +280,9 @@ class GRPOModule(pl.LightningModule):
         and the plan's stream, so every engine call of a run draws from its own seed."""
         return (self.settings.seed, self.global_step)
 
-    @contextmanager
-    def _engine_hint(self) -> Iterator[None]:
+    def _engine_hint(self) -> ContextManager[None]:
         """An engine failure names the engine and says what survives and what to do."""
-        try:
-            yield
-        except EngineError as err:  # the same class (e.g. EngineSyncError), with the engine's name and the hint
-            raise type(err)(f"engine {self.settings.engine.name!r}: {err}; {checkpoint_hint(self._trainer)}") from err
+        return engine_hint(self.settings.engine.name, functools.partial(checkpoint_hint, self._trainer))
 
     def sync_engine(self) -> None:
         """After the optimizer step: the engine must hold the new mean weights (version = global step)."""
@@ -416,28 +391,19 @@ class GRPOModule(pl.LightningModule):
         self.log_dict(self.val_metrics.compute(), on_epoch=True, prog_bar=True)
         self.val_metrics.reset()
         if self.trainer.state.fn == "fit":  # a row logged inside fit carries the step before the policy's: say which
-            counters = self.global_counters()
+            counters = self.counters.global_values()
             self.log_dict({"val/rl_steps": float(counters["rl_steps"]),
                            "val/rollouts_total": float(counters["rollouts_total"])}, on_epoch=True)
-
-    SUMMED_COUNTERS = ("rollouts_total", "tokens_generated", "reward_failures")  # per rank; the run's is the sum
-
-    def global_counters(self) -> dict[str, int]:
-        """The run's counters summed over data-parallel ranks (a collective: call it on every rank)."""
-        values = D.all_reduce(torch.tensor([self.counters[k] for k in self.SUMMED_COUNTERS], dtype=torch.long))
-        return {**self.counters, **dict(zip(self.SUMMED_COUNTERS, values.tolist()))}
 
     # -- state -------------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # the run's totals (every rank saves, one file is written): a resume gives them to rank 0, 0 to the others
-        checkpoint["lit_rlvr"] = {"counters": self.global_counters(), "engine_version": self.global_step,
+        checkpoint["lit_rlvr"] = {"counters": self.counters.global_values(), "engine_version": self.global_step,
                                   "model_path": self.model_path, "rng": rng_states()}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("lit_rlvr", {})
-        self.counters.update(state.get("counters", {}))
-        if self.global_rank != 0:
-            self.counters.update(dict.fromkeys(self.SUMMED_COUNTERS, 0))
+        self.counters.restore(state.get("counters", {}), self.global_rank)
         if "rng" in state:  # a resumed run draws the random numbers the uninterrupted run would have drawn
             set_rng_states(state["rng"])
         if self.driver is not None:  # the engine must receive the restored weights before the next rollout
