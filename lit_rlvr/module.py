@@ -13,51 +13,46 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-from contextlib import contextmanager
-from dataclasses import asdict, fields, replace
-from typing import Any, Callable, Iterator, Optional, Union
+from dataclasses import replace
+from typing import Any, Callable, ContextManager, Iterator, Optional, Union
 
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
 from lit_rlvr import functional as F
-from lit_rlvr.algorithms.filter_groups import GroupFilter
+from lit_rlvr.algorithms.filter_groups import DataStream, GroupFilter
 from lit_rlvr.config.bounds import check_bounds, model_context, response_budget
 from lit_rlvr.config.arguments import module_settings
 from lit_rlvr.config.errors import ConfigError, GenerationBudgetError, NonFiniteError, RewardHangError
 from lit_rlvr.config.settings import (AlgorithmConfig, EngineConfig, EnvConfig, FilterGroups, LoraOptions,
                                       ModelConfig, PerfConfig, RewardConfig)
-from lit_rlvr.config.options import compile_problems, consistency_problems, finite_problems, range_problems
+from lit_rlvr.config.options import compile_problems
 from lit_rlvr.data.formats import render_prompt
 from lit_rlvr.envs import build_environment, env_options
 from lit_rlvr.hooks import RLVRCallback, check_rl_callbacks
-from lit_rlvr.models import load_policy
 from lit_rlvr.models.lora import apply_lora, model_problems, trainable_parameters
-from lit_rlvr.models.warmup import resolve_model_path
+from lit_rlvr.models.warmup import load_model
 from lit_rlvr.optim.build import build_optimizer, check_optimizer_options
 from lit_rlvr.optim.schedule import warmup_factor
 from lit_rlvr.rewards import build_reward_runner, reward_problems
-from lit_rlvr.rollout import build_engine
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 from lit_rlvr.rollout.driver import RolloutDriver, stop_token_ids
-from lit_rlvr.rollout.engine import EngineError, SamplingConfig
-from lit_rlvr.rollout.lora import SyncCheck, merged_push_problems
+from lit_rlvr.rollout.engine import SamplingConfig, engine_hint
 from lit_rlvr.rollout.multi_turn import env_metrics
 from lit_rlvr.run import distributed as D
 from lit_rlvr.run.adapter_export import AdapterExport
 from lit_rlvr.run.checkpoint_io import checkpoint_hint
+from lit_rlvr.run.counters import RunCounters
 from lit_rlvr.run.freeze import FreezeSetupObjects
 from lit_rlvr.run.one_line import config_phase
 from lit_rlvr.run.perf import StepFlops, recomputes_forward
 from lit_rlvr.run.rng import rng_states, seed_of, set_rng_states
-from lit_rlvr.run.step_log import StepTimer, write_step_metrics
+from lit_rlvr.run.step_log import StepTimer, step_row, write_step_metrics
 from lit_rlvr.run.validation import ValidationMetrics
 from lit_rlvr.update import SEQUENCE_METRICS, TOKEN_METRICS, RolloutCorrector, Update
 
 log = logging.getLogger(__name__)
-
-
 
 
 class GRPOModule(pl.LightningModule):
@@ -93,13 +88,7 @@ class GRPOModule(pl.LightningModule):
         env_name = None if cfg.env.name == "none" else cfg.env.name
         self.environment = build_environment(env_name, env_options(cfg.env), reward=cfg.reward.name,
                                              reward_options=cfg.reward.options)
-        if isinstance(model, nn.Module):  # a model object with its tokenizer (a notebook)
-            if tokenizer is None:
-                raise ConfigError([f"model={type(model).__name__}: an nn.Module needs its tokenizer (tokenizer=...)"])
-            self.policy, self.tokenizer, self.model_path = model, tokenizer, None
-        else:
-            self.model_path = resolve_model_path(cfg.model.name_or_path, cfg.model.options)
-            self.policy, self.tokenizer = load_policy(self.model_path, cfg.model.dtype)
+        self.policy, self.tokenizer, self.model_path = load_model(model, tokenizer, cfg.model)
         self.context = model_context(self.policy, self.tokenizer)  # the positions every rollout must fit
         env_tokens = self.environment.max_tokens if self.environment is not None else None
         check_bounds(self.context, max_new_tokens=algo.max_new_tokens, env_max_tokens=env_tokens)  # before any work
@@ -109,16 +98,12 @@ class GRPOModule(pl.LightningModule):
         copies = algo.kl_coef > 0 and not self.lora.enabled  # LoRA's KL reference: the base itself (no second copy)
         self.ref_policy = copy.deepcopy(self.policy).requires_grad_(False).eval() if copies else None
         self.reward_runner = build_reward_runner(cfg.reward.name, cfg.reward.options)
-        self.sampling = SamplingConfig(temperature=algo.temperature, top_p=algo.top_p, top_k=algo.top_k,
-                                       max_new_tokens=algo.max_new_tokens, ignore_eos=algo.ignore_eos,
-                                       eval_temperature=algo.eval_temperature,
-                                       stop_token_ids=stop_token_ids(self.policy, self.tokenizer.eos_token_id))
+        self.sampling = SamplingConfig.of(algo, stop_token_ids(self.policy, self.tokenizer.eos_token_id))
         # built in setup(): after the strategy has placed (and maybe sharded) the policy
         self.engine: Optional[Any] = None
         self.driver: Optional[RolloutDriver] = None
         self.val_metrics = ValidationMetrics(algo.eval_samples)
-        self.counters = {"rollouts_total": 0, "tokens_generated": 0, "skipped_steps": 0, "bad_steps_in_row": 0,
-                         "reward_failures": 0, "rl_steps": 0}
+        self.counters = RunCounters()
         self.timer = StepTimer()
         self.step_metrics: dict[str, Tensor] = {}
         self._compiled: dict[str, nn.Module] = {}  # a dict: the compiled wrapper must not register as a submodule
@@ -128,10 +113,8 @@ class GRPOModule(pl.LightningModule):
         self.sequence_metrics = self.sequence_metrics | per_sequence
         enable = self.filter_groups.enable  # DAPO's dynamic sampling
         self.group_filter = GroupFilter(self.filter_groups, self.tokenizer.pad_token_id) if enable else None
-        self._data_iter: Optional[Iterator] = None  # during a step that reads further batches (the group filter)
-        if self.group_filter is not None:
-            # Lightning hands a step the data iterator only when `training_step` takes `dataloader_iter`, and then
-            # skips its batch hooks: only a run whose collector reads further batches is switched to it
+        self._data_stream = DataStream(None)  # a step's, when its collector reads further batches (DataStream)
+        if self.group_filter is not None:  # only such a run asks Lightning for the iterator (it skips batch hooks)
             self.training_step = self._training_step_reading_batches
 
     @property
@@ -143,18 +126,10 @@ class GRPOModule(pl.LightningModule):
         self.settings = replace(self.settings, algorithm=value)
 
     def _check_settings(self) -> tuple[LoraOptions, RolloutCorrector, FilterGroups]:
-        """The rules of the range table that train.py checks too (lit_rlvr.config.options), before the model loads."""
+        """The settings' own rules (`ModuleSettings.problems`), the reward's, LoRA's on this model and the
+        optimizer's, before the model loads."""
         cfg, algo = self.settings, self.settings.algorithm
-        flat = {f.name: getattr(algo, f.name) for f in fields(algo) if f.name != "filter_groups"}
-        sections = {"model.options": cfg.model.options,
-                    "reward.options": cfg.reward.options, "engine.options": cfg.engine.options, "env": asdict(cfg.env),
-                    "perf": asdict(cfg.perf), "algorithm.optimizer_options": algo.optimizer_options,
-                    "algorithm.rollout_correction": asdict(algo.rollout_correction)}
-        problems = (range_problems(flat, "algorithm")
-                    + range_problems(asdict(algo.filter_groups), "algorithm.filter_groups")
-                    + [p for key, section in sections.items() for p in finite_problems(section, key)]
-                    + consistency_problems(flat) + compile_problems(cfg.model.compile, sharded=False)
-                    + reward_problems(cfg.reward.name, cfg.reward.options))  # e.g. a reward server's URL, reached
+        problems = cfg.problems() + reward_problems(cfg.reward.name, cfg.reward.options)  # e.g. a server, reached
         if problems:
             raise ConfigError(problems)
         lora = cfg.model.lora
@@ -174,16 +149,12 @@ class GRPOModule(pl.LightningModule):
             if problems:
                 raise ConfigError(problems)
         if self.engine is None:
-            options = dict(self.settings.engine.options)
             with config_phase():  # the engine's option checks are config errors (one line from every entry)
-                sync_check = SyncCheck.take_from(options)  # the driver's post-push check, not the engine's option
-                self.engine = build_engine(self.settings.engine.name, self.policy, self.tokenizer, options)
-                problems = merged_push_problems(self.engine, self.policy)  # before any rollout
-                if problems:
-                    raise ConfigError(problems)
-            self.driver = RolloutDriver(self.engine, self.tokenizer, self.reward_runner, self.sampling, self.policy,
-                                        sync_check, environment=self.environment,
-                                        chat_template=self.settings.model.chat_template)
+                self.driver = RolloutDriver.build(self.settings.engine.name, self.settings.engine.options,
+                                                  self.policy, self.tokenizer, self.reward_runner, self.sampling,
+                                                  environment=self.environment,
+                                                  chat_template=self.settings.model.chat_template)
+            self.engine = self.driver.engine
 
     def configure_model(self) -> None:
         """Lightning's parallelism hook: a sharding strategy (`FSDP2Strategy.parallelize`) shards here."""
@@ -253,13 +224,12 @@ class GRPOModule(pl.LightningModule):
 
     def _training_step_reading_batches(self, dataloader_iter: Iterator) -> None:
         """`training_step` of a run whose collector reads further batches of the data stream within the step."""
-        batch, batch_idx, _ = next(dataloader_iter)
-        self._note_batch()
-        self._data_iter = dataloader_iter
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        self._data_stream = DataStream(dataloader_iter, datamodule)
         try:
-            return type(self).training_step(self, batch, batch_idx)
+            return type(self).training_step(self, *self._data_stream.first())
         finally:
-            self._data_iter = None
+            self._data_stream = DataStream(None)
 
     def collect(self, batch: dict[str, list]) -> Rollouts:
         """The step's rollouts: the batch's (`collect_rollouts`), or with `filter_groups` the groups whose metric
@@ -267,30 +237,12 @@ class GRPOModule(pl.LightningModule):
         if self.group_filter is None:
             return self.collect_rollouts(batch)
         try:
-            rollouts, metrics = self.group_filter.collect(batch, self.collect_rollouts, self._next_batch)
+            rollouts, metrics = self.group_filter.collect(batch, self.collect_rollouts, self._data_stream.next_batch)
         except GenerationBudgetError as err:  # what the run keeps, and that the cap may change on resume
             raise GenerationBudgetError([f"{err.problems[0]}; {checkpoint_hint(self._trainer)} (the cap may change "
                                          "on resume)"]) from err
         self.log_metrics(metrics)
         return rollouts
-
-    def _next_batch(self) -> Optional[dict[str, list]]:
-        """The data stream's next batch within this step, or None when it ran out (or outside `fit`)."""
-        if self._data_iter is None:
-            return None
-        try:
-            batch, _, _ = next(self._data_iter)
-        except StopIteration:
-            return None
-        self._note_batch()
-        return batch
-
-    def _note_batch(self) -> None:
-        """Tell the datamodule a batch was used: it keeps the data position that a resume continues from
-        (Lightning skips its batch hooks when the step reads the iterator itself)."""
-        datamodule = self.trainer.datamodule if self._trainer is not None else None
-        if hasattr(datamodule, "note_batches"):
-            datamodule.note_batches(1)
 
     def collect_rollouts(self, batch: dict[str, list], seed_stream: tuple[int, ...] = ()) -> Rollouts:
         """Plan the batch, let the callbacks edit the plan, generate and score. `seed_stream`: appended to the seed
@@ -316,12 +268,8 @@ class GRPOModule(pl.LightningModule):
         """The plan's samples, generated and scored (`RolloutDriver.rollout`); counted into the run's totals."""
         with self._engine_hint():
             result = self.driver.rollout(plan, step=self.global_step, seed_key=self.seed_key())
-        for phase, seconds in result.seconds.items():
-            self.timer.add(phase, seconds)
+        result.count_into(self.counters, self.timer)
         self.log_metrics(result.metrics)
-        self.counters["rollouts_total"] += result.num_rollouts
-        self.counters["tokens_generated"] += result.num_tokens
-        self.counters["reward_failures"] += result.reward_failures
         if result.stop_reason:  # a hung reward call is left running: finish the step, save, stop
             self.trainer.should_stop = True
         self.flops.add_generation(result.rollouts)
@@ -332,13 +280,9 @@ class GRPOModule(pl.LightningModule):
         and the plan's stream, so every engine call of a run draws from its own seed."""
         return (self.settings.seed, self.global_step)
 
-    @contextmanager
-    def _engine_hint(self) -> Iterator[None]:
+    def _engine_hint(self) -> ContextManager[None]:
         """An engine failure names the engine and says what survives and what to do."""
-        try:
-            yield
-        except EngineError as err:  # the same class (e.g. EngineSyncError), with the engine's name and the hint
-            raise type(err)(f"engine {self.settings.engine.name!r}: {err}; {checkpoint_hint(self._trainer)}") from err
+        return engine_hint(self.settings.engine.name, functools.partial(checkpoint_hint, self._trainer))
 
     def sync_engine(self) -> None:
         """After the optimizer step: the engine must hold the new mean weights (version = global step)."""
@@ -426,28 +370,11 @@ class GRPOModule(pl.LightningModule):
                                   for k, v in metrics.items()})
 
     def _log_step(self, rollouts: Rollouts, step_s: float) -> None:
-        lengths = rollouts.response_mask.sum(-1).float()  # [N]
-        metrics = {
-            "reward/mean": rollouts.rewards.mean(),
-            "reward/accuracy": (rollouts.rewards > 0).float().mean(),
-            "reward/malformed_frac": rollouts.malformed.float().mean(),
-            "response/len_mean": lengths.mean(),
-            "response/len_max": lengths.max(),
-            "response/clip_frac": torch.tensor([r == "length" for r in rollouts.finish_reason]).float().mean(),
-            # generated this step (more than the trained batch when a subclass drops groups)
-            "rollouts/per_step": torch.tensor(float(self.counters["rollouts_total"] - self.step_rollouts_start)),
-            "rollouts/total": torch.tensor(float(self.counters["rollouts_total"])),
-            "train/skipped_steps": torch.tensor(float(self.counters["skipped_steps"])),
-            "perf/tokens_per_s": torch.tensor(rollouts.num_tokens() / max(step_s, 1e-9)),
-            "time/step_s": torch.tensor(step_s),
-            **{f"time/{k}": torch.tensor(v) for k, v in self.timer.times.items()},
-            **self.flops.metrics(rollouts, self.timer.times, passes=self.algorithm.ppo_epochs,
-                                 reference=self.ref_policy is not None,
-                                 recompute=recomputes_forward(self.policy),
-                                 old_forward=not self.rollout_correction.options.bypass),
-            **env_metrics(rollouts),  # multi-turn only: env/turns_mean, env/tool_calls_mean, ...
-        }
-        self.log_metrics(metrics)
+        flops = self.flops.metrics(rollouts, self.timer.times, passes=self.algorithm.ppo_epochs,
+                                   reference=self.ref_policy is not None, recompute=recomputes_forward(self.policy),
+                                   old_forward=not self.rollout_correction.options.bypass)
+        self.log_metrics(step_row(rollouts, self.counters, self.step_rollouts_start, self.timer, step_s,
+                                  {**flops, **env_metrics(rollouts)}))  # env/*: multi-turn only
         self.step_metrics = D.reduce_metrics(self.step_metrics)  # the global batch's figures, on every rank
         write_step_metrics(self.trainer, self.step_metrics, progress_bar=("reward/mean", "reward/accuracy"))
 
@@ -464,28 +391,19 @@ class GRPOModule(pl.LightningModule):
         self.log_dict(self.val_metrics.compute(), on_epoch=True, prog_bar=True)
         self.val_metrics.reset()
         if self.trainer.state.fn == "fit":  # a row logged inside fit carries the step before the policy's: say which
-            counters = self.global_counters()
+            counters = self.counters.global_values()
             self.log_dict({"val/rl_steps": float(counters["rl_steps"]),
                            "val/rollouts_total": float(counters["rollouts_total"])}, on_epoch=True)
-
-    SUMMED_COUNTERS = ("rollouts_total", "tokens_generated", "reward_failures")  # per rank; the run's is the sum
-
-    def global_counters(self) -> dict[str, int]:
-        """The run's counters summed over data-parallel ranks (a collective: call it on every rank)."""
-        values = D.all_reduce(torch.tensor([self.counters[k] for k in self.SUMMED_COUNTERS], dtype=torch.long))
-        return {**self.counters, **dict(zip(self.SUMMED_COUNTERS, values.tolist()))}
 
     # -- state -------------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # the run's totals (every rank saves, one file is written): a resume gives them to rank 0, 0 to the others
-        checkpoint["lit_rlvr"] = {"counters": self.global_counters(), "engine_version": self.global_step,
+        checkpoint["lit_rlvr"] = {"counters": self.counters.global_values(), "engine_version": self.global_step,
                                   "model_path": self.model_path, "rng": rng_states()}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("lit_rlvr", {})
-        self.counters.update(state.get("counters", {}))
-        if self.global_rank != 0:
-            self.counters.update(dict.fromkeys(self.SUMMED_COUNTERS, 0))
+        self.counters.restore(state.get("counters", {}), self.global_rank)
         if "rng" in state:  # a resumed run draws the random numbers the uninterrupted run would have drawn
             set_rng_states(state["rng"])
         if self.driver is not None:  # the engine must receive the restored weights before the next rollout

@@ -364,7 +364,7 @@ def _reward_means(metrics_csv: Path) -> list[float]:
 
 def summarise(cfg, run_dir: Path, module: GRPOModule, before, after, wall_s: float) -> dict[str, Any]:
     """The run's summary.json (a collective under several ranks: the counters are summed over them)."""
-    counters = module.global_counters()
+    counters = module.counters.global_values()
     rewards = _reward_means(run_dir / "metrics.csv")
     first = rewards[: max(1, len(rewards) // 10)]
     last = rewards[-max(1, len(rewards) // 10) :]

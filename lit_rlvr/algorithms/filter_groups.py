@@ -12,7 +12,7 @@ one line naming the key (verl raises there too); running out of data trains on t
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -81,3 +81,35 @@ class GroupFilter:
                    "dapo/cap_hit": float(have < target), "reward/accuracy_generated": correct / max(generated, 1),
                    "reward/mean_generated": total / max(generated, 1)}
         return out, {k: torch.tensor(v) for k, v in metrics.items()}
+
+
+class DataStream:
+    """The data stream of one step whose collector reads further batches (the group filter's refills).
+
+    Lightning hands a step the data iterator only when `training_step` takes `dataloader_iter`, and then skips its
+    batch hooks: this owns the iterator for the step and tells the datamodule (`note_batches`) of every batch it
+    hands out, so the datamodule keeps the data position that a resume continues from."""
+
+    def __init__(self, iterator: Optional[Iterator], datamodule: Any = None):
+        self.iterator, self.datamodule = iterator, datamodule
+
+    def first(self) -> tuple[Batch, int]:
+        """The step's own batch and its index."""
+        batch, batch_idx, _ = next(self.iterator)
+        self._note_batch()
+        return batch, batch_idx
+
+    def next_batch(self) -> Optional[Batch]:
+        """The stream's next batch within this step, or None when it ran out (or outside a fit: no iterator)."""
+        if self.iterator is None:
+            return None
+        try:
+            batch, _, _ = next(self.iterator)
+        except StopIteration:
+            return None
+        self._note_batch()
+        return batch
+
+    def _note_batch(self) -> None:
+        if hasattr(self.datamodule, "note_batches"):
+            self.datamodule.note_batches(1)

@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, fields, is_dataclass
 from typing import Any, Mapping, Optional
 
 from lit_rlvr.config.errors import ConfigError
-from lit_rlvr.config.problems import problem_line, unknown_key_problems
+from lit_rlvr.config.options import compile_problems, consistency_problems, range_problems
+from lit_rlvr.config.problems import finite_problems, problem_line, unknown_key_problems
 from lit_rlvr.config.settings import AlgorithmConfig, EngineConfig, EnvConfig, ModelConfig, PerfConfig, RewardConfig
 
 # flat keyword -> (group, field); None: the keyword is a mapping of the group's fields
@@ -42,6 +43,20 @@ class ModuleSettings:
     def as_dict(self) -> dict[str, Any]:
         """Nested plain values (the module's saved hyperparameters): `module_settings` reads them back."""
         return {f.name: asdict(v) if is_dataclass(v) else v for f in fields(self) for v in [getattr(self, f.name)]}
+
+    def problems(self) -> list[str]:
+        """The rules of the range table that train.py checks too (lit_rlvr.config.options) that need no model:
+        ranges, finite numbers, consistency; one line each."""
+        algo = self.algorithm
+        flat = {f.name: getattr(algo, f.name) for f in fields(algo) if not is_dataclass(getattr(algo, f.name))}
+        sections = {"model.options": self.model.options,  # (LoraOptions and RolloutCorrection check their own)
+                    "reward.options": self.reward.options, "engine.options": self.engine.options,
+                    "env": asdict(self.env), "perf": asdict(self.perf),
+                    "algorithm.optimizer_options": algo.optimizer_options}
+        return (range_problems(flat, "algorithm")
+                + range_problems(asdict(algo.filter_groups), "algorithm.filter_groups")
+                + [p for key, section in sections.items() for p in finite_problems(section, key)]
+                + consistency_problems(flat) + compile_problems(self.model.compile, sharded=False))
 
 
 def build(cls: type, value: Any, section: str) -> Any:

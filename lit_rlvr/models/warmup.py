@@ -16,15 +16,19 @@ import warnings
 import zlib
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
+from torch import nn
+
+from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.config.settings import ModelConfig
 
 from lit_rlvr.data.tasks.arithmetic import ArithmeticTask, arithmetic_reward
 from lit_rlvr.data.tasks.arithmetic_cot import ArithmeticCoTTask, arithmetic_cot_reward
 from lit_rlvr.envs import build_environment
 from lit_rlvr.envs.calculator import demonstration
-from lit_rlvr.models import tiny
+from lit_rlvr.models import load_policy, tiny
 from lit_rlvr.rollout.engine import SamplingParams
 from lit_rlvr.rollout.hf import HFEngine
 from lit_rlvr.rollout.multi_turn import MultiTurn
@@ -172,6 +176,17 @@ def resolve_model_path(name_or_path: str, options: dict[str, Any] | None = None)
     if name_or_path.startswith((".", "/", "~")) and not local.exists():
         raise FileNotFoundError(f"model.name_or_path={name_or_path!r}: no such directory")
     return str(local) if local.exists() else name_or_path
+
+
+def load_model(model: Any, tokenizer: Any, config: ModelConfig) -> tuple[nn.Module, Any, Optional[str]]:
+    """(policy, tokenizer, path): `model` itself with its `tokenizer` when it is an `nn.Module` (a notebook; no
+    path), else `config.name_or_path` resolved (`resolve_model_path`) and loaded in `config.dtype`."""
+    if isinstance(model, nn.Module):
+        if tokenizer is None:
+            raise ConfigError([f"model={type(model).__name__}: an nn.Module needs its tokenizer (tokenizer=...)"])
+        return model, tokenizer, None
+    path = resolve_model_path(config.name_or_path, config.options)
+    return (*load_policy(path, config.dtype), path)
 
 
 def _warn_if_capped(record: dict) -> None:

@@ -19,11 +19,12 @@ import torch
 from torch import Tensor, nn
 
 from lit_rlvr.config.bounds import model_context
-from lit_rlvr.config.errors import RewardHangError
+from lit_rlvr.config.errors import ConfigError, RewardHangError
 from lit_rlvr.envs import Environment
+from lit_rlvr.rollout import build_engine
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts, rollouts_from_completions
 from lit_rlvr.rollout.engine import Completion, EngineError, RolloutEngine, SamplingConfig, SamplingParams
-from lit_rlvr.rollout.lora import SyncCheck, probe_prompt
+from lit_rlvr.rollout.lora import SyncCheck, merged_push_problems, probe_prompt
 from lit_rlvr.rollout.multi_turn import Episode, MultiTurn, score_episodes
 from lit_rlvr.rollout.weight_sync import PushResult, WeightSync
 from lit_rlvr.run import distributed as D
@@ -44,6 +45,14 @@ class RolloutResult:
     # gen_s, reward_s, sync_s, env_s (sync_s and env_s, the environments' time, are within gen_s)
     seconds: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, Tensor] = field(default_factory=dict)  # the pushes' checks (`engine/sync_logp_diff`)
+
+    def count_into(self, counters: dict[str, int], timer: StepTimer) -> None:
+        """Add this call's phase seconds to the step's `timer` and what it generated to the run's `counters`."""
+        for phase, seconds in self.seconds.items():
+            timer.add(phase, seconds)
+        counters["rollouts_total"] += self.num_rollouts
+        counters["tokens_generated"] += self.num_tokens
+        counters["reward_failures"] += self.reward_failures
 
 
 @dataclass
@@ -89,6 +98,22 @@ class RolloutDriver:
                            if environment else None)
         probe = probe_prompt(tokenizer) if sync_check is not None and sync_check.every else ()
         self.weight_sync = WeightSync(engine, policy, sync_check, probe)  # what the engine holds; every push
+
+    @classmethod
+    def build(cls, engine_name: str, options: dict[str, Any], policy: nn.Module, tokenizer: Any, reward_runner: Any,
+              sampling: SamplingConfig, *, environment: Optional[Environment] = None,
+              chat_template: bool = False) -> "RolloutDriver":
+        """The engine `engine_name` built with its `options` (`lit_rlvr.rollout.build_engine`; they may hold the
+        driver's post-push check, `SyncCheck`), refused before any rollout if it cannot take this policy's merged
+        pushes, and its driver."""
+        options = dict(options)
+        sync_check = SyncCheck.take_from(options)  # the driver's post-push check, not the engine's option
+        engine = build_engine(engine_name, policy, tokenizer, options)
+        problems = merged_push_problems(engine, policy)
+        if problems:
+            raise ConfigError(problems)
+        return cls(engine, tokenizer, reward_runner, sampling, policy, sync_check, environment=environment,
+                   chat_template=chat_template)
 
     # -- generation --------------------------------------------------------------------------------------------
     def rollout(self, plan: RolloutPlan, *, step: int, seed_key: tuple) -> RolloutResult:

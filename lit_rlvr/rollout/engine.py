@@ -3,18 +3,29 @@
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from lit_rlvr.config.options import range_problems
+from lit_rlvr.config.settings import AlgorithmConfig
 
 
 class EngineError(RuntimeError):
     """The rollout engine failed (its process died, or it did not answer in time); the message names the cause.
     `GRPOModule` re-raises it naming the step and the checkpoint to resume from."""
+
+
+@contextmanager
+def engine_hint(name: str, hint: Callable[[], str]) -> Iterator[None]:
+    """An engine failure names the engine `name` and says what survives and what to do (`hint()`, asked then)."""
+    try:
+        yield
+    except EngineError as err:  # the same class (e.g. EngineSyncError), with the engine's name and the hint
+        raise type(err)(f"engine {name!r}: {err}; {hint()}") from err
 
 
 @dataclass(frozen=True)
@@ -63,6 +74,13 @@ class SamplingConfig:
                                   "algorithm")
         if problems:
             raise ValueError("; ".join(problems))
+
+    @classmethod
+    def of(cls, algorithm: AlgorithmConfig, stop_token_ids: tuple[int, ...]) -> "SamplingConfig":
+        """The sampling settings of `algorithm`, stopping at `stop_token_ids` (besides the tokenizer's eos)."""
+        return cls(temperature=algorithm.temperature, top_p=algorithm.top_p, top_k=algorithm.top_k,
+                   max_new_tokens=algorithm.max_new_tokens, ignore_eos=algorithm.ignore_eos,
+                   eval_temperature=algorithm.eval_temperature, stop_token_ids=stop_token_ids)
 
     def params(self, seed: int, *, evaluation: bool = False) -> SamplingParams:
         return SamplingParams(temperature=self.eval_temperature if evaluation else self.temperature,

@@ -1,12 +1,14 @@
-"""What one RL step records: its phase timings (`StepTimer`) and its row of metrics (`write_step_metrics`)."""
+"""What one RL step records: its phase timings (`StepTimer`), its row of metrics (`step_row`) and where the row goes
+(`write_step_metrics`)."""
 
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator, Mapping
 
 import lightning.pytorch as pl
+import torch
 from torch import Tensor
 
 PHASES = ("gen_s", "reward_s", "train_s", "sync_s")
@@ -37,6 +39,30 @@ class StepTimer:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
+
+
+def step_row(rollouts: Any, counters: Mapping[str, int], rollouts_at_start: int, timer: StepTimer, step_s: float,
+             extra: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The step's own metrics: reward and response figures of the trained `rollouts` (a `Rollouts`), the run's
+    `counters` (rollouts generated since `rollouts_at_start`, the step's first), the `timer`'s phases, then `extra`
+    (the FLOPs and the environment's figures)."""
+    lengths = rollouts.response_mask.sum(-1).float()  # [N]
+    return {
+        "reward/mean": rollouts.rewards.mean(),
+        "reward/accuracy": (rollouts.rewards > 0).float().mean(),
+        "reward/malformed_frac": rollouts.malformed.float().mean(),
+        "response/len_mean": lengths.mean(),
+        "response/len_max": lengths.max(),
+        "response/clip_frac": torch.tensor([r == "length" for r in rollouts.finish_reason]).float().mean(),
+        # generated this step (more than the trained batch when groups were dropped)
+        "rollouts/per_step": torch.tensor(float(counters["rollouts_total"] - rollouts_at_start)),
+        "rollouts/total": torch.tensor(float(counters["rollouts_total"])),
+        "train/skipped_steps": torch.tensor(float(counters["skipped_steps"])),
+        "perf/tokens_per_s": torch.tensor(rollouts.num_tokens() / max(step_s, 1e-9)),
+        "time/step_s": torch.tensor(step_s),
+        **{f"time/{k}": torch.tensor(v) for k, v in timer.times.items()},
+        **extra,
+    }
 
 
 def write_step_metrics(trainer: pl.Trainer, metrics: dict[str, Tensor], progress_bar: tuple[str, ...] = ()) -> None:
