@@ -86,11 +86,14 @@ def check_command_line(config_dir: Optional[str] = None, argv: Optional[Sequence
     itself. Help, multirun sweeps and other config folders go to Hydra unchecked."""
     args = get_args_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     if (args.help or args.hydra_help or args.info or args.shell_completion or args.multirun or args.config_path
-            or args.config_dir or args.experimental_rerun):
+            or args.experimental_rerun):
         return
+    overrides = list(args.overrides)
+    if args.config_dir:  # a folder of the user's configs, searched beside the package's (Hydra's --config-dir)
+        overrides.append(f"hydra.searchpath=[file://{Path(args.config_dir).absolute()}]")
     with one_line_errors():
         try:
-            compose_checked(config_dir, args.overrides, args.config_name or "config")
+            compose_checked(config_dir, overrides, args.config_name or "config")
         except ConfigError:
             raise
         except Exception:  # Hydra's own errors: it reports them when it composes

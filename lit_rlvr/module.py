@@ -124,6 +124,7 @@ class GRPOModule(pl.LightningModule):
     @algorithm.setter
     def algorithm(self, value: AlgorithmConfig) -> None:  # tests and benchmarks vary one setting of a built module
         self.settings = replace(self.settings, algorithm=value)
+        self.hparams["algorithm"] = self.settings.as_dict()["algorithm"]  # what a checkpoint records
 
     def _check_settings(self) -> tuple[LoraOptions, RolloutCorrector, FilterGroups]:
         """The settings' own rules (`ModuleSettings.problems`), the reward's, LoRA's on this model and the
@@ -158,7 +159,7 @@ class GRPOModule(pl.LightningModule):
 
     def configure_model(self) -> None:
         """Lightning's parallelism hook: a sharding strategy (`FSDP2Strategy.parallelize`) shards here."""
-        parallelize = getattr(self.trainer.strategy, "parallelize", None)
+        parallelize = getattr(self.trainer.strategy, "parallelize", None) if self._trainer is not None else None
         if parallelize is not None:
             parallelize(self)
 

@@ -129,3 +129,36 @@ def test_config_errors_are_one_line_from_the_cli_as_from_train_py(tmp_path):
     assert f"config error: {err.value}" == train_line
     report(fault="config errors, one line (CLI, train.py, Python)", bad_inputs=len(BAD_CLI) + 2, survived=False,
            stopped_cleanly=True, data_lost=0)
+
+
+# jsonargparse's reports (4.x) of a value it refuses, as the CLI printed them before they became one line
+NESTED_TYPE = '''Parser key "model":
+  Does not validate against any of the Union subtypes
+  Subtypes: [<class 'lit_rlvr.module.GRPOModule'>, <class 'NoneType'>]
+  Errors:
+    - Problem with given class_path 'lit_rlvr.module.GRPOModule':
+        Parser key "algorithm.lr":
+          Expected a <class 'float'>. Got value: abc
+    - Expected a <class 'NoneType'>
+  Given value type: <class 'jsonargparse._util.NestedArg'>
+  Given value: NestedArg(key='algorithm.lr', val='abc')'''
+NESTED_UNKNOWN = '''Parser key "model":
+  Does not validate against any of the Union subtypes
+  Subtypes: [<class 'lit_rlvr.module.GRPOModule'>, <class 'NoneType'>]
+  Errors:
+    - Problem with given class_path 'lit_rlvr.module.GRPOModule':
+        unrecognized arguments: --algorithm.lrr=1
+    - Expected a <class 'NoneType'>'''
+
+
+@pytest.mark.parametrize("message, line", [
+    (NESTED_TYPE, "model.init_args.algorithm.lr=abc is not valid: expected a number"),
+    (NESTED_UNKNOWN, "model.init_args.algorithm.lrr is not an option"),
+    ('Parser key "data.batch_size":\n  Expected a <class \'int\'>. Got value: abc',
+     "data.batch_size=abc is not valid: expected an integer"),
+    ("unrecognized arguments: --trainer.max_stepz=3", "trainer.max_stepz is not an option"),
+])
+def test_a_value_the_parser_refuses_is_one_line_naming_the_clis_key(message, line):
+    from lit_rlvr.cli import cli_keys, parse_error_line
+
+    assert cli_keys(parse_error_line(message)).startswith(line)

@@ -207,7 +207,7 @@ def test_nonsense_skyrl_options_are_one_line(options, line):
 def test_the_module_rejects_it_before_the_model_loads(monkeypatch):
     from lit_rlvr import module
 
-    monkeypatch.setattr(module, "load_policy", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     with pytest.raises(ConfigError, match=r"env\.stop=\[''\] is not valid"):
         module.GRPOModule(env="retry", env_options={"stop": [""]})
 

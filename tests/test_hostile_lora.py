@@ -198,7 +198,7 @@ def test_the_module_refuses_it_for_a_model_directory_before_loading(tmp_path, mo
     import lit_rlvr.module as module_file
 
     path = save(*build_tiny(), tmp_path / "model")
-    monkeypatch.setattr(module_file, "load_policy", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(module_file, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     with pytest.raises(ConfigError, match="'v_prj' names no module of this model; valid: down_proj"):
         module_file.GRPOModule(model=str(path), lora={"rank": 4, "target_modules": ["q_proj", "v_prj"]})
 

@@ -178,7 +178,7 @@ def test_the_module_refuses_a_non_finite_nested_option_before_the_model_loads(mo
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(module_file, "load_policy", no_load)
+    monkeypatch.setattr(module_file, "load_model", no_load)
     with pytest.raises(ConfigError, match=r"algorithm\.optimizer_options\.ess=inf"):
         GRPOModule(optimizer="ivon", optimizer_options={"ess": math.inf}, grad_clip=0.0)
     with pytest.raises(ConfigError, match=r"engine\.options\.sync_check_tol=nan"):

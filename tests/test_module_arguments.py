@@ -3,6 +3,9 @@ notebook's flat keywords (the constructor's arguments before the settings were t
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import pytest
 
 from lit_rlvr.config.arguments import module_settings
@@ -75,3 +78,24 @@ def test_a_model_object_with_its_tokenizer_trains_as_the_policy():
     assert module.settings.model.name_or_path == type(policy).__name__
     with pytest.raises(ConfigError, match="needs its tokenizer"):
         GRPOModule(model=policy)
+
+
+@pytest.mark.parametrize("build, line", [
+    (lambda: AlgorithmConfig(lr="abc"), "algorithm.lr='abc' is not valid: expected a number > 0"),
+    (lambda: replace(AlgorithmConfig(), lr=math.inf), "algorithm.lr=inf is not valid: expected a finite number"),
+    (lambda: AlgorithmConfig(betas=(0.9,)), "algorithm.betas=(0.9,) is not valid: expected two numbers in [0, 1)"),
+    (lambda: AlgorithmConfig(betas=(1.5, 0.9)), "algorithm.betas=(1.5, 0.9) is not valid"),
+    (lambda: ModelConfig(compile="maybe"), "model.compile='maybe' is not valid: expected true or false"),
+    (lambda: EngineConfig("vlm"), "engine.name='vlm' is not valid: expected one of hf, sglang, vllm"),
+    (lambda: EnvConfig(max_turns=0), "env.max_turns=0 is not valid"),
+    (lambda: _settings(model=5), "model=5 is not valid"),
+    (lambda: _settings(seed="abc"), "seed='abc' is not valid: expected an integer"),
+    (lambda: _settings(algorithm=AlgorithmConfig(lr=1e-4), lr=1e-3), "lr and algorithm= both set algorithm settings"),
+    (lambda: _settings(model={"options": {"lr": 5e-4}}, model_options={"target": 0.2}),
+     "model_options and model= both set model settings"),
+])
+def test_a_settings_object_refuses_what_train_py_refuses_wherever_it_is_built(build, line):
+    """Built in Python, by `replace` or by the constructor's arguments: the same one line as train.py's check."""
+    with pytest.raises(ConfigError) as caught:
+        build()
+    assert caught.value.problems[0].startswith(line), caught.value.problems

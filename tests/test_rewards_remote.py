@@ -112,7 +112,7 @@ def test_an_unreachable_server_stops_the_run_before_any_work_naming_the_url(monk
     assert len(problems) == 1 and problems[0].startswith(f"reward.options.url={url!r}: the server cannot be reached")
     import lit_rlvr.module as module
 
-    monkeypatch.setattr(module, "load_policy", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     with pytest.raises(ConfigError, match="the server cannot be reached"):
         module.GRPOModule(reward="remote", reward_options={"url": url})
 

@@ -113,7 +113,7 @@ def test_bad_term_settings_are_one_line_naming_the_key_before_any_work(options, 
 def test_the_module_checks_reward_settings_before_the_model_loads(monkeypatch):
     import lit_rlvr.module as module
 
-    monkeypatch.setattr(module, "load_policy", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     with pytest.raises(ConfigError, match=r"reward.options.terms.format.options.pattern"):
         module.GRPOModule(reward="terms", reward_options={"terms": {"format": {"options": {"pattern": "("}}}})
 

@@ -68,3 +68,23 @@ def test_doc_example_trains_two_steps(my_losses):
     assert any(not torch.equal(a, b) for a, b in zip(before, module.policy.parameters()))
     with pytest.raises(ValueError, match="algorithm.max_is_weight"):
         my_losses.ReinforceModule(model="tiny", model_options=dict(TINY), max_is_weight=0.5)
+
+
+def test_the_docs_algorithm_yaml_with_the_subclass_argument_composes(my_losses, tmp_path):
+    """The doc's `conf/algorithm/reinforce.yaml` (a subclass's own key beside the settings) composes through train.py's
+    check, and its key reaches the subclass; a misspelt key in such a file is still one line naming it."""
+    from lit_rlvr.entry import compose_checked
+    from lit_rlvr.recipe import module_arguments
+
+    recipe = re.search(r"```yaml\n(defaults:.*?)```", DOC.read_text(), flags=re.S).group(1)
+    (tmp_path / "algorithm").mkdir()
+    (tmp_path / "algorithm" / "reinforce.yaml").write_text(recipe)
+    (tmp_path / "algorithm" / "typo.yaml").write_text("defaults:\n  - grpo\n  - _self_\nname: typo\nlrr: 1.0\n")
+    search = f"hydra.searchpath=[file://{tmp_path}]"
+    args = module_arguments(compose_checked(None, [search, "algorithm=reinforce"]))
+    assert args["_target_"] == "my_losses.ReinforceModule" and args["max_is_weight"] == 2.0
+    from lit_rlvr.config.config_check import check_config
+    from lit_rlvr.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"algorithm\.lrr is not an option \(did you mean algorithm\.lr\?\)"):
+        check_config(compose_checked(None, [search, "algorithm=typo"]))

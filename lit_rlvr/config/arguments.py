@@ -11,9 +11,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, is_dataclass
 from typing import Any, Mapping, Optional
 
+from torch import nn
+
 from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.config.options import compile_problems, consistency_problems, range_problems
-from lit_rlvr.config.problems import finite_problems, problem_line, unknown_key_problems
+from lit_rlvr.config.problems import convert, finite_problems, problem_line, unknown_key_problems
 from lit_rlvr.config.settings import AlgorithmConfig, EngineConfig, EnvConfig, ModelConfig, PerfConfig, RewardConfig
 
 # flat keyword -> (group, field); None: the keyword is a mapping of the group's fields
@@ -93,18 +95,29 @@ def module_settings(model: Any, algorithm: Any, reward: Any, engine: Any, env: A
     for group, cls in GROUPS.items():
         value = given[group]
         if group in shorthand and value is not None and not isinstance(value, (cls, Mapping)):
-            if group == "model" and not isinstance(value, str):  # an nn.Module object
+            if group == "model" and isinstance(value, nn.Module):  # the object itself: the module keeps it
                 value = type(value).__name__
+            elif group in ("model", "engine") and not isinstance(value, str):
+                extra = ", or an nn.Module with its tokenizer" if group == "model" else ""
+                raise ConfigError([problem_line(group, value, f"a name, a {cls.__name__} or a mapping of its "
+                                                              f"fields{extra}")])
             value = {shorthand[group]: value}
         groups[group] = build(cls, value, group)
     problems = unknown_key_problems("", list(shortcuts), SHORTCUTS)
     if problems:
         raise ConfigError(problems)
+    given_typed = {g for g, cls in GROUPS.items() if isinstance(given[g], Mapping) or (
+        isinstance(given[g], cls) and given[g] != cls())}  # (a signature's default instance is not "given")
+    mixed = sorted({SHORTCUTS[key][0] for key in shortcuts} & given_typed)
+    if mixed:  # which would win is not obvious: say it once instead
+        keys = ", ".join(k for k in shortcuts if SHORTCUTS[k][0] == mixed[0])
+        raise ConfigError([f"{keys} and {mixed[0]}= both set {mixed[0]} settings: give them in one place (the "
+                           f"{GROUPS[mixed[0]].__name__}, or the keywords alone)"])
     for key, value in shortcuts.items():
         group, name = SHORTCUTS[key]
         values = dict(value or {}) if name is None else {name: value}  # None: a mapping of the group's fields
         groups[group] = build(GROUPS[group], {**_fields(groups[group]), **values}, group)
-    return ModuleSettings(seed=seed, **groups)
+    return ModuleSettings(seed=convert("seed", seed, int), **groups)
 
 
 def _fields(settings: Any) -> dict[str, Any]:

@@ -46,7 +46,10 @@ def register() -> None:
     """Store each schema as `schema/<package>` (idempotent: a second call replaces the same entries)."""
     store = ConfigStore.instance()
     for package, cls in SCHEMAS.items():
-        store.store(group=GROUP, name=package, node=_writable(OmegaConf.structured(cls)))
+        node = _writable(OmegaConf.structured(cls))
+        if package == "algorithm":  # a module subclass's own arguments are keys of its algorithm YAML too
+            OmegaConf.set_struct(node, False)  # (train.py's config check refuses keys that no class takes)
+        store.store(group=GROUP, name=package, node=node)
 
 
 def _writable(node: DictConfig) -> DictConfig:

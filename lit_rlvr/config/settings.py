@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.config.rollout_correction import RolloutCorrection
-from lit_rlvr.config.problems import convert, problem_line, unknown_key_problems
+from lit_rlvr.config.problems import convert, finite_problems, problem_line, unknown_key_problems
 from lit_rlvr.functional import ADVANTAGES, AGGREGATIONS, GROUP_FILTER_METRICS, KL_ESTIMATORS, POLICY_LOSSES
 
 Rule = tuple[Callable[[Any], bool], str]  # (is the value valid?, what is expected)
@@ -99,6 +99,15 @@ def field_problems(values: Mapping[str, Any], cls: type, section: str) -> list[s
     return problems
 
 
+def check_fields(settings: Any, section: str) -> None:
+    """A settings object's own values against its fields' rules, and every float finite (`finite_problems`): a
+    `ConfigError`, one line per bad value, wherever the object is built (train.py, the CLI, Python, `replace`)."""
+    values = {f.name: getattr(settings, f.name) for f in fields(settings)}
+    problems = finite_problems(values, section) or field_problems(values, type(settings), section)
+    if problems:
+        raise ConfigError(problems)
+
+
 def part(cls: type, source: Any) -> Any:
     """The fields of dataclass `cls` read off `source` (a larger settings object with the same field names)."""
     return cls(**{f.name: getattr(source, f.name) for f in fields(cls)})
@@ -115,7 +124,9 @@ class OptimConfig:
 
     optimizer: str = setting("adamw", one_of(("adamw", "ivon")))
     lr: float = setting(3.0e-4, POSITIVE)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[float, float] = setting((0.9, 0.999), (lambda v: len(v) == 2 and all(_real(b) and 0 <= b < 1
+                                                                                  for b in v),
+                                                        "two numbers in [0, 1) (Adam's β1, β2)"))
     weight_decay: float = setting(0.0, NON_NEGATIVE)
     warmup_steps: int = setting(0, at_least(0))
     warmup_from_zero: bool = False
@@ -226,6 +237,7 @@ class AlgorithmConfig(SamplingOptions, UpdateConfig, LossConfig, OptimConfig):
     rollout_correction: RolloutCorrection = setting(factory=RolloutCorrection)
 
     def __post_init__(self) -> None:
+        check_fields(self, "algorithm")
         # from a mapping (Python, a container of the composed config): the typed nested settings
         object.__setattr__(self, "filter_groups", FilterGroups.from_options(self.filter_groups))
         object.__setattr__(self, "rollout_correction", RolloutCorrection.from_options(self.rollout_correction))
@@ -335,14 +347,16 @@ class ModelConfig:
     the tokenizer's chat template (instruct models); `compile`: the update's forward and backward through
     `torch.compile` (docs/mfu.md); `lora`: LoRA adapters instead of full fine-tuning (`LoraOptions`)."""
 
-    name_or_path: str = "tiny"
+    name_or_path: str = setting("tiny", (lambda v: isinstance(v, str) and bool(v), "an HF path or hub name, or tiny"))
     dtype: str = "float32"
     chat_template: bool = False
-    compile: bool = setting(False, on_resume=True)  # the same update through compiled kernels (float order only)
+    # the same update through compiled kernels (float order only): a resume may change it
+    compile: bool = setting(False, (lambda v: isinstance(v, bool), "true or false"), on_resume=True)
     options: dict[str, Any] = setting(factory=dict)
     lora: LoraOptions = setting(factory=LoraOptions)
 
     def __post_init__(self) -> None:
+        check_fields(self, "model")
         object.__setattr__(self, "lora", LoraOptions.from_any(self.lora))  # a mapping of its fields, or None
 
 
@@ -359,8 +373,11 @@ class RewardConfig:
 class EngineConfig:
     """The `engine` group: `name` hf | sglang | vllm, `options` the engine's (docs/engines.md)."""
 
-    name: str = "hf"
+    name: str = setting("hf", one_of(("hf", "sglang", "vllm")))
     options: dict[str, Any] = setting(factory=dict)
+
+    def __post_init__(self) -> None:
+        check_fields(self, "engine")
 
 
 @dataclass(frozen=True)
@@ -384,6 +401,9 @@ class EnvConfig:
     options: dict[str, Any] = setting(rule=(lambda v: isinstance(v, Mapping), "a mapping of the environment's "
                                                                                "options"), factory=dict)
 
+    def __post_init__(self) -> None:
+        check_fields(self, "env")
+
 
 @dataclass(frozen=True)
 class PerfConfig:
@@ -394,3 +414,6 @@ class PerfConfig:
                                                  "the device's peak FLOP/s, a number > 0 (e.g. 989.4e12: an H100 in "
                                                  "bf16), or null (a CPU's measured, a GPU's published; docs/mfu.md)"))
     cache_dir: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        check_fields(self, "perf")
