@@ -324,7 +324,8 @@ def evaluate_adapter(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         options = options_from_adapter(directory)
         cfg = cfg.copy()
         with open_dict(cfg):
-            cfg.model.lora = OmegaConf.create(options.as_dict())
+            for key, value in options.as_dict().items():  # field by field: the node is typed (LoraOptions)
+                cfg.model.lora[key] = value
         datamodule = _instantiate(cfg.data)
         trainer = build_trainer(cfg, run_dir)
         _load_data(datamodule, trainer, "validate")

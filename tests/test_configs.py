@@ -54,7 +54,7 @@ def test_every_algorithm_builds_module_and_trainer(algorithm, tiny_path, tmp_pat
         ("algorithm.group_size=0", "algorithm.group_size"),
         ("algorithm.top_p=0", "top_p"),
         ("engine.options.mode=bogus", "engine.options.mode"),
-        ("engine.name=bogus", "engine="),
+        ("engine.name=bogus", "engine.name='bogus' is not valid"),
         ("reward.name=bogus", "reward="),
         ("model.dtype=float8", "model.dtype"),
     ],
