@@ -6,7 +6,7 @@ One RL step (docs/architecture.md §3), with B prompts:
 
     on_rollout_plan       V0 predicts p̂ [B] in context (this run's recent records); prior V = low + (high−low)·p̂
                           (= 2p̂ − 1 for ±1 rewards); first round = k_init samples per prompt; OSLA rule installed
-    module.rollout        after every round the rule re-estimates Δ̂² and asks for one more sample where the
+    driver.rollout        after every round the rule re-estimates Δ̂² and asks for one more sample where the
                           expected MSE reduction beats the cost c (Eq. 12), under the batch rules, ≤ k_max
     on_before_advantages  rollouts.baseline = fused baseline b (Eq. 8), so A = r − b (std scaling off by default)
     on_rl_step_end        context += this step's (prompt, success rate, n); v05/* metrics and time/prior_s

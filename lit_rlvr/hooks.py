@@ -56,5 +56,4 @@ def check_rl_callbacks(callbacks: Iterable[Any], algorithm: AlgorithmConfig) -> 
         cb.check_algorithm(algorithm)
     counts_set_by = next((type(cb).__name__ for cb in rl if cb.sets_sample_counts), None)
     problems = group_size_problem(algorithm.group_size, counts_set_by)
-    if problems:
-        raise ConfigError(problems)
+    ConfigError.check(problems)

@@ -1,11 +1,8 @@
-"""`GRPOModule`: the LightningModule of one RL step (docs/architecture.md §3).
-
-plan → rollout and reward → advantages → update → engine weight sync. Generation (engine calls, rounds, weight
-pushes, scoring) is the `RolloutDriver`'s (lit_rlvr.rollout.driver); the update (loss passes over micro-batches,
-optimizer steps) is the `Update`'s (lit_rlvr.update), built from the module's parts for each step; the optimizer is
-built in lit_rlvr.optim. Subclass points: `compute_advantages`, `policy_loss`, `configure_optimizers`.
-Methods that change the plan, the baseline or the weights the gradient is taken at are `RLVRCallback`s
-(lit_rlvr.hooks).
+"""`GRPOModule`: the LightningModule of one RL step (docs/architecture.md §3): plan → rollout and reward →
+advantages → update → engine weight sync. The step's rollouts are a `StepCollector`'s (lit_rlvr.rollout.collector,
+over the `RolloutDriver`), its optimizer steps an `Update`'s (lit_rlvr.update), both built from the module's parts
+for each step. Subclass points: `compute_advantages`, `policy_loss`, `configure_optimizers`. Methods that change
+the plan, the baseline or the weights the gradient is taken at are `RLVRCallback`s (lit_rlvr.hooks).
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ import copy
 import functools
 import logging
 from dataclasses import replace
-from typing import Any, Callable, ContextManager, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -24,19 +21,18 @@ from lit_rlvr import functional as F
 from lit_rlvr.algorithms.filter_groups import DataStream, GroupFilter
 from lit_rlvr.config.bounds import check_bounds, model_context, response_budget
 from lit_rlvr.config.arguments import module_settings
-from lit_rlvr.config.errors import ConfigError, GenerationBudgetError, NonFiniteError, RewardHangError
-from lit_rlvr.config.settings import (AlgorithmConfig, EngineConfig, EnvConfig, FilterGroups, LoraOptions,
-                                      ModelConfig, PerfConfig, RewardConfig)
+from lit_rlvr.config.errors import ConfigError, NonFiniteError, RewardHangError
+from lit_rlvr.config.settings import (AlgorithmConfig, EngineConfig, EnvConfig, ModelConfig, PerfConfig,
+                                      RewardConfig)
 from lit_rlvr.config.options import compile_problems
-from lit_rlvr.data.formats import render_prompt
 from lit_rlvr.envs import build_environment, env_options
 from lit_rlvr.hooks import RLVRCallback, check_rl_callbacks
 from lit_rlvr.models.lora import apply_lora, model_problems, trainable_parameters
 from lit_rlvr.models.warmup import load_model
-from lit_rlvr.optim.build import build_optimizer, check_optimizer_options
-from lit_rlvr.optim.schedule import warmup_factor
+from lit_rlvr.optim.build import check_optimizer_options, optimizer_and_schedule
 from lit_rlvr.rewards import build_reward_runner, reward_problems
-from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
+from lit_rlvr.rollout.batch import Rollouts
+from lit_rlvr.rollout.collector import StepCollector, plan_batch
 from lit_rlvr.rollout.driver import RolloutDriver, stop_token_ids
 from lit_rlvr.rollout.engine import SamplingConfig, engine_hint
 from lit_rlvr.rollout.multi_turn import env_metrics
@@ -58,14 +54,11 @@ log = logging.getLogger(__name__)
 class GRPOModule(pl.LightningModule):
     """GRPO with PPO-clip (Shao et al. 2024) and the usual knobs; docs/architecture.md §4 has the equations.
 
-    Settings (lit_rlvr.config.settings), one typed object per config group, each given as the object, a mapping of
-    its fields, or its shorthand: `model` a `ModelConfig`, an HF path or hub name, "tiny" (the built-in model), or an
-    `nn.Module` with its `tokenizer`; `algorithm` an `AlgorithmConfig` (loss, advantages, update, optimizer,
-    sampling; verl's `rollout_correction` and `filter_groups`); `reward` a `RewardConfig`, a built-in name,
-    "package.module:function" or the callable `fn(prompt, completion, answer) -> score`; `engine` (hf, sglang,
-    vllm); `env` (multi-turn environments, docs/environments.md); `perf` (the peak FLOP/s of `perf/mfu_*`);
-    `seed`. A notebook may give any setting as a flat keyword instead (`lr=1e-4`, `group_size=4`,
-    `model_options={...}`: `lit_rlvr.config.arguments.SHORTCUTS`).
+    Settings (lit_rlvr.config.settings): one typed object per config group (`model`, `algorithm`, `reward`,
+    `engine`, `env`, `perf`) and the `seed`. Each may be given as the object, a mapping of its fields or its
+    shorthand (`model="tiny"`, an HF path, or an `nn.Module` with its `tokenizer`; `reward` a built-in name,
+    "package.module:function" or a callable), or, in a notebook, as flat keywords (`lr=1e-4`:
+    `lit_rlvr.config.arguments.SHORTCUTS`).
     """
 
     # loss metrics that are means over response tokens, and over sequences (a subclass may move one)
@@ -82,20 +75,19 @@ class GRPOModule(pl.LightningModule):
             self.settings = module_settings(model, algorithm, reward, engine, env, perf, seed, shortcuts)
         # Lightning's copy, for `load_from_checkpoint` and the loggers (nested plain values: the CLI's keys)
         self.save_hyperparameters(self.settings.as_dict())
-        self.lora, self.rollout_correction, self.filter_groups = self._check_settings()
+        self._check_settings()
         cfg, algo = self.settings, self.settings.algorithm
         self.flops = StepFlops(cfg.perf.peak_flops, cfg.perf.cache_dir)  # perf/*: model FLOPs and MFU of each step
-        env_name = None if cfg.env.name == "none" else cfg.env.name
-        self.environment = build_environment(env_name, env_options(cfg.env), reward=cfg.reward.name,
-                                             reward_options=cfg.reward.options)
+        self.environment = build_environment(cfg.env.name, env_options(cfg.env), reward=cfg.reward.name,
+                                             reward_options=cfg.reward.options)  # None with env=none
         self.policy, self.tokenizer, self.model_path = load_model(model, tokenizer, cfg.model)
         self.context = model_context(self.policy, self.tokenizer)  # the positions every rollout must fit
         env_tokens = self.environment.max_tokens if self.environment is not None else None
         check_bounds(self.context, max_new_tokens=algo.max_new_tokens, env_max_tokens=env_tokens)  # before any work
         self.response_budget = response_budget(algo.max_new_tokens, env_tokens)  # (tokens, key): the data check's
-        self.policy = apply_lora(self.policy, self.lora, seed=seed)  # only the adapters require grad
+        self.policy = apply_lora(self.policy, cfg.model.lora, seed=seed)  # only the adapters require grad
         self.policy.train()  # from_pretrained returns eval mode; Lightning toggles modes itself from here
-        copies = algo.kl_coef > 0 and not self.lora.enabled  # LoRA's KL reference: the base itself (no second copy)
+        copies = algo.kl_coef > 0 and not cfg.model.lora.enabled  # LoRA's KL reference: the base (no second copy)
         self.ref_policy = copy.deepcopy(self.policy).requires_grad_(False).eval() if copies else None
         self.reward_runner = build_reward_runner(cfg.reward.name, cfg.reward.options)
         self.sampling = SamplingConfig.of(algo, stop_token_ids(self.policy, self.tokenizer.eos_token_id))
@@ -107,14 +99,8 @@ class GRPOModule(pl.LightningModule):
         self.timer = StepTimer()
         self.step_metrics: dict[str, Tensor] = {}
         self._compiled: dict[str, nn.Module] = {}  # a dict: the compiled wrapper must not register as a submodule
-        # the loss's metrics that average over sequences rather than tokens (GSPO's clip fraction)
-        per_sequence = F.SEQUENCE_METRICS[algo.policy_loss]
-        self.token_metrics = self.token_metrics - per_sequence
-        self.sequence_metrics = self.sequence_metrics | per_sequence
-        enable = self.filter_groups.enable  # DAPO's dynamic sampling
-        self.group_filter = GroupFilter(self.filter_groups, self.tokenizer.pad_token_id) if enable else None
         self._data_stream = DataStream(None)  # a step's, when its collector reads further batches (DataStream)
-        if self.group_filter is not None:  # only such a run asks Lightning for the iterator (it skips batch hooks)
+        if algo.filter_groups.enable:  # only such a run asks Lightning for the iterator (it skips batch hooks)
             self.training_step = self._training_step_reading_batches
 
     @property
@@ -126,29 +112,21 @@ class GRPOModule(pl.LightningModule):
         self.settings = replace(self.settings, algorithm=value)
         self.hparams["algorithm"] = self.settings.as_dict()["algorithm"]  # what a checkpoint records
 
-    def _check_settings(self) -> tuple[LoraOptions, RolloutCorrector, FilterGroups]:
-        """The settings' own rules (`ModuleSettings.problems`), the reward's, LoRA's on this model and the
-        optimizer's, before the model loads."""
+    def _check_settings(self) -> None:
+        """The settings' own rules (`ModuleSettings.problems`), the reward's, LoRA's on this model, the
+        optimizer's and the correction's on this class, before the model loads."""
         cfg, algo = self.settings, self.settings.algorithm
-        problems = cfg.problems() + reward_problems(cfg.reward.name, cfg.reward.options)  # e.g. a server, reached
-        if problems:
-            raise ConfigError(problems)
-        lora = cfg.model.lora
-        problems = model_problems(lora, cfg.model.name_or_path, cfg.model.options)  # before the warm-up and the load
-        if problems:
-            raise ConfigError(problems)
+        ConfigError.check(cfg.problems() + reward_problems(cfg.reward.name, cfg.reward.options)  # a server: reached
+                          or model_problems(cfg.model.lora, cfg.model.name_or_path, cfg.model.options))
         check_optimizer_options(algo.optimizer, algo.optimizer_options, lr=algo.lr, grad_clip=algo.grad_clip,
                                 weight_decay=algo.weight_decay, dtype=cfg.model.dtype)
-        return (lora, RolloutCorrector.from_options(algo.rollout_correction, type(self), GRPOModule),
-                algo.filter_groups)
+        algo.rollout_correction.check_loss_class(type(self), GRPOModule)
 
     # -- Lightning plumbing ----------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         check_rl_callbacks(self.rl_callbacks(), self.algorithm)  # the Lightning CLI and Python reach this first
         if self.settings.model.compile:  # (setup may run without a trainer: tests, notebooks)
-            problems = compile_problems(True, sharded=hasattr(self.trainer.strategy, "parallelize"))
-            if problems:
-                raise ConfigError(problems)
+            ConfigError.check(compile_problems(True, sharded=hasattr(self.trainer.strategy, "parallelize")))
         if self.engine is None:
             with config_phase():  # the engine's option checks are config errors (one line from every entry)
                 self.driver = RolloutDriver.build(self.settings.engine.name, self.settings.engine.options,
@@ -164,17 +142,14 @@ class GRPOModule(pl.LightningModule):
             parallelize(self)
 
     def on_fit_start(self) -> None:
-        self._engine_to_device()
+        self.on_validation_start()  # the engine on the trainer's device
         self.flops.setup(self.policy, self.device, self.trainer, self.engine)
 
     def configure_callbacks(self) -> list[pl.Callback]:
         # with LoRA, every checkpoint save writes the adapter beside it, from every entry point
-        return [FreezeSetupObjects(), *([AdapterExport()] if self.lora.enabled else [])]
+        return [FreezeSetupObjects(), *([AdapterExport()] if self.settings.model.lora.enabled else [])]
 
     def on_validation_start(self) -> None:
-        self._engine_to_device()
-
-    def _engine_to_device(self) -> None:
         """A `copy` engine was built before the strategy placed the policy: put it on the trainer's device."""
         if self.engine is not None:
             self.engine.to(self.device)
@@ -184,16 +159,11 @@ class GRPOModule(pl.LightningModule):
             self.engine.sleep()
 
     def configure_optimizers(self):
-        hp, trainer = self.algorithm, self._trainer  # None when called outside a fit (tests, notebooks)
-        with config_phase():  # the optimizer's own checks (torch: "Invalid learning rate") are config errors
-            optimizer = build_optimizer(hp.optimizer, trainable_parameters(self.policy),
-                                        lr=self.lora.learning_rate(hp.lr), betas=hp.betas, weight_decay=hp.weight_decay,
-                                        options=hp.optimizer_options, seed=self.settings.seed,
-                                        rank=self.global_rank, world_size=trainer.world_size if trainer else 1,
-                                        strategy=type(trainer.strategy).__name__ if trainer else "none")
-        factor = functools.partial(warmup_factor, warmup_steps=hp.warmup_steps, from_zero=hp.warmup_from_zero)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        trainer, algo = self._trainer, self.algorithm  # no trainer outside a fit (tests, notebooks)
+        return optimizer_and_schedule(algo.optim, trainable_parameters(self.policy),
+                                      lr=self.settings.model.lora.learning_rate(algo.lr), seed=self.settings.seed,
+                                      rank=self.global_rank, world_size=trainer.world_size if trainer else 1,
+                                      strategy=type(trainer.strategy).__name__ if trainer else "none")
 
     def rl_callbacks(self) -> list[RLVRCallback]:
         trainer = self._trainer
@@ -233,57 +203,32 @@ class GRPOModule(pl.LightningModule):
             self._data_stream = DataStream(None)
 
     def collect(self, batch: dict[str, list]) -> Rollouts:
-        """The step's rollouts: the batch's (`collect_rollouts`), or with `filter_groups` the groups whose metric
-        differs, refilled from the next batches (`GroupFilter`)."""
-        if self.group_filter is None:
-            return self.collect_rollouts(batch)
-        try:
-            rollouts, metrics = self.group_filter.collect(batch, self.collect_rollouts, self._data_stream.next_batch)
-        except GenerationBudgetError as err:  # what the run keeps, and that the cap may change on resume
-            raise GenerationBudgetError([f"{err.problems[0]}; {checkpoint_hint(self._trainer)} (the cap may change "
-                                         "on resume)"]) from err
+        """The step's rollouts, from its `StepCollector` (with `filter_groups`: refilled from the data stream)."""
+        collector = self.make_collector()
+        rollouts, metrics = collector.collect(batch)
         self.log_metrics(metrics)
+        if collector.stop_reason:  # a hung reward call is left running: finish the step, save, stop
+            self.trainer.should_stop = True
         return rollouts
 
-    def collect_rollouts(self, batch: dict[str, list], seed_stream: tuple[int, ...] = ()) -> Rollouts:
-        """Plan the batch, let the callbacks edit the plan, generate and score. `seed_stream`: appended to the seed
-        keys of the plan's engine calls, so each batch of a step that draws several (the group filter's refills)
-        samples from its own stream; () for the step's first."""
-        plan = self.make_plan(batch, seed_stream)
-        self.call_rl_hooks("on_rollout_plan", plan)
-        return self.rollout(plan)
-
-    def make_plan(self, batch: dict[str, list], seed_stream: tuple[int, ...] = ()) -> RolloutPlan:
-        prompts = [self.render_prompt(p) for p in batch["prompt"]]
-        token_ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"] if prompts else []
-        return RolloutPlan(prompts, list(batch["answer"]), token_ids, [self.algorithm.group_size] * len(prompts),
-                           seed_stream=seed_stream)
-
-    def render_prompt(self, prompt: Any) -> str:
-        if isinstance(prompt, str) and not self.settings.model.chat_template:
-            return prompt
-
-        return render_prompt(prompt, self.tokenizer, chat_template=self.settings.model.chat_template)
-
-    def rollout(self, plan: RolloutPlan) -> Rollouts:
-        """The plan's samples, generated and scored (`RolloutDriver.rollout`); counted into the run's totals."""
-        with self._engine_hint():
-            result = self.driver.rollout(plan, step=self.global_step, seed_key=self.seed_key())
-        result.count_into(self.counters, self.timer)
-        self.log_metrics(result.metrics)
-        if result.stop_reason:  # a hung reward call is left running: finish the step, save, stop
-            self.trainer.should_stop = True
-        self.flops.add_generation(result.rollouts)
-        return result.rollouts
+    def make_collector(self) -> StepCollector:
+        """This step's collector, built from the module's parts as they are now (like `make_update`)."""
+        algo, trainer = self.algorithm, self._trainer
+        hooks = [functools.partial(cb.on_rollout_plan, trainer, self) for cb in self.rl_callbacks()]
+        group_filter = (GroupFilter(algo.filter_groups, self.tokenizer.pad_token_id)
+                        if algo.filter_groups.enable else None)
+        return StepCollector(self.driver, self.tokenizer, algo.group_size, self.global_step, self.seed_key(),
+                             self.counters, self.timer, self.flops, chat_template=self.settings.model.chat_template,
+                             plan_hooks=hooks, group_filter=group_filter, next_batch=self._data_stream.next_batch,
+                             engine_name=self.settings.engine.name, hint=self._checkpoint_hint)
 
     def seed_key(self) -> tuple[int, int]:
-        """(run seed, step): the key of this step's sampling seeds; the driver appends the round, the weight source
-        and the plan's stream, so every engine call of a run draws from its own seed."""
+        """(run seed, step): this step's seed key; the driver adds the round, weight source and plan's stream."""
         return (self.settings.seed, self.global_step)
 
-    def _engine_hint(self) -> ContextManager[None]:
-        """An engine failure names the engine and says what survives and what to do."""
-        return engine_hint(self.settings.engine.name, functools.partial(checkpoint_hint, self._trainer))
+    def _checkpoint_hint(self) -> str:
+        """What the run keeps if it fails now (its last checkpoint) and what to do."""
+        return checkpoint_hint(self._trainer)
 
     def sync_engine(self) -> None:
         """After the optimizer step: the engine must hold the new mean weights (version = global step)."""
@@ -293,25 +238,19 @@ class GRPOModule(pl.LightningModule):
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         # after the callbacks' hook: RunCheckpoint has saved this step (the driver set should_stop)
-        reason = self.reward_runner.stop_reason
-        if reason:
-            raise RewardHangError(f"{reason}; {checkpoint_hint(self._trainer)}")
+        if self.reward_runner.stop_reason:
+            raise RewardHangError(f"{self.reward_runner.stop_reason}; {self._checkpoint_hint()}")
 
     # -- advantages and loss (subclass points) ----------------------------------------------------------------
     def compute_advantages(self, rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
-        """[N] advantages of `algorithm.advantages` (`functional.ADVANTAGES`); relative to `rollouts.baseline` when
-        a callback set one (V0.5). With `overlong_cache_len` > 0, of the reward plus DAPO's overlong penalty
-        (Yu et al. 2025, Eq. 13: `functional.overlong_penalty` over the last `overlong_cache_len` tokens of the
-        budget, scaled by `overlong_penalty_factor`); `rollouts.rewards` stays the task reward, so `reward/accuracy`
-        keeps its meaning. With an environment the budget is the rollout's, `env.max_tokens`, over its whole
-        response (turns and observations), not one turn's `max_new_tokens`."""
-        hp = self.algorithm
-        metrics: dict[str, Tensor] = {}
+        """[N] advantages of `algorithm.advantages` (`functional.ADVANTAGES`), relative to `rollouts.baseline` when
+        a callback set one (V0.5), of the reward plus DAPO's overlong penalty with `overlong_cache_len` > 0
+        (`functional.overlong_penalty`, Eq. 13; with an environment over the rollout's whole budget, `env.max_tokens`).
+        `rollouts.rewards` stays the task reward, so `reward/accuracy` keeps its meaning."""
+        hp, metrics = self.algorithm, {}
         if hp.overlong_cache_len > 0:
-            if self.environment is None:
-                lengths, max_len = rollouts.response_mask.sum(-1), hp.max_new_tokens  # [N]
-            else:
-                lengths, max_len = rollouts.response_attention_mask.sum(-1), self.environment.max_tokens  # [N]
+            lengths, max_len = ((rollouts.response_mask.sum(-1), hp.max_new_tokens) if self.environment is None
+                                else (rollouts.response_attention_mask.sum(-1), self.environment.max_tokens))  # [N]
             penalty, metrics = F.overlong_penalty(lengths, max_len=max_len, cache_len=hp.overlong_cache_len,
                                                   factor=hp.overlong_penalty_factor)
             rollouts = replace(rollouts, rewards=rollouts.rewards + penalty)  # [N]; a view of the batch, no copy
@@ -337,32 +276,29 @@ class GRPOModule(pl.LightningModule):
         try:
             self.log_metrics(self.make_update().run(rollouts, step=self.global_step))
         except NonFiniteError as err:  # the same error, saying what the run keeps
-            raise NonFiniteError(f"{err}; {checkpoint_hint(self._trainer)}") from None
+            raise NonFiniteError(f"{err}; {self._checkpoint_hint()}") from None
 
     def make_update(self, optimizer: Optional[Any] = None) -> Update:
-        """The update, built from the module's parts as they are now: `algorithm`'s loss, update and optimizer
-        settings, the fit's optimizer and lr schedule, the callbacks' loss contexts. Cheap, so built for every step:
-        a `module.algorithm` replaced between steps takes effect at the next one. Without a trainer (tests,
-        notebooks): `optimizer` (None: loss passes only), plain autograd, no callbacks."""
+        """The update, built for every step from the module's parts as they are now (a `module.algorithm` replaced
+        between steps takes effect at the next). Without a trainer (tests, notebooks): `optimizer` (None: loss
+        passes only), plain autograd, no callbacks."""
         fitting, algorithm = self._trainer is not None, self.algorithm
         contexts = [functools.partial(cb.loss_context, self.trainer, self) for cb in self.rl_callbacks()]
         return Update(self.policy, self.optimizers() if fitting else optimizer,
                       self.lr_schedulers() if fitting else None, loss=algorithm.loss, update=algorithm.update,
                       grad_clip=algorithm.grad_clip, temperature=algorithm.temperature,
                       norm_len=algorithm.max_new_tokens, policy_loss=self.policy_loss,
-                      correction=self.rollout_correction, ref_policy=self.ref_policy, loss_contexts=contexts,
-                      backward=self.manual_backward if fitting else None, model=self.update_policy(),
-                      counters=self.counters, timer=self.timer, device=self.device,
+                      correction=RolloutCorrector(algorithm.rollout_correction), ref_policy=self.ref_policy,
+                      loss_contexts=contexts, backward=self.manual_backward if fitting else None,
+                      model=self.update_policy(), counters=self.counters, timer=self.timer, device=self.device,
                       token_metrics=self.token_metrics, sequence_metrics=self.sequence_metrics)
 
     def update_policy(self) -> nn.Module:
-        """The policy as the update's loss runs it: compiled with `compile_update` (dynamic shapes: micro-batches
-        of any size and width reuse one graph), itself otherwise. Same parameters either way."""
-        if not self.settings.model.compile:
-            return self.policy
-        if "policy" not in self._compiled:
+        """The policy as the loss runs it: compiled once with `model.compile` (dynamic shapes: micro-batches of any
+        size and width reuse one graph), itself otherwise. Same parameters either way."""
+        if self.settings.model.compile and "policy" not in self._compiled:
             self._compiled["policy"] = torch.compile(self.policy, dynamic=True)
-        return self._compiled["policy"]
+        return self._compiled.get("policy", self.policy)
 
     # -- metrics ----------------------------------------------------------------------------------------------
     def log_metrics(self, metrics: dict[str, Tensor]) -> None:
@@ -373,7 +309,7 @@ class GRPOModule(pl.LightningModule):
     def _log_step(self, rollouts: Rollouts, step_s: float) -> None:
         flops = self.flops.metrics(rollouts, self.timer.times, passes=self.algorithm.ppo_epochs,
                                    reference=self.ref_policy is not None, recompute=recomputes_forward(self.policy),
-                                   old_forward=not self.rollout_correction.options.bypass)
+                                   old_forward=not self.algorithm.rollout_correction.bypass)
         self.log_metrics(step_row(rollouts, self.counters, self.step_rollouts_start, self.timer, step_s,
                                   {**flops, **env_metrics(rollouts)}))  # env/*: multi-turn only
         self.step_metrics = D.reduce_metrics(self.step_metrics)  # the global batch's figures, on every rank
@@ -383,8 +319,11 @@ class GRPOModule(pl.LightningModule):
     def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:
         if self.engine is None:
             self.setup("validate")
-        with self._engine_hint():  # the engine keys its seed per prompt: every evaluation draws the same samples
-            correct = self.driver.evaluate(self.make_plan(batch), self.algorithm.eval_samples, step=self.global_step,
+        # the engine keys its seed per prompt: every evaluation draws the same samples
+        with engine_hint(self.settings.engine.name, self._checkpoint_hint):
+            plan = plan_batch(batch, self.tokenizer, self.algorithm.group_size,
+                              chat_template=self.settings.model.chat_template)
+            correct = self.driver.evaluate(plan, self.algorithm.eval_samples, step=self.global_step,
                                            seed=seed_of("eval", self.settings.seed))  # [B, n]
         self.val_metrics.update(correct)
 

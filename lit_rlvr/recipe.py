@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import functools
 import inspect
 import io
 import logging
@@ -27,6 +28,7 @@ from lit_rlvr.config.config_check import env_arguments
 from lit_rlvr.config.errors import ConfigError, DataError, StopRequested
 from lit_rlvr.config.options import problem_line
 from lit_rlvr.config.settings import AlgorithmConfig
+from lit_rlvr.data.formats import render_prompt
 from lit_rlvr.hooks import check_rl_callbacks
 from lit_rlvr.models.lora import is_adapter_dir, load_adapter_weights, options_from_adapter
 from lit_rlvr.module import GRPOModule
@@ -135,7 +137,9 @@ def _check_prompt_tokens(datamodule: pl.LightningDataModule, module: GRPOModule)
     check = getattr(datamodule, "check_prompt_tokens", None)
     if check is not None:
         budget, key = module.response_budget
-        check(module.render_prompt, lambda text: module.tokenizer(text, add_special_tokens=False)["input_ids"],
+        render = functools.partial(render_prompt, tokenizer=module.tokenizer,
+                                   chat_template=module.settings.model.chat_template)  # as the module's plans
+        check(render, lambda text: module.tokenizer(text, add_special_tokens=False)["input_ids"],
               module.context, budget, key)
 
 

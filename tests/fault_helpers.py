@@ -30,6 +30,8 @@ class FaultyModule(GRPOModule):
 
     def training_step(self, batch, batch_idx):
         self.calls += 1
+        if self.calls == self.engine_fail_call:  # the step's rollouts meet a broken engine
+            self.engine.generate = _broken_generate
         return super().training_step(batch, batch_idx)
 
     def policy_loss(self, logp, old_logp, advantages, mask, rollouts):
@@ -40,11 +42,6 @@ class FaultyModule(GRPOModule):
         if self.calls in self.nan_grad_calls and first_pass:
             loss = _NaNGradient.apply(loss)
         return loss, metrics
-
-    def rollout(self, plan):
-        if self.calls == self.engine_fail_call:
-            self.engine.generate = _broken_generate
-        return super().rollout(plan)
 
 
 class _NaNGradient(torch.autograd.Function):

@@ -110,7 +110,7 @@ def _masked_update(module, shift: float, **options) -> None:
     with torch.no_grad():
         logp, _ = forward_logprobs(module.policy, rollouts, temperature=module.algorithm.temperature)  # [n, t]
     rollouts.old_logp = (logp - shift) * rollouts.response_mask
-    module.rollout_correction.options = RolloutCorrection(**options)
+    module.algorithm = replace(module.algorithm, rollout_correction=RolloutCorrection(**options))
     module.make_update(torch.optim.SGD(module.policy.parameters(), lr=0.0)).run(rollouts)
 
 

@@ -140,14 +140,19 @@ def test_c3po_shared_engine_stacked_equals_per_source(monkeypatch, lora):
 
     def run(stacked: bool):
         module = make_module(engine_options={"mode": "shared"}, lora=lora)
-        seen = []
-        real = module.rollout
-        monkeypatch.setattr(module, "rollout", lambda plan: seen.append(real(plan)) or seen[-1])
-        calls = []
+        seen, calls = [], []
         real_setup = module.setup
 
         def setup(stage):
             real_setup(stage)
+            real_rollout = module.driver.rollout
+
+            def rollout(plan, **kw):
+                result = real_rollout(plan, **kw)
+                seen.append(result.rollouts)
+                return result
+
+            monkeypatch.setattr(module.driver, "rollout", rollout)
             if not stacked:
                 monkeypatch.setattr(module.driver, "_can_stack", lambda plan, per_source: False)
             real_stacked = module.engine.generate_stacked

@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from lit_rlvr.config.rollout_correction import RolloutCorrection
 from lit_rlvr.config.settings import AlgorithmConfig
 from lit_rlvr.data.datamodule import RLVRDataModule
 from lit_rlvr.hooks import RLVRCallback
@@ -156,11 +157,11 @@ def test_decoupled_mode_without_mismatch_gives_todays_gradient():
     m = module()
     rollouts = batch(m, shift=0.0, far=0.0)
     today, _ = gradient(m, rollouts)
-    m.rollout_correction.options = type(m.rollout_correction.options)(bypass_mode=False)
+    m.algorithm = replace(m.algorithm, rollout_correction=RolloutCorrection(bypass_mode=False))
     decoupled, metrics = gradient(m, rollouts)
     torch.testing.assert_close(decoupled, today, rtol=1e-5, atol=1e-7)
     assert metrics["mismatch/kl"] < 1e-12 and m.timer.times["old_logp_s"] > 0
-    m.rollout_correction.options = type(m.rollout_correction.options)(rollout_is="token", rollout_rs="token")
+    m.algorithm = replace(m.algorithm, rollout_correction=RolloutCorrection(rollout_is="token", rollout_rs="token"))
     corrected, _ = gradient(m, rollouts)  # no mismatch: weights 1, nothing rejected
     torch.testing.assert_close(corrected, today, rtol=1e-5, atol=1e-7)
 

@@ -72,8 +72,7 @@ def build(cls: type, value: Any, section: str) -> Any:
         raise ConfigError([problem_line(section, value, f"a mapping of {{{', '.join(f.name for f in fields(cls))}}}")])
     names = [f.name for f in fields(cls)]
     problems = unknown_key_problems(section, list(value), names)
-    if problems:
-        raise ConfigError(problems)
+    ConfigError.check(problems)
     given = dict(value)
     for f in fields(cls):
         if f.name not in given:
@@ -104,8 +103,7 @@ def module_settings(model: Any, algorithm: Any, reward: Any, engine: Any, env: A
             value = {shorthand[group]: value}
         groups[group] = build(cls, value, group)
     problems = unknown_key_problems("", list(shortcuts), SHORTCUTS)
-    if problems:
-        raise ConfigError(problems)
+    ConfigError.check(problems)
     given_typed = {g for g, cls in GROUPS.items() if isinstance(given[g], Mapping) or (
         isinstance(given[g], cls) and given[g] != cls())}  # (a signature's default instance is not "given")
     mixed = sorted({SHORTCUTS[key][0] for key in shortcuts} & given_typed)

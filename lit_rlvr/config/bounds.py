@@ -86,8 +86,7 @@ def bound_problems(context: int, *, max_new_tokens: Any, env_max_tokens: Any = N
 def check_bounds(context: Optional[int], **bounds: Any) -> None:
     """`bound_problems` as a `ConfigError` (nothing to check when the context is unknown)."""
     problems = bound_problems(context, **bounds) if context is not None else []
-    if problems:
-        raise ConfigError(problems)
+    ConfigError.check(problems)
 
 
 def _integer(value: Any) -> bool:

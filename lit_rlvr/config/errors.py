@@ -27,6 +27,12 @@ class ConfigError(ValueError):
         self.problems = problems
         super().__init__("\n".join(problems))
 
+    @classmethod
+    def check(cls, problems: list[str]) -> None:
+        """Raises the `problems` a check found, if there are any."""
+        if problems:
+            raise cls(problems)
+
 
 class GenerationBudgetError(ConfigError):
     """A step drew `max_num_gen_batches` generation batches and still lacks groups whose metric differs: the

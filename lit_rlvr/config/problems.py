@@ -45,8 +45,7 @@ def finite_problems(values: Any, key: str) -> list[str]:
 def check_finite(section: str, **values: Any) -> None:
     """For a constructor: `ConfigError` listing every non-finite float among `values` (keys under `section`)."""
     problems = finite_problems(values, section)
-    if problems:
-        raise ConfigError(problems)
+    ConfigError.check(problems)
 
 
 NUMBER_NAMES = {int: "an integer", float: "a number", bool: "true or false"}

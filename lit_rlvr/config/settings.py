@@ -104,8 +104,7 @@ def check_fields(settings: Any, section: str) -> None:
     `ConfigError`, one line per bad value, wherever the object is built (train.py, the CLI, Python, `replace`)."""
     values = {f.name: getattr(settings, f.name) for f in fields(settings)}
     problems = finite_problems(values, section) or field_problems(values, type(settings), section)
-    if problems:
-        raise ConfigError(problems)
+    ConfigError.check(problems)
 
 
 def part(cls: type, source: Any) -> Any:
@@ -221,8 +220,7 @@ class FilterGroups:
         options = dict(options or {})
         problems = unknown_key_problems(FILTER_GROUPS_KEY, list(options), [f.name for f in fields(cls)])
         problems += field_problems(options, cls, FILTER_GROUPS_KEY)
-        if problems:
-            raise ConfigError(problems)
+        ConfigError.check(problems)
         return cls(**options)
 
 

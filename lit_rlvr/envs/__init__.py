@@ -52,8 +52,7 @@ class Environment:
         limits = {"max_turns": self.max_turns, "max_tokens": self.max_tokens, "timeout_s": self.timeout_s,
                   "stop": self.stop}
         problems = range_problems(limits, "env")
-        if problems:
-            raise ConfigError(problems)
+        ConfigError.check(problems)
 
 
 def _import(target: str) -> Any:
@@ -106,8 +105,7 @@ def environment_spec(name: Any, env_options: Optional[dict[str, Any]] = None) ->
     if unknown:
         raise ConfigError([f"env.{unknown[0]} is not an env option; valid: {', '.join(ENV_KEYS)}"])
     problems = range_problems(given, "env")
-    if problems:
-        raise ConfigError(problems)
+    ConfigError.check(problems)
     target = name if isinstance(name, type) else ENVS.get(name, name)  # Python users may pass the class itself
     if not isinstance(target, type) and (not isinstance(target, str) or ":" not in target and target != "skyrl_gym"):
         raise ConfigError([f"env={name!r} is not valid; use none, one of {', '.join(ENVS)} or 'package.module:Class'"])
@@ -133,8 +131,7 @@ def environment_spec(name: Any, env_options: Optional[dict[str, Any]] = None) ->
         problems.append(problem_line("env.options.env_config", options.get("env_config"), "a mapping (the "
                                                                                            "environment's env_config)"))
     problems += cls.option_problems(options) if hasattr(cls, "option_problems") else []
-    if problems:
-        raise ConfigError(problems)
+    ConfigError.check(problems)
     if cls is None:
         _import("skyrl_gym")  # named before any work when it is not installed
     return EnvSpec(cls, options, limits, stop)

@@ -33,8 +33,7 @@ class RetryEnv(TextEnv):
     def __init__(self, env_config: dict[str, Any] | None = None, extras: dict[str, Any] | None = None):
         super().__init__({**self.defaults["options"], **(env_config or {})}, extras)
         problems = self.option_problems(self.env_config)
-        if problems:
-            raise ConfigError(problems)
+        ConfigError.check(problems)
         self.reward_fn = self.env_config["reward"]
         self.discount, self.feedback = float(self.env_config["discount"]), self.env_config["feedback"]
 

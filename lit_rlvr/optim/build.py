@@ -5,12 +5,16 @@ configures optimizers (the parameters are placed, and sharded under FSDP2, by th
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Iterable, Optional
 
 import torch
 
+from lit_rlvr.config.settings import OptimConfig
 from lit_rlvr.optim.ivon import IVON
+from lit_rlvr.optim.schedule import warmup_factor
+from lit_rlvr.run.one_line import config_phase
 
 OPTIMIZERS = ("adamw", "ivon")
 IVON_EXTRA_OPTIONS = {"sync", "debias"}  # taken by ivon-opt's constructor through **kwargs
@@ -77,3 +81,16 @@ def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], *, lr: floa
     # sharded (DTensor) parameters keep torch's own choice
     options.setdefault("fused", not any(hasattr(p, "full_tensor") for p in params) or None)
     return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay, **options)
+
+
+def optimizer_and_schedule(optim: OptimConfig, params: Iterable[torch.nn.Parameter], *, lr: float, seed: int,
+                           rank: int, world_size: int, strategy: str) -> dict[str, Any]:
+    """Lightning's `configure_optimizers` answer: `optim.optimizer` built at `lr` (`build_optimizer`; LoRA scales
+    the lr) with its linear warm-up, stepped after every optimizer step."""
+    with config_phase():  # the optimizer's own checks (torch: "Invalid learning rate") are config errors
+        optimizer = build_optimizer(optim.optimizer, params, lr=lr, betas=optim.betas,
+                                    weight_decay=optim.weight_decay, options=optim.optimizer_options, seed=seed,
+                                    rank=rank, world_size=world_size, strategy=strategy)
+    factor = functools.partial(warmup_factor, warmup_steps=optim.warmup_steps, from_zero=optim.warmup_from_zero)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

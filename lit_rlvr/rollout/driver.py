@@ -110,8 +110,7 @@ class RolloutDriver:
         sync_check = SyncCheck.take_from(options)  # the driver's post-push check, not the engine's option
         engine = build_engine(engine_name, policy, tokenizer, options)
         problems = merged_push_problems(engine, policy)
-        if problems:
-            raise ConfigError(problems)
+        ConfigError.check(problems)
         return cls(engine, tokenizer, reward_runner, sampling, policy, sync_check, environment=environment,
                    chat_template=chat_template)
 

@@ -182,8 +182,7 @@ class HFEngine(RolloutEngine):
         self._use_cache = convert("engine.options.use_cache", use_cache, bool)
         self._max_batch = convert("engine.options.max_batch", max_batch, int)
         problems = range_problems({"max_batch": self._max_batch}, "engine.options")  # 0 would loop on no rows
-        if problems:
-            raise ConfigError(problems)
+        ConfigError.check(problems)
         # one prompt prefill per distinct prompt, its cache rows repeated
         self._share_prefill = convert("engine.options.share_prefill", share_prefill, bool)
         self.bucket_bytes = convert("engine.options.bucket_bytes", bucket_bytes, int)  # one weight push's cap (copy)

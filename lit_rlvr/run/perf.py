@@ -184,8 +184,7 @@ class StepFlops:
 
     def __init__(self, peak_flops: Optional[float] = None, cache_dir: Optional[str] = None):
         problems = range_problems({"peak_flops": peak_flops}, "perf")  # the row train.py checks too
-        if problems:
-            raise ConfigError(problems)
+        ConfigError.check(problems)
 
         self.override, self.cache_dir = peak_flops, cache_root(cache_dir or default_cache_dir())
         self.shape: Optional[dict[str, int]] = None

@@ -48,8 +48,7 @@ class RunCheckpoint(pl.Callback):
         if every_n_steps < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {every_n_steps}")
         problems = range_problems({"stop_grace_s": stop_grace_s}, "")
-        if problems:
-            raise ConfigError(problems)
+        ConfigError.check(problems)
         self.dirpath, self.every_n_steps, self.stop_grace_s = Path(dirpath), every_n_steps, float(stop_grace_s)
         self.saved_step = -1  # global step of the last save
         self.stopped_by_sigterm = False

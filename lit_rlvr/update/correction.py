@@ -9,7 +9,7 @@ the recomputed π_old and each micro-batch's log-probs.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Mapping, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -26,14 +26,6 @@ class RolloutCorrector:
     def __init__(self, options: RolloutCorrection):
         self.options = options
         self._rows: Optional[list[tuple[Tensor, Tensor, Tensor]]] = None  # bypass: the first pass's forwards
-
-    @classmethod
-    def from_options(cls, options: Optional[Mapping[str, Any]], module_class: type, base: type) -> "RolloutCorrector":
-        """The module's `rollout_correction` dict, checked (`RolloutCorrection`), for `module_class` (`base`: the
-        class whose `policy_loss` applies token weights)."""
-        checked = RolloutCorrection.from_options(options)
-        checked.check_loss_class(module_class, base)
-        return cls(checked)
 
     @property
     def needs_old_logp(self) -> bool:

@@ -67,7 +67,8 @@ class Update:
             saved in its checkpoints (a fresh dict by default).
         timer: the step's phase timer (`old_logp_s`: decoupled mode's extra forward).
         device: where the forwards run (None: where the policy's first parameter is).
-        token_metrics, sequence_metrics: the loss metrics that average over tokens, and over sequences.
+        token_metrics, sequence_metrics: the loss metrics that average over tokens, and over sequences (those of
+            `loss.policy_loss`'s `functional.SEQUENCE_METRICS` move to the latter).
     """
 
     def __init__(self, policy: nn.Module, optimizer: Optional[Any], scheduler: Optional[Any] = None, *,
@@ -90,7 +91,8 @@ class Update:
         self.counters = counters if counters is not None else {"skipped_steps": 0, "bad_steps_in_row": 0}
         self.timer = timer if timer is not None else StepTimer()
         self.device = device if device is not None else next(policy.parameters()).device
-        self.token_metrics, self.sequence_metrics = token_metrics, sequence_metrics
+        per_sequence = F.SEQUENCE_METRICS[loss.policy_loss]  # a sequence-level loss's (GSPO's clip fraction)
+        self.token_metrics, self.sequence_metrics = token_metrics - per_sequence, sequence_metrics | per_sequence
         self._mask_counts: Optional[Tensor] = None  # during `run`: [counted, kept] loss tokens
 
     # -- one update --------------------------------------------------------------------------------------------

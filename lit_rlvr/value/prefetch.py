@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from lit_rlvr.data.datamodule import ResumableSampler
+from lit_rlvr.data.formats import render_prompt
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -32,7 +34,8 @@ class TrainPrompts:
         dataset, batch_size = getattr(loader, "dataset", None), getattr(loader, "batch_size", None)
         if dataset is None or not batch_size or not hasattr(dataset, "__len__"):
             return None
-        render = getattr(pl_module, "render_prompt", None) or str
+        render = functools.partial(render_prompt, tokenizer=pl_module.tokenizer,
+                                   chat_template=pl_module.settings.model.chat_template)  # as the module's plans
         return cls(dataset, batch_size, render, getattr(loader, "sampler", None))
 
     def __len__(self) -> int:
