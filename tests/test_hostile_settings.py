@@ -188,7 +188,7 @@ def test_the_module_refuses_a_non_finite_nested_option_before_the_model_loads(mo
 # -- 11: unknown keys ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("override, start, suggestion", [
     ("+model.lora_rank=8", "model.lora_rank is not an option", "model.lora.rank"),
-    ("+model.lora.rnak=8", "model.lora.rnak is not a LoRA option", None),
+    ("+model.lora.rnak=8", "model.lora.rnak is not an option (did you mean model.lora.rank?)", None),
     ("+model.options.warmup=3", "model.options.warmup is not an option", "model.options.warmup_steps"),
     ("+algorithm.learning_rate=1e-3", "algorithm.learning_rate is not an option", None),
     ("+algorithm.group_sise=4", "algorithm.group_sise is not an option", "algorithm.group_size"),

@@ -15,7 +15,7 @@ from torch import nn
 
 from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.config.options import compile_problems, consistency_problems, range_problems
-from lit_rlvr.config.problems import convert, finite_problems, problem_line, unknown_key_problems
+from lit_rlvr.config.problems import checked_fields, convert, finite_problems, problem_line, unknown_key_problems
 from lit_rlvr.config.settings import AlgorithmConfig, EngineConfig, EnvConfig, ModelConfig, PerfConfig, RewardConfig
 
 # flat keyword -> (group, field); None: the keyword is a mapping of the group's fields
@@ -64,16 +64,9 @@ class ModuleSettings:
 def build(cls: type, value: Any, section: str) -> Any:
     """`value` (an instance, a mapping of the fields, or None for the defaults) as an instance of settings class
     `cls`; nested settings classes from nested mappings. Unknown keys: one line each, naming a close match."""
-    if value is None:
-        return cls()
     if isinstance(value, cls):
         return value
-    if not isinstance(value, Mapping):
-        raise ConfigError([problem_line(section, value, f"a mapping of {{{', '.join(f.name for f in fields(cls))}}}")])
-    names = [f.name for f in fields(cls)]
-    problems = unknown_key_problems(section, list(value), names)
-    ConfigError.check(problems)
-    given = dict(value)
+    given = checked_fields(cls, value, section)
     for f in fields(cls):
         if f.name not in given:
             continue

@@ -4,9 +4,10 @@ re-exports them beside its table of ranges."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 from lit_rlvr.config.errors import ConfigError
 
@@ -90,3 +91,14 @@ def unknown_key_problems(section: str, given: Any, valid: Any, suggest: Any = ()
         hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
         problems.append(f"{prefix}{name} is not an option{hint}; valid: {', '.join(valid)}")
     return problems
+
+
+def checked_fields(cls: type, value: Any, section: str, also: Iterable[str] = ()) -> dict[str, Any]:
+    """`value`, None or a mapping of the fields of the settings dataclass `cls` (and of the keys `also`), as a dict;
+    a value that is not a mapping, and each unknown key, is a `ConfigError` line naming it under `section`."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    if value is not None and not isinstance(value, Mapping):
+        raise ConfigError([problem_line(section, value, f"a mapping of {{{', '.join(names)}}} or null")])
+    given = dict(value or {})
+    ConfigError.check(unknown_key_problems(section, [k for k in given if k not in also], names))
+    return given

@@ -9,11 +9,12 @@ docs/rollout_correction.md is the user guide.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
 from torch import Tensor
 
+from lit_rlvr.config.problems import checked_fields
 from lit_rlvr.functional import rollout_correction as RC
 
 KEY = "algorithm.rollout_correction"
@@ -51,16 +52,12 @@ class RolloutCorrection:
         """From a mapping of verl's keys (None = all defaults); unknown keys fail, naming them."""
         if isinstance(options, cls):
             return options
-        options = dict(options or {})
-        names = [f.name for f in fields(cls)]
+        options = checked_fields(cls, options, KEY, also=VERL_FIXED)
         for key, fixed in VERL_FIXED.items():
             value = options.pop(key, fixed)
             if value != fixed:
                 raise ValueError(f"{KEY}.{key}={value!r}: lit-rlvr's loss is PPO-clip with raw weights (verl's "
                                  f"{key}={fixed!r}); remove the key, or subclass GRPOModule.policy_loss")
-        unknown = sorted(set(options) - set(names))
-        if unknown:
-            raise ValueError(f"{KEY}.{unknown[0]} is not an option; valid: {', '.join(names)}")
         return cls(**options)
 
     def __post_init__(self) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.config.rollout_correction import RolloutCorrection
-from lit_rlvr.config.problems import convert, finite_problems, problem_line, unknown_key_problems
+from lit_rlvr.config.problems import checked_fields, convert, finite_problems, problem_line
 from lit_rlvr.functional import ADVANTAGES, AGGREGATIONS, GROUP_FILTER_METRICS, KL_ESTIMATORS, POLICY_LOSSES
 
 Rule = tuple[Callable[[Any], bool], str]  # (is the value valid?, what is expected)
@@ -214,13 +214,8 @@ class FilterGroups:
         """From a mapping of the fields (None = off); unknown keys and values out of range fail, one line each."""
         if isinstance(options, cls):
             return options
-        if options is not None and not isinstance(options, Mapping):
-            names = ", ".join(f.name for f in fields(cls))
-            raise ConfigError([problem_line(FILTER_GROUPS_KEY, options, f"a mapping of {{{names}}} or null")])
-        options = dict(options or {})
-        problems = unknown_key_problems(FILTER_GROUPS_KEY, list(options), [f.name for f in fields(cls)])
-        problems += field_problems(options, cls, FILTER_GROUPS_KEY)
-        ConfigError.check(problems)
+        options = checked_fields(cls, options, FILTER_GROUPS_KEY)
+        ConfigError.check(field_problems(options, cls, FILTER_GROUPS_KEY))
         return cls(**options)
 
 
@@ -322,14 +317,7 @@ class LoraOptions:
     @classmethod
     def from_any(cls, value: Union[None, Mapping[str, Any], "LoraOptions"]) -> "LoraOptions":
         """None or {} = full fine-tuning; a mapping of the fields (unknown keys are refused, naming the valid ones)."""
-        if isinstance(value, cls):
-            return value
-        value = dict(value or {})
-        valid = [f.name for f in fields(cls)]
-        unknown = sorted(set(value) - set(valid))
-        if unknown:
-            raise ValueError(f"{LORA_KEY}.{unknown[0]} is not a LoRA option; valid: {', '.join(valid)}")
-        return cls(**value)
+        return value if isinstance(value, cls) else cls(**checked_fields(cls, value, LORA_KEY))
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
