@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -265,15 +266,40 @@ def _rows(run_dir: Path) -> list[dict]:
             for r in rows]
 
 
-@pytest.fixture(scope="module")
-def runs(policy_dir, tmp_path_factory):
+@pytest.fixture(scope="module", autouse=True)
+def background_runs(request, policy_dir, tmp_path_factory):
+    """The train.py runs, started with the module's first test when a selected test needs them, and going on in the
+    background while the engine tests run, two at a time: a run is mostly single-threaded start-up (imports, engine
+    processes), so two side by side on two cores take much less than twice one. The resumed run's second half
+    follows its first. Yields their directories and their futures (`runs` waits for them)."""
+    if not any("runs" in item.fixturenames for item in request.session.items if item.module is request.module):
+        yield None
+        return
     base = tmp_path_factory.mktemp("vllm_train")
-    out = {"grpo": _train(base / "grpo", policy_dir, [], steps=3)}
-    out["grpo_resumed"] = _train(base / "grpo_resumed", policy_dir, [], steps=2)
-    _train(out["grpo_resumed"], policy_dir, [f"resume={out['grpo_resumed']}/checkpoints/last.ckpt"], steps=3)
-    out["grpo_two_ranks"] = _train(base / "two_ranks", policy_dir, FSDP_CPU, steps=3, ranks=2)
-    # both papers' callbacks in one run (C3PO's weight-sample pushes, V0.5's prior): one vLLM start, not two
-    out["c3po_v05"] = _train(base / "c3po_v05", policy_dir, [*C3PO_V05], steps=3)
+    out = {"grpo": base / "grpo", "grpo_resumed": base / "grpo_resumed", "grpo_two_ranks": base / "two_ranks",
+           "c3po_v05": base / "c3po_v05"}
+
+    def resumed():
+        _train(out["grpo_resumed"], policy_dir, [], steps=2)
+        _train(out["grpo_resumed"], policy_dir, [f"resume={out['grpo_resumed']}/checkpoints/last.ckpt"], steps=3)
+
+    jobs = [resumed,  # the longest chains first
+            lambda: _train(out["grpo_two_ranks"], policy_dir, FSDP_CPU, steps=3, ranks=2),
+            lambda: _train(out["grpo"], policy_dir, [], steps=3),
+            # both papers' callbacks in one run (C3PO's weight-sample pushes, V0.5's prior): one vLLM start, not two
+            lambda: _train(out["c3po_v05"], policy_dir, [*C3PO_V05], steps=3)]
+    pool = ThreadPoolExecutor(max_workers=2)
+    try:
+        yield out, [pool.submit(job) for job in jobs]
+    finally:
+        pool.shutdown(wait=True)  # each run ends (or times out) and is checked for leftover processes by _train
+
+
+@pytest.fixture(scope="module")
+def runs(background_runs):
+    out, jobs = background_runs
+    for job in jobs:
+        job.result()  # a failed run's assertion
     return out
 
 

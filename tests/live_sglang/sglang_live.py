@@ -3,6 +3,7 @@ process clean-up. They run in the venv that scripts/sglang_cpu_env.sh builds; el
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 from pathlib import Path
@@ -40,11 +41,35 @@ def cpu_options(**overrides) -> dict:
     return {**options, **overrides, "server_args": server_args}
 
 
-def kill_children() -> list[int]:
-    """Kill what is left of this process's children (an engine a failed test did not shut down)."""
+def own_children(train_runs=None) -> list:
+    """This process's children (psutil.Process), less the background train.py runs of `train_runs` (train_runs.py)
+    and their descendants: each run has a session of its own, which its engines inherit; torchrun's workers start
+    sessions of their own, but descend from the run."""
     import psutil
 
-    children = psutil.Process().children(recursive=True)
+    if train_runs is None:
+        return psutil.Process().children(recursive=True)
+    with train_runs.starting:  # no run starts between the looks
+        children = psutil.Process().children(recursive=True)
+        spared = set()
+        for proc in train_runs.procs:  # after listing the children: any of theirs is listed here too
+            with contextlib.suppress(psutil.NoSuchProcess):
+                spared |= {proc.pid, *(p.pid for p in psutil.Process(proc.pid).children(recursive=True))}
+        sessions = {proc.pid for proc in train_runs.procs}
+        own = []
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                if child.pid not in spared and os.getsid(child.pid) not in sessions:
+                    own.append(child)
+        return own
+
+
+def kill_children(train_runs=None) -> list[int]:
+    """Kill what is left of this process's children (an engine a failed test did not shut down), except the
+    background runs of `train_runs`, which end by themselves."""
+    import psutil
+
+    children = own_children(train_runs)
     for child in children:
         child.kill()
     psutil.wait_procs(children, timeout=10)

@@ -1,17 +1,17 @@
 """An fp32 trainer pushing into a bf16 `sglang.Engine` on a CPU (one engine for the module), and an engine
 whose scheduler cannot start: an `EngineError`, in bounded time, with this process alive."""
 
+import contextlib
 import copy
 import gc
 import signal
 
-import psutil
 import pytest
 import torch
 
 from lit_rlvr.rollout.engine import EngineError, SamplingParams
 from lit_rlvr.rollout.weights import push_weights
-from sglang_live import cpu_options, live
+from sglang_live import cpu_options, live, own_children
 
 pytestmark = live
 PROMPTS = ["12+34=", "5+5=", "71-18=", "3*4="]
@@ -57,7 +57,7 @@ def test_fp32_trainer_into_bf16_engine(policy):
         assert (g.logprobs - _teacher_forced(model, prompt, g.token_ids)).abs().max() < 0.1
 
 
-def test_a_scheduler_that_cannot_start_is_an_engine_error(policy):
+def test_a_scheduler_that_cannot_start_is_an_engine_error(policy, train_runs):
     """load_format=auto on the config-only directory the engine starts from: no weight files, so sglang's
     scheduler raises while it loads the model and signals this process, whose default answer (sglang's) is to
     kill it. (A too small mem_fraction_static is no such option on a shared machine: sglang checks it against
@@ -67,22 +67,24 @@ def test_a_scheduler_that_cannot_start_is_an_engine_error(policy):
 
     model, tokenizer = policy
     contexts_before = {id(c) for c in _zmq_contexts()}
-    children_before = {p.pid for p in psutil.Process().children(recursive=True)}  # e.g. multiprocessing's tracker
+    children_before = {p.pid for p in own_children(train_runs)}  # e.g. multiprocessing's tracker
 
     def hung(signum, frame):
         raise TimeoutError(f"SGLangEngine neither started nor failed in {START_BOUND_S} s")
 
     previous = signal.signal(signal.SIGALRM, hung)
     signal.alarm(START_BOUND_S)
+    # the clean-up of a failed start kills the children this process started meanwhile: no background run starts
     try:
-        with pytest.raises(EngineError, match="died while the engine was starting|did not start"):
+        with train_runs.starting if train_runs else contextlib.nullcontext(), \
+                pytest.raises(EngineError, match="died while the engine was starting|did not start"):
             engine = SGLangEngine(model, tokenizer, **cpu_options(server_args={"load_format": "auto"}))
             engine.shutdown()  # only reached when the test fails
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
     # its processes were killed and reaped with it (a killed child stays a zombie until reaped)
-    assert [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in children_before] == []
+    assert [p.pid for p in own_children(train_runs) if p.pid not in children_before] == []
     # a context left open would block this process when collected, waiting for its dead peers
     assert [c for c in _zmq_contexts() if id(c) not in contexts_before and not c.closed] == []
 

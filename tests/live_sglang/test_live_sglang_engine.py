@@ -1,4 +1,5 @@
-"""The real `sglang.Engine` behind `SGLangEngine`, fp32, on a CPU, against `HFEngine` (one engine for the module).
+"""The real `sglang.Engine` behind `SGLangEngine`, fp32, on a CPU, against `HFEngine` (one engine for the module,
+multi-turn rollouts included: tests/multi_turn_live.py's checks).
 
 Greedy decoding is compared token for token (log-probs within 1e-5); sampled completions are checked for form
 and against the model's own log-probs (sglang ignores per-request seeds on a CPU, so they cannot be compared
@@ -8,7 +9,9 @@ draw for draw). The engine starts with dummy weights: every output here comes fr
 import copy
 import os
 import signal
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +19,9 @@ import torch
 from lit_rlvr.rollout.engine import EngineError, SamplingParams
 from lit_rlvr.rollout.weights import push_weights
 from sglang_live import cpu_options, live
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared checks
+from multi_turn_live import assert_greedy_transcripts_equal_hf, assert_sampled_rollouts_are_consistent  # noqa: E402
 
 pytestmark = live
 PROMPTS = ["12+34=", "5+5=", "71-18=", "3*4=", "100+200=", "9-9="]  # 3 to 8 tokens
@@ -149,6 +155,15 @@ def test_generate_sleep_wake_push_generate_20_cycles(engine, policy):
         engine.wake()
         push_weights(engine, model, bucket_bytes=64 << 10)
     _assert_same(engine.generate(prompts, counts, params), want)
+
+
+def test_multi_turn_rollouts_equal_hf(engine, policy):
+    """Multi-turn rollouts against HFEngine: greedy transcripts token for token, sampled ones consistent with the
+    policy's forward."""
+    model, tokenizer = policy
+    push_weights(engine, model, bucket_bytes=1 << 20)
+    assert_greedy_transcripts_equal_hf(engine, model, tokenizer)
+    assert_sampled_rollouts_are_consistent(engine, model, tokenizer)
 
 
 def test_a_dead_scheduler_is_an_engine_error_not_a_killed_process(engine, policy):

@@ -1,14 +1,12 @@
 """Whole `python train.py engine=sglang_cpu` runs on a CPU: GRPO, C3PO and V0.5 end with summary.json, a GRPO
 run resumed from its last.ckpt pushes the weights its first part ended with, C3PO on LoRA adapters samples its N
 weight samples as N adapters over one base, and two ranks (torchrun, FSDP2 over gloo) each drive their own engine.
-Runs go two at a time (each starts its own sglang engine: ~2 minutes)."""
+The runs (train_runs.py) start with the session and go two at a time, beside the other modules' engine tests; the
+GRPO run is also the first part of the resumed one."""
 
 import csv
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,44 +14,6 @@ import pytest
 from sglang_live import REPO, live
 
 pytestmark = live
-HERE = Path(__file__).resolve().parent
-SMALL = ["engine=sglang_cpu", "data.num_test=4", "callbacks.progress=null", "data.batch_size=4",
-         "algorithm.group_size=4", "+callbacks.push_probe._target_=push_probe.PushProbe"]
-V05 = ["algorithm=v05", "algorithm.callbacks.value_prior.min_context=4", "algorithm.callbacks.value_prior.k_max=8"]
-RUNS = {  # name: (overrides, engine base port); distinct ports: engines of parallel runs must not share them
-    "grpo": (["algorithm=grpo", "trainer.max_steps=5"], 31000),
-    "c3po": (["algorithm=c3po", "trainer.max_steps=3"], 31100),
-    "v05": ([*V05, "trainer.max_steps=2"], 31200),
-    "part": (["algorithm=grpo", "trainer.max_steps=2", "checkpoint_every=1"], 31300),
-    "c3po_lora": (["algorithm=c3po", "model.lora.rank=4", "trainer.max_steps=2"], 31600),
-}
-TIMEOUT_S = 1200
-
-
-def _start(run_dir: Path, overrides: list[str], port: int, launcher=(sys.executable,)) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-           "SGLANG_USE_CPU_ENGINE": "1"}
-    log = run_dir.parent / f"{run_dir.name}.{len(list(run_dir.parent.glob(run_dir.name + '.*.log')))}.log"
-    cmd = [*launcher, "train.py", *SMALL, *overrides, f"engine.options.base_port={port}",
-           f"+callbacks.push_probe.out_dir={run_dir}", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)  # the whole group (engines included) can be killed on timeout
-    proc.log = log
-    return proc
-
-
-def _wait(*procs: subprocess.Popen) -> None:
-    import signal
-
-    try:
-        for proc in procs:
-            proc.wait(timeout=TIMEOUT_S)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-    for proc in procs:
-        assert proc.returncode == 0, proc.log.read_text()[-4000:]
 
 
 def _pushes(run_dir: Path, rank: int = 0) -> list[dict]:
@@ -61,18 +21,12 @@ def _pushes(run_dir: Path, rank: int = 0) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_path, tmp_path_factory):
-    root = tmp_path_factory.mktemp("sglang_runs")
-    dirs = {name: root / name for name in RUNS}
-    for pair in (("grpo", "c3po"), ("v05", "part")):
-        _wait(*[_start(dirs[name], *RUNS[name]) for name in pair])
-    resumed = root / "resumed"
-    _wait(_start(resumed, ["algorithm=grpo", "trainer.max_steps=3", f"resume={dirs['part']}/checkpoints/last.ckpt"],
-                 31400), _start(dirs["c3po_lora"], *RUNS["c3po_lora"]))
-    return {**dirs, "resumed": resumed}
+def runs(train_runs):
+    """The runs of train_runs.RUNS (started by conftest.py at the session's start), once all have ended."""
+    return train_runs.result()
 
 
-@pytest.mark.parametrize("name,steps", [("grpo", 5), ("c3po", 3), ("v05", 2)])
+@pytest.mark.parametrize("name,steps", [("grpo", 2), ("c3po", 3), ("v05", 2)])
 def test_run_ends_with_summary(runs, name, steps):
     summary = json.loads((runs[name] / "summary.json").read_text())
     assert summary["steps"] == steps
@@ -127,7 +81,7 @@ def test_resumed_run_pushes_the_weights_its_first_part_ended_with(runs):
     """sglang ignores per-request seeds on a CPU, so the resumed steps cannot be compared with an uninterrupted
     run's; what resume must keep is checked instead: the first push after resume is the last push before it,
     bit for bit, and the live engine answers the probe the same."""
-    before = [p for p in _pushes(runs["part"]) if p["holds_mean"]][-1]
+    before = [p for p in _pushes(runs["grpo"]) if p["holds_mean"]][-1]
     after = _pushes(runs["resumed"])[0]
     assert before["step"] == after["step"] == 2
     assert after["digest"] == before["digest"]
@@ -135,14 +89,10 @@ def test_resumed_run_pushes_the_weights_its_first_part_ended_with(runs):
     assert (runs["resumed"] / "summary.json").exists()
 
 
-def test_two_ranks_each_with_its_own_engine(tiny_path, tmp_path):
+def test_two_ranks_each_with_its_own_engine(runs):
     """torchrun, FSDP2 over gloo: each rank starts its own sglang engine (ports spaced by local rank) and
     receives the gathered weights; both ranks push the same weights at every step."""
-    fsdp_cpu = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy.param_dtype=float32"]
-    launcher = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
-    run_dir = tmp_path / "ranks2"
-    _wait(_start(run_dir, ["algorithm=grpo", "trainer.max_steps=2", "eval_before=false", *fsdp_cpu], 31500,
-                 launcher=launcher))
+    run_dir = runs["ranks2"]
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
     rank0, rank1 = _pushes(run_dir, 0), _pushes(run_dir, 1)
     assert {p["step"] for p in rank0} >= {1, 2} and len(rank0) == len(rank1)
