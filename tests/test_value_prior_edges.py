@@ -85,6 +85,12 @@ def fake_trainer(num_prompts: int, batch_size: int, max_steps: int, shuffle: boo
     return types.SimpleNamespace(train_dataloader=loader, max_steps=max_steps, current_epoch=0)
 
 
+def fake_module():
+    """What the prompt prefetch reads of the module: its tokenizer and chat-template setting (plain text here)."""
+    return types.SimpleNamespace(tokenizer=None, settings=types.SimpleNamespace(model=types.SimpleNamespace(
+        chat_template=False)))
+
+
 # ----------------------------------------------------------------------------------------------- functional: edges
 
 
@@ -209,7 +215,7 @@ def test_precompute_all_computes_every_training_prompt_at_train_start_and_logs_i
     v0 = PrefetchV0(seconds=0.5)
     cb = ready(v0, precompute="all", precompute_batch=3)
     trainer = fake_trainer(10, 4, max_steps=-1)
-    cb.on_train_start(trainer, types.SimpleNamespace())
+    cb.on_train_start(trainer, fake_module())
     assert v0.calls == [([f"q{i}" for i in range(10)], 3)]
     for step in range(2):
         cb.on_train_batch_start(trainer, None, None, step)
@@ -224,7 +230,7 @@ def test_precompute_off_computes_nothing_ahead():
     v0 = PrefetchV0()
     cb = ready(v0, precompute="off")
     trainer = fake_trainer(10, 4, max_steps=-1)
-    cb.on_train_start(trainer, types.SimpleNamespace())
+    cb.on_train_start(trainer, fake_module())
     cb.on_train_batch_start(trainer, None, None, 0)
     m = one_step(cb, ["a"], [[1.0, -1.0]])
     assert v0.calls == [] and m["time/prior_prefetch_s"] == 0.0 and "time/prior_setup_s" not in m
@@ -233,7 +239,7 @@ def test_precompute_off_computes_nothing_ahead():
 def test_without_precompute_the_first_steps_log_no_time_ahead():
     """A value model without `precompute`: every step logs time/prior_prefetch_s = 0 and no setup time."""
     cb = ready(StubV0({}))
-    cb.on_train_start(fake_trainer(10, 4, max_steps=-1), types.SimpleNamespace())
+    cb.on_train_start(fake_trainer(10, 4, max_steps=-1), fake_module())
     for _ in range(2):
         m = one_step(cb, ["a"], [[1.0, -1.0]])
         assert m["time/prior_prefetch_s"] == 0.0 and "time/prior_setup_s" not in m
@@ -245,7 +251,7 @@ def test_precompute_next_computes_each_chunk_of_coming_prompts_when_its_first_ba
     v0 = PrefetchV0(seconds=0.25)
     cb = ready(v0, precompute="next", precompute_max=42, precompute_batch=5)
     trainer = fake_trainer(100, 4, max_steps=-1)
-    cb.on_train_start(trainer, types.SimpleNamespace())
+    cb.on_train_start(trainer, fake_module())
     assert v0.calls == []  # nothing at train start
     logged = []
     for batch_idx in range(11):
@@ -266,7 +272,7 @@ def test_next_chunk_size(precompute_max, max_steps, prompts_ahead):
     v0 = PrefetchV0()
     cb = ValuePrior(value_model=v0, precompute="next", precompute_max=precompute_max)
     trainer = fake_trainer(100, 4, max_steps=max_steps)
-    cb.on_train_start(trainer, types.SimpleNamespace())
+    cb.on_train_start(trainer, fake_module())
     cb.on_train_batch_start(trainer, None, None, 0)
     assert v0.calls == [([f"q{i}" for i in range(prompts_ahead)], 256)]
 
