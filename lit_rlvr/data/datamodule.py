@@ -7,6 +7,7 @@ rendering and tokenization happen in the module, which owns the tokenizer.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
@@ -112,6 +113,34 @@ def collate(rows: list[dict[str, Any]]) -> dict[str, list]:
     return {"prompt": [r["prompt"] for r in rows], "answer": [r["answer"] for r in rows]}
 
 
+@dataclass(frozen=True)
+class DataConfig:
+    """The `data` group's settings as the datamodule holds them: its constructor's arguments, typed (their
+    defaults and meanings are the constructor's)."""
+
+    task: Optional[str]
+    batch_size: int
+    eval_batch_size: int
+    seed: int
+    split_seed: int
+    levels: tuple[int, ...]
+    num_train: int
+    num_test: int
+    path: Optional[str]
+    eval_path: Optional[str]
+    format: str
+    split: str
+    eval_split: str
+    fields: Optional[Any]
+    eval_fields: Optional[Any]
+    max_prompt_chars: Optional[int]
+    max_prompt_tokens: Optional[int]
+    on_bad_row: str
+    eval_limit: Optional[int]
+    instruction: Optional[str]
+    system_prompt: Optional[str]
+
+
 class RLVRDataModule(pl.LightningDataModule):
     """Built-in task (`task="arithmetic"` or `"arithmetic_cot"`) or records from files (`path=...`, see data.formats).
 
@@ -152,7 +181,8 @@ class RLVRDataModule(pl.LightningDataModule):
         system_prompt: Optional[str] = None,
     ):
         super().__init__()
-        self.save_hyperparameters()
+        self.save_hyperparameters()  # Lightning's copy, for the loggers
+        self.config = DataConfig(**self.hparams)
         if task is None and path is None:
             raise ValueError("data: set data.task (built-in task) or data.path (a prompt file)")
         if task is not None and task not in TASKS:
@@ -167,7 +197,7 @@ class RLVRDataModule(pl.LightningDataModule):
         self._sampler: Optional[ResumableSampler] = None
 
     def _load(self, path: str, split: str, fields: Any) -> RecordDataset:
-        hp = self.hparams
+        hp = self.config
         rows: list[int] = []
         records, stats = load_records(path, format=hp.format, split=split, fields=fields, row_numbers=rows,
                                       on_bad_row=hp.on_bad_row, max_prompt_chars=hp.max_prompt_chars)
@@ -175,7 +205,7 @@ class RLVRDataModule(pl.LightningDataModule):
         return RecordDataset(records, path, rows)
 
     def setup(self, stage: Optional[str] = None) -> None:
-        hp = self.hparams
+        hp = self.config
         if self.train_set is not None:
             return
         if hp.path is not None:
@@ -193,7 +223,7 @@ class RLVRDataModule(pl.LightningDataModule):
 
     def _wrap(self) -> None:
         """train_set / eval_set: the loaded sources with instruction, system prompt and eval_limit applied."""
-        hp = self.hparams
+        hp = self.config
         self.train_set, self.eval_set = self._sources
         if hp.instruction or hp.system_prompt:
             self.train_set = PromptedDataset(self.train_set, hp.instruction, hp.system_prompt)
@@ -208,7 +238,7 @@ class RLVRDataModule(pl.LightningDataModule):
         naming the file and row, or are dropped and counted with `on_bad_row=skip`. `max_new_tokens`: the response
         budget that shares the context (`budget_key`: env.max_tokens with an environment). The built-in task's
         prompts are short by construction and not checked."""
-        hp = self.hparams
+        hp = self.config
         limited = token_limit(hp.max_prompt_tokens, context, max_new_tokens, budget_key)
         if limited is None:  # neither a prompt limit nor the model's context is known
             self._wrap()
@@ -244,7 +274,7 @@ class RLVRDataModule(pl.LightningDataModule):
         return (trainer.global_rank if trainer is not None else 0), world
 
     def train_dataloader(self) -> DataLoader:
-        hp = self.hparams
+        hp = self.config
         rank, world = self._ranks()
         if hp.batch_size % world:
             raise ValueError(f"data.batch_size={hp.batch_size} (prompts per step, all ranks together) must be "
@@ -284,7 +314,7 @@ class RLVRDataModule(pl.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         rank, world = self._ranks()  # each rank scores its share; the metrics are reduced by torchmetrics
         if world == 1:
-            return DataLoader(self.eval_set, batch_size=self.hparams.eval_batch_size, shuffle=False, collate_fn=collate)
+            return DataLoader(self.eval_set, batch_size=self.config.eval_batch_size, shuffle=False, collate_fn=collate)
         # equal shards: every rank must run the same number of validation steps (each one pushes weights)
         usable = len(self.eval_set) - len(self.eval_set) % world
         if usable == 0:
@@ -294,7 +324,7 @@ class RLVRDataModule(pl.LightningDataModule):
             log.warning("held-out set: the last %d of %d prompts are not scored, so the %d ranks get equal shares",
                         len(self.eval_set) - usable, len(self.eval_set), world)
         shard = torch.utils.data.Subset(self.eval_set, range(rank, usable, world))
-        return DataLoader(shard, batch_size=self.hparams.eval_batch_size, shuffle=False, collate_fn=collate)
+        return DataLoader(shard, batch_size=self.config.eval_batch_size, shuffle=False, collate_fn=collate)
 
     def test_dataloader(self) -> DataLoader:
         return self.val_dataloader()

@@ -20,6 +20,9 @@ from lit_rlvr.data.formats import render_prompt
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 from lit_rlvr.rollout.driver import RolloutDriver
 from lit_rlvr.rollout.engine import engine_hint
+from lit_rlvr.run.counters import RunCounters
+from lit_rlvr.run.perf import StepFlops
+from lit_rlvr.run.step_log import StepTimer
 
 Batch = dict[str, list]
 
@@ -38,7 +41,7 @@ def plan_batch(batch: Batch, tokenizer: Any, group_size: int, *, chat_template: 
 class StepCollector:
     """Args: `driver` generates and scores; `tokenizer`, `group_size`, `chat_template` make the plan; `step` and
     `seed_key` (run seed, step) key the engine's seeds; `counters` (the run's totals), `timer` (the step's phase
-    seconds) and `flops` (the step's token counts, `StepFlops`) are added to; `plan_hooks` edit each plan before
+    seconds) and `flops` (the step's token counts) are added to; `plan_hooks` edit each plan before
     it is generated (the callbacks' `on_rollout_plan`); `group_filter` (a `GroupFilter`, or None) and `next_batch`
     (the data stream's next batch, or None when it ran out) for DAPO's dynamic sampling; `engine_name` and
     `hint` (what the run keeps and what to do, asked when it fails) complete the errors of an engine or of the
@@ -49,9 +52,9 @@ class StepCollector:
     group_size: int
     step: int
     seed_key: tuple
-    counters: Any
-    timer: Any
-    flops: Any
+    counters: RunCounters
+    timer: StepTimer
+    flops: StepFlops
     chat_template: bool = False
     plan_hooks: Sequence[Callable[[RolloutPlan], None]] = ()
     group_filter: Any = None
