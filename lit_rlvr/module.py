@@ -116,7 +116,7 @@ class GRPOModule(pl.LightningModule):
         """The settings' own rules (`ModuleSettings.problems`), the reward's, LoRA's on this model, the
         optimizer's and the correction's on this class, before the model loads."""
         cfg, algo = self.settings, self.settings.algorithm
-        ConfigError.check(cfg.problems() + reward_problems(cfg.reward.name, cfg.reward.options)  # a server: reached
+        ConfigError.check(cfg.problems() + reward_problems(cfg.reward.name, cfg.reward.options)  # reaches a server
                           or model_problems(cfg.model.lora, cfg.model.name_or_path, cfg.model.options))
         check_optimizer_options(algo.optimizer, algo.optimizer_options, lr=algo.lr, grad_clip=algo.grad_clip,
                                 weight_decay=algo.weight_decay, dtype=cfg.model.dtype)

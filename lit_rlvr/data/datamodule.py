@@ -7,6 +7,7 @@ rendering and tokenization happen in the module, which owns the tokenizer.
 from __future__ import annotations
 
 import logging
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -182,7 +183,8 @@ class RLVRDataModule(pl.LightningDataModule):
     ):
         super().__init__()
         self.save_hyperparameters()  # Lightning's copy, for the loggers
-        self.config = DataConfig(**self.hparams)
+        # the arguments, typed (the Lightning CLI adds keys of its own to hparams)
+        self.config = DataConfig(**{f.name: self.hparams[f.name] for f in dataclasses.fields(DataConfig)})
         if task is None and path is None:
             raise ValueError("data: set data.task (built-in task) or data.path (a prompt file)")
         if task is not None and task not in TASKS:
