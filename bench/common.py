@@ -36,10 +36,11 @@ REFERENCE = {"data.batch_size": 8, "algorithm.group_size": 8, "algorithm.max_new
              "algorithm.temperature": 1.0, "algorithm.ppo_epochs": 1, "algorithm.mini_batches": 1,
              "model.dtype": "float32"}
 # the long workload (docs/architecture.md §9): the chain-of-thought task at levels of ~29 to ~188 completion
-# tokens (addition to 4x2-digit multiplication), up to 256 new tokens, and its own wider model (4 layers x 256,
+# tokens (addition to 4x2-digit multiplication), up to 224 new tokens (the model has 256 positions, which the prompt
+# shares), and its own wider model (4 layers x 256,
 # ~3.2M parameters), warmed up only until its answers are sometimes right (target 0.05: it writes the working at
 # realistic lengths); the data config turns on token-budget micro-batches of 2048 tokens (bench/micro_batches.py)
-LONG = {"data": "arithmetic_cot", "data.levels": "[1,3,5,7,8,9]", "algorithm.max_new_tokens": 256,
+LONG = {"data": "arithmetic_cot", "data.levels": "[1,3,5,7,8,9]", "algorithm.max_new_tokens": 224,
         "task_max_new_tokens": 256, "model.options.hidden_size": 256, "model.options.target": 0.05,
         "model.options.eval_problems": 64, "model.options.eval_samples": 2}
 WORKLOADS = {"tiny": {}, "long": LONG}  # overrides on top of REFERENCE
