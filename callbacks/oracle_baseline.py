@@ -86,6 +86,8 @@ class OracleBaseline(RLVRCallback):
         seed: mixed with the run's seed into the oracle's sampling seeds (never the method's seeds).
     """
 
+    async_refusal = "draws its oracle samples with the step's weights, which the producer's batches were not"
+
     def __init__(self, every_n_steps: int = 10, num_samples: int = 32, seed: int = 0) -> None:
         super().__init__()
         if every_n_steps < 1 or num_samples < 2:

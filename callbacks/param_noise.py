@@ -60,6 +60,9 @@ class ParamNoise(RLVRCallback):
             bf16 engine; warns once).
     """
 
+    async_refusal = ("writes weight samples into the trainer's parameters to generate; the producer's samples must "
+                     "be drawn from a snapshot of the posterior (not built yet)")
+
     def __init__(self, variant: str = "c3po", num_samples: Optional[int] = None, bf16_check_every: int = 100):
         super().__init__()
         if variant not in VARIANTS:

@@ -107,6 +107,8 @@ class ValuePrior(RLVRCallback):
     """
 
     sets_sample_counts = True  # k_init and OSLA decide how many samples each prompt gets
+    async_refusal = ("keeps one step's priors from the plan to the step's end; the producer would plan the next "
+                     "batches in between (not built yet)")
 
     def __init__(
         self,

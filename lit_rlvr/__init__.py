@@ -26,6 +26,7 @@ _EXPORTS = {
     "LoraOptions": "lit_rlvr.config.settings",
     # the typed settings, one per config group (lit_rlvr/config/settings.py)
     **dict.fromkeys(("AlgorithmConfig", "ModelConfig", "RewardConfig", "EngineConfig", "EnvConfig", "PerfConfig",
+                     "RolloutConfig",
                      "LossConfig", "UpdateConfig", "OptimConfig", "SamplingOptions"), "lit_rlvr.config.settings"),
 }
 __all__ = ["__version__", *_EXPORTS]

@@ -7,13 +7,13 @@ Two callbacks that edit the plan must compose: edit what you need, keep what oth
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from lightning.pytorch.callbacks import Callback
 
 from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.config.options import group_size_problem
-from lit_rlvr.config.settings import AlgorithmConfig
+from lit_rlvr.config.settings import AlgorithmConfig, RolloutConfig
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -23,6 +23,9 @@ if TYPE_CHECKING:  # pragma: no cover
 class RLVRCallback(Callback):
     # True for a callback that sets each prompt's sample count itself (V0.5): the module's group_size is unused
     sets_sample_counts = False
+    # why this callback cannot run with rollout.mode=async (None: it can): the producer plans and generates the
+    # next batches while this step's hooks still run
+    async_refusal: Optional[str] = None
 
     def check_algorithm(self, algorithm: AlgorithmConfig) -> None:
         """The module's algorithm settings (`group_size`, `optimizer`, …), before any work: raise a ValueError naming
@@ -48,12 +51,17 @@ class RLVRCallback(Callback):
         """After the optimizer step and the engine sync of this RL step."""
 
 
-def check_rl_callbacks(callbacks: Iterable[Any], algorithm: AlgorithmConfig) -> None:
-    """Each `RLVRCallback`'s `check_algorithm(algorithm)`, then the module's own rule that needs the callbacks
-    (a group of one only where a callback sets the sample counts)."""
+def check_rl_callbacks(callbacks: Iterable[Any], algorithm: AlgorithmConfig,
+                       rollout: RolloutConfig = RolloutConfig()) -> None:
+    """Each `RLVRCallback`'s `check_algorithm(algorithm)`, then the module's own rules that need the callbacks
+    (a group of one only where a callback sets the sample counts; async rollouts only with callbacks that allow
+    them)."""
     rl = [cb for cb in callbacks if isinstance(cb, RLVRCallback)]
     for cb in rl:
         cb.check_algorithm(algorithm)
     counts_set_by = next((type(cb).__name__ for cb in rl if cb.sets_sample_counts), None)
     problems = group_size_problem(algorithm.group_size, counts_set_by)
+    if rollout.mode == "async":
+        problems += [f"rollout.mode=async: {type(cb).__name__} {cb.async_refusal}; use rollout.mode=sync"
+                     for cb in rl if cb.async_refusal]
     ConfigError.check(problems)

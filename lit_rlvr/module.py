@@ -7,6 +7,7 @@ the plan, the baseline or the weights the gradient is taken at are `RLVRCallback
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
@@ -23,7 +24,7 @@ from lit_rlvr.config.bounds import check_bounds, model_context, response_budget
 from lit_rlvr.config.arguments import module_settings
 from lit_rlvr.config.errors import ConfigError, NonFiniteError, RewardHangError
 from lit_rlvr.config.settings import (AlgorithmConfig, EngineConfig, EnvConfig, ModelConfig, PerfConfig,
-                                      RewardConfig)
+                                      RewardConfig, RolloutConfig)
 from lit_rlvr.config.options import compile_problems
 from lit_rlvr.envs import build_environment, env_options
 from lit_rlvr.hooks import RLVRCallback, check_rl_callbacks
@@ -36,6 +37,7 @@ from lit_rlvr.rollout.collector import StepCollector, plan_batch
 from lit_rlvr.rollout.driver import RolloutDriver, stop_token_ids
 from lit_rlvr.rollout.engine import SamplingConfig, engine_hint
 from lit_rlvr.rollout.multi_turn import env_metrics
+from lit_rlvr.rollout.pipeline import RolloutPipeline
 from lit_rlvr.run import distributed as D
 from lit_rlvr.run.adapter_export import AdapterExport
 from lit_rlvr.run.checkpoint_io import checkpoint_hint
@@ -55,7 +57,7 @@ class GRPOModule(pl.LightningModule):
     """GRPO with PPO-clip (Shao et al. 2024) and the usual knobs; docs/architecture.md §4 has the equations.
 
     Settings (lit_rlvr.config.settings): one typed object per config group (`model`, `algorithm`, `reward`,
-    `engine`, `env`, `perf`) and the `seed`. Each may be given as the object, a mapping of its fields or its
+    `engine`, `env`, `perf`, `rollout`) and the `seed`. Each may be given as the object, a mapping of its fields or its
     shorthand (`model="tiny"`, an HF path, or an `nn.Module` with its `tokenizer`; `reward` a built-in name,
     "package.module:function" or a callable), or, in a notebook, as flat keywords (`lr=1e-4`:
     `lit_rlvr.config.arguments.SHORTCUTS`).
@@ -68,11 +70,12 @@ class GRPOModule(pl.LightningModule):
                  algorithm: AlgorithmConfig = AlgorithmConfig(),
                  reward: Union[RewardConfig, str, Callable[..., Any]] = RewardConfig(),
                  engine: Union[EngineConfig, str] = EngineConfig(), env: Union[EnvConfig, str, None] = EnvConfig(),
-                 perf: PerfConfig = PerfConfig(), seed: int = 0, tokenizer: Any = None, **shortcuts: Any):
+                 perf: PerfConfig = PerfConfig(), rollout: RolloutConfig = RolloutConfig(), seed: int = 0,
+                 tokenizer: Any = None, **shortcuts: Any):
         super().__init__()
         self.automatic_optimization = False
         with config_phase():  # unknown keys, types and ranges: one line each, before the model loads
-            self.settings = module_settings(model, algorithm, reward, engine, env, perf, seed, shortcuts)
+            self.settings = module_settings(model, algorithm, reward, engine, env, perf, seed, shortcuts, rollout)
         # Lightning's copy, for `load_from_checkpoint` and the loggers (nested plain values: the CLI's keys)
         self.save_hyperparameters(self.settings.as_dict())
         self._check_settings()
@@ -94,6 +97,8 @@ class GRPOModule(pl.LightningModule):
         # built in setup(): after the strategy has placed (and maybe sharded) the policy
         self.engine: Optional[Any] = None
         self.driver: Optional[RolloutDriver] = None
+        self.pipeline: Optional[RolloutPipeline] = None  # rollout.mode=async: built at the first training step
+        self._pipeline_state: dict[str, Any] = {}  # a resumed async run's batches in flight
         self.val_metrics = ValidationMetrics(algo.eval_samples)
         self.counters = RunCounters()
         self.timer = StepTimer()
@@ -124,12 +129,20 @@ class GRPOModule(pl.LightningModule):
 
     # -- Lightning plumbing ----------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
-        check_rl_callbacks(self.rl_callbacks(), self.algorithm)  # the Lightning CLI and Python reach this first
+        check_rl_callbacks(self.rl_callbacks(), self.algorithm, self.settings.rollout)  # the CLI and Python: first
+        if self.settings.rollout.mode == "async" and self._trainer is not None and self.trainer.world_size > 1:
+            raise ConfigError([f"rollout.mode=async on {self.trainer.world_size} ranks: each rank's producer would "
+                               "join the weight pushes' collectives from its own thread (not built yet); use one rank "
+                               "or rollout.mode=sync"])
         if self.settings.model.compile:  # (setup may run without a trainer: tests, notebooks)
             ConfigError.check(compile_problems(True, sharded=hasattr(self.trainer.strategy, "parallelize")))
         if self.engine is None:
+            engine = self.settings.engine
+            options = engine.options
+            if self.settings.rollout.mode == "async" and engine.name == "hf" and not options.get("mode"):
+                options = {**options, "mode": "copy"}  # the producer generates while the trainer steps
             with config_phase():  # the engine's option checks are config errors (one line from every entry)
-                self.driver = RolloutDriver.build(self.settings.engine.name, self.settings.engine.options,
+                self.driver = RolloutDriver.build(engine.name, options,
                                                   self.policy, self.tokenizer, self.reward_runner, self.sampling,
                                                   environment=self.environment,
                                                   chat_template=self.settings.model.chat_template)
@@ -155,6 +168,10 @@ class GRPOModule(pl.LightningModule):
             self.engine.to(self.device)
 
     def teardown(self, stage: str) -> None:
+        if stage == "fit" and self.pipeline is not None:
+            self._pipeline_state = self.pipeline.state()
+            self.pipeline.close()
+            self.pipeline = None
         if stage == "fit" and self.engine is not None:
             self.engine.sleep()
 
@@ -181,7 +198,10 @@ class GRPOModule(pl.LightningModule):
         self.step_metrics = {}
         self.step_rollouts_start = self.counters["rollouts_total"]
         rollouts = self.collect(batch)  # plan → callbacks edit it → generate and score (→ filter, refill)
-        self.engine.sleep()  # SGLang frees its KV cache and weights while the trainer needs the memory
+        if rollouts is None:  # async: the producer's first batches are not generated yet (no update)
+            return None
+        if self.pipeline is None:
+            self.engine.sleep()  # SGLang frees its KV cache and weights while the trainer needs the memory
         self.call_rl_hooks("on_before_advantages", rollouts)  # V0.5: the fused baselines
         rollouts.advantages, adv_metrics = self.compute_advantages(rollouts)
         self.log_metrics(adv_metrics)
@@ -202,10 +222,20 @@ class GRPOModule(pl.LightningModule):
         finally:
             self._data_stream = DataStream(None)
 
-    def collect(self, batch: dict[str, list]) -> Rollouts:
-        """The step's rollouts, from its `StepCollector` (with `filter_groups`: refilled from the data stream)."""
+    def collect(self, batch: dict[str, list]) -> Optional[Rollouts]:
+        """The step's rollouts, from its `StepCollector` (with `filter_groups`: refilled from the data stream); in
+        async mode the oldest batch the producer generated, this step's batch submitted (None: none ready yet)."""
         collector = self.make_collector()
-        rollouts, metrics = collector.collect(batch)
+        if self.settings.rollout.mode == "async":
+            with self.timer("wait_s"):
+                item = self.async_pipeline().exchange(batch, collector.plan, version=self.global_step)
+            if item is None:
+                return None
+            rollouts, metrics = collector.count(item.result), collector.metrics
+            rollouts.policy_version = torch.full((rollouts.num_samples,), item.version, dtype=torch.long)  # [N]
+            metrics = {**metrics, **self.pipeline.metrics(rollouts, version=self.global_step)}
+        else:
+            rollouts, metrics = collector.collect(batch)
         self.log_metrics(metrics)
         if collector.stop_reason:  # a hung reward call is left running: finish the step, save, stop
             self.trainer.should_stop = True
@@ -222,6 +252,19 @@ class GRPOModule(pl.LightningModule):
                              plan_hooks=hooks, group_filter=group_filter, next_batch=self._data_stream.next_batch,
                              engine_name=self.settings.engine.name, hint=self._checkpoint_hint)
 
+    def async_pipeline(self) -> RolloutPipeline:
+        """The run's `RolloutPipeline`, built at its first step (after a resume has restored the weights, which the
+        engine receives first: the producer never pushes)."""
+        if self.pipeline is None:
+            if not self.driver.weight_sync.holds(self.global_step):
+                self.sync_engine()
+            opts, state = self.settings.rollout, self._pipeline_state
+            self.pipeline = RolloutPipeline(self.driver, max_staleness=opts.max_staleness, lead=opts.lead,
+                                            drop=opts.stale_strategy == "drop", seed=self.settings.seed,
+                                            next_index=state.get("next_index", self.global_step),
+                                            pending=tuple(state.get("in_flight", ())))
+        return self.pipeline
+
     def seed_key(self) -> tuple[int, int]:
         """(run seed, step): this step's seed key; the driver adds the round, weight source and plan's stream."""
         return (self.settings.seed, self.global_step)
@@ -232,9 +275,22 @@ class GRPOModule(pl.LightningModule):
 
     def sync_engine(self) -> None:
         """After the optimizer step: the engine must hold the new mean weights (version = global step)."""
-        pushed = self.driver.push(step=self.global_step)
+        with self.engine_access():
+            pushed = self.driver.push(step=self.global_step)
         self.timer.add("sync_s", pushed.seconds)
         self.log_metrics(pushed.metrics)
+
+    @contextlib.contextmanager
+    def engine_access(self) -> Iterator[None]:
+        """The engine to this thread alone: in async mode, between two of the producer's batches (the wait counts
+        as the trainer's, `time/wait_s`)."""
+        if self.pipeline is None:
+            yield
+            return
+        with contextlib.ExitStack() as stack:
+            with self.timer("wait_s"):
+                stack.enter_context(self.pipeline.producer.engine_access())
+            yield
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         # after the callbacks' hook: RunCheckpoint has saved this step (the driver set should_stop)
@@ -310,8 +366,9 @@ class GRPOModule(pl.LightningModule):
         flops = self.flops.metrics(rollouts, self.timer.times, passes=self.algorithm.ppo_epochs,
                                    reference=self.ref_policy is not None, recompute=recomputes_forward(self.policy),
                                    old_forward=not self.algorithm.rollout_correction.bypass)
+        shares = self.pipeline.shares(self.timer, step_s) if self.pipeline is not None else {}  # async/*_frac
         self.log_metrics(step_row(rollouts, self.counters, self.step_rollouts_start, self.timer, step_s,
-                                  {**flops, **env_metrics(rollouts)}))  # env/*: multi-turn only
+                                  {**flops, **env_metrics(rollouts), **shares}))  # env/*: multi-turn only
         self.step_metrics = D.reduce_metrics(self.step_metrics)  # the global batch's figures, on every rank
         write_step_metrics(self.trainer, self.step_metrics, progress_bar=("reward/mean", "reward/accuracy"))
 
@@ -320,7 +377,7 @@ class GRPOModule(pl.LightningModule):
         if self.engine is None:
             self.setup("validate")
         # the engine keys its seed per prompt: every evaluation draws the same samples
-        with engine_hint(self.settings.engine.name, self._checkpoint_hint):
+        with engine_hint(self.settings.engine.name, self._checkpoint_hint), self.engine_access():
             plan = plan_batch(batch, self.tokenizer, self.algorithm.group_size,
                               chat_template=self.settings.model.chat_template)
             correct = self.driver.evaluate(plan, self.algorithm.eval_samples, step=self.global_step,
@@ -340,10 +397,13 @@ class GRPOModule(pl.LightningModule):
         # the run's totals (every rank saves, one file is written): a resume gives them to rank 0, 0 to the others
         checkpoint["lit_rlvr"] = {"counters": self.counters.global_values(), "engine_version": self.global_step,
                                   "model_path": self.model_path, "rng": rng_states()}
+        if self.settings.rollout.mode == "async":  # the batches in flight are generated again on resume
+            checkpoint["lit_rlvr"]["async"] = self.pipeline.state() if self.pipeline else self._pipeline_state
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("lit_rlvr", {})
         self.counters.restore(state.get("counters", {}), self.global_rank)
+        self._pipeline_state = state.get("async", {})
         if "rng" in state:  # a resumed run draws the random numbers the uninterrupted run would have drawn
             set_rng_states(state["rng"])
         if self.driver is not None:  # the engine must receive the restored weights before the next rollout

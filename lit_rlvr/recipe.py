@@ -72,6 +72,7 @@ def module_arguments(cfg: DictConfig) -> dict[str, Any]:
             "engine": OmegaConf.to_container(cfg.engine, resolve=True),
             "env": {"name": env.get("env", "none"), **env.get("env_options", {})},
             "perf": OmegaConf.to_container(cfg.perf, resolve=True) if cfg.get("perf") is not None else None,
+            "rollout": OmegaConf.to_container(cfg.rollout, resolve=True) if cfg.get("rollout") is not None else None,
             "seed": cfg.seed}
 
 

@@ -16,18 +16,19 @@ from torch import nn
 from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.config.options import compile_problems, consistency_problems, range_problems
 from lit_rlvr.config.problems import checked_fields, convert, finite_problems, problem_line, unknown_key_problems
-from lit_rlvr.config.settings import AlgorithmConfig, EngineConfig, EnvConfig, ModelConfig, PerfConfig, RewardConfig
+from lit_rlvr.config.settings import (AlgorithmConfig, EngineConfig, EnvConfig, ModelConfig, PerfConfig, RewardConfig,
+                                      RolloutConfig)
 
 # flat keyword -> (group, field); None: the keyword is a mapping of the group's fields
 SHORTCUTS: dict[str, tuple[str, Optional[str]]] = {
     "model_options": ("model", "options"), "dtype": ("model", "dtype"), "lora": ("model", "lora"),
     "compile_update": ("model", "compile"), "chat_template": ("model", "chat_template"),
     "reward_options": ("reward", "options"), "engine_options": ("engine", "options"),
-    "env_options": ("env", None), "perf_options": ("perf", None),
+    "env_options": ("env", None), "perf_options": ("perf", None), "rollout_options": ("rollout", None),
     **{f.name: ("algorithm", f.name) for f in fields(AlgorithmConfig)},
 }
 GROUPS = {"model": ModelConfig, "algorithm": AlgorithmConfig, "reward": RewardConfig, "engine": EngineConfig,
-          "env": EnvConfig, "perf": PerfConfig}
+          "env": EnvConfig, "perf": PerfConfig, "rollout": RolloutConfig}
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class ModuleSettings:
     engine: EngineConfig
     env: EnvConfig
     perf: PerfConfig
+    rollout: RolloutConfig = RolloutConfig()
     seed: int = 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -58,7 +60,28 @@ class ModuleSettings:
         return (range_problems(flat, "algorithm")
                 + range_problems(asdict(algo.filter_groups), "algorithm.filter_groups")
                 + [p for key, section in sections.items() for p in finite_problems(section, key)]
-                + consistency_problems(flat) + compile_problems(self.model.compile, sharded=False))
+                + consistency_problems(flat) + compile_problems(self.model.compile, sharded=False)
+                + self.async_problems())
+
+    def async_problems(self) -> list[str]:
+        """What `rollout.mode=async` cannot run with, one line each (docs/async.md)."""
+        if self.rollout.mode != "async":
+            return []
+        algo, problems = self.algorithm, []
+        correction = algo.rollout_correction
+        if not correction.bypass and correction.rollout_is is None:
+            problems.append("rollout.mode=async with algorithm.rollout_correction.bypass_mode=false and no rollout_is: "
+                            "pi_old would be recomputed with the current weights and the loss would not correct for "
+                            "the lag; set bypass_mode=null (the engine's log-probs are pi_old) or rollout_is=token "
+                            "(the decoupled objective)")
+        if algo.filter_groups.enable:
+            problems.append("rollout.mode=async with algorithm.filter_groups.enable=true: dynamic sampling reads "
+                            "further batches within a step, which the producer has already taken; use one of the two")
+        if self.engine.name == "hf" and self.engine.options.get("mode") not in (None, "copy"):
+            problems.append(f"rollout.mode=async with engine.options.mode={self.engine.options['mode']!r}: the "
+                            "producer generates while the trainer changes its weights, so the engine needs its own "
+                            "copy; set engine.options.mode=copy (the default in async mode)")
+        return problems
 
 
 def build(cls: type, value: Any, section: str) -> Any:
@@ -78,11 +101,12 @@ def build(cls: type, value: Any, section: str) -> Any:
 
 
 def module_settings(model: Any, algorithm: Any, reward: Any, engine: Any, env: Any, perf: Any, seed: int,
-                    shortcuts: Mapping[str, Any]) -> ModuleSettings:
-    """The typed settings of `GRPOModule(model, algorithm, reward, engine, env, perf, seed, **shortcuts)`; `model`
-    may also be an `nn.Module` (its `name_or_path` is then its class name: the module keeps the object)."""
+                    shortcuts: Mapping[str, Any], rollout: Any = None) -> ModuleSettings:
+    """The typed settings of `GRPOModule(model, algorithm, reward, engine, env, perf, rollout, seed, **shortcuts)`;
+    `model` may also be an `nn.Module` (its `name_or_path` is then its class name: the module keeps the object)."""
     shorthand = {"model": "name_or_path", "reward": "name", "engine": "name", "env": "name"}
-    given = {"model": model, "algorithm": algorithm, "reward": reward, "engine": engine, "env": env, "perf": perf}
+    given = {"model": model, "algorithm": algorithm, "reward": reward, "engine": engine, "env": env, "perf": perf,
+             "rollout": rollout}
     groups = {}
     for group, cls in GROUPS.items():
         value = given[group]

@@ -28,6 +28,7 @@ from lit_rlvr.config.options import (RANGES, compile_problems, consistency_probl
                                      group_size_problem, lora_rank_problems, problem_line, range_problems,
                                      unknown_key_problems)
 from lit_rlvr.config.rollout_correction import RolloutCorrection
+from lit_rlvr.config.schemas import SCHEMAS
 from lit_rlvr.envs import environment_spec
 from lit_rlvr.config.settings import FilterGroups, LoraOptions
 from lit_rlvr.models.lora import model_problems
@@ -125,7 +126,7 @@ def _leaves(node: Any) -> Any:
 def _top_keys() -> set[str]:
     primary = OmegaConf.create(importlib.resources.files("lit_rlvr.conf").joinpath(PRIMARY_CONFIG).read_text())
     groups = [next(iter(d)) for d in primary.get("defaults", []) if isinstance(d, DictConfig)]  # `- model: tiny`
-    return {*RUN_KEYS, *groups, *(k for k in primary if k not in ("defaults", "hydra"))}
+    return {*RUN_KEYS, *groups, *SCHEMAS, *(k for k in primary if k not in ("defaults", "hydra"))}
 
 
 def _check_keys(cfg: DictConfig) -> list[str]:

@@ -20,7 +20,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from lit_rlvr.config.problems import problem_line, unknown_key_problems
-from lit_rlvr.config.settings import AlgorithmConfig, EngineConfig, EnvConfig, ModelConfig, PerfConfig, RewardConfig
+from lit_rlvr.config.settings import (AlgorithmConfig, EngineConfig, EnvConfig, ModelConfig, PerfConfig, RewardConfig,
+                                      RolloutConfig)
 
 GROUP = "schema"  # the ConfigStore group: schema/<package>
 
@@ -37,7 +38,8 @@ class AlgorithmGroup(AlgorithmConfig):
 
 
 SCHEMAS: dict[str, type] = {"algorithm": AlgorithmGroup, "model": ModelConfig, "reward": RewardConfig,
-                            "engine": EngineConfig, "env": EnvConfig, "perf": PerfConfig}
+                            "engine": EngineConfig, "env": EnvConfig, "perf": PerfConfig,
+                            "rollout": RolloutConfig}
 # `algorithm`'s keys that train.py reads besides AlgorithmConfig's
 RECIPE_KEYS = ("name", "_target_", "callbacks")
 

@@ -74,6 +74,9 @@ class Rollouts:
     # [N, T] bool, True = a token in the sequence (sampled or observation); None at construction = `response_mask`
     response_attention_mask: Optional[Tensor] = None
     transcripts: list[Transcript] = field(default_factory=list)  # [N] multi-turn rollouts' turns; [] = single-turn
+    # [N] long: the optimizer step of the weights that generated each completion (rollout.mode=async); None = the
+    # step that trains it (synchronous)
+    policy_version: Optional[Tensor] = None
 
     def __post_init__(self) -> None:
         if self.response_attention_mask is None:
@@ -195,6 +198,7 @@ class Rollouts:
             loss_pass=cat_optional("loss_pass"),
             adv_group=cat_optional("adv_group"),
             token_weights=None,
+            policy_version=cat_optional("policy_version"),
         )
 
 

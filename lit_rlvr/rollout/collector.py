@@ -18,7 +18,7 @@ from torch import Tensor
 from lit_rlvr.config.errors import GenerationBudgetError
 from lit_rlvr.data.formats import render_prompt
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
-from lit_rlvr.rollout.driver import RolloutDriver
+from lit_rlvr.rollout.driver import RolloutDriver, RolloutResult
 from lit_rlvr.rollout.engine import engine_hint
 from lit_rlvr.run.counters import RunCounters
 from lit_rlvr.run.perf import StepFlops
@@ -77,15 +77,22 @@ class StepCollector:
 
     def collect_batch(self, batch: Batch, seed_stream: tuple[int, ...] = ()) -> Rollouts:
         """Plan one data batch, let the hooks edit the plan, generate and score it."""
+        return self.rollout(self.plan(batch, seed_stream))
+
+    def plan(self, batch: Batch, seed_stream: tuple[int, ...] = ()) -> RolloutPlan:
+        """The batch's plan (`plan_batch`), edited by the hooks."""
         plan = plan_batch(batch, self.tokenizer, self.group_size, chat_template=self.chat_template,
                           seed_stream=seed_stream)
         for hook in self.plan_hooks:
             hook(plan)
-        return self.rollout(plan)
+        return plan
 
     def rollout(self, plan: RolloutPlan) -> Rollouts:
         """The plan's samples, generated and scored (`RolloutDriver.rollout`), counted into the run's totals."""
-        result = self.driver.rollout(plan, step=self.step, seed_key=self.seed_key)
+        return self.count(self.driver.rollout(plan, step=self.step, seed_key=self.seed_key))
+
+    def count(self, result: RolloutResult) -> Rollouts:
+        """A driver call's rollouts, its costs added to the run's totals and the step's timer and token counts."""
         result.count_into(self.counters, self.timer)
         self.metrics.update(result.metrics)
         self.stop_reason = self.stop_reason or result.stop_reason

@@ -168,7 +168,7 @@ class HFEngine(RolloutEngine):
         *,
         pad_id: int,
         eos_id: int,
-        mode: str = "shared",
+        mode: Optional[str] = None,
         use_cache: bool = True,
         max_batch: int = 256,
         bucket_bytes: int = 256 << 20,
@@ -176,6 +176,7 @@ class HFEngine(RolloutEngine):
         lora_sync: str = "adapter",
         dtype: Optional[str] = None,
     ):
+        mode = mode or "shared"  # (null: the module's choice, `shared` unless rollouts are asynchronous)
         if mode not in ENGINE_MODES:
             raise ValueError(f"engine.options.mode={mode!r} is not valid; valid: {', '.join(ENGINE_MODES)}")
         # before any copy of the model: a bad value is one line naming its key

@@ -28,8 +28,9 @@ from lit_rlvr.config.settings import resume_mutable
 log = logging.getLogger(__name__)
 
 CONFIG_KEY = "lit_rlvr_config"  # the checkpoint entry: {"config": resolved config, "overrides": [...]}
-FROZEN = ("seed", "algorithm", "model", "engine", "reward", "data", "env", "trainer.accelerator", "trainer.devices",
-          "trainer.num_nodes", "trainer.precision", "trainer.strategy", "trainer.accumulate_grad_batches")
+FROZEN = ("seed", "algorithm", "model", "engine", "reward", "data", "env", "rollout", "trainer.accelerator",
+          "trainer.devices", "trainer.num_nodes", "trainer.precision", "trainer.strategy",
+          "trainer.accumulate_grad_batches")
 
 
 def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
