@@ -370,7 +370,13 @@ class GRPOModule(pl.LightningModule):
         self.log_metrics(step_row(rollouts, self.counters, self.step_rollouts_start, self.timer, step_s,
                                   {**flops, **env_metrics(rollouts), **shares}))  # env/*: multi-turn only
         self.step_metrics = D.reduce_metrics(self.step_metrics)  # the global batch's figures, on every rank
-        write_step_metrics(self.trainer, self.step_metrics, progress_bar=("reward/mean", "reward/accuracy"))
+        write_step_metrics(self.trainer, self.step_metrics, progress_bar=("reward/mean", "reward/accuracy"),
+                           step=self.row_step())
+
+    def row_step(self) -> int:
+        """This RL step's row (metrics.csv's `step`): Lightning's count of batches before this one, less the calls
+        that only filled the async pipeline (`rollout.lead`; they update nothing and write no row)."""
+        return self.trainer.fit_loop.epoch_loop._batches_that_stepped - self.settings.rollout.lead
 
     # -- evaluation --------------------------------------------------------------------------------------------
     def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:

@@ -27,7 +27,7 @@ from lit_rlvr.config.arguments import build
 from lit_rlvr.config.config_check import env_arguments
 from lit_rlvr.config.errors import ConfigError, DataError, StopRequested
 from lit_rlvr.config.options import problem_line
-from lit_rlvr.config.settings import AlgorithmConfig
+from lit_rlvr.config.settings import AlgorithmConfig, RolloutConfig
 from lit_rlvr.data.formats import render_prompt
 from lit_rlvr.hooks import check_rl_callbacks
 from lit_rlvr.models.lora import is_adapter_dir, load_adapter_weights, options_from_adapter
@@ -179,8 +179,9 @@ def _build_run(cfg: DictConfig, run_dir: Path) -> tuple[pl.LightningDataModule, 
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
         datamodule = _instantiate(cfg.data)
         trainer = build_trainer(cfg, run_dir, overrides)
-        algorithm = build(AlgorithmConfig, module_arguments(cfg)["algorithm"], "algorithm")
-        check_rl_callbacks(trainer.callbacks, algorithm)  # before the model loads
+        arguments = module_arguments(cfg)
+        algorithm = build(AlgorithmConfig, arguments["algorithm"], "algorithm")
+        check_rl_callbacks(trainer.callbacks, algorithm, build(RolloutConfig, arguments["rollout"], "rollout"))
         _load_data(datamodule, trainer, "fit")
         module = build_module(cfg)
         _check_prompt_tokens(datamodule, module)

@@ -1,0 +1,125 @@
+"""`rollout.mode=async` in `python train.py` runs (docs/async.md): S = 0 is the synchronous run bit for bit; with
+S = 1 every update trains a batch exactly one version old, across epoch ends; a SIGTERM saves the batches in flight
+and exits 0, and the resumed run trains every prompt exactly once, in the uninterrupted run's order; `drop` evicts
+a stale batch and trains its copy generated again. The runs start together when this module starts."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["eval_before=false", "callbacks.progress=null", "data.batch_size=4",
+         "algorithm.group_size=4", "checkpoint_every=1", "callbacks.completions.every_n_steps=1",
+         "callbacks.completions.samples=16"]  # every completion of every step: the prompts each update trained on
+EPOCHS = ["data=jsonl", f"data.path={REPO}/tests/fixtures/eight_rows.jsonl", "data.eval_limit=4",
+          "reward=arithmetic"]  # 8 rows, 4 a step: an epoch ends every 2 steps
+ASYNC = ["rollout.mode=async"]
+TASK = ["data.num_test=4"]  # the built-in task's held-out set, small
+# what depends on the machine's speed, or exists only in async mode
+UNTIMED = ("time/", "perf/", "async/")
+
+
+def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    log = run_dir.with_suffix(".log").open("w")
+    return subprocess.Popen([sys.executable, "train.py", *SMALL, f"hydra.run.dir={run_dir}", *overrides], cwd=REPO,
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 600) -> str:
+    rc = proc.wait(timeout=timeout)
+    log = run_dir.with_suffix(".log").read_text()
+    assert rc == 0, log[-3000:]
+    return log
+
+
+def rows(run_dir: Path) -> list[dict[str, str]]:
+    path = run_dir / "metrics.csv"
+    return [r for r in csv.DictReader(path.open()) if r.get("loss/policy")] if path.exists() else []
+
+
+def trained_prompts(run_dir: Path) -> dict[int, list[str]]:
+    """{step: the sorted prompts its update trained on} from completions.jsonl."""
+    steps: dict[int, list[str]] = {}
+    for line in (run_dir / "completions.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        steps.setdefault(record["step"], []).append(record["prompt"])
+    return {step: sorted(set(prompts)) for step, prompts in steps.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("async")
+    specs = {
+        "sync": [*TASK, "engine.options.mode=copy", "trainer.max_steps=3"],
+        "async0": [*TASK, *ASYNC, "rollout.max_staleness=0", "trainer.max_steps=3"],
+        "full": [*ASYNC, *EPOCHS, "rollout.max_staleness=1", "trainer.max_steps=5"],
+        "drop": [*TASK, *ASYNC, "rollout.max_staleness=0", "rollout.stale_strategy=drop", "trainer.max_steps=3"],
+    }
+    procs = {name: (start(root / name, *spec), root / name, spec) for name, spec in specs.items()}
+    yield procs
+    for proc, _, _ in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_staleness_zero_is_the_synchronous_run(runs):
+    (sync, sync_dir, _), (async0, async_dir, _) = runs["sync"], runs["async0"]
+    finish(sync, sync_dir), finish(async0, async_dir)
+    expected, got = rows(sync_dir), rows(async_dir)
+    assert len(got) == len(expected) == 3
+    for want, have in zip(expected, got):
+        assert {k: v for k, v in have.items() if not k.startswith(UNTIMED)} == \
+               {k: v for k, v in want.items() if not k.startswith(UNTIMED)}
+        assert float(have["async/staleness_max"]) == 0
+    summary = json.loads((async_dir / "summary.json").read_text())
+    assert summary["accuracy_after"] == json.loads((sync_dir / "summary.json").read_text())["accuracy_after"]
+
+
+def test_staleness_one_across_epochs_then_sigterm_and_resume_train_each_prompt_once(runs):
+    full, full_dir, spec = runs["full"]
+    stopped_dir = full_dir.with_name("stopped")
+    stopped = start(stopped_dir, *spec[:-1], "trainer.max_steps=100")  # started here: stopped at its first save
+    deadline = time.monotonic() + 600
+    while not (stopped_dir / "checkpoints" / "last.ckpt").exists() and stopped.poll() is None \
+            and time.monotonic() < deadline:  # the first step saved: the pipeline is full
+        time.sleep(0.05)
+    stopped.send_signal(signal.SIGTERM)
+    log = finish(stopped, stopped_dir, timeout=120)  # saved and exited 0; the producer did not hold it up
+    saved = torch.load(stopped_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    in_flight = saved["lit_rlvr"]["async"]["in_flight"]
+    assert len(in_flight) == 1, log[-2000:]  # S = 1, wait: one batch ahead of the trained one
+    steps_before = saved["global_step"]
+    assert steps_before < 5, "the stop came after the steps this test compares"
+    resumed = start(stopped_dir, *spec[:-1], "trainer.max_steps=5", f"resume={stopped_dir}/checkpoints/last.ckpt")
+    finish(resumed, stopped_dir)
+    finish(full, full_dir)
+
+    assert [int(r["step"]) for r in rows(full_dir)] == [0, 1, 2, 3, 4]  # the filling call writes no row
+    staleness = [float(r["async/staleness_max"]) for r in rows(full_dir)]
+    assert staleness == [0.0, 1.0, 1.0, 1.0, 1.0]  # the first batch was generated before any update
+    assert all(float(r["async/in_flight"]) <= 1 for r in rows(full_dir))
+    expected = trained_prompts(full_dir)
+    assert sorted(expected) == [0, 1, 2, 3, 4]  # the rows of metrics.csv
+    # across the stop: the same prompts at every step, none twice, none skipped (the batch in flight was generated
+    # again with the restored weights)
+    assert trained_prompts(stopped_dir) == expected
+
+
+def test_drop_evicts_the_stale_batch_and_trains_its_fresh_copy(runs):
+    (drop, drop_dir, _), (sync, sync_dir, _) = runs["drop"], runs["sync"]
+    finish(drop, drop_dir), finish(sync, sync_dir)
+    got = rows(drop_dir)
+    assert [float(r["async/staleness_max"]) for r in got] == [0.0, 0.0, 0.0]
+    # generation runs one batch ahead: from the second update on, each batch was a version old and generated again
+    assert [float(r["async/dropped_groups"]) for r in got][1:] == [4.0, 4.0]
+    assert trained_prompts(drop_dir) == trained_prompts(sync_dir)  # each prompt trained once, in the sync order
