@@ -1,7 +1,8 @@
 """`rollout.mode=async` in `python train.py` runs (docs/async.md): S = 0 is the synchronous run bit for bit; with
 S = 1 every update trains a batch exactly one version old, across epoch ends; a SIGTERM saves the batches in flight
 and exits 0, and the resumed run trains every prompt exactly once, in the uninterrupted run's order; `drop` evicts
-a stale batch and trains its copy generated again. The runs start together when this module starts."""
+a stale batch and trains its copy generated again; an engine that fails in the producer stops the run naming the
+intact checkpoint. The runs start together when this module starts."""
 
 from __future__ import annotations
 
@@ -63,6 +64,9 @@ def runs(tmp_path_factory):
         "sync": [*TASK, "engine.options.mode=copy", "trainer.max_steps=3"],
         "async0": [*TASK, *ASYNC, "rollout.max_staleness=0", "trainer.max_steps=3"],
         "full": [*ASYNC, *EPOCHS, "rollout.max_staleness=1", "trainer.max_steps=5"],
+        "engine": [*TASK, *ASYNC, "algorithm._target_=tests.fault_helpers.FaultyModule",
+                   "+algorithm.engine_fail_call=3", "trainer.max_steps=6",
+                   "engine.options.sync_check_every=0"],  # (the post-push check would meet the failure first)
         "drop": [*TASK, *ASYNC, "rollout.max_staleness=0", "rollout.stale_strategy=drop", "trainer.max_steps=3"],
     }
     procs = {name: (start(root / name, *spec), root / name, spec) for name, spec in specs.items()}
@@ -123,3 +127,13 @@ def test_drop_evicts_the_stale_batch_and_trains_its_fresh_copy(runs):
     # generation runs one batch ahead: from the second update on, each batch was a version old and generated again
     assert [float(r["async/dropped_groups"]) for r in got][1:] == [4.0, 4.0]
     assert trained_prompts(drop_dir) == trained_prompts(sync_dir)  # each prompt trained once, in the sync order
+
+
+def test_engine_failure_in_the_producer_stops_the_run_naming_the_intact_checkpoint(runs):
+    proc, run_dir, _ = runs["engine"]
+    rc = proc.wait(timeout=600)
+    log = run_dir.with_suffix(".log").read_text()
+    assert rc != 0 and "EngineError" in log and "injected engine failure" in log, log[-3000:]
+    assert "is intact" in log and "resume=" in log
+    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert saved["global_step"] >= 1 and len(saved["lit_rlvr"]["async"]["in_flight"]) == 1

@@ -52,7 +52,7 @@ def train(pipeline: RolloutPipeline, driver: ScriptedDriver, indices, version: i
     """The trainer's loop: each step submits a batch, updates on what it got back and pushes (version + 1)."""
     trained = []
     for index in indices:
-        item = pipeline.exchange(batch(index), plan_of, version=version)
+        item = pipeline.exchange(batch(index), plan_of, version=version, step=version)
         assert len(pipeline.in_flight) <= pipeline.lead  # the capacity
         if item is None:
             continue
@@ -63,7 +63,7 @@ def train(pipeline: RolloutPipeline, driver: ScriptedDriver, indices, version: i
         with pipeline.producer.engine_access():
             assert not driver.busy.locked()  # a push never meets a generation under way
             version += 1
-            driver.weight_sync.version = version
+            driver.weight_sync.version = pipeline.producer.version = version
     return trained, version
 
 
@@ -118,7 +118,7 @@ def test_resume_generates_the_batches_in_flight_again_first():
     assert [i for i, _ in state["in_flight"]] == [4, 5] and state["next_index"] == 6
     resumed_driver = ScriptedDriver(2)
     resumed_driver.weight_sync.version = version
-    second = RolloutPipeline(resumed_driver, max_staleness=2, lead=2, drop=False, seed=3,
+    second = RolloutPipeline(resumed_driver, max_staleness=2, lead=2, drop=False, seed=3, version=version,
                              next_index=state["next_index"], pending=tuple(state["in_flight"]))
     try:
         more, _ = train(second, resumed_driver, range(6, 10), version=version)
@@ -134,7 +134,7 @@ def test_producer_error_reaches_the_trainer():
     pipeline = RolloutPipeline(driver, max_staleness=0, lead=0, drop=False, seed=0)
     try:
         with pytest.raises(RuntimeError, match="engine died"):
-            pipeline.exchange(batch(0), plan_of, version=0)
+            pipeline.exchange(batch(0), plan_of, version=0, step=0)
     finally:
         pipeline.close()
     assert not pipeline.producer._thread.is_alive()

@@ -74,8 +74,8 @@ class Rollouts:
     # [N, T] bool, True = a token in the sequence (sampled or observation); None at construction = `response_mask`
     response_attention_mask: Optional[Tensor] = None
     transcripts: list[Transcript] = field(default_factory=list)  # [N] multi-turn rollouts' turns; [] = single-turn
-    # [N] long: the optimizer step of the weights that generated each completion (rollout.mode=async); None = the
-    # step that trains it (synchronous)
+    # [N] long: the version (updates, i.e. RL steps) of the weights that generated each completion
+    # (rollout.mode=async); None = the step that trains it (synchronous)
     policy_version: Optional[Tensor] = None
 
     def __post_init__(self) -> None:

@@ -283,7 +283,8 @@ class RolloutDriver:
     def push(self, *, step: int, holds_mean: bool = True) -> PushResult:
         """Send the policy's current weights to the engine as those of `step` (`WeightSync.push`). Every push of
         the run goes through here, so a test can wrap it."""
-        return self.weight_sync.push(step=step, holds_mean=holds_mean)
+        with self._engine_errors(step):
+            return self.weight_sync.push(step=step, holds_mean=holds_mean)
 
     def _tallied_push(self, step: int, holds_mean: bool, tally: _Tally) -> None:
         """A push inside a rollout: its seconds and its check go to the call's tally."""
