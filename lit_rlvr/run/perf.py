@@ -166,9 +166,13 @@ def measure_matmul_peak(dtype: torch.dtype = torch.float32, *, size: int = 2048,
 
 
 def measure_copy_bandwidth(*, mib: int = 256, repeats: int = 5) -> float:
-    """Memory bandwidth of torch's current threads in bytes/s: a `mib` MiB tensor copied into another, the best
-    of `repeats`, counting the bytes read and written (2 × size, as STREAM's copy does; the write's cache line
-    fills are not counted), timed by the process's CPU time over the threads like `measure_matmul_peak`."""
+    """Memory bandwidth of torch's current threads in bytes/s: a `mib` MiB tensor copied into another (torch
+    splits the copy over its threads), the best of `repeats`, counting the bytes read and written (2 × size, as
+    STREAM's copy does; the write's cache line fills are not counted), timed by the process's CPU time over the
+    threads like `measure_matmul_peak`: each thread's rate × threads, which other processes on a shared machine
+    do not lower (on a 2-core AMD EPYC at load 5: 39-45 GB/s by CPU time, 17-22 by wall time, one thread alone
+    19-25). It assumes the threads' rates add up, true for a few cores of a server CPU, whose memory bandwidth
+    scales with cores far beyond 2."""
     source = torch.empty(mib << 18, dtype=torch.float32).fill_(1.0)  # 4-byte elements; filled: pages touched
     target = torch.empty_like(source).fill_(0.0)
     target.copy_(source)  # first call: thread start-up
