@@ -151,7 +151,7 @@ def run(args) -> dict:
             result[f"all_on_over_{config}_cpu"] = all_on_cpu / result[f"{config}_cpu_s"]
     for key in ("prefill_s", "decode_s", "pick_s", "other_s"):
         result[f"all_on_{key}"] = common.median([s[key] for s in splits])
-    result.update(generation_mfu(engine, prompts, group, base, all_on, all_on_cpu))
+    result.update(generation_utilisation(engine, prompts, group, base, all_on, all_on_cpu))
     result.update(kernel_ceiling(engine, prompts, group, params, base, result["peak_flops"],
                                  result["all_on_bytes"], result["peak_bandwidth"]))
     result["spread"] = {c: [round(t, 3) for t in ts] for c, ts in times.items()}
@@ -160,7 +160,8 @@ def run(args) -> dict:
     return result
 
 
-def generation_mfu(engine, prompts, group: int, completions, seconds: float, cpu_seconds: float) -> dict[str, float]:
+def generation_utilisation(engine, prompts, group: int, completions, seconds: float,
+                           cpu_seconds: float) -> dict[str, float]:
     """The batch's model FLOPs and the bytes it must read (one prefill per prompt, as `all_on` runs it;
     docs/mfu.md), and the MFU and MBU of `all_on` against this CPU's peak and copy bandwidth, by wall time and by
     CPU time per thread."""

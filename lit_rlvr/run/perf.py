@@ -196,7 +196,7 @@ def cpu_peak(dtype: torch.dtype, *, cache_dir: str | Path, threads: Optional[int
 def cpu_bandwidth(*, cache_dir: str | Path, threads: Optional[int] = None) -> float:
     """The measured copy bandwidth (bytes/s) of this CPU at `threads` threads (torch's by default), from the
     cache when this CPU model and thread count were measured before."""
-    return cached_cpu_figure("peak_bandwidth", "", "bytes_per_s", lambda: measure_copy_bandwidth(),
+    return cached_cpu_figure("peak_bandwidth", "", "bytes_per_s", measure_copy_bandwidth,
                              cache_dir=cache_dir, threads=threads)
 
 
