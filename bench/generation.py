@@ -20,7 +20,9 @@ None of them changes what is sampled: `<config>_rows_differing` counts the compl
 the largest log-prob difference. For `all_on` the time is split into the prefill forward, the decode forwards,
 sampling (`pick_s`: softmax, inverse CDF) and the rest (stop checks, bookkeeping, the row cuts' cache copies),
 from timers around `HFEngine._forward` and `_pick`. `all_on_mfu` is the batch's model FLOPs (docs/mfu.md) over
-`all_on`'s seconds and this CPU's measured peak (`all_on_mfu_cpu`: over its CPU seconds per thread).
+`all_on`'s seconds and this CPU's measured peak (`all_on_mfu_cpu`: over its CPU seconds per thread); `all_on_mbu`
+(`all_on_mbu_cpu`) the bytes it must read (`all_on_bytes`: the weights once per forward, the KV cache at every
+decode step) over the same seconds and this CPU's measured copy bandwidth (`peak_bandwidth`, bytes/s).
 
 The ceiling: one more `all_on` generation under torch.profiler splits the time by kernel: the matmuls of the
 projections and LM head (`kernel_gemm_s`: aten::mm, addmm, bmm), attention (`kernel_attention_s`: the SDPA
@@ -28,7 +30,8 @@ kernel), everything else (`kernel_other_s`: norms, rotary, activations, sampling
 `gemm_mfu` is the projections' and head's model FLOPs over their kernels' time (how close matmuls of the decode's
 shapes, a few dozen rows, run to the large-matmul peak), `attention_mfu` the same for attention (it reads the whole
 KV cache for one query per row: memory-bound), and `mfu_ceiling` the generation's MFU had nothing but these
-kernels taken time: what removing the per-step overhead (compiling the step, fusing sampling) could reach at most.
+kernels taken time: what removing the per-step overhead (compiling the step, fusing sampling) could reach at most;
+`mbu_ceiling` the same for the MBU, and `kernel_other_share` the share of the profiled time outside these kernels.
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ def generate(engine, prompts, group: int, params, config: str) -> tuple[float, f
     elif config == "concat_cache":
         patches.append(mock.patch.object(hf, "growing_cache", lambda *args: None))  # transformers makes its own
     elif config == "prefill_per_row":
-        patches.append(mock.patch.object(engine, "share_prefill", False))
+        patches.append(mock.patch.object(engine, "_share_prefill", False))
     elif config.startswith("shrink_"):
         shrink = float(config.removeprefix("shrink_"))
         patches.append(mock.patch.object(hf, "ROW_CUT_SHRINK", shrink))
@@ -148,37 +151,49 @@ def run(args) -> dict:
             result[f"all_on_over_{config}_cpu"] = all_on_cpu / result[f"{config}_cpu_s"]
     for key in ("prefill_s", "decode_s", "pick_s", "other_s"):
         result[f"all_on_{key}"] = common.median([s[key] for s in splits])
-    result.update(generation_mfu(engine, prompts, group, base, all_on, all_on_cpu))
-    result.update(kernel_ceiling(engine, prompts, group, params, base, result["peak_flops"]))
+    result.update(generation_utilisation(engine, prompts, group, base, all_on, all_on_cpu))
+    result.update(kernel_ceiling(engine, prompts, group, params, base, result["peak_flops"],
+                                 result["all_on_bytes"], result["peak_bandwidth"]))
     result["spread"] = {c: [round(t, 3) for t in ts] for c, ts in times.items()}
     result["spread_cpu"] = {c: [round(t, 3) for t in ts] for c, ts in cpu_times.items()}
     result.update(common.context())
     return result
 
 
-def generation_mfu(engine, prompts, group: int, completions, seconds: float, cpu_seconds: float) -> dict[str, float]:
-    """The batch's model FLOPs (one prefill per prompt, as `all_on` runs it; docs/mfu.md) and the MFU of `all_on`
-    against this CPU's peak, by wall time and by CPU time per thread."""
+def generation_utilisation(engine, prompts, group: int, completions, seconds: float,
+                           cpu_seconds: float) -> dict[str, float]:
+    """The batch's model FLOPs and the bytes it must read (one prefill per prompt, as `all_on` runs it;
+    docs/mfu.md), and the MFU and MBU of `all_on` against this CPU's peak and copy bandwidth, by wall time and by
+    CPU time per thread."""
     import torch
 
     from lit_rlvr import functional as F
-    from lit_rlvr.run.perf import cpu_peak, transformer_shape
+    from lit_rlvr.functional.flops import KV_SHAPE_KEYS, generation_bytes
+    from lit_rlvr.run.perf import cpu_bandwidth, cpu_peak, transformer_shape
 
     lengths = torch.tensor([len(p) for p in prompts])  # [B]
     response = torch.tensor([len(c.token_ids) for c in completions])  # [B·G]
-    flops, _ = F.generation_flops(lengths, lengths.repeat_interleave(group), response,
-                                  **transformer_shape(engine.model.config))
-    peak = cpu_peak(next(engine.model.parameters()).dtype, cache_dir=common.cache_dir())
+    shape = transformer_shape(engine.model.config)
+    flops, _ = F.generation_flops(lengths, lengths.repeat_interleave(group), response, **shape)
+    weights = list(engine.model.parameters())
+    moved, _ = generation_bytes(lengths, lengths.repeat_interleave(group), response, torch.zeros_like(response),
+                                parameters=sum(w.numel() for w in weights), dtype_bytes=weights[0].element_size(),
+                                **{k: shape[k] for k in KV_SHAPE_KEYS})
+    peak = cpu_peak(weights[0].dtype, cache_dir=common.cache_dir())
+    bandwidth = cpu_bandwidth(cache_dir=common.cache_dir())
     return {"all_on_flops": float(flops), "peak_flops": peak, "all_on_mfu": float(flops) / seconds / peak,
-            "all_on_mfu_cpu": float(flops) / cpu_seconds / peak}
+            "all_on_mfu_cpu": float(flops) / cpu_seconds / peak, "all_on_bytes": float(moved),
+            "peak_bandwidth": bandwidth, "all_on_mbu": float(moved) / seconds / bandwidth,
+            "all_on_mbu_cpu": float(moved) / cpu_seconds / bandwidth}
 
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
 
 
-def kernel_ceiling(engine, prompts, group: int, params, completions, peak: float) -> dict[str, float]:
-    """The time of one `all_on` generation by kernel under torch.profiler, and the MFU each kernel kind reaches
-    (module docstring)."""
+def kernel_ceiling(engine, prompts, group: int, params, completions, peak: float, moved: float,
+                   bandwidth: float) -> dict[str, float]:
+    """The time of one `all_on` generation by kernel under torch.profiler, the MFU each kernel kind reaches, and
+    the MFU and MBU had only these kernels taken time (module docstring)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -202,7 +217,9 @@ def kernel_ceiling(engine, prompts, group: int, params, completions, peak: float
     return {"kernel_total_s": total, "kernel_gemm_s": gemm, "kernel_attention_s": attention,
             "kernel_other_s": total - gemm - attention, "gemm_mfu": matmul / gemm / peak,
             "attention_mfu": attention_flops / attention / peak if attention else float("nan"),
-            "mfu_ceiling": (matmul + attention_flops) / (gemm + attention) / peak}
+            "mfu_ceiling": (matmul + attention_flops) / (gemm + attention) / peak,
+            "mbu_ceiling": moved / (gemm + attention) / bandwidth,
+            "kernel_other_share": (total - gemm - attention) / total}
 
 
 def main(argv=None) -> None:

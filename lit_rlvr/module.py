@@ -80,7 +80,8 @@ class GRPOModule(pl.LightningModule):
         self.save_hyperparameters(self.settings.as_dict())
         self._check_settings()
         cfg, algo = self.settings, self.settings.algorithm
-        self.flops = StepFlops(cfg.perf.peak_flops, cfg.perf.cache_dir)  # perf/*: model FLOPs and MFU of each step
+        # perf/*: model FLOPs, MFU and MBU of each step
+        self.flops = StepFlops(cfg.perf.peak_flops, cfg.perf.cache_dir, cfg.perf.peak_bandwidth)
         self.environment = build_environment(cfg.env.name, env_options(cfg.env), reward=cfg.reward.name,
                                              reward_options=cfg.reward.options)  # None with env=none
         self.policy, self.tokenizer, self.model_path = load_model(model, tokenizer, cfg.model)

@@ -141,7 +141,7 @@ def test_step_flops_counts_a_prefill_per_prompt_and_weight_source():
                          [0, 0, 1, 1, 0, 0, 1, 1])
     meter.reset()
     meter.add_generation(rollouts)
-    prefill, prompt, response = meter._generated[0]
+    prefill, prompt, response, _ = meter._generated[0]
     assert sorted(prefill.tolist()) == [3, 3, 5, 5]
     metrics = meter.metrics(rollouts, {"gen_s": 2.0, "train_s": 4.0}, passes=1, reference=False, recompute=False)
     from lit_rlvr import functional as F
@@ -181,13 +181,14 @@ def test_step_flops_counts_the_adapters_where_they_run():
     seen = {}
     for name, shares, serves in (("shared", True, False), ("served", False, True), ("merged", False, False)):
         meter = perf.StepFlops(peak_flops=1e9)
-        meter.setup(policy, torch.device("cpu"), trainer, SimpleNamespace(shares_weights=shares, serves_lora=serves))
+        meter.setup(policy, torch.device("cpu"), trainer,
+                    SimpleNamespace(shares_weights=shares, serves_lora=serves, generation_dtype=lambda: None))
         meter.reset()
         meter.add_generation(rollouts)
         seen[name] = meter.metrics(rollouts, {"gen_s": 1.0, "train_s": 1.0}, passes=1, reference=False,
                                    recompute=False)
     assert meter.adapter == adapter > 0
-    prefill, prompt, response = meter._generated[0]
+    prefill, prompt, response, _ = meter._generated[0]
     update, _ = F.update_flops(prompt, response, adapter=adapter, **meter.shape)
     for name, gen_adapter in (("shared", adapter), ("served", adapter), ("merged", 0)):
         gen, _ = F.generation_flops(prefill, prompt, response, adapter=gen_adapter, **meter.shape)

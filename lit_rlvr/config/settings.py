@@ -421,13 +421,18 @@ class EnvConfig:
 
 @dataclass(frozen=True)
 class PerfConfig:
-    """`perf`: `peak_flops` the device's peak FLOP/s that `perf/mfu_*` divide by (null: a CPU's is measured once and
-    cached in `cache_dir`, a GPU's published; docs/mfu.md)."""
+    """`perf`: `peak_flops` the device's peak FLOP/s that `perf/mfu_*` divide by, `peak_bandwidth` its memory
+    bandwidth in bytes/s that `perf/mbu_gen` divides by (null: a CPU's is measured once and cached in `cache_dir`,
+    a GPU's published; docs/mfu.md)."""
 
     peak_flops: Optional[float] = setting(None, (lambda v: v is None or _real(v) and v > 0,
                                                  "the device's peak FLOP/s, a number > 0 (e.g. 989.4e12: an H100 in "
                                                  "bf16), or null (a CPU's measured, a GPU's published; docs/mfu.md)"))
     cache_dir: Optional[str] = None
+    peak_bandwidth: Optional[float] = setting(None, (lambda v: v is None or _real(v) and v > 0,
+                                                     "the device's memory bandwidth in bytes/s, a number > 0 (e.g. "
+                                                     "3.35e12: an H100 SXM), or null (a CPU's measured, a GPU's "
+                                                     "published; docs/mfu.md)"))
 
     def __post_init__(self) -> None:
         check_fields(self, "perf")

@@ -21,6 +21,9 @@ LoRA adapters (rank r on a layer [out, in]: x·Aᵀ then ·Bᵀ) add r·(in + ou
 parameter count; P = that summed over the adapted layers, so a forward adds 2·P per position. With the base
 frozen, the backward of its matmuls computes the input gradients only (no weight gradients): projections and head
 cost 2·F in all, attention (no weights) still 3·F, the adapters 3·2·P per position.
+
+Decode is bound by memory traffic rather than FLOPs: `generation_bytes` counts what generation must read (the
+weights once per forward of the batch, the KV cache at every decode step), for the memory-bandwidth utilisation.
 """
 
 from __future__ import annotations
@@ -95,3 +98,51 @@ def update_flops(prompt_lengths: Tensor, response_lengths: Tensor, *, passes: in
              "recompute": passes * (body + lora) * float(recompute),
              "old_forward": (forward + lora) * float(old_forward)}
     return sum(parts.values()), parts
+
+
+KV_SHAPE_KEYS = ("layers", "kv_heads", "head_dim")
+
+
+def generation_bytes(prefill_lengths: Tensor, prompt_lengths: Tensor, response_lengths: Tensor, source: Tensor, *,
+                     parameters: int, dtype_bytes: int, layers: int, kv_heads: int,
+                     head_dim: int) -> tuple[Tensor, dict[str, Tensor]]:
+    """Bytes a generated batch must read from memory (and prefill's KV cache write): what its memory-bandwidth
+    utilisation (MBU) divides by the seconds. With P parameters and the KV cache in the engine's dtype of b =
+    `dtype_bytes` bytes, the cache holding κ = 2·L·K·e·b bytes per position (a key and a value per layer and KV
+    head):
+
+        weights  = P·b · Σ_s (1 + D_s)                  one prefill forward and D_s decode steps per weight
+                                                        source s, each reading every weight once for all the
+                                                        batch's rows
+        kv_write = κ · Σ_u p_u                          each prefill writes its prompt's keys and values
+        kv_read  = κ · Σ_i ((r_i − 1)·p_i + (r_i − 1)·r_i / 2)
+                                                        decode step j (1 ≤ j < r) of a completion attends to
+                                                        p + j positions (p its prompt, r its response length)
+
+    D_s = max over the completions of source s of (r − 1): the HF engine decodes a batch until its longest row
+    ends (rows that end early leave it in blocks, the batch's forwards go on), so the weight reads follow the
+    longest completion, not the sum of the rows. Approximations, all small or counting low:
+    * an engine that splits the rows into several batches (more rows than its `max_batch`) reads the weights once
+      per batch and step: D_s counts low there;
+    * the KV reads count each completion up to its own end, and real positions only: a finished row decoded
+      until a row cut drops it, a left-padded prompt's padding and the cache's room are read by the kernel too;
+    * the embedding matrix counts among the P (untied, a decode step gathers one row of it);
+    * activations, logits and the decode steps' KV writes (one position per row and step) are left out;
+    * under autocast (bf16-mixed, an engine in the trainer's process) the cache is in the compute dtype, counted
+      at b.
+
+    prefill_lengths [U] (as `generation_flops`), prompt_lengths, response_lengths, source [N] (the weight source
+    of each completion, `Rollouts.source`). Returns (bytes [] float64, {"weights", "kv_write", "kv_read"})."""
+    p, r = prompt_lengths.to(torch.float64), response_lengths.to(torch.float64)  # [N]
+    per_position = 2.0 * layers * kv_heads * head_dim * dtype_bytes  # κ
+    steps = (r - 1).clamp_min(0)  # [N]
+    if len(steps):
+        longest = torch.zeros(int(source.max()) + 1, dtype=torch.float64).scatter_reduce(
+            0, source.long(), steps, "amax")  # [S] D_s
+        forwards = (1.0 + longest).sum()
+    else:
+        forwards = torch.tensor(0.0, dtype=torch.float64)
+    weights = float(parameters) * dtype_bytes * forwards
+    kv_write = per_position * prefill_lengths.to(torch.float64).sum()
+    kv_read = per_position * (steps * p + steps * (steps + 1) / 2).sum()
+    return weights + kv_write + kv_read, {"weights": weights, "kv_write": kv_write, "kv_read": kv_read}
