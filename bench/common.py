@@ -48,7 +48,8 @@ MFU_BUDGETS = {"mfu_gen": 0.35, "mfu_update": 0.50}  # the long workload's model
 METRICS = ("time/step_s", "time/gen_s", "time/reward_s", "time/train_s", "time/sync_s", "time/prior_s",
            "perf/tokens_per_s", "rollouts/per_step", "response/len_mean", "response/len_max", "micro/padding_frac",
            "v05/prior_present", "time/prior_setup_s", "time/prior_prefetch_s", "perf/mfu_gen", "perf/mfu_update",
-           "perf/flops_per_s_gen", "perf/flops_per_s_update")
+           "perf/flops_per_s_gen", "perf/flops_per_s_update", "time/wait_s", "async/trainer_wait_frac",
+           "async/engine_idle_frac", "async/staleness_mean")
 
 
 def quiet(threads: int = THREADS) -> None:

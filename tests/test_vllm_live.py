@@ -277,7 +277,7 @@ def background_runs(request, policy_dir, tmp_path_factory):
         return
     base = tmp_path_factory.mktemp("vllm_train")
     out = {"grpo": base / "grpo", "grpo_resumed": base / "grpo_resumed", "grpo_two_ranks": base / "two_ranks",
-           "c3po_v05": base / "c3po_v05"}
+           "c3po_v05": base / "c3po_v05", "async": base / "async"}
 
     def resumed():
         _train(out["grpo_resumed"], policy_dir, [], steps=2)
@@ -287,7 +287,10 @@ def background_runs(request, policy_dir, tmp_path_factory):
             lambda: _train(out["grpo_two_ranks"], policy_dir, FSDP_CPU, steps=3, ranks=2),
             lambda: _train(out["grpo"], policy_dir, [], steps=3),
             # both papers' callbacks in one run (C3PO's weight-sample pushes, V0.5's prior): one vLLM start, not two
-            lambda: _train(out["c3po_v05"], policy_dir, [*C3PO_V05], steps=3)]
+            lambda: _train(out["c3po_v05"], policy_dir, [*C3PO_V05], steps=3),
+            # the producer generates the next batch while the trainer updates; pushes land between its batches
+            lambda: _train(out["async"], policy_dir, ["rollout.mode=async", "rollout.max_staleness=1",
+                                                      "eval_before=false"], steps=3)]
     pool = ThreadPoolExecutor(max_workers=2)
     try:
         yield out, [pool.submit(job) for job in jobs]
@@ -331,6 +334,13 @@ def test_v05_prior_is_present_and_c3po_samples_weights(runs):
     rows = _rows(runs["c3po_v05"])
     assert rows[-1]["v05/prior_present"] == 1.0
     assert all(r["noise/numel"] > 0 and r["noise/param_delta_rms"] > 0 for r in rows)  # sampled weights generated
+
+
+def test_async_with_vllm_trains_one_batch_behind_the_engine(runs):
+    rows = _rows(runs["async"])
+    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+    assert all(r["grad/norm"] > 0 and math.isfinite(r["loss/policy"]) for r in rows)
+    assert all(r["engine/sync_logp_diff"] is not None for r in rows)  # the post-push check passed after each push
 
 
 def test_resume_with_vllm_continues_exactly(runs):

@@ -77,4 +77,7 @@ def write_step_metrics(trainer: pl.Trainer, metrics: dict[str, Tensor], progress
     connector._callback_metrics.update(metrics)
     connector._progress_bar_metrics.update({k: float(metrics[k]) for k in progress_bar})
     if connector.should_update_logs or trainer.should_stop:
-        connector.log_metrics(dict(metrics), step=step)
+        row = dict(metrics)
+        if step is not None:  # what Lightning adds when it counts the step itself
+            row.setdefault("epoch", trainer.current_epoch)
+        connector.log_metrics(row, step=step)

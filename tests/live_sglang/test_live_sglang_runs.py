@@ -1,6 +1,7 @@
 """Whole `python train.py engine=sglang_cpu` runs on a CPU: GRPO, C3PO and V0.5 end with summary.json, a GRPO
 run resumed from its last.ckpt pushes the weights its first part ended with, C3PO on LoRA adapters samples its N
-weight samples as N adapters over one base, and two ranks (torchrun, FSDP2 over gloo) each drive their own engine.
+weight samples as N adapters over one base, two ranks (torchrun, FSDP2 over gloo) each drive their own engine, and
+an asynchronous run generates one batch ahead with pushes between the producer's batches.
 The runs (train_runs.py) start with the session and go two at a time, beside the other modules' engine tests; the
 GRPO run is also the first part of the resumed one."""
 
@@ -98,3 +99,13 @@ def test_two_ranks_each_with_its_own_engine(runs):
     assert {p["step"] for p in rank0} >= {1, 2} and len(rank0) == len(rank1)
     for a, b in zip(rank0, rank1):  # the same gathered weights, and each live engine answers the probe alike
         assert (a["step"], a["digest"], a["probe_ids"]) == (b["step"], b["digest"], b["probe_ids"])
+
+
+def test_async_run_generates_one_batch_ahead_and_pushes_between_batches(runs):
+    assert _column(runs["async"], "async/staleness_max") == [0.0, 1.0, 1.0]  # generated a version before it trained
+    assert all(math.isfinite(v) for v in _column(runs["async"], "loss/policy"))
+    assert all(v > 0 for v in _column(runs["async"], "grad/norm"))
+    pushes = [p for p in _pushes(runs["async"]) if p["holds_mean"]]
+    assert [p["step"] for p in pushes][-3:] == [1, 2, 3] and len({p["digest"] for p in pushes}) == len(pushes)
+    # after each push the live engine answered the probe: it served the pushed weights while the producer waited
+    assert all(p["probe_ids"] for p in pushes)

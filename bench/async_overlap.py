@@ -1,0 +1,125 @@
+"""Asynchronous rollouts against the synchronous step (docs/async.md), on the long workload by default.
+
+    python bench/async_overlap.py [--workload long] [--steps 6] [--warmup 2] [--rounds 3] [--json]
+
+Each configuration runs in a process of its own, one after another, in rounds whose order rotates, so that all
+see comparable machine load:
+
+- `sync_1core`: the synchronous run on one core (1 torch thread, pinned to CPU 0). Its `gen_s` and `train_s` are
+  "generation alone" and "update alone" on that pinning.
+- `async_s1`, `async_s2`: `rollout.mode=async` with S = 1 and 2. The trainer's thread is pinned to CPU 0 and the
+  producer's thread to CPU 1, with 1 torch thread each.
+- `sync_2cores`: the synchronous run on both cores (2 torch threads), the best synchronous use of the machine.
+
+Reported per round, then as the median and the spread over rounds:
+
+- `async_over_ideal` = step(async_s1) / max(gen_s, train_s) of sync_1core. An ideal pipeline takes the longer
+  phase; budget ≤ 1.15.
+- `async_over_sum` = step(async_s1) / (gen_s + train_s) of sync_1core. The synchronous run on the same pinning
+  takes the sum.
+- `async_over_sync_2cores` = step(async_s1) / step(sync_2cores).
+- `trainer_wait_frac_s2`: `async/trainer_wait_frac` at S = 2; budget ≤ 0.10.
+- `rss_async_over_sync`: peak RSS of async_s1 over sync_1core; budget ≤ 1.5. The HF engine keeps its own copy of
+  the weights in async mode.
+
+Steps are Lightning training batches (wall time); the first `--warmup` are dropped, which include the calls that
+only fill the pipeline.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+BUDGETS = {"async_over_ideal": 1.15, "trainer_wait_frac_s2": 0.10, "rss_async_over_sync": 1.5}
+CONFIGS = {  # name: (torch threads, trainer's CPUs, producer's CPUs, Hydra overrides)
+    "sync_1core": (1, {0}, None, []),
+    "async_s1": (1, {0}, {1}, ["rollout.mode=async", "rollout.max_staleness=1"]),
+    "async_s2": (1, {0}, {1}, ["rollout.mode=async", "rollout.max_staleness=2"]),
+    "sync_2cores": (2, None, None, []),
+}
+
+
+def run_config(name: str, overrides: list[str], steps: int, results) -> None:
+    """One configuration's run in this (child) process; puts its summary on `results`."""
+    threads, trainer_cpus, producer_cpus, own = CONFIGS[name]
+    common.quiet(threads)
+    if trainer_cpus is not None:
+        os.sched_setaffinity(0, trainer_cpus)  # this thread (the trainer's)
+    if producer_cpus is not None:
+        from lit_rlvr.rollout.pipeline import Producer
+
+        run = Producer._run
+
+        def pinned_run(self) -> None:
+            os.sched_setaffinity(0, producer_cpus)  # the producer's thread only
+            run(self)
+
+        Producer._run = pinned_run
+    recorder = common.StepRecorder(name)
+    module, datamodule, trainer = common.build_run(common.compose("grpo", [*overrides, *own]), steps, recorder)
+    trainer.fit(module, datamodule=datamodule)
+    results.put((name, recorder.rows, common.peak_rss_mb()))
+
+
+def one_round(names: list[str], overrides: list[str], steps: int) -> dict[str, tuple[list, float]]:
+    ctx = multiprocessing.get_context("spawn")
+    out = {}
+    for name in names:  # one at a time: the async run's two threads must have the machine to themselves
+        results = ctx.Queue()
+        proc = ctx.Process(target=run_config, args=(name, overrides, steps, results))
+        proc.start()
+        got = results.get(timeout=3600)
+        proc.join()
+        out[got[0]] = (got[1], got[2])
+    return out
+
+
+def summarise(runs: dict[str, tuple[list, float]], warmup: int) -> dict[str, float]:
+    """One round's medians and ratios."""
+    med = {name: common.summarise_rows(rows, warmup) for name, (rows, _) in runs.items()}
+    waits = {name: common.median(r.get("async/trainer_wait_frac") for r in rows[warmup:])
+             for name, (rows, _) in runs.items() if name.startswith("async")}
+    alone = med["sync_1core"]
+    step = {name: m["median_step_s"] for name, m in med.items()}
+    return {**{f"{name}_step_s": s for name, s in step.items()},
+            "gen_alone_s": alone["gen_s"], "update_alone_s": alone["train_s"],
+            "async_over_ideal": step["async_s1"] / max(alone["gen_s"], alone["train_s"]),
+            "async_over_sum": step["async_s1"] / (alone["gen_s"] + alone["train_s"]),
+            "async_over_sync_2cores": step["async_s1"] / step["sync_2cores"],
+            "trainer_wait_frac_s1": waits["async_s1"], "trainer_wait_frac_s2": waits["async_s2"],
+            "rss_async_over_sync": runs["async_s1"][1] / runs["sync_1core"][1]}
+
+
+def main(argv=None) -> None:
+    parser = common.bench_parser(__doc__.splitlines()[0], steps_help="timed steps per configuration",
+                                 warmup_help="steps dropped first (they include the pipeline's filling calls)",
+                                 block_help="unused", override_help="extra Hydra override")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of all configurations")
+    parser.set_defaults(workload="long", steps=6, warmup=2)
+    args = common.parse_bench_args(parser, argv)
+    if len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("bench/async_overlap.py pins the trainer and the producer to two CPUs: this process may "
+                         "use fewer")
+    names = list(CONFIGS)
+    rounds = [summarise(one_round(common.rotated(names, i), args.override, args.warmup + args.steps), args.warmup)
+              for i in range(args.rounds)]
+    result = {"workload": args.workload, "steps": args.steps, "rounds": args.rounds}
+    for key in rounds[0]:
+        values = [r[key] for r in rounds]
+        result[key] = statistics.median(values)
+        result[f"{key}_spread"] = [min(values), max(values)]
+    result.update({f"{k}_budget": v for k, v in BUDGETS.items()})
+    result.update(common.context())
+    common.emit(result, args.json)
+
+
+if __name__ == "__main__":
+    main()
