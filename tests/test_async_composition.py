@@ -42,7 +42,8 @@ def test_async_composes(overrides, column, tiny_path, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, says", [
-    (("algorithm=c3po",), "ParamNoise"), (("algorithm=b3po",), "ParamNoise"), (("algorithm=m3po", "algorithm.callbacks.param_noise.num_samples=2"), "ParamNoise"),
+    (("algorithm=c3po",), "ParamNoise"), (("algorithm=b3po",), "ParamNoise"),
+    (("algorithm=m3po", "algorithm.callbacks.param_noise.num_samples=2"), "ParamNoise"),
     (("algorithm=v05",), "ValuePrior"), (("algorithm=dapo",), "filter_groups"),
     (("algorithm.rollout_correction.bypass_mode=false",), "would not correct for the lag"),
     (("engine.options.mode=shared",), "needs its own copy"),
