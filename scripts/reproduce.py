@@ -43,7 +43,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from reproduce_report import claims_table, heldout_figure, mean_sd, results_table, write_doc  # noqa: E402
-from reproduce_settings import FIGURES, LABELS, RUN, SAMPLING, TASKS, Task, method_overrides  # noqa: E402
+from reproduce_settings import (FIGURES, LABELS, RUN, SAMPLING, TASKS, Task, is_async,  # noqa: E402
+                                method_overrides)
 
 ORACLE = "callbacks.oracle"
 PANELS = [
@@ -105,6 +106,8 @@ def overrides(task: Task, method: str, seed: int, args: argparse.Namespace, run_
         scale += [f"trainer.val_check_interval={args.eval_every}", "trainer.check_val_every_n_epoch=null"]
     oracle = [f"+{ORACLE}._target_=lit_rlvr.callbacks.oracle_baseline.OracleBaseline",
               f"+{ORACLE}.every_n_steps={args.oracle_every}", f"+{ORACLE}.num_samples={args.oracle_samples}"]
+    if is_async(method):
+        oracle = []
     return [*task.model, *task.data, *RUN, *SAMPLING, *task.loop, *method_overrides(method, task), *scale, *oracle,
             *args.set, f"hydra.run.dir={run_dir}"]
 

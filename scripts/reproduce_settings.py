@@ -105,6 +105,8 @@ LABELS = {
     "c3po_v05": "C3PO + V0.5 (N = 4, k_init = 4, OSLA ≤ 16)",
     "grpo_g16_lora8": "GRPO (G = 16), LoRA r = 8",
     "c3po_lora8": "C3PO (N = 4, G = 16), LoRA r = 8",
+    "grpo_g16_async1": "GRPO (G = 16), async S = 1",
+    "grpo_g16_async4": "GRPO (G = 16), async S = 4",
 }
 
 
@@ -121,7 +123,14 @@ def method_overrides(method: str, task: Task) -> list[str]:
                            *LORA8, f"model.lora.lr_scale={GRPO_LORA_LR_SCALE}"],
         "c3po_lora8": ["algorithm=c3po", "algorithm.group_size=16", "algorithm.scale_adv_by_std=true", *c3po,
                        *LORA8, f"model.lora.lr_scale={task.c3po_lora_lr_scale}"],
+        **{f"grpo_g16_async{s}": ["algorithm=grpo", "algorithm.group_size=16", "algorithm.scale_adv_by_std=true",
+                                   *grpo, "rollout.mode=async", f"rollout.max_staleness={s}"] for s in (1, 4)},
     }[method]
+
+
+def is_async(method: str) -> bool:
+    """Asynchronous rollouts: the oracle baseline (drawn with the step's own weights) does not run with them."""
+    return "async" in method
 
 
 # the table's figures per run: (key, column header); computed in reproduce.run_figures, defined in the doc
@@ -172,4 +181,6 @@ CLAIMS = [
     ("C3PO + V0.5 vs C3PO: fewer rollouts", "c3po_v05", "c3po", "rollouts", -1),
     ("LoRA r=8 no worse than full: GRPO G=16, held-out accuracy", "grpo_g16_lora8", "grpo_g16", "acc_after", +1),
     ("LoRA r=8 no worse than full: C3PO, held-out accuracy", "c3po_lora8", "c3po", "acc_after", +1),
+    ("async S=1 learns as well as sync per step: held-out accuracy", "grpo_g16_async1", "grpo_g16", "acc_after", +1),
+    ("async S=4 learns as well as sync per step: held-out accuracy", "grpo_g16_async4", "grpo_g16", "acc_after", +1),
 ]

@@ -226,6 +226,9 @@ def test_reproduce_tasks_pin_their_settings():
     assert reproduce.parse_args([]).methods == ["grpo_g16", "grpo_g4", "v05", "c3po", "c3po_v05"]  # the 3-token table
     with pytest.raises(SystemExit):
         reproduce.parse_args(["--task", "arithmetic_cot", "--methods", "nope"])
+    async_run = reproduce.overrides(TASKS["arithmetic_cot"], "grpo_g16_async1", 0, args, Path("/tmp/x"))
+    assert "rollout.mode=async" in async_run and "rollout.max_staleness=1" in async_run
+    assert not any(o.startswith(f"+{reproduce.ORACLE}") for o in async_run)  # refused with async: left out
 
 
 def test_weight_change_of_full_and_lora_runs():
