@@ -106,6 +106,7 @@ def test_async_run_generates_one_batch_ahead_and_pushes_between_batches(runs):
     assert all(math.isfinite(v) for v in _column(runs["async"], "loss/policy"))
     assert all(v > 0 for v in _column(runs["async"], "grad/norm"))
     pushes = [p for p in _pushes(runs["async"]) if p["holds_mean"]]
-    assert [p["step"] for p in pushes][-3:] == [1, 2, 3] and len({p["digest"] for p in pushes}) == len(pushes)
+    steps = [p["step"] for p in pushes]  # (the evaluation after training pushes again to the woken engine)
+    assert {1, 2, 3} <= set(steps) and len({p["digest"] for p in pushes}) == len(set(steps))
     # after each push the live engine answered the probe: it served the pushed weights while the producer waited
     assert all(p["probe_ids"] for p in pushes)
