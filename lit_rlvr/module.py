@@ -228,9 +228,10 @@ class GRPOModule(pl.LightningModule):
         async mode the oldest batch the producer generated, this step's batch submitted (None: none ready yet)."""
         collector = self.make_collector()
         if self.settings.rollout.mode == "async":
-            with self.timer("wait_s"), engine_hint(self.settings.engine.name, self._checkpoint_hint):
+            with engine_hint(self.settings.engine.name, self._checkpoint_hint):
                 item = self.async_pipeline().exchange(batch, collector.plan, version=self.counters["rl_steps"],
                                                       step=self.global_step)
+            self.timer.add("wait_s", self.pipeline.wait_s)
             if item is None:
                 return None
             rollouts, metrics = collector.count(item.result), collector.metrics

@@ -155,13 +155,14 @@ class RolloutPipeline:
         self.in_flight: deque[InFlight] = deque()
         self.producer = Producer(driver, seed, version)
         self.dropped_groups = 0  # in the current step
+        self.wait_s = 0.0  # seconds the current step waited for the producer's batch
 
     def exchange(self, batch: Batch, plan_of: Callable[[Batch], RolloutPlan], *, version: int,
                  step: int) -> Optional[InFlight]:
         """Submit `batch`; the oldest batch in flight, generated and within the bound for an update of `version`,
         once `lead` batches are ahead of it (None while the pipeline fills: no update this step). `step` is the
         trainer's optimizer step: with lead 0 the batch's seed key, as in the synchronous run."""
-        self.dropped_groups = 0
+        self.dropped_groups, self.wait_s = 0, 0.0
         for index, pending in self.pending:  # a resumed run generates what was in flight again, in order
             self._submit(index, pending, plan_of)
         self.pending = []
@@ -170,16 +171,24 @@ class RolloutPipeline:
         if len(self.in_flight) <= self.lead:
             return None
         item = self.in_flight.popleft()
-        _wait(item)
+        self._wait(item)
         if self.drop and version - item.version > self.max_staleness:  # evicted whole, generated again now
             self.dropped_groups += item.plan.num_prompts
             item = InFlight(item.index, item.batch, plan_of(item.batch))
             self.producer.submit(item, first=True)
-            _wait(item)
+            self._wait(item)
         if version - item.version > self.max_staleness:  # cannot happen: a batch past the bound never trains
             raise RuntimeError(f"rollout pipeline: batch {item.index} of version {item.version} would train the "
                                f"update of version {version}, past rollout.max_staleness={self.max_staleness}")
         return item
+
+    def _wait(self, item: InFlight) -> None:
+        """Until the producer is done with `item`; its error, raised here in the trainer's thread."""
+        t0 = time.perf_counter()
+        item.done.wait()
+        self.wait_s += time.perf_counter() - t0
+        if item.error is not None:
+            raise item.error
 
     def _submit(self, index: int, batch: Batch, plan_of: Callable[[Batch], RolloutPlan]) -> None:
         item = InFlight(index, batch, plan_of(batch))
@@ -207,9 +216,3 @@ class RolloutPipeline:
     def close(self) -> None:
         self.producer.close()
 
-
-def _wait(item: InFlight) -> None:
-    """Until the producer is done with `item`; its error, raised here in the trainer's thread."""
-    item.done.wait()
-    if item.error is not None:
-        raise item.error
