@@ -22,6 +22,7 @@ step, so the samples are the synchronous run's whenever the weights are.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -37,6 +38,7 @@ from lit_rlvr.rollout.driver import RolloutDriver, RolloutResult
 from lit_rlvr.run.step_log import StepTimer
 
 Batch = dict[str, list]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -124,13 +126,16 @@ class Producer:
                 self._idle_since = now
             return idle
 
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Stop after the plan under way (its result is dropped); queued plans are not generated."""
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Stop after the plan under way (its result is dropped; a stop request past its grace ends it sooner);
+        queued plans are not generated."""
         with self._cond:
             self._closed = True
             self._queue.clear()
             self._cond.notify_all()
         self._thread.join(timeout_s)  # a daemon thread: an engine call that hangs does not keep the process
+        if self._thread.is_alive():
+            log.warning("the rollout producer's engine call did not end within %.0f s; going on without it", timeout_s)
 
 
 class RolloutPipeline:
