@@ -377,7 +377,7 @@ def summarise(cfg, run_dir: Path, module: GRPOModule, before, after, wall_s: flo
     last = rewards[-max(1, len(rewards) // 10) :]
     return {
         "algorithm": cfg.algorithm.name,
-        "steps": module.trainer.fit_loop.epoch_loop._batches_that_stepped,  # RL steps: metrics.csv's `step`
+        "steps": max(0, module.row_step()),  # RL steps (updates): metrics.csv's rows
         "optimizer_steps": module.global_step,  # what trainer.max_steps counts (more with mini_batches, ppo_epochs)
         "wall_s": round(wall_s, 2),
         "accuracy_before": before.get("val/accuracy", math.nan),

@@ -109,6 +109,7 @@ def test_staleness_one_across_epochs_then_sigterm_and_resume_train_each_prompt_o
     finish(full, full_dir)
 
     assert [int(r["step"]) for r in rows(full_dir)] == [0, 1, 2, 3, 4]  # the filling call writes no row
+    assert json.loads((full_dir / "summary.json").read_text())["steps"] == 5
     staleness = [float(r["async/staleness_max"]) for r in rows(full_dir)]
     assert staleness == [0.0, 1.0, 1.0, 1.0, 1.0]  # the first batch was generated before any update
     assert all(float(r["async/in_flight"]) <= 1 for r in rows(full_dir))
