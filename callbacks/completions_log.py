@@ -35,7 +35,7 @@ class CompletionsLog(RLVRCallback):
         self.every_n_steps, self.samples, self.path, self.seed = every_n_steps, samples, path, seed
 
     def on_rl_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rollouts: Rollouts) -> None:
-        step = pl_module.row_step()  # this RL step, as metrics.csv counts
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped  # this RL step, as metrics.csv counts
         if self.every_n_steps and step % self.every_n_steps == 0:
             self._write(trainer, step, rows(rollouts, step, self.samples, self.seed))
 

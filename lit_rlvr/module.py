@@ -22,7 +22,7 @@ from lit_rlvr import functional as F
 from lit_rlvr.algorithms.filter_groups import DataStream, GroupFilter
 from lit_rlvr.config.bounds import check_bounds, model_context, response_budget
 from lit_rlvr.config.arguments import module_settings
-from lit_rlvr.config.errors import ConfigError, NonFiniteError, RewardHangError
+from lit_rlvr.config.errors import CheckpointError, ConfigError, NonFiniteError, RewardHangError
 from lit_rlvr.config.settings import (AlgorithmConfig, EngineConfig, EnvConfig, ModelConfig, PerfConfig,
                                       RewardConfig, RolloutConfig)
 from lit_rlvr.config.options import compile_problems
@@ -41,6 +41,7 @@ from lit_rlvr.rollout.pipeline import RolloutPipeline
 from lit_rlvr.run import distributed as D
 from lit_rlvr.run.adapter_export import AdapterExport
 from lit_rlvr.run.checkpoint_io import checkpoint_hint
+from lit_rlvr.run.close_pipeline import ClosePipeline
 from lit_rlvr.run.counters import RunCounters
 from lit_rlvr.run.freeze import FreezeSetupObjects
 from lit_rlvr.run.one_line import config_phase
@@ -161,7 +162,8 @@ class GRPOModule(pl.LightningModule):
 
     def configure_callbacks(self) -> list[pl.Callback]:
         # with LoRA, every checkpoint save writes the adapter beside it, from every entry point
-        return [FreezeSetupObjects(), *([AdapterExport()] if self.settings.model.lora.enabled else [])]
+        return [FreezeSetupObjects(), ClosePipeline(),
+                *([AdapterExport()] if self.settings.model.lora.enabled else [])]
 
     def on_validation_start(self) -> None:
         """A `copy` engine was built before the strategy placed the policy: put it on the trainer's device."""
@@ -169,12 +171,18 @@ class GRPOModule(pl.LightningModule):
             self.engine.to(self.device)
 
     def teardown(self, stage: str) -> None:
-        if stage == "fit" and self.pipeline is not None:
+        if stage == "fit":
+            self.close_pipeline()
+        if stage == "fit" and self.engine is not None:
+            self.engine.sleep()
+
+    def close_pipeline(self) -> None:
+        """Stop the async producer after its batch under way (at the end of fit, or when fit fails: `ClosePipeline`),
+        keeping the batches in flight for a later save."""
+        if self.pipeline is not None:
             self._pipeline_state = self.pipeline.state()
             self.pipeline.close()
             self.pipeline = None
-        if stage == "fit" and self.engine is not None:
-            self.engine.sleep()
 
     def configure_optimizers(self):
         trainer, algo = self._trainer, self.algorithm  # no trainer outside a fit (tests, notebooks)
@@ -199,7 +207,8 @@ class GRPOModule(pl.LightningModule):
         self.step_metrics = {}
         self.step_rollouts_start = self.counters["rollouts_total"]
         rollouts = self.collect(batch)  # plan → callbacks edit it → generate and score (→ filter, refill)
-        if rollouts is None:  # async: the producer's first batches are not generated yet (no update)
+        if rollouts is None:  # async: the producer's first batches are not generated yet (no update, no row)
+            self.trainer.fit_loop.epoch_loop._batches_that_stepped -= 1  # Lightning adds it back: not a step
             return None
         if self.pipeline is None:
             self.engine.sleep()  # SGLang frees its KV cache and weights while the trainer needs the memory
@@ -376,13 +385,7 @@ class GRPOModule(pl.LightningModule):
         self.log_metrics(step_row(rollouts, self.counters, self.step_rollouts_start, self.timer, step_s,
                                   {**flops, **env_metrics(rollouts), **shares}))  # env/*: multi-turn only
         self.step_metrics = D.reduce_metrics(self.step_metrics)  # the global batch's figures, on every rank
-        write_step_metrics(self.trainer, self.step_metrics, progress_bar=("reward/mean", "reward/accuracy"),
-                           step=self.row_step())
-
-    def row_step(self) -> int:
-        """This RL step's row (metrics.csv's `step`): Lightning's count of batches before this one, less the calls
-        that only filled the async pipeline (`rollout.lead`; they update nothing and write no row)."""
-        return self.trainer.fit_loop.epoch_loop._batches_that_stepped - self.settings.rollout.lead
+        write_step_metrics(self.trainer, self.step_metrics, progress_bar=("reward/mean", "reward/accuracy"))
 
     # -- evaluation --------------------------------------------------------------------------------------------
     def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:
@@ -416,6 +419,12 @@ class GRPOModule(pl.LightningModule):
         state = checkpoint.get("lit_rlvr", {})
         self.counters.restore(state.get("counters", {}), self.global_rank)
         self._pipeline_state = state.get("async", {})
+        in_flight, rollout = len(self._pipeline_state.get("in_flight", ())), self.settings.rollout
+        if in_flight > rollout.lead:  # each step trains one batch and submits one: a longer queue never shrinks
+            raise CheckpointError(f"the checkpoint holds {in_flight} batches generated ahead (rollout.mode=async), "
+                                  f"more than rollout.mode={rollout.mode} rollout.max_staleness={rollout.max_staleness}"
+                                  f" rollout.stale_strategy={rollout.stale_strategy} keeps in flight; resume with the "
+                                  "rollout settings the run was started with")
         if "rng" in state:  # a resumed run draws the random numbers the uninterrupted run would have drawn
             set_rng_states(state["rng"])
         if self.driver is not None:  # the engine must receive the restored weights before the next rollout

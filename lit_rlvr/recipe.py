@@ -203,7 +203,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume, weights_only=False)
     except SIGTERMException:  # Lightning exits (code 0) once the step that saw SIGTERM has ended
-        if trainer.global_step == 0:
+        if trainer.global_step == 0 and checkpoint.saved_step < 0:  # nothing saved (async: a filling call saves)
             raise
         checkpoint.stopped_by_sigterm = True
     except StopRequested as err:  # a step that did not end within stop_grace_s of the signal: nothing of it is kept
@@ -222,6 +222,11 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         log.warning("stopped by a signal at step %d; continue with resume=%s", module.global_step, checkpoint.last_path)
         after = {}
     else:
+        if module.global_step == 0:  # e.g. async: the epochs held no more batches than the producer keeps ahead
+            log.warning("training ended without an update: the data gave %d training batch(es)%s; raise "
+                        "trainer.max_epochs or set trainer.max_steps", trainer.fit_loop.epoch_loop.batch_progress.
+                        total.ready, f", and rollout.mode=async keeps {module.settings.rollout.lead} ahead of the "
+                        "update" if module.settings.rollout.lead else "")
         checkpoint.save(trainer)  # no-op when fit ended on a saved step (max_steps)
         try:
             with stop_requests(checkpoint.stop_grace_s if trainer.world_size == 1 else None):
@@ -377,7 +382,7 @@ def summarise(cfg, run_dir: Path, module: GRPOModule, before, after, wall_s: flo
     last = rewards[-max(1, len(rewards) // 10) :]
     return {
         "algorithm": cfg.algorithm.name,
-        "steps": max(0, module.row_step()),  # RL steps (updates): metrics.csv's rows
+        "steps": module.trainer.fit_loop.epoch_loop._batches_that_stepped,  # RL steps: metrics.csv's `step`
         "optimizer_steps": module.global_step,  # what trainer.max_steps counts (more with mini_batches, ppo_epochs)
         "wall_s": round(wall_s, 2),
         "accuracy_before": before.get("val/accuracy", math.nan),

@@ -220,4 +220,3 @@ class RolloutPipeline:
 
     def close(self) -> None:
         self.producer.close()
-

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping
 
 import lightning.pytorch as pl
 import torch
@@ -65,10 +65,9 @@ def step_row(rollouts: Any, counters: Mapping[str, int], rollouts_at_start: int,
     }
 
 
-def write_step_metrics(trainer: pl.Trainer, metrics: dict[str, Tensor], progress_bar: tuple[str, ...] = (),
-                       step: Optional[int] = None) -> None:
-    """One row per step to every logger (at `step`; None: Lightning's count of batches), the values to
-    `trainer.callback_metrics` (for monitors) and the `progress_bar` keys to the progress bar.
+def write_step_metrics(trainer: pl.Trainer, metrics: dict[str, Tensor], progress_bar: tuple[str, ...] = ()) -> None:
+    """One row per step to every logger, the values to `trainer.callback_metrics` (for monitors) and the
+    `progress_bar` keys to the progress bar.
 
     Not through `LightningModule.log`: Lightning's per-key bookkeeping costs ~1-2 ms per metric and call, about a
     third of a tiny-model step with ~25 metrics (measured with cProfile on the reference workload). This is what
@@ -77,7 +76,4 @@ def write_step_metrics(trainer: pl.Trainer, metrics: dict[str, Tensor], progress
     connector._callback_metrics.update(metrics)
     connector._progress_bar_metrics.update({k: float(metrics[k]) for k in progress_bar})
     if connector.should_update_logs or trainer.should_stop:
-        row = dict(metrics)
-        if step is not None:  # what Lightning adds when it counts the step itself
-            row.setdefault("epoch", trainer.current_epoch)
-        connector.log_metrics(row, step=step)
+        connector.log_metrics(dict(metrics))
