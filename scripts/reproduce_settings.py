@@ -124,7 +124,8 @@ def method_overrides(method: str, task: Task) -> list[str]:
         "c3po_lora8": ["algorithm=c3po", "algorithm.group_size=16", "algorithm.scale_adv_by_std=true", *c3po,
                        *LORA8, f"model.lora.lr_scale={task.c3po_lora_lr_scale}"],
         **{f"grpo_g16_async{s}": ["algorithm=grpo", "algorithm.group_size=16", "algorithm.scale_adv_by_std=true",
-                                   *grpo, "rollout.mode=async", f"rollout.max_staleness={s}"] for s in (1, 4)},
+                                   *grpo, "rollout.mode=async", f"rollout.max_staleness={s}",
+                                   "engine.options.mode=copy"] for s in (1, 4)},  # (RUN pins the shared engine)
     }[method]
 
 
