@@ -60,10 +60,11 @@ def train(pipeline: RolloutPipeline, driver: ScriptedDriver, indices, version: i
         assert item.result.plan.prompts == batch(item.index)["prompt"]
         trained.append((item.index, version - item.version))
         time.sleep(update_s)
-        with pipeline.producer.engine_access():
+        with pipeline.engine_access():
             assert not driver.busy.locked()  # a push never meets a generation under way
             version += 1
-            driver.weight_sync.version = pipeline.producer.version = version
+            driver.weight_sync.version = version
+            pipeline.pushed(version)
     return trained, version
 
 
