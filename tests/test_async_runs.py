@@ -19,13 +19,14 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = ["eval_before=false", "callbacks.progress=null", "data.batch_size=4",
+SMALL = ["callbacks.progress=null", "data.batch_size=4",
          "algorithm.group_size=4", "checkpoint_every=1", "callbacks.completions.every_n_steps=1",
          "callbacks.completions.samples=16"]  # every completion of every step: the prompts each update trained on
 EPOCHS = ["data=jsonl", f"data.path={REPO}/tests/fixtures/eight_rows.jsonl", "data.eval_limit=4",
           "reward=arithmetic"]  # 8 rows, 4 a step: an epoch ends every 2 steps
 ASYNC = ["rollout.mode=async"]
 TASK = ["data.num_test=4"]  # the built-in task's held-out set, small
+NO_EVAL = ["eval_before=false"]  # (the S = 0 comparison keeps the default evaluation before training)
 # what depends on the machine's speed, or exists only in async mode
 UNTIMED = ("time/", "perf/", "async/")
 
@@ -63,11 +64,12 @@ def runs(tmp_path_factory):
     specs = {
         "sync": [*TASK, "engine.options.mode=copy", "trainer.max_steps=3"],
         "async0": [*TASK, *ASYNC, "rollout.max_staleness=0", "trainer.max_steps=3"],
-        "full": [*ASYNC, *EPOCHS, "rollout.max_staleness=1", "trainer.max_steps=5"],
-        "engine": [*TASK, *ASYNC, "algorithm._target_=tests.fault_helpers.FaultyModule",
+        "full": [*NO_EVAL, *ASYNC, *EPOCHS, "rollout.max_staleness=1", "trainer.max_steps=5"],
+        "engine": [*NO_EVAL, *TASK, *ASYNC, "algorithm._target_=tests.fault_helpers.FaultyModule",
                    "+algorithm.engine_fail_call=3", "trainer.max_steps=6",
                    "engine.options.sync_check_every=0"],  # (the post-push check would meet the failure first)
-        "drop": [*TASK, *ASYNC, "rollout.max_staleness=0", "rollout.stale_strategy=drop", "trainer.max_steps=3"],
+        "drop": [*NO_EVAL, *TASK, *ASYNC, "rollout.max_staleness=0", "rollout.stale_strategy=drop",
+                 "trainer.max_steps=3"],
     }
     procs = {name: (start(root / name, *spec), root / name, spec) for name, spec in specs.items()}
     yield procs
