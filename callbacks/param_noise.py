@@ -11,6 +11,10 @@ N = num_samples:
     m3po      θ̂_j generates G/N, j < N              within each chunk    one pass per j at θ̂_j (IVON averages)
     c3po      θ̂_c generates G/N, c < N              pooled over the G    one pass at a fresh θ̂_N, never pushed
 
+`generate="mean"` is the ablation that separates exploration from the optimizer: the mean m generates every
+completion (no weight noise in the rollouts) while the update is C3PO's, at a fresh sample θ̂_N with IVON's step;
+only `c3po` takes it.
+
 `IVON.sampled_params` writes θ̂ into the policy in place and restores m bit-exactly on exit; the module pushes
 the weights to the engine inside the generation context. Loss contexts use `train=True`: on exit IVON records
 that sample's gradient (and noise⊙gradient for the Hessian); the module's single optimizer step per RL step
@@ -45,6 +49,7 @@ log = logging.getLogger(__name__)
 
 KEY = "algorithm.callbacks.param_noise"  # config path of this callback, for error messages
 VARIANTS = ("b3po", "m3po", "c3po")
+GENERATE = ("samples", "mean")
 
 
 class ParamNoise(RLVRCallback):
@@ -58,15 +63,21 @@ class ParamNoise(RLVRCallback):
             (for m3po at least twice it: advantages are taken within each sample's G/N completions).
         bf16_check_every: steps between checks that σ is above the bf16 spacing of the weights (only with a
             bf16 engine; warns once).
+        generate: `samples` (3PO: the weight samples generate) or `mean` (the IVON mean generates; the update is
+            unchanged): the ablation "IVON without exploration", c3po only.
     """
 
     async_refusal = ("writes weight samples into the trainer's parameters to generate; the producer's samples must "
                      "be drawn from a snapshot of the posterior (not built yet)")
 
-    def __init__(self, variant: str = "c3po", num_samples: Optional[int] = None, bf16_check_every: int = 100):
+    def __init__(self, variant: str = "c3po", num_samples: Optional[int] = None, bf16_check_every: int = 100,
+                 generate: str = "samples"):
         super().__init__()
         if variant not in VARIANTS:
             raise ValueError(f"{KEY}.variant={variant!r}; valid: {', '.join(VARIANTS)}")
+        if generate not in GENERATE or (generate == "mean" and variant != "c3po"):
+            raise ValueError(f"{KEY}.generate={generate!r} with variant={variant!r}; valid: 'samples', or 'mean' with "
+                             f"variant=c3po (the mean weights generate, C3PO's update)")
         num_samples = (1 if variant == "b3po" else 4) if num_samples is None else convert(f"{KEY}.num_samples",
                                                                                            num_samples, int)
         bf16_check_every = convert(f"{KEY}.bf16_check_every", bf16_check_every, int)
@@ -74,7 +85,7 @@ class ParamNoise(RLVRCallback):
             raise ValueError(f"{KEY}.num_samples={num_samples}: must be >= 1 (b3po uses exactly 1 sample)")
         if bf16_check_every < 1:
             raise ValueError(f"{KEY}.bf16_check_every={bf16_check_every} must be >= 1")
-        self.variant, self.num_samples = variant, num_samples
+        self.variant, self.num_samples, self.generate = variant, num_samples, generate
         self.bf16_check_every = bf16_check_every
         self._bf16_warned = False
         self._tau_warned = False
@@ -133,12 +144,9 @@ class ParamNoise(RLVRCallback):
     def on_rollout_plan(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", plan: RolloutPlan) -> None:
         if plan.num_weight_sources != 1 or not plan.uses_mean_weights:
             raise RuntimeError(f"{KEY}: another callback already set the plan's weight sources; 3PO owns them")
-        optimizer = self._ivon(trainer)
-        plan.num_weight_sources = self.num_samples
-        # train=False: generating records no gradient sample; m is back in place when the context exits
-        plan.weight_context = lambda source: optimizer.sampled_params(sample_index=source)
-        params = [p for group in optimizer.param_groups for p in group["params"] if p is not None]
-        plan.weight_stacks = lambda num: dict(zip(params, optimizer.sampled_stack(range(num))))  # same bits
+        if self.generate == "mean":
+            return
+        sample_from_posterior(plan, self._ivon(trainer), self.num_samples)
 
     @override
     def on_before_advantages(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", rollouts: Rollouts) -> None:
@@ -170,6 +178,15 @@ class ParamNoise(RLVRCallback):
         if message is not None:
             log.warning(message)
             self._bf16_warned = True
+
+
+def sample_from_posterior(plan: RolloutPlan, optimizer: IVON, num_samples: int) -> None:
+    """Make the plan's `num_samples` weight sources IVON's samples θ̂_0 … θ̂_{N−1} of this step."""
+    plan.num_weight_sources = num_samples
+    # train=False: generating records no gradient sample; m is back in place when the context exits
+    plan.weight_context = lambda source: optimizer.sampled_params(sample_index=source)
+    params = [p for group in optimizer.param_groups for p in group["params"] if p is not None]
+    plan.weight_stacks = lambda num: dict(zip(params, optimizer.sampled_stack(range(num))))  # same bits
 
 
 @contextmanager

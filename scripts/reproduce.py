@@ -42,9 +42,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from reproduce_report import claims_table, heldout_figure, mean_sd, results_table, write_doc  # noqa: E402
-from reproduce_settings import (FIGURES, LABELS, RUN, SAMPLING, TASKS, Task, is_async,  # noqa: E402
-                                method_overrides)
+from reproduce_report import (claims_table, exploration_figure, heldout_figure, mean_sd,  # noqa: E402
+                              results_table, write_doc)
+from reproduce_settings import (FIGURES, LABELS, PROBE_OVERRIDES, PROBED, RUN, SAMPLING, STUDY_3PO,  # noqa: E402
+                                TASKS, Task, ess_of_methods, is_async, method_overrides)
 
 ORACLE = "callbacks.oracle"
 PANELS = [
@@ -58,7 +59,7 @@ PANELS = [
 SCALE_HELP = {"steps": "optimizer steps per run (equal for every method)", "batch_size": "prompts per RL step",
               "num_test": "held-out prompts", "eval_samples": "held-out samples per prompt (mean@k, pass@k; T = 1)",
               "eval_every": "held-out evaluation every n steps during training (0: before and after only)",
-              "oracle_every": "oracle baseline on every n-th step", "oracle_samples": "oracle rollouts per prompt"}
+              "oracle_every": "oracle baseline on every n-th step (0: no oracle)", "oracle_samples": "oracle rollouts per prompt"}
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -70,7 +71,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"{text} (default: the task's)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per method")
     parser.add_argument("--methods", default=None, help=f"comma-separated subset of {', '.join(LABELS)} "
-                                                        "(default: the task's)")
+                                                        "(default: the task's, or the study's)")
+    parser.add_argument("--study", default="claims", choices=list(STUDIES),
+                        help="claims: the papers' claims (the task's methods and page); 3po: 3PO's noise scale, "
+                             "exploration against the optimizer, dead groups and N (docs/results/reproduction_3po.md)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (each gets threads/jobs torch threads)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads in all")
     parser.add_argument("--out-dir", default="runs/reproduce", help="run directories (a folder per task below it)")
@@ -82,20 +86,28 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                              "setting changed, e.g. a smaller warm-up for a smoke run; it shows in the doc's command")
     args = parser.parse_args(argv)
     task = TASKS[args.task]
+    if args.study == "3po" and args.oracle_every is None:
+        args.oracle_every = 0  # the baseline's MSE is not the study's question: its oracle's rollouts are saved
     for name in SCALE_HELP:
         if getattr(args, name) is None:
             setattr(args, name, task.scale[name])
-    args.methods = task.methods if args.methods is None else [m.strip() for m in args.methods.split(",") if m.strip()]
+    default_methods = task.methods if args.study == "claims" else STUDY_3PO
+    args.methods = (default_methods if args.methods is None
+                    else [m.strip() for m in args.methods.split(",") if m.strip()])
     unknown = [m for m in args.methods if m not in LABELS]
     if unknown or not args.methods:
         parser.error(f"--methods: unknown {unknown}; valid: {', '.join(LABELS)}")
-    if min(args.steps, args.seeds, args.batch_size, args.jobs, args.threads, args.oracle_every) < 1:
-        parser.error("--steps, --seeds, --batch-size, --jobs, --threads and --oracle-every must be >= 1")
-    if args.eval_every < 0:
-        parser.error("--eval-every must be >= 0")
+    if min(args.steps, args.seeds, args.batch_size, args.jobs, args.threads) < 1:
+        parser.error("--steps, --seeds, --batch-size, --jobs and --threads must be >= 1")
+    if args.eval_every < 0 or args.oracle_every < 0:
+        parser.error("--eval-every and --oracle-every must be >= 0")
     # a smoke or partial run must not overwrite the committed results page: that page is written only when named
-    args.doc = args.doc or str(Path(args.out_dir) / task.name / Path(task.doc).name)
+    page = Path(task.doc).name if args.study == "claims" else STUDIES[args.study]
+    args.doc = args.doc or str(Path(args.out_dir) / task.name / page)
     return args
+
+
+STUDIES = {"claims": None, "3po": "reproduction_3po.md"}  # study -> its page's file name (claims: the task's)
 
 
 def overrides(task: Task, method: str, seed: int, args: argparse.Namespace, run_dir: Path) -> list[str]:
@@ -106,8 +118,10 @@ def overrides(task: Task, method: str, seed: int, args: argparse.Namespace, run_
         scale += [f"trainer.val_check_interval={args.eval_every}", "trainer.check_val_every_n_epoch=null"]
     oracle = [f"+{ORACLE}._target_=lit_rlvr.callbacks.oracle_baseline.OracleBaseline",
               f"+{ORACLE}.every_n_steps={args.oracle_every}", f"+{ORACLE}.num_samples={args.oracle_samples}"]
-    if is_async(method):
+    if is_async(method) or not args.oracle_every:
         oracle = []
+    if method in PROBED:
+        oracle += PROBE_OVERRIDES
     return [*task.model, *task.data, *RUN, *SAMPLING, *task.loop, *method_overrides(method, task), *scale, *oracle,
             *args.set, f"hydra.run.dir={run_dir}"]
 
@@ -158,7 +172,7 @@ def load_run(run_dir: Path, oracle_every: int):
     from lit_rlvr.callbacks.oracle_baseline import ORACLE_KEYS
 
     run = report.load_run(run_dir)
-    off = run.train["step"] % oracle_every != 0
+    off = run.train["step"] % oracle_every != 0 if oracle_every else run.train["step"] >= 0
     for key in ORACLE_KEYS:
         if key in run.train:
             run.train.loc[off, key] = math.nan
@@ -212,9 +226,38 @@ def run_figures(run_dir: Path, oracle_every: int) -> dict[str, Any]:
         "len_tail": report.tail_mean(train, "response/len_mean"),
         "clip_tail": report.tail_mean(train, "response/clip_frac"),
         "wall_s": float(summary["wall_s"]),
+        "noise_rel": mean("noise/relative"),
+        "weight_change": relative_weight_change(run_dir),
+        **{key: mean(f"dead/{name}") for key, name in DEAD_FIGURES.items()},
         "resumed": len(json.loads(resumed.read_text())) if resumed.exists() else 0,
         "curve": heldout_curve(run),
     }
+
+
+DEAD_FIGURES = {"dead_frac": "frac", "rescued_again": "rescued_again", "rescued_weights": "rescued_weights",
+                "rescued_hot": "rescued_hot", "malformed_weights": "malformed_weights", "malformed_hot": "malformed_hot"}
+
+
+def relative_weight_change(run_dir: Path) -> float:
+    """‖θ − θ₀‖ / ‖θ₀‖ of the run's last checkpoint against the warm-up it started from (NaN without either)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from lit_rlvr.models.warmup import resolve_model_path
+    from weight_change import weight_change
+
+    last = run_dir / "checkpoints" / "last.ckpt"
+    if not last.exists():
+        return math.nan
+    checkpoint = torch.load(last, map_location="cpu", weights_only=False)
+    model = checkpoint["hyper_parameters"].get("model") or {}
+    if model.get("name_or_path") != "tiny":
+        return math.nan
+    start = load_file(str(Path(resolve_model_path("tiny", model.get("options") or {})) / "model.safetensors"))
+    change = weight_change(start, checkpoint)
+    moved = sum(float(d.pow(2).sum()) for d in change.values())
+    size = sum(float(start[n].float().pow(2).sum()) for n in change)
+    return (moved / size) ** 0.5 if size else math.nan
 
 
 def mean_run(method: str, run_dirs: list[Path], oracle_every: int):
@@ -299,6 +342,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     figures = [doc.with_name(f"{doc.stem}_heldout.png"), doc.with_suffix(".png")]
     heldout_figure(per_run, figures[0], task.title, args.eval_samples)
     panels_figure(dirs, figures[1], args.oracle_every, task.title)
+    if args.study == "3po":
+        figures.append(doc.with_name(f"{doc.stem}_exploration.png"))
+        exploration_figure(per_run, ess_of_methods(), figures[2], task.title)
     reused = sum(r for _, r in done)
     info = {"argv": argv, "nice": os.nice(0), "commit": git_commit(), "machine": machine(), "load_start": load_start,
             "load_end": load_average(), "wall_s": time.perf_counter() - started, "runs_done": len(jobs) - reused,

@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from reproduce_settings import CLAIMS, DIGITS, EQUAL_ROLLOUTS, FIGURES, LABELS, Task
+from reproduce_settings import CLAIMS, DIGITS, EQUAL_ROLLOUTS, EXPLORATION_FIGURES, FIGURES, LABELS, Task
 
 START, END = "<!-- analysis:start -->", "<!-- analysis:end -->"
 Runs = dict[str, list[dict[str, Any]]]  # method -> one figures dict per seed (seed order)
@@ -31,14 +31,38 @@ def fmt_pm(values: list[float], digits: int) -> str:
     return fmt(m, digits) if math.isnan(sd) else f"{fmt(m, digits)} ± {fmt(sd, digits)}"
 
 
-def results_table(per_run: Runs) -> str:
-    head = ["method", "seeds", *[h for _, h in FIGURES]]
+def results_table(per_run: Runs, figures: list[tuple[str, str]] = FIGURES) -> str:
+    head = ["method", "seeds", *[h for _, h in figures]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for method, runs in per_run.items():
         cells = [LABELS[method], str(len(runs))]
-        cells += [fmt_pm([r[key] for r in runs], DIGITS.get(key, 3)) for key, _ in FIGURES]
+        cells += [fmt_pm([r.get(key, math.nan) for r in runs], DIGITS.get(key, 3)) for key, _ in figures]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def has_exploration_figures(per_run: Runs) -> bool:
+    """Whether a run logged the 3PO study's figures (IVON's noise, or the dead-group probe)."""
+    return any(not math.isnan(r.get(key, math.nan)) for runs in per_run.values() for r in runs
+               for key, _ in EXPLORATION_FIGURES if key != "weight_change")
+
+
+def exploration_table(per_run: Runs) -> str:
+    """The 3PO study's figures per method (empty when no run has them)."""
+    if not has_exploration_figures(per_run):
+        return ""
+    return ("\n### Exploration: noise, movement, dead groups (mean ± sd over seeds)\n\n"
+            + results_table(per_run, EXPLORATION_FIGURES) + "\n" + EXPLORATION_TEXT + "\n")
+
+
+EXPLORATION_TEXT = """Noise / weights = RMS of the loss sample's perturbation θ̂ − m over the RMS of the weights m
+(`noise/relative`, mean over steps); relative weight change = ‖θ − θ₀‖ / ‖θ₀‖ of the last checkpoint (IVON: its mean)
+against the warm-up (`scripts/weight_change.py`). Dead groups (`callbacks/dead_groups.py`, on every 10th step before
+the update, rows of the probed methods only): the share of the step's prompts whose G = 16 completions at the mean
+weights are all wrong; of those, the share where another G completions find at least one correct answer: a second
+draw at the mean (what chance alone rescues), G/N from each of the step's N IVON weight samples (C3PO's exploration),
+or the mean at temperature 1.5 (the action-space alternative); malformed = share of that arm's completions without
+a readable answer. None of the probe's completions is trained on or counted as a rollout."""
 
 
 def verdict(diffs: list[float], sign: int) -> str:
@@ -96,6 +120,47 @@ def claims_table(per_run: Runs) -> str:
 
 
 # -- figures ---------------------------------------------------------------------------------------------------------
+def exploration_figure(per_run: Runs, ess: dict[str, float], out: Path, title: str) -> None:
+    """Two panels: held-out accuracy after training against λ (the runs named in `ess`, mean ± sd over seeds, log axis), and the
+    dead-group probe's rescued shares per probed method (mean ± sd over seeds)."""
+    from lit_rlvr.config.extras import require
+
+    matplotlib = require("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5), constrained_layout=True)
+    sweep = sorted((lam, method) for method, lam in ess.items() if method in per_run)
+    for key, label in (("acc_after", "held-out mean@k after"), ("pass_after", "held-out pass@k after")):
+        stats = [mean_sd([r[key] for r in per_run[m]]) for _, m in sweep]
+        left.errorbar([lam for lam, _ in sweep], [m for m, _ in stats], yerr=[0 if math.isnan(sd) else sd
+                                                                              for _, sd in stats],
+                      marker="o", capsize=4, label=label)
+    before = mean_sd([r["acc_before"] for _, m in sweep for r in per_run[m]])[0]
+    left.axhline(before, color="grey", linestyle="--", label="held-out mean@k before")
+    left.set_xscale("log")
+    left.set_xlabel("λ (IVON's effective sample size): small = more weight noise")
+    left.set_title("C3PO against its noise scale")
+    left.legend()
+    arms = [("rescued_again", "second draw (chance)"), ("rescued_weights", "N weight samples"),
+            ("rescued_hot", "T = 1.5")]
+    probed = [m for m, runs in per_run.items() if any(not math.isnan(r.get("rescued_again", math.nan)) for r in runs)]
+    width = 0.8 / max(len(arms), 1)
+    for i, (key, label) in enumerate(arms):
+        stats = [mean_sd([r.get(key, math.nan) for r in per_run[m]]) for m in probed]
+        right.bar([j + i * width for j in range(len(probed))], [m for m, _ in stats], width,
+                  yerr=[0 if math.isnan(sd) else sd for _, sd in stats], capsize=3, label=label)
+    right.set_xticks([j + width for j in range(len(probed))], [LABELS[m] for m in probed], fontsize=8)
+    right.set_ylabel("share of dead groups rescued")
+    right.set_title("Dead groups (all G wrong at the mean): what rescues them")
+    right.legend()
+    fig.suptitle(f"lit-rlvr 3PO study on {title}")
+    fig.savefig(out, dpi=60)
+    plt.close(fig)
+    _shrink(out)
+
+
+
 def heldout_figure(per_run: Runs, out: Path, title: str, eval_samples: int) -> None:
     """Held-out mean@k and pass@k against RL steps and against rollouts consumed: each method's mean over its
     seeds with a ± one sd band (the evaluations are at the same steps in every seed; the rollout axis is the
@@ -199,12 +264,16 @@ each run's held-out curve against rollouts consumed, read (linearly between eval
 runs' rollout totals."""
 
 
+TITLES = {"claims": "Reproducing the papers' claims at small scale", "3po": "3PO tested fairly: noise scale, "
+          "exploration against the optimizer, dead groups and N"}
+
+
 def write_doc(args, task: Task, per_run: Runs, figures: list[Path], doc: Path, info: dict[str, Any]) -> None:
     nice = f"nice -n {info['nice']} " if info["nice"] else ""
     command = f"{nice}python scripts/reproduce.py" + ("" if not info["argv"] else " " + shlex.join(info["argv"]))
     pictures = "\n\n".join(f"![{f.stem}]({os.path.relpath(f, doc.parent)})" for f in figures)
     machine = info["machine"]
-    text = f"""# Reproducing the papers' claims at small scale: {task.title}
+    text = f"""# {TITLES[args.study]}: {task.title}
 
 Generated by `scripts/reproduce.py --task {task.name}` (the tables, command, machine and timing; the analysis
 section is written by hand and kept when the script writes this file again).
@@ -228,7 +297,7 @@ section is written by hand and kept when the script writes this file again).
 
 ## Results (mean ± sd over seeds)
 
-{results_table(per_run)}
+{results_table(per_run)}{exploration_table(per_run)}
 ## The claims, seed by seed
 
 Differences are paired by seed. Verdict rule: *supported* when every seed shows the claimed direction and

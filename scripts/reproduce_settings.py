@@ -30,15 +30,17 @@ def adamw(lr: float) -> list[str]:
             "algorithm.grad_clip=1.0"]
 
 
-def ivon(lr: float) -> list[str]:
-    """C3PO's IVON settings: the tiny preset of conf/algorithm/c3po.yaml with the task's learning rate."""
+def ivon(lr: float, ess: float = 1e8, num_samples: int = 4, generate: str = "samples") -> list[str]:
+    """C3PO's IVON settings: the tiny preset of conf/algorithm/c3po.yaml with the task's learning rate; the 3PO
+    study varies λ (`ess`), N and who generates (`generate=mean`: IVON without exploration)."""
     return ["algorithm.optimizer=ivon", f"algorithm.lr={lr}", "algorithm.grad_clip=0.0", "algorithm.weight_decay=0.0",
-            "algorithm.optimizer_options.ess=100000000.0", "algorithm.optimizer_options.hess_init=0.001",
+            f"algorithm.optimizer_options.ess={float(ess)}", "algorithm.optimizer_options.hess_init=0.001",
             "algorithm.optimizer_options.weight_decay=0.000001", "algorithm.optimizer_options.beta1=0.9",
             "algorithm.optimizer_options.beta2=0.9999", "algorithm.optimizer_options.clip_radius=1.0",
             "algorithm.optimizer_options.hess_approx=price", "algorithm.optimizer_options.rescale_lr=true",
-            "algorithm.callbacks.param_noise.variant=c3po", "algorithm.callbacks.param_noise.num_samples=4",
-            "algorithm.seq_mask_tau=2.0"]
+            "algorithm.callbacks.param_noise.variant=c3po", f"algorithm.callbacks.param_noise.num_samples={num_samples}",
+            "algorithm.seq_mask_tau=2.0", *([f"algorithm.callbacks.param_noise.generate={generate}"]
+                                            if generate != "samples" else [])]
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,29 @@ ARITHMETIC_COT = Task(
 )
 TASKS = {t.name: t for t in (ARITHMETIC, ARITHMETIC_COT)}
 
+# -- the 3PO study (docs/results/reproduction_3po.md): λ, exploration against the optimizer, N ---------------------
+# λ (IVON's ess) -> the IVON lr it runs at on the chain-of-thought task: the largest of the pilots' {0.3, 1.0} that
+# did not collapse (the doc's "Pilots")
+ESS_LR = {1e5: 0.3, 1e6: 0.3, 1e7: 0.3, 1e8: 0.3, 1e9: 0.3, 1e10: 0.3}
+MATCHED_ADAMW_LR = 5.4e-5  # AdamW's lr whose relative weight change after 50 steps matches C3PO's (the doc's pilots)
+PROBE = "callbacks.dead_groups"
+PROBE_OVERRIDES = [f"+{PROBE}._target_=lit_rlvr.callbacks.dead_groups.DeadGroupProbe", f"+{PROBE}.every_n_steps=10",
+                   f"+{PROBE}.hot_temperature=1.5"]
+
+
+def ess_key(ess: float) -> str:
+    return f"c3po_ess{ess:.0e}".replace("e+0", "e").replace("e+", "e")
+
+
+def ess_of_methods() -> dict[str, float]:
+    """The λ sweep's methods and their λ (C3PO's preset row is the sweep's λ = 1e8 point)."""
+    return {"c3po": 1e8, **{ess_key(e): e for e in ESS_LR if e != 1e8}}
+
+
+STUDY_3PO = ["grpo_g16", "c3po", "ivon_mean", "grpo_g16_matched", *[ess_key(e) for e in ESS_LR if e != 1e8],
+             "c3po_n1", "c3po_n2", "c3po_n8"]
+PROBED = {"c3po", "ivon_mean"}  # the dead-group probe (callbacks/dead_groups.py) runs on these
+
 # key -> label; the group sizes, k and N are the issue's
 LABELS = {
     "grpo_g16": "GRPO (G = 16)",
@@ -107,6 +132,10 @@ LABELS = {
     "c3po_lora8": "C3PO (N = 4, G = 16), LoRA r = 8",
     "grpo_g16_async1": "GRPO (G = 16), async S = 1",
     "grpo_g16_async4": "GRPO (G = 16), async S = 4",
+    "ivon_mean": "IVON, the mean generates (C3PO's update, no exploration)",
+    "grpo_g16_matched": "GRPO (G = 16), AdamW at C3PO's step size",
+    **{ess_key(e): f"C3PO, λ = {e:.0e}" for e in ESS_LR if e != 1e8},
+    **{f"c3po_n{n}": f"C3PO (N = {n}, G = 16)" for n in (1, 2, 8)},
 }
 
 
@@ -123,6 +152,14 @@ def method_overrides(method: str, task: Task) -> list[str]:
                            *LORA8, f"model.lora.lr_scale={GRPO_LORA_LR_SCALE}"],
         "c3po_lora8": ["algorithm=c3po", "algorithm.group_size=16", "algorithm.scale_adv_by_std=true", *c3po,
                        *LORA8, f"model.lora.lr_scale={task.c3po_lora_lr_scale}"],
+        "ivon_mean": ["algorithm=c3po", "algorithm.group_size=16", "algorithm.scale_adv_by_std=true",
+                      *ivon(task.ivon_lr, generate="mean")],
+        "grpo_g16_matched": ["algorithm=grpo", "algorithm.group_size=16", "algorithm.scale_adv_by_std=true",
+                             *adamw(MATCHED_ADAMW_LR)],
+        **{ess_key(e): ["algorithm=c3po", "algorithm.group_size=16", "algorithm.scale_adv_by_std=true",
+                        *ivon(lr, ess=e)] for e, lr in ESS_LR.items() if e != 1e8},
+        **{f"c3po_n{n}": ["algorithm=c3po", "algorithm.group_size=16", "algorithm.scale_adv_by_std=true",
+                          *ivon(task.ivon_lr, num_samples=n)] for n in (1, 2, 8)},
         **{f"grpo_g16_async{s}": ["algorithm=grpo", "algorithm.group_size=16", "algorithm.scale_adv_by_std=true",
                                    *grpo, "rollout.mode=async", f"rollout.max_staleness={s}",
                                    "engine.options.mode=copy"] for s in (1, 4)},  # (RUN pins the shared engine)
@@ -153,7 +190,18 @@ FIGURES = [
     ("clip_tail", "truncated (last 10%)"),
     ("wall_s", "wall s / run"),
 ]
-DIGITS = {"rollouts": 0, "tokens": 0, "wall_s": 0, "baseline_mse": 4, "malformed_frac": 4, "clip_tail": 4,
+# the 3PO study's figures per run (a second table, shown when a run has them)
+EXPLORATION_FIGURES = [
+    ("noise_rel", "noise / weights (RMS)"),
+    ("weight_change", "relative weight change"),
+    ("dead_frac", "dead groups (probe)"),
+    ("rescued_again", "rescued: second draw"),
+    ("rescued_weights", "rescued: N weight samples"),
+    ("rescued_hot", "rescued: T = 1.5"),
+    ("malformed_weights", "malformed: weight samples"),
+    ("malformed_hot", "malformed: T = 1.5"),
+]
+DIGITS = {"noise_rel": 4, "weight_change": 4, "rollouts": 0, "tokens": 0, "wall_s": 0, "baseline_mse": 4, "malformed_frac": 4, "clip_tail": 4,
           "len_tail": 1}
 # a figure of a pair of runs (method, reference) rather than of one run: see reproduce.paired_figure
 EQUAL_ROLLOUTS = "acc_at_equal_rollouts"
@@ -184,4 +232,14 @@ CLAIMS = [
     ("LoRA r=8 no worse than full: C3PO, held-out accuracy", "c3po_lora8", "c3po", "acc_after", +1),
     ("async S=1 learns as well as sync per step: held-out accuracy", "grpo_g16_async1", "grpo_g16", "acc_after", +1),
     ("async S=4 learns as well as sync per step: held-out accuracy", "grpo_g16_async4", "grpo_g16", "acc_after", +1),
+    # the 3PO study
+    ("C3PO beats IVON with the mean generating: held-out accuracy (what weight noise buys)", "c3po", "ivon_mean",
+     "acc_after", +1),
+    ("C3PO beats IVON with the mean generating: held-out pass@k", "c3po", "ivon_mean", "pass_after", +1),
+    ("IVON-mean beats AdamW at the same step size: held-out accuracy (what the optimizer buys)", "ivon_mean",
+     "grpo_g16_matched", "acc_after", +1),
+    ("C3PO beats AdamW at the same step size: held-out accuracy", "c3po", "grpo_g16_matched", "acc_after", +1),
+    ("C3PO N=4 beats N=1: held-out accuracy", "c3po", "c3po_n1", "acc_after", +1),
+    ("C3PO N=4 beats N=2: held-out accuracy", "c3po", "c3po_n2", "acc_after", +1),
+    ("C3PO N=8 beats N=4: held-out accuracy", "c3po_n8", "c3po", "acc_after", +1),
 ]

@@ -18,7 +18,8 @@ import torch
 def weight_change(start: dict[str, torch.Tensor], checkpoint: dict) -> dict[str, torch.Tensor]:
     """{HF weight name: change} of the weights the run trained."""
     state = checkpoint["state_dict"]
-    lora = checkpoint["hyper_parameters"].get("lora") or {}
+    settings = checkpoint["hyper_parameters"]
+    lora = settings.get("lora") or (settings.get("model") or {}).get("lora") or {}  # (model.lora since the settings)
     scale = lora.get("alpha", 32.0) / lora["rank"] if lora.get("rank") else 0.0
     change = {}
     for key, value in state.items():

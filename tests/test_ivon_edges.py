@@ -173,8 +173,8 @@ def test_a_change_of_h_in_one_group_reaches_that_groups_next_sample():
 
 # -- noise metrics and σ per parameter -------------------------------------------------------------------------------
 def test_noise_stats_of_a_single_weight_are_its_sigma_and_its_perturbation():
-    """With one weight, noise/sigma_mean is that weight's σ and noise/param_delta_rms is |θ − m| (means over one
-    element)."""
+    """With one weight, noise/sigma_mean is that weight's σ, noise/param_delta_rms is |θ − m| and noise/relative
+    |θ − m| / |m| (means over one element)."""
     p = nn.Parameter(torch.tensor([0.25]))
     opt = IVON([p], **KW)
     sigma = _sigma0(KW["ess"], KW["hess_init"], KW["weight_decay"])
@@ -183,7 +183,9 @@ def test_noise_stats_of_a_single_weight_are_its_sigma_and_its_perturbation():
     with opt.sampled_params(sample_index=3):
         delta = (p.detach() - 0.25).abs()[0]
     assert delta > 0
-    torch.testing.assert_close(opt.noise_stats()["noise/param_delta_rms"], delta)
+    stats = opt.noise_stats()
+    torch.testing.assert_close(stats["noise/param_delta_rms"], delta)
+    torch.testing.assert_close(stats["noise/relative"], delta / 0.25)  # against the mean's size, |m| = 0.25
 
 
 def test_param_delta_rms_counts_the_rounding_of_mixed_dtype_groups():

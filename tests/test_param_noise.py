@@ -146,6 +146,39 @@ def test_c3po_chunks_from_distinct_samples_loss_at_a_third_and_mean_restored(mon
     assert torch.equal(flat(module.engine.model.parameters()), flat(module.policy.parameters()))  # synced mean
 
 
+def test_generate_mean_keeps_the_mean_in_the_engine_and_takes_c3pos_update(monkeypatch, tmp_path):
+    """The ablation `generate=mean`: no weight sample reaches the engine (only means are pushed), and
+    the loss still runs once at the fresh sample N with IVON recording it, as in C3PO."""
+    calls = []
+    real = IVON.sampled_params
+
+    def spy(self, sample_index=0, train=False):
+        calls.append((sample_index, train))
+        return real(self, sample_index, train)
+
+    monkeypatch.setattr(IVON, "sampled_params", spy)
+    module = make_module(seed=3)
+    pushed = spy_engine_pushes(module, monkeypatch)
+    m0 = flat(module.policy.parameters())
+    fit(module, ParamNoise("c3po", num_samples=2, generate="mean"), steps=2, log_dir=tmp_path)
+    assert calls == [(2, True), (2, True)]  # no generating sample; the loss at θ̂_N, recorded for IVON's step
+    names = [n for n, _ in module.policy.named_parameters()]
+    assert len(pushed) == 3  # the mean before the first rollout, then the new mean after each step: no sample
+    assert (flat(pushed[0][n] for n in names) - m0).abs().max() == 0
+    assert (flat(pushed[-1][n] for n in names) - flat(module.policy.parameters())).abs().max() == 0
+    assert (flat(module.policy.parameters()) - m0).abs().max() > 0  # IVON stepped
+    rows = [r for r in csv.DictReader((tmp_path / "metrics.csv").open()) if r.get("reward/mean")]
+    assert [math.isfinite(float(r["noise/relative"])) and float(r["noise/relative"]) > 0 for r in rows] == [True] * 2
+
+
+@pytest.mark.parametrize("variant", ["b3po", "m3po"])
+def test_generate_mean_is_c3pos_only(variant):
+    with pytest.raises(ValueError, match="generate='mean' with variant="):
+        ParamNoise(variant, generate="mean")
+    with pytest.raises(ValueError, match="generate='both'"):
+        ParamNoise("c3po", generate="both")
+
+
 # -- config errors before any work -----------------------------------------------------------------------------
 IVON_RUN = {"optimizer": "ivon", "ppo_epochs": 1, "mini_batches": 1, "seq_mask_tau": 2.0}
 

@@ -9,11 +9,14 @@ import subprocess
 import sys
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from lit_rlvr.callbacks.dead_groups import DeadGroupProbe, any_correct, rescued_share
 from lit_rlvr.callbacks.oracle_baseline import OracleBaseline, debiased_mse, group_moments
+from lit_rlvr.optim import IVON
 from lit_rlvr.rewards.base import RewardBatch
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 from lit_rlvr.rollout.driver import RolloutDriver
@@ -229,6 +232,13 @@ def test_reproduce_tasks_pin_their_settings():
     async_run = reproduce.overrides(TASKS["arithmetic_cot"], "grpo_g16_async1", 0, args, Path("/tmp/x"))
     assert "rollout.mode=async" in async_run and "rollout.max_staleness=1" in async_run
     assert not any(o.startswith(f"+{reproduce.ORACLE}") for o in async_run)  # refused with async: left out
+    study = reproduce.parse_args(["--task", "arithmetic_cot", "--study", "3po"])
+    assert Path(study.doc).name == "reproduction_3po.md" and {"c3po", "ivon_mean", "c3po_n8"} <= set(study.methods)
+    mean_run = reproduce.overrides(TASKS["arithmetic_cot"], "ivon_mean", 0, study, Path("/tmp/x"))
+    assert "algorithm.callbacks.param_noise.generate=mean" in mean_run
+    assert any("DeadGroupProbe" in o for o in mean_run)  # probed
+    sweep = reproduce.overrides(TASKS["arithmetic_cot"], "c3po_ess1e6", 0, study, Path("/tmp/x"))
+    assert "algorithm.optimizer_options.ess=1000000.0" in sweep and not any("DeadGroupProbe" in o for o in sweep)
 
 
 def test_weight_change_of_full_and_lora_runs():
@@ -249,3 +259,104 @@ def test_weight_change_of_full_and_lora_runs():
             "hyper_parameters": {"lora": {"rank": 1, "alpha": 2.0}}}
     change = weight_change(start, lora)
     assert torch.equal(change["model.layers.0.mlp.up_proj.weight"], 2.0 * b @ a)  # the adapter, not the base
+    lora["hyper_parameters"] = {"model": {"lora": {"rank": 1, "alpha": 2.0}}}  # where the settings keep it now
+    assert torch.equal(weight_change(start, lora)["model.layers.0.mlp.up_proj.weight"], 2.0 * b @ a)
+
+
+def test_reproduce_3po_study_tiny(tmp_path):
+    """The 3PO study's rows on the 3-token task, two steps: IVON's noise and the weights' movement for both, the
+    dead-group probe's arms for the probed rows, the exploration figure, the study's claims."""
+    doc = tmp_path / "study.md"
+    cmd = [sys.executable, "scripts/reproduce.py", "--study", "3po", "--steps", "2", "--seeds", "1", "--methods",
+           "c3po,ivon_mean", "--batch-size", "2", "--num-test", "8", "--eval-samples", "2", "--eval-every", "0",
+           "--oracle-every", "2", "--oracle-samples", "4", "--out-dir", str(tmp_path / "runs"), "--doc", str(doc),
+           "--set", "algorithm.group_size=8"]
+    env = {**os.environ, "LIT_RLVR_CACHE": os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr")}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = doc.read_text()
+    assert text.startswith("# 3PO tested fairly") and "### Exploration" in text
+    table = text.split("### Exploration", 1)[1].split("\n\n", 2)[1].splitlines()
+    head = [c.strip() for c in table[0].strip("|").split("|")]
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.strip("|").split("|")] for r in table[2:]}
+    for label, row in rows.items():
+        for column in ("noise / weights (RMS)", "relative weight change", "dead groups (probe)"):
+            assert row[head.index(column)] != "—", (label, column)
+    assert "C3PO beats IVON with the mean generating" in text
+    assert (tmp_path / "study_exploration.png").stat().st_size > 5_000
+    raw = json.loads((tmp_path / "study.json").read_text())
+    seed = raw["methods"]["c3po"]["seeds"][0]
+    assert 0 < seed["noise_rel"] < 1 and 0 < seed["weight_change"] < 1 and 0 <= seed["dead_frac"] <= 1
+    for method in ("c3po", "ivon_mean"):  # a rescued share exists exactly when a group was dead
+        seed = raw["methods"][method]["seeds"][0]
+        for arm in ("rescued_again", "rescued_weights", "rescued_hot"):
+            assert (seed[arm] is None) == (seed["dead_frac"] == 0), (method, arm, seed[arm], seed["dead_frac"])
+
+
+# -- the dead-group probe ---------------------------------------------------------------------------------------------
+class ArmEngine(StubEngine):
+    """Prompt 0 is correct only when hot (T > 1), prompt 1 only under a weight sample (the watched weight is off its
+    mean 0), prompt 2 always; otherwise every completion is wrong. Records (counts, seed, temperature) per call."""
+
+    def __init__(self, weight):
+        super().__init__({})
+        self.weight = weight
+
+    def generate(self, prompt_token_ids, n_per_prompt, params):
+        self.calls.append((list(n_per_prompt), params.seed, params.temperature))
+        sampled = bool(self.weight.detach().abs().max() > 0)
+        ok = {0: params.temperature > 1.0, 1: sampled, 2: True}
+        return [[Completion(torch.tensor([1 if ok[prompt[0]] else 0]), torch.zeros(1), "stop") for _ in range(n)]
+                for prompt, n in zip(prompt_token_ids, n_per_prompt)]
+
+
+def test_dead_group_probe_counts_what_each_arm_rescues():
+    weight = torch.nn.Parameter(torch.zeros(3))
+    optimizer = IVON([weight], lr=0.1, ess=1e4)
+    module = StubModule({})
+    module.engine = module.driver.engine = ArmEngine(weight)
+    module.algorithm = SimpleNamespace(group_size=4)
+    trainer = SimpleNamespace(optimizers=[optimizer], callbacks=[])
+    plan = RolloutPlan(["q0", "q1", "q2"], [0] * 3, [[0], [1], [2]], [4] * 3)
+    rollouts = rollouts_of([[-1.0] * 4, [-1.0] * 4, [1.0] * 4])
+    probe = DeadGroupProbe(every_n_steps=2, hot_temperature=1.5, num_samples=2)
+    probe.on_train_batch_start(trainer, module, {}, 0)
+    probe.on_rollout_plan(trainer, module, plan)
+    probe.on_before_advantages(trainer, module, rollouts)
+    probe.on_rl_step_end(trainer, module, rollouts)
+    m = module.metrics
+    assert m["dead/frac"] == pytest.approx(2 / 3)  # prompts 0 and 1 have no correct completion at the mean
+    assert (m["dead/rescued_again"], m["dead/rescued_weights"], m["dead/rescued_hot"]) == (0.0, 0.5, 0.5)
+    assert m["dead/malformed_mean"] == 0.0 and m["dead/probe_s"] >= 0
+    counts = [c[0] for c in module.engine.calls]
+    assert counts == [[4, 4, 4], [4, 4, 4], [2, 2, 2], [2, 2, 2], [4, 4, 4]]  # mean, again, 2 samples, hot
+    assert [c[2] for c in module.engine.calls] == [1.0, 1.0, 1.0, 1.0, 1.5]
+    assert len({c[1] for c in module.engine.calls}) == 5  # every draw its own seed
+    assert module.driver.sampling.temperature == 1.0 and torch.equal(weight.detach(), torch.zeros(3))
+    assert module.counters["rollouts_total"] == 0  # not the method's rollouts
+    module.metrics.clear()
+    module.global_step = 1  # not probed: every key NaN, nothing drawn
+    probe.on_train_batch_start(trainer, module, {}, 1)
+    probe.on_rollout_plan(trainer, module, plan)
+    probe.on_before_advantages(trainer, module, rollouts)
+    probe.on_rl_step_end(trainer, module, rollouts)
+    assert len(module.engine.calls) == 5 and all(math.isnan(v) for v in module.metrics.values())
+
+
+def test_dead_group_probe_without_ivon_and_its_counting():
+    assert any_correct(torch.tensor([False, True, False]), torch.tensor([0, 0, 1]), 3).tolist() == [True, False, False]
+    assert math.isnan(rescued_share(torch.tensor([False]), torch.tensor([True])))
+    module = StubModule({0: 0.0})
+    module.algorithm = SimpleNamespace(group_size=2)
+    trainer = SimpleNamespace(optimizers=[torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)], callbacks=[])
+    probe = DeadGroupProbe(every_n_steps=1)
+    probe.on_train_batch_start(trainer, module, {}, 0)
+    probe.on_rollout_plan(trainer, module, RolloutPlan(["q0"], [0], [[0]], [2]))
+    probe.on_before_advantages(trainer, module, rollouts_of([[-1.0, -1.0]]))
+    probe.on_rl_step_end(trainer, module, rollouts_of([[-1.0, -1.0]]))
+    assert module.metrics["dead/frac"] == 1.0 and module.metrics["dead/rescued_again"] == 0.0
+    assert math.isnan(module.metrics["dead/rescued_weights"])  # no posterior to sample without IVON
+    for bad in (dict(every_n_steps=0), dict(hot_temperature=0.0), dict(hot_temperature=float("nan")),
+                dict(num_samples=0)):
+        with pytest.raises(ValueError, match="DeadGroupProbe"):
+            DeadGroupProbe(**bad)

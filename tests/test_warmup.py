@@ -55,24 +55,32 @@ def test_ranks_warming_up_at_once_train_once(tmp_path):
 
 
 def _scripted(monkeypatch, accuracies: list[float]) -> list[int]:
-    """Checks return `accuracies` in turn (the training itself is real); returns the steps checked at."""
-    checked, left = [], iter(accuracies)
+    """Checks return `accuracies` in turn (the training itself is real); returns the torch thread count each
+    check ran with."""
+    threads, left = [], iter(accuracies)
 
     def fake(model, tokenizer, problems, samples, seed=0, **options):
-        checked.append(len(problems))
+        threads.append(torch.get_num_threads())
         return next(left)
 
     monkeypatch.setattr(warmup, "sampled_accuracy", fake)
-    return checked
+    return threads
 
 
 def test_warm_up_stops_at_the_first_check_that_reaches_the_target(tmp_path, monkeypatch):
-    _scripted(monkeypatch, [0.1, 0.25, 0.31, 0.5])
-    path = warm_start_tiny(tmp_path, max_steps=100, eval_every=2, eval_problems=8, batch_size=4, target=0.3)
+    threads_in_checks = _scripted(monkeypatch, [0.1, 0.25, 0.31, 0.5])
+    caller_threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # a caller with two threads: the warm-up still trains and checks on one
+    try:
+        path = warm_start_tiny(tmp_path, max_steps=100, eval_every=2, eval_problems=8, batch_size=4, target=0.3)
+        assert torch.get_num_threads() == 2  # the caller's count is back
+    finally:
+        torch.set_num_threads(caller_threads)
     record = json.loads((path / "warmup.json").read_text())
     assert record["steps"] == 6 and record["reached"] and record["accuracy"] == 0.31
     assert [step for step, _ in record["history"]] == [2, 4, 6]
-    assert record["target"] == 0.3 and record["threads"] == torch.get_num_threads()
+    assert record["target"] == 0.3 and record["threads"] == 1 and threads_in_checks == [1, 1, 1]
+    assert record["kernels"] == warmup.kernel_family()
 
 
 def test_warm_up_that_hits_its_cap_says_which_options_to_change(tmp_path, monkeypatch):

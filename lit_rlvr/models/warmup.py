@@ -114,7 +114,8 @@ def warm_start_tiny(
                          f"arithmetic_cot (env=calculator's warm-up format is for data=arithmetic_cot)")
     settings = dict(target=target, max_steps=max_steps, eval_every=eval_every, eval_problems=eval_problems,
                     eval_samples=eval_samples, batch_size=batch_size, lr=lr, warmup_steps=warmup_steps, seed=seed,
-                    levels=list(levels), hidden_size=hidden_size, layers=layers, split_seed=split_seed, version=3)
+                    levels=list(levels), hidden_size=hidden_size, layers=layers, split_seed=split_seed, version=4,
+                    kernels=kernel_family())
     if task != "arithmetic":  # the default's key stays as it was, so its cached models stay valid
         settings.update(task=task, max_new_tokens=max_new_tokens)
     if tool_frac > 0:  # the keys of models warmed up without the tool stay as they were
@@ -135,7 +136,7 @@ def warm_start_tiny(
         cache_entry.sweep(path)
         log.info("warm-starting the tiny model (to held-out mean@%d %.2f, at most %d steps) into %s",
                  eval_samples, target, max_steps, path)
-        with torch.random.fork_rng(devices=[]):  # the caller's RNG must not depend on whether the cache was warm
+        with torch.random.fork_rng(devices=[]), one_thread():  # the caller's RNG: not dependent on a warm cache
             model, tokenizer, record = _train(settings)
         record = {**settings, **record}
         _warn_if_capped(record)
@@ -147,6 +148,25 @@ def warm_start_tiny(
         needed = sum(p.numel() * p.element_size() for p in model.parameters()) + (1 << 20)  # + tokenizer, configs
         cache_entry.write_entry(path, fill, needed, cache_dir)
     return path
+
+
+def kernel_family() -> str:
+    """What the warm-up's floats still depend on with one thread: torch's version and the CPU kernels it picks
+    (AVX-512, AVX2, ...). Part of the cache key, so a cache shared by two kinds of machine holds one entry each."""
+    return f"torch {torch.__version__.split('+')[0]}, {torch.backends.cpu.get_cpu_capability()}"
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """The warm-up on one torch thread: a thread count splits the checks' sampling matmuls differently, so their
+    log-probs (and, rarely, a sampled token) differ in the last bits, and with them the check where the warm-up
+    first reaches its target; one thread gives the same stopping point on every machine of one kernel family."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 RECORD_FILE = "warmup.json"

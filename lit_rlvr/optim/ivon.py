@@ -408,7 +408,7 @@ class IVON(ivon.IVON):
     def noise_stats(self) -> dict[str, Tensor]:
         """Detached scalar tensors (no device sync): mean σ over all (local) elements, and the RMS of the
         perturbation θ − m of the last sample as actually written (after rounding to the param dtype; 0
-        before any sample), and how many weights the posterior covers (`noise/numel`: the adapters alone with
+        before any sample), that RMS over the RMS of the weights m (`noise/relative`), and how many weights the posterior covers (`noise/numel`: the adapters alone with
         LoRA). Under FSDP these are this rank's shards only."""
         total = torch.zeros((), device=self._device, dtype=torch.float32)
         for group in self.param_groups:
@@ -416,8 +416,15 @@ class IVON(ivon.IVON):
         delta_sq = self._runtime["delta_sq"]
         if delta_sq is None:
             delta_sq = torch.zeros((), device=self._device, dtype=torch.float32)
+        mean_sq = torch.zeros((), device=self._device, dtype=torch.float32)
+        for group in self.param_groups:
+            for p in _params(group):
+                mean_sq += _local(p).float().square().sum()
+        delta_rms = (delta_sq / self._runtime["delta_n"]).sqrt()
+        param_rms = (mean_sq / max(self._numel, 1)).sqrt()
         return {"noise/sigma_mean": total / max(self._numel, 1),
-                "noise/param_delta_rms": (delta_sq / self._runtime["delta_n"]).sqrt(),
+                "noise/param_delta_rms": delta_rms,
+                "noise/relative": delta_rms / param_rms.clamp_min(1e-30),  # the noise's size against the weights'
                 "noise/numel": torch.tensor(float(self._numel))}
 
 
