@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from lit_rlvr.config.settings import AlgorithmConfig
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.optim import IVON
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
@@ -81,6 +82,11 @@ class DeadGroupProbe(RLVRCallback):
         self.num_samples = num_samples
         self._plan: Optional[RolloutPlan] = None
         self._metrics: Optional[dict[str, float]] = None
+        self._group_size = 0
+
+    @override
+    def check_algorithm(self, algorithm: AlgorithmConfig) -> None:
+        self._group_size = algorithm.group_size  # G: each arm draws as many completions as the method does
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
@@ -96,7 +102,7 @@ class DeadGroupProbe(RLVRCallback):
         if pl_module.global_step % self.every_n_steps or self._plan is None:
             return
         t0 = time.perf_counter()
-        plan, size = self._plan, pl_module.algorithm.group_size
+        plan, size = self._plan, self._group_size
         base = RolloutPlan(plan.prompts, plan.answers, plan.prompt_token_ids, [size] * plan.num_prompts)
         optimizer = trainer.optimizers[0] if len(trainer.optimizers) == 1 else None
         arms: dict[str, Optional[RolloutPlan]] = {"mean": base, "again": base, "weights": None, "hot": base}

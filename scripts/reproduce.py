@@ -228,14 +228,27 @@ def run_figures(run_dir: Path, oracle_every: int) -> dict[str, Any]:
         "wall_s": float(summary["wall_s"]),
         "noise_rel": mean("noise/relative"),
         "weight_change": relative_weight_change(run_dir),
-        **{key: mean(f"dead/{name}") for key, name in DEAD_FIGURES.items()},
+        **dead_figures(train),
         "resumed": len(json.loads(resumed.read_text())) if resumed.exists() else 0,
         "curve": heldout_curve(run),
     }
 
 
-DEAD_FIGURES = {"dead_frac": "frac", "rescued_again": "rescued_again", "rescued_weights": "rescued_weights",
-                "rescued_hot": "rescued_hot", "malformed_weights": "malformed_weights", "malformed_hot": "malformed_hot"}
+def dead_figures(train) -> dict[str, float]:
+    """The dead-group probe's figures of a run, pooled over its probed steps: the dead share (mean over steps), each
+    arm's rescued share over all dead prompts (each step's share weighted by its dead count) and malformed share."""
+    probed = train[train["dead/frac"].notna()] if "dead/frac" in train else train.iloc[:0]
+    if probed.empty:
+        return {key: math.nan for key in ("dead_frac", "rescued_again", "rescued_weights", "rescued_hot",
+                                          "malformed_weights", "malformed_hot")}
+    dead = probed["dead/frac"]
+    figures = {"dead_frac": float(dead.mean())}
+    for arm in ("again", "weights", "hot"):
+        share = probed[f"dead/rescued_{arm}"]
+        weight = dead.where(share.notna(), 0.0)
+        figures[f"rescued_{arm}"] = float((share.fillna(0) * weight).sum() / weight.sum()) if weight.sum() else math.nan
+    figures.update({f"malformed_{arm}": float(probed[f"dead/malformed_{arm}"].mean()) for arm in ("weights", "hot")})
+    return figures
 
 
 def relative_weight_change(run_dir: Path) -> float:

@@ -106,6 +106,24 @@ def test_model_restored_after_context_and_after_exception(policy):
         assert torch.equal(model(input_ids=ids).logits, before)
 
 
+def test_mode_switches_keep_the_per_block_forwards_and_a_replaced_one_is_an_error(policy):
+    """A loaded policy has transformers' hub kernels off, so train()/eval() inside the context (the HF engine's
+    eval_mode) keeps every patched forward; a forward replaced inside the context (as a re-kernelization would) is
+    an error on exit, never samples silently ignored, and the model is restored."""
+    model, tokenizer = policy
+    assert not getattr(model, "use_kernels", False)
+    with torch.no_grad(), stacked_weights(model, noisy_stacks(model)):
+        patched = {id(m): m.__dict__["forward"] for m in model.modules() if "forward" in m.__dict__}
+        model.train()
+        model.eval()
+        assert {id(m): m.__dict__.get("forward") for m in model.modules() if "forward" in m.__dict__} == patched
+    norm = next(m for m in model.modules() if "Norm" in type(m).__name__)
+    with pytest.raises(RuntimeError, match="was replaced while sampling"), torch.no_grad():
+        with stacked_weights(model, noisy_stacks(model)):
+            norm.__dict__.pop("forward")  # what kernelize's forward replacement does
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
 class Scale(nn.Module):
     """A leaf with a 2-D parameter that is neither Linear nor Embedding: only the per-block loop fits it."""
 

@@ -445,7 +445,7 @@ def test_option_checks_and_bf16_check_cadence(monkeypatch, caplog):
         logged = {}
         callback.on_rl_step_end(trainer, SimpleNamespace(global_step=step, step=step, log_metrics=logged.update),
                                 None)
-        assert set(logged) == {"noise/sigma_mean", "noise/param_delta_rms", "noise/numel"}
+        assert set(logged) == {"noise/sigma_mean", "noise/param_delta_rms", "noise/relative", "noise/numel"}
     assert checked == [0, 3, 6]
 
 

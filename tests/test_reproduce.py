@@ -237,8 +237,8 @@ def test_reproduce_tasks_pin_their_settings():
     mean_run = reproduce.overrides(TASKS["arithmetic_cot"], "ivon_mean", 0, study, Path("/tmp/x"))
     assert "algorithm.callbacks.param_noise.generate=mean" in mean_run
     assert any("DeadGroupProbe" in o for o in mean_run)  # probed
-    sweep = reproduce.overrides(TASKS["arithmetic_cot"], "c3po_ess1e6", 0, study, Path("/tmp/x"))
-    assert "algorithm.optimizer_options.ess=1000000.0" in sweep and not any("DeadGroupProbe" in o for o in sweep)
+    sweep = reproduce.overrides(TASKS["arithmetic_cot"], "c3po_ess1e7", 0, study, Path("/tmp/x"))
+    assert "algorithm.optimizer_options.ess=10000000.0" in sweep and not any("DeadGroupProbe" in o for o in sweep)
 
 
 def test_weight_change_of_full_and_lora_runs():
@@ -315,11 +315,11 @@ def test_dead_group_probe_counts_what_each_arm_rescues():
     optimizer = IVON([weight], lr=0.1, ess=1e4)
     module = StubModule({})
     module.engine = module.driver.engine = ArmEngine(weight)
-    module.algorithm = SimpleNamespace(group_size=4)
     trainer = SimpleNamespace(optimizers=[optimizer], callbacks=[])
     plan = RolloutPlan(["q0", "q1", "q2"], [0] * 3, [[0], [1], [2]], [4] * 3)
     rollouts = rollouts_of([[-1.0] * 4, [-1.0] * 4, [1.0] * 4])
     probe = DeadGroupProbe(every_n_steps=2, hot_temperature=1.5, num_samples=2)
+    probe.check_algorithm(SimpleNamespace(group_size=4))  # G, as the module's check hands it over
     probe.on_train_batch_start(trainer, module, {}, 0)
     probe.on_rollout_plan(trainer, module, plan)
     probe.on_before_advantages(trainer, module, rollouts)
@@ -347,9 +347,9 @@ def test_dead_group_probe_without_ivon_and_its_counting():
     assert any_correct(torch.tensor([False, True, False]), torch.tensor([0, 0, 1]), 3).tolist() == [True, False, False]
     assert math.isnan(rescued_share(torch.tensor([False]), torch.tensor([True])))
     module = StubModule({0: 0.0})
-    module.algorithm = SimpleNamespace(group_size=2)
     trainer = SimpleNamespace(optimizers=[torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)], callbacks=[])
     probe = DeadGroupProbe(every_n_steps=1)
+    probe.check_algorithm(SimpleNamespace(group_size=2))
     probe.on_train_batch_start(trainer, module, {}, 0)
     probe.on_rollout_plan(trainer, module, RolloutPlan(["q0"], [0], [[0]], [2]))
     probe.on_before_advantages(trainer, module, rollouts_of([[-1.0, -1.0]]))

@@ -23,6 +23,7 @@ def load_policy(path: str, dtype: str = "float32"):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    without_hub_kernels(model)
     return model, tokenizer
 
 
@@ -44,3 +45,13 @@ def model_skeleton(name_or_path: str, options: Optional[dict[str, Any]] = None) 
             return AutoModelForCausalLM.from_config(config)
     except Exception:  # an early check only: whatever fails here fails again, with its own message, at load
         return None
+
+
+def without_hub_kernels(model) -> None:
+    """Turn off transformers' hub kernels (on by default in `from_pretrained` since transformers 5.25 when the
+    `kernels` package is installed): with them, every `train()`/`eval()` switch re-kernelizes the model, which
+    replaces the forward of its norm layers. That would undo a forward patched for the duration of a call (C3PO's
+    stacked sampling patches the norms'), and hub kernels may be fetched from the network."""
+    if getattr(model, "use_kernels", False):
+        model.use_kernels = False  # resets the kernelized forwards to the model's own
+

@@ -38,17 +38,23 @@ def stacked_weights(model: nn.Module, stacks: dict[nn.Parameter, Tensor]) -> Ite
     found = {id(holder._parameters[name]) for _, own in owners for holder, name in own}
     if len(found) != len(by_id):
         raise ValueError(f"stacked_weights: {len(by_id) - len(found)} stacked parameters are not in the model")
-    patched = []
+    patched, forwards = [], []
     try:
         for module, own in owners:
             forward = _block_forward(module, own, num)
             patched.append((module, module.__dict__.get("forward")))
+            forwards.append(forward)
             module.forward = forward
         yield
+        lost = [type(m).__name__ for (m, _), f in zip(patched, forwards) if m.__dict__.get("forward") is not f]
+        if lost:  # the samples would have been ignored by these modules: never a silently wrong result
+            raise RuntimeError(f"stacked_weights: the per-block forward of {len(lost)} module(s) ({lost[0]}, ...) was "
+                               "replaced while sampling (e.g. by transformers' hub kernels on a train/eval switch: "
+                               "lit_rlvr.models.without_hub_kernels); their weight samples were not used")
     finally:
         for module, instance_forward in patched:
             if instance_forward is None:
-                del module.forward
+                module.__dict__.pop("forward", None)
             else:
                 module.forward = instance_forward
 
