@@ -27,6 +27,7 @@ loss sample is the generating one, so the ratio is 1 and the mask keeps everythi
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Iterator, Optional
 
@@ -39,7 +40,7 @@ from lit_rlvr.config.settings import AlgorithmConfig
 from lit_rlvr.config.rollout_correction import RolloutCorrection
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.models.lora import trainable_parameters
-from lit_rlvr.optim import IVON, bf16_spacing_warning
+from lit_rlvr.optim import IVON, bf16_spacing_warning, sample_seed
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -67,9 +68,6 @@ class ParamNoise(RLVRCallback):
             unchanged): the ablation "IVON without exploration", c3po only.
     """
 
-    async_refusal = ("writes weight samples into the trainer's parameters to generate; the producer's samples must "
-                     "be drawn from a snapshot of the posterior (not built yet)")
-
     def __init__(self, variant: str = "c3po", num_samples: Optional[int] = None, bf16_check_every: int = 100,
                  generate: str = "samples"):
         super().__init__()
@@ -89,6 +87,7 @@ class ParamNoise(RLVRCallback):
         self.bf16_check_every = bf16_check_every
         self._bf16_warned = False
         self._tau_warned = False
+        self._memory_checked = False
 
     def _check_group_size(self, group_size: int) -> None:
         if group_size % self.num_samples:
@@ -146,7 +145,12 @@ class ParamNoise(RLVRCallback):
             raise RuntimeError(f"{KEY}: another callback already set the plan's weight sources; 3PO owns them")
         if self.generate == "mean":
             return
-        sample_from_posterior(plan, self._ivon(trainer), self.num_samples)
+        if pl_module.settings.rollout.mode == "async":  # the producer generates while this thread updates
+            snapshot_posterior(plan, self._ivon(trainer), self.num_samples, pl_module.policy,
+                               version=pl_module.counters["rl_steps"])
+            self._maybe_warn_snapshot_memory(plan, pl_module.settings.rollout.lead)
+        else:
+            sample_from_posterior(plan, self._ivon(trainer), self.num_samples)
 
     @override
     def on_before_advantages(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", rollouts: Rollouts) -> None:
@@ -171,6 +175,18 @@ class ParamNoise(RLVRCallback):
         if pl_module.global_step % self.bf16_check_every == 0:
             self._maybe_warn_bf16(pl_module, optimizer)
 
+    def _maybe_warn_snapshot_memory(self, plan: RolloutPlan, lead: int) -> None:
+        """Once: the snapshots waiting for the producer (at most lead + 1 plans of N samples each) against the free
+        memory of their device."""
+        if self._memory_checked:
+            return
+        self._memory_checked = True
+        tensors = [t for _, t in plan.source_weights(0)]
+        nbytes = plan.num_weight_sources * sum(t.numel() * t.element_size() for t in tensors)
+        message = snapshot_memory_warning(nbytes, lead + 1, free_bytes(tensors[0].device) if tensors else None)
+        if message is not None:
+            log.warning(message)
+
     def _maybe_warn_bf16(self, pl_module: "pl.LightningModule", optimizer: IVON) -> None:
         if self._bf16_warned or engine_dtype(pl_module) != torch.bfloat16:
             return
@@ -187,6 +203,40 @@ def sample_from_posterior(plan: RolloutPlan, optimizer: IVON, num_samples: int) 
     plan.weight_context = lambda source: optimizer.sampled_params(sample_index=source)
     params = [p for group in optimizer.param_groups for p in group["params"] if p is not None]
     plan.weight_stacks = lambda num: dict(zip(params, optimizer.sampled_stack(range(num))))  # same bits
+
+
+def snapshot_posterior(plan: RolloutPlan, optimizer: IVON, num_samples: int, policy: torch.nn.Module, *,
+                       version: int) -> None:
+    """Make the plan's `num_samples` weight sources IVON's samples θ̂_0 … θ̂_{N−1} of this step, drawn now into
+    tensors of their own (`IVON.sampled_stack`: the bits `sampled_params(j)` would write), for a producer that
+    pushes them to its engine later; the policy is never written. `version`: the updates so far."""
+    names = {id(p): name for name, p in policy.named_parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"] if p is not None]
+    named = [(names[id(p)], stack) for p, stack in zip(params, optimizer.sampled_stack(range(num_samples)))]
+    plan.num_weight_sources = num_samples
+    plan.source_weights = lambda source: [(name, stack[source]) for name, stack in named]
+    plan.source_seeds = [sample_seed(optimizer.seed, optimizer.current_step, j, optimizer.rank, 0)
+                         for j in range(num_samples)]
+    plan.weights_version = version
+
+
+def snapshot_memory_warning(nbytes: int, plans: int, free: Optional[int]) -> Optional[str]:
+    """A warning when `plans` snapshots of `nbytes` each could take more than half of `free` bytes, else None."""
+    if free is None or plans * nbytes <= free // 2:
+        return None
+    return (f"3PO in async mode keeps each waiting batch's weight samples ({nbytes / 2**30:.2f} GiB a batch, up to "
+            f"{plans} batches: rollout.max_staleness + 1, + 1 with drop) next to the weights, and only "
+            f"{free / 2**30:.2f} GiB are free: lower rollout.max_staleness or {KEY}.num_samples")
+
+
+def free_bytes(device: torch.device) -> Optional[int]:
+    """Free memory of `device` (a GPU's, or the host's for the CPU); None where it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 @contextmanager

@@ -245,6 +245,9 @@ class GRPOModule(pl.LightningModule):
                 return None
             rollouts, metrics = collector.count(item.result), collector.metrics
             rollouts.policy_version = torch.full((rollouts.num_samples,), item.version, dtype=torch.long)  # [N]
+            if item.plan.source_seeds is not None:  # 3PO: the weight sample that generated each completion
+                rollouts.sample_index = rollouts.source.clone()  # [N]
+                rollouts.sample_seed = torch.tensor(item.plan.source_seeds, dtype=torch.long)[rollouts.source]  # [N]
             metrics = {**metrics, **self.pipeline.metrics(rollouts, version=self.counters["rl_steps"])}
         else:
             rollouts, metrics = collector.collect(batch)

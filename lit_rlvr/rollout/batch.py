@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -77,6 +77,10 @@ class Rollouts:
     # [N] long: the version (updates, i.e. RL steps) of the weights that generated each completion
     # (rollout.mode=async); None = the step that trains it (synchronous)
     policy_version: Optional[Tensor] = None
+    # [N] long each, with 3PO in async mode: the generating weight sample's index j and the seed of its noise's
+    # first parameter, `ivon.sample_seed(seed, policy_version, j, rank, 0)`; None otherwise
+    sample_index: Optional[Tensor] = None
+    sample_seed: Optional[Tensor] = None
 
     def __post_init__(self) -> None:
         if self.response_attention_mask is None:
@@ -199,11 +203,17 @@ class Rollouts:
             adv_group=cat_optional("adv_group"),
             token_weights=None,
             policy_version=cat_optional("policy_version"),
+            sample_index=cat_optional("sample_index"),
+            sample_seed=cat_optional("sample_seed"),
         )
 
 
 WeightContext = Callable[[int], AbstractContextManager]
 """`weight_context(c)`: a context manager inside which the policy holds the weights of source c."""
+
+SourceWeights = Callable[[int], Iterable[tuple[str, Tensor]]]
+"""`source_weights(c)`: (HF name, tensor) pairs of the weights source c generates with, fixed when the plan was made
+(3PO in async mode: samples of a snapshot of the posterior); pushed to an engine that keeps its own copy."""
 
 WeightStacks = Callable[[int], dict[Any, Tensor]]
 """`weight_stacks(S)`: {policy parameter: [S, *shape] tensor}, row c = the weights `weight_context(c)` holds,
@@ -230,6 +240,9 @@ class RolloutPlan:
     num_weight_sources: int = 1  # weight samples the counts are split over (C3PO: N)
     weight_context: WeightContext = _no_weight_change
     weight_stacks: Optional[WeightStacks] = None
+    source_weights: Optional[SourceWeights] = None  # set: the policy is neither read nor written to generate
+    source_seeds: Optional[list[int]] = None  # [S] with `source_weights`: each source's noise seed (Rollouts.sample_seed)
+    weights_version: Optional[int] = None  # with `source_weights`: the version they were drawn at
     budget_rule: Optional[BudgetRule] = None
     seed_stream: tuple[int, ...] = ()  # appended to each engine call's seed key (DAPO: one stream per refill)
 
@@ -241,7 +254,7 @@ class RolloutPlan:
     def uses_mean_weights(self) -> bool:
         """False when a callback installed a weight context (3PO): the engine then needs a push per source,
         even with one source, and no longer holds the mean afterwards."""
-        return self.weight_context is _no_weight_change
+        return self.weight_context is _no_weight_change and self.source_weights is None
 
     def split_over_sources(self, counts: list[int], offset: Optional[list[int]] = None) -> list[list[int]]:
         """Split per-prompt counts over the weight sources as evenly as possible.
