@@ -27,6 +27,7 @@ EPOCHS = ["data=jsonl", f"data.path={REPO}/tests/fixtures/eight_rows.jsonl", "da
 ASYNC = ["rollout.mode=async"]
 TASK = ["data.num_test=4"]  # the built-in task's held-out set, small
 NO_EVAL = ["eval_before=false"]  # (the S = 0 comparison keeps the default evaluation before training)
+C3PO = ["algorithm=c3po", "algorithm.callbacks.param_noise.num_samples=2"]
 # what depends on the machine's speed, or exists only in async mode
 UNTIMED = ("time/", "perf/", "async/")
 
@@ -68,6 +69,8 @@ def runs(tmp_path_factory):
         "engine": [*NO_EVAL, *TASK, *ASYNC, "algorithm._target_=tests.fault_helpers.FaultyModule",
                    "+algorithm.engine_fail_call=3", "trainer.max_steps=6",
                    "engine.options.sync_check_every=0"],  # (the post-push check would meet the failure first)
+        "c3po_sync": [*C3PO, *TASK, "engine.options.mode=copy", "trainer.max_steps=2"],
+        "c3po_async0": [*C3PO, *TASK, *ASYNC, "rollout.max_staleness=0", "trainer.max_steps=2"],
         "drop": [*NO_EVAL, *TASK, *ASYNC, "rollout.max_staleness=0", "rollout.stale_strategy=drop",
                  "trainer.max_steps=3"],
     }
@@ -78,11 +81,15 @@ def runs(tmp_path_factory):
             proc.kill()
 
 
-def test_staleness_zero_is_the_synchronous_run(runs):
-    (sync, sync_dir, _), (async0, async_dir, _) = runs["sync"], runs["async0"]
+@pytest.mark.parametrize("sync_run, async_run, steps", [("sync", "async0", 3), ("c3po_sync", "c3po_async0", 2)],
+                         ids=["grpo", "c3po"])
+def test_staleness_zero_is_the_synchronous_run(runs, sync_run, async_run, steps):
+    """C3PO too: the producer pushes the samples drawn at plan time, the bits the synchronous run writes into the
+    policy and pushes (its engine a copy, as the async run's)."""
+    (sync, sync_dir, _), (async0, async_dir, _) = runs[sync_run], runs[async_run]
     finish(sync, sync_dir), finish(async0, async_dir)
     expected, got = rows(sync_dir), rows(async_dir)
-    assert len(got) == len(expected) == 3
+    assert len(got) == len(expected) == steps
     for want, have in zip(expected, got):
         assert {k: v for k, v in have.items() if not k.startswith(UNTIMED)} == \
                {k: v for k, v in want.items() if not k.startswith(UNTIMED)}
