@@ -16,12 +16,16 @@ completion (no weight noise in the rollouts) while the update is C3PO's, at a fr
 only `c3po` takes it.
 
 `IVON.sampled_params` writes θ̂ into the policy in place and restores m bit-exactly on exit; the module pushes
-the weights to the engine inside the generation context. Loss contexts use `train=True`: on exit IVON records
-that sample's gradient (and noise⊙gradient for the Hessian); the module's single optimizer step per RL step
-is IVON's update from the recorded samples. The loss uses each rollout's behaviour log-probs as `old`, so in
-C3PO the ratio compares θ̂_N with the θ̂_c that generated the sequence; the module's loss option `seq_mask_tau`
-τ drops sequences whose ratio exp(Σ_t(logp − old)) leaves [1/τ, τ] (docs/architecture.md §4). In B3PO and M3PO the
-loss sample is the generating one, so the ratio is 1 and the mask keeps everything.
+the weights to the engine inside the generation context. With `rollout.mode=async` the producer generates while the
+trainer updates, so the generating samples are drawn when the plan is made, into tensors of their own
+(`snapshot_posterior`, the same bits), and the producer pushes those (docs/async.md).
+
+Loss contexts use `train=True`: on exit IVON records that sample's gradient (and noise⊙gradient for the Hessian);
+the module's single optimizer step per RL step is IVON's update from the recorded samples. The loss uses each
+rollout's behaviour log-probs as `old`, so in C3PO the ratio compares θ̂_N with the θ̂_c that generated the
+sequence; the module's loss option `seq_mask_tau` τ drops sequences whose ratio exp(Σ_t(logp − old)) leaves [1/τ, τ]
+(docs/architecture.md §4). In B3PO and M3PO the loss sample is the generating one, so the ratio is 1 and the mask
+keeps everything (in async mode it is the same index drawn at the update's posterior: the ratio measures the lag).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from lit_rlvr import functional as F
 from lit_rlvr.config.options import convert
 from lit_rlvr.config.settings import AlgorithmConfig
 from lit_rlvr.config.rollout_correction import RolloutCorrection
-from lit_rlvr.hooks import RLVRCallback
+from lit_rlvr.hooks import RLVRCallback, plans_ahead
 from lit_rlvr.models.lora import trainable_parameters
 from lit_rlvr.optim import IVON, bf16_spacing_warning, sample_seed
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
@@ -145,7 +149,7 @@ class ParamNoise(RLVRCallback):
             raise RuntimeError(f"{KEY}: another callback already set the plan's weight sources; 3PO owns them")
         if self.generate == "mean":
             return
-        if pl_module.settings.rollout.mode == "async":  # the producer generates while this thread updates
+        if plans_ahead(pl_module):  # the producer generates while this thread updates
             snapshot_posterior(plan, self._ivon(trainer), self.num_samples, pl_module.policy,
                                version=pl_module.counters["rl_steps"])
             self._maybe_warn_snapshot_memory(plan, pl_module.settings.rollout.lead)

@@ -245,6 +245,7 @@ class GRPOModule(pl.LightningModule):
                 return None
             rollouts, metrics = collector.count(item.result), collector.metrics
             rollouts.policy_version = torch.full((rollouts.num_samples,), item.version, dtype=torch.long)  # [N]
+            rollouts.plan_notes = item.plan.notes  # the hooks of this step find what they kept at plan time
             if item.plan.source_seeds is not None:  # 3PO: the weight sample that generated each completion
                 rollouts.sample_index = rollouts.source.clone()  # [N]
                 rollouts.sample_seed = torch.tensor(item.plan.source_seeds, dtype=torch.long)[rollouts.source]  # [N]

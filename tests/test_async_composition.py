@@ -12,7 +12,10 @@ import pytest
 import torch
 from recipe_runs import train_in_process
 
+from lit_rlvr.callbacks.oracle_baseline import OracleBaseline
 from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.config.settings import AlgorithmConfig, RolloutConfig
+from lit_rlvr.hooks import check_rl_callbacks
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.optim import IVON, sample_seed
 from lit_rlvr.rollout.weight_sync import WeightSync
@@ -48,14 +51,21 @@ def test_async_composes(overrides, column, tiny_path, tmp_path):
 
 @pytest.mark.parametrize("overrides, says", [
     (("algorithm=c3po", "model.lora.rank=4"), "sampled adapters are not pushed that way"),
-    (("algorithm=v05",), "ValuePrior"), (("algorithm=dapo",), "filter_groups"),
+    (("algorithm=dapo",), "filter_groups"),
     (("algorithm.rollout_correction.bypass_mode=false",), "would not correct for the lag"),
     (("engine.options.mode=shared",), "needs its own copy"),
-], ids=["c3po-lora", "v05", "dapo", "no-correction", "shared-engine"])
+], ids=["c3po-lora", "dapo", "no-correction", "shared-engine"])
 def test_async_refusals_say_why(overrides, says, tiny_path, tmp_path):
     with pytest.raises(ConfigError, match=says) as caught:
         run(tmp_path, tiny_path, *overrides)
     assert "\n" not in str(caught.value) and "rollout.mode=async" in str(caught.value)
+
+
+def test_callbacks_that_read_the_steps_weights_are_refused_in_async_mode():
+    """OracleBaseline draws its samples with the weights of the step that trains the batch, which did not make it."""
+    with pytest.raises(ConfigError, match="rollout.mode=async: OracleBaseline draws its oracle samples") as caught:
+        check_rl_callbacks([OracleBaseline()], AlgorithmConfig(), RolloutConfig(mode="async"))
+    assert "\n" not in str(caught.value)
 
 
 @pytest.mark.parametrize("variant, num_samples", [("c3po", 2), ("b3po", 1)])
@@ -122,3 +132,31 @@ def test_snapshot_holds_the_bits_sampled_params_writes():
         assert not all(torch.equal(drawn[n], means[n]) for n in means)  # a sample, not the mean
     assert all(torch.equal(p, means[n]) for n, p in policy.named_parameters())  # the snapshot wrote nothing
     assert plan.source_seeds == [sample_seed(7, 0, j, 0, 0) for j in range(3)]
+
+
+@pytest.mark.parametrize("algorithm", ["v05", "c3po_v05"])
+def test_v05_async_allocates_with_the_prior_of_plan_time(algorithm, tiny_path, tmp_path, monkeypatch):
+    """OSLA's extra rounds run in the producer with the prior predicted when the batch was planned; each batch's
+    completions carry the version of the context that predicted it, and its baseline is fused with that prior."""
+    trained = []
+    collect = GRPOModule.collect
+
+    def collect_spy(self, batch):
+        rollouts = collect(self, batch)
+        if rollouts is not None:
+            trained.append((self.counters["rl_steps"], rollouts))
+        return rollouts
+
+    monkeypatch.setattr(GRPOModule, "collect", collect_spy)
+    summary, rows = run(tmp_path, tiny_path, f"algorithm={algorithm}", "algorithm.callbacks.value_prior.min_context=2",
+                        "algorithm.callbacks.value_prior.k_init=2", "algorithm.callbacks.value_prior.k_max=4",
+                        "algorithm.callbacks.value_prior.pad_to=1", "trainer.max_steps=4")
+    assert len(rows) == len(trained) >= 3
+    assert any(r.num_samples > 2 * r.num_groups for _, r in trained)  # the producer ran OSLA's extra rounds
+    assert [float(r["async/staleness_max"]) for r in rows] == [0.0] + [1.0] * (len(rows) - 1)
+    for update, rollouts in trained:
+        version = max(update - 1, 0)  # planned one update earlier: the context held that many steps' records
+        assert rollouts.prior_version.tolist() == [version] * rollouts.num_samples
+        assert rollouts.baseline is not None and rollouts.baseline.shape == (rollouts.num_groups,)
+    assert [float(r["v05/context_size"]) for r in rows] == [0.0, 0.0] + [2.0 * u for u in range(1, len(rows) - 1)]
+    assert float(rows[-1]["v05/prior_present"]) == 1.0  # the prior came in once the context held 2 records

@@ -81,6 +81,11 @@ class Rollouts:
     # first parameter, `ivon.sample_seed(seed, policy_version, j, rank, 0)`; None otherwise
     sample_index: Optional[Tensor] = None
     sample_seed: Optional[Tensor] = None
+    # [N] long, with V0.5 in async mode: the version of the prior's context (updates whose records it held) that
+    # predicted the prior and allocated the samples; None otherwise
+    prior_version: Optional[Tensor] = None
+    # async mode: the notes callbacks left on the batch's plan (`RolloutPlan.notes`); None = synchronous
+    plan_notes: Optional[dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         if self.response_attention_mask is None:
@@ -205,6 +210,7 @@ class Rollouts:
             policy_version=cat_optional("policy_version"),
             sample_index=cat_optional("sample_index"),
             sample_seed=cat_optional("sample_seed"),
+            prior_version=cat_optional("prior_version"),
         )
 
 
@@ -241,10 +247,13 @@ class RolloutPlan:
     weight_context: WeightContext = _no_weight_change
     weight_stacks: Optional[WeightStacks] = None
     source_weights: Optional[SourceWeights] = None  # set: the policy is neither read nor written to generate
-    source_seeds: Optional[list[int]] = None  # [S] with `source_weights`: each source's noise seed (Rollouts.sample_seed)
+    source_seeds: Optional[list[int]] = None  # [S] with `source_weights`: each one's seed (`Rollouts.sample_seed`)
     weights_version: Optional[int] = None  # with `source_weights`: the version they were drawn at
     budget_rule: Optional[BudgetRule] = None
     seed_stream: tuple[int, ...] = ()  # appended to each engine call's seed key (DAPO: one stream per refill)
+    # what callbacks keep from this plan to the end of the step that trains it, by callback (async mode: a batch
+    # planned ahead keeps its own; the module hands them on as `Rollouts.plan_notes`)
+    notes: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_prompts(self) -> int:
