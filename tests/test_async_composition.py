@@ -68,7 +68,7 @@ def test_callbacks_that_read_the_steps_weights_are_refused_in_async_mode():
     assert "\n" not in str(caught.value)
 
 
-@pytest.mark.parametrize("variant, num_samples", [("c3po", 2), ("b3po", 1)])
+@pytest.mark.parametrize("variant, num_samples", [("c3po", 2), ("b3po", 1), ("m3po", 2)])
 def test_3po_async_draws_its_samples_at_plan_time_and_the_producer_never_touches_the_policy(
         variant, num_samples, tiny_path, tmp_path, monkeypatch):
     """The producer generates with weight samples drawn in the trainer's thread when the batch was planned (version
@@ -160,3 +160,12 @@ def test_v05_async_allocates_with_the_prior_of_plan_time(algorithm, tiny_path, t
         assert rollouts.baseline is not None and rollouts.baseline.shape == (rollouts.num_groups,)
     assert [float(r["v05/context_size"]) for r in rows] == [0.0, 0.0] + [2.0 * u for u in range(1, len(rows) - 1)]
     assert float(rows[-1]["v05/prior_present"]) == 1.0  # the prior came in once the context held 2 records
+
+
+def test_snapshot_memory_warns_past_half_the_free_memory():
+    from lit_rlvr.callbacks.param_noise import snapshot_memory_warning
+
+    assert snapshot_memory_warning(2**30, 2, free=4 * 2**30) is None  # 2 GiB of 4 free
+    message = snapshot_memory_warning(2**30, 3, free=4 * 2**30)
+    assert "1.00 GiB a batch, up to 3 batches" in message and "rollout.max_staleness" in message
+    assert snapshot_memory_warning(2**40, 3, free=None) is None  # free memory unknown: nothing to compare
