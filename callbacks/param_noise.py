@@ -42,7 +42,7 @@ from lit_rlvr import functional as F
 from lit_rlvr.config.options import convert
 from lit_rlvr.config.settings import AlgorithmConfig
 from lit_rlvr.config.rollout_correction import RolloutCorrection
-from lit_rlvr.hooks import RLVRCallback, plans_ahead
+from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.models.lora import trainable_parameters
 from lit_rlvr.optim import IVON, bf16_spacing_warning, sample_seed
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
@@ -149,10 +149,9 @@ class ParamNoise(RLVRCallback):
             raise RuntimeError(f"{KEY}: another callback already set the plan's weight sources; 3PO owns them")
         if self.generate == "mean":
             return
-        if plans_ahead(pl_module):  # the producer generates while this thread updates
-            snapshot_posterior(plan, self._ivon(trainer), self.num_samples, pl_module.policy,
-                               version=pl_module.counters["rl_steps"])
-            self._maybe_warn_snapshot_memory(plan, pl_module.settings.rollout.lead)
+        if plan.ahead is not None:  # the producer generates while this thread updates
+            snapshot_posterior(plan, self._ivon(trainer), self.num_samples, pl_module.policy)
+            self._maybe_warn_snapshot_memory(plan)
         else:
             sample_from_posterior(plan, self._ivon(trainer), self.num_samples)
 
@@ -179,7 +178,7 @@ class ParamNoise(RLVRCallback):
         if pl_module.global_step % self.bf16_check_every == 0:
             self._maybe_warn_bf16(pl_module, optimizer)
 
-    def _maybe_warn_snapshot_memory(self, plan: RolloutPlan, lead: int) -> None:
+    def _maybe_warn_snapshot_memory(self, plan: RolloutPlan) -> None:
         """Once: the snapshots waiting for the producer (at most lead + 1 plans of N samples each) against the free
         memory of their device."""
         if self._memory_checked:
@@ -187,7 +186,7 @@ class ParamNoise(RLVRCallback):
         self._memory_checked = True
         tensors = [t for _, t in plan.source_weights(0)]
         nbytes = plan.num_weight_sources * sum(t.numel() * t.element_size() for t in tensors)
-        message = snapshot_memory_warning(nbytes, lead + 1, free_bytes(tensors[0].device) if tensors else None)
+        message = snapshot_memory_warning(nbytes, plan.ahead + 1, free_bytes(tensors[0].device) if tensors else None)
         if message is not None:
             log.warning(message)
 
@@ -209,11 +208,10 @@ def sample_from_posterior(plan: RolloutPlan, optimizer: IVON, num_samples: int) 
     plan.weight_stacks = lambda num: dict(zip(params, optimizer.sampled_stack(range(num))))  # same bits
 
 
-def snapshot_posterior(plan: RolloutPlan, optimizer: IVON, num_samples: int, policy: torch.nn.Module, *,
-                       version: int) -> None:
+def snapshot_posterior(plan: RolloutPlan, optimizer: IVON, num_samples: int, policy: torch.nn.Module) -> None:
     """Make the plan's `num_samples` weight sources IVON's samples θ̂_0 … θ̂_{N−1} of this step, drawn now into
     tensors of their own (`IVON.sampled_stack`: the bits `sampled_params(j)` would write), for a producer that
-    pushes them to its engine later; the policy is never written. `version`: the updates so far."""
+    pushes them to its engine later; the policy is never written. The batch's version is then the plan's."""
     names = {id(p): name for name, p in policy.named_parameters()}
     params = [p for group in optimizer.param_groups for p in group["params"] if p is not None]
     named = [(names[id(p)], stack) for p, stack in zip(params, optimizer.sampled_stack(range(num_samples)))]
@@ -221,7 +219,6 @@ def snapshot_posterior(plan: RolloutPlan, optimizer: IVON, num_samples: int, pol
     plan.source_weights = lambda source: [(name, stack[source]) for name, stack in named]
     plan.source_seeds = [sample_seed(optimizer.seed, optimizer.current_step, j, optimizer.rank, 0)
                          for j in range(num_samples)]
-    plan.weights_version = version
 
 
 def snapshot_memory_warning(nbytes: int, plans: int, free: Optional[int]) -> Optional[str]:

@@ -49,7 +49,7 @@ from lit_rlvr.functional.value_prior import (
     round_f32,
     shrinkage_fusion,
 )
-from lit_rlvr.hooks import RLVRCallback, plans_ahead
+from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 from lit_rlvr.run import distributed as D
 from lit_rlvr.value import FEATURE_MODES, HEADS, ContextBuffer, ValueModel
@@ -248,9 +248,9 @@ class ValuePrior(RLVRCallback):
         if plan.budget_rule is not None:
             raise RuntimeError("ValuePrior: another callback already set the plan's budget_rule; V0.5's OSLA rule "
                                "cannot be combined with it (remove one of the two callbacks)")
-        if plans_ahead(pl_module):  # planned ahead: the batch keeps its own record
-            version = pl_module.counters["rl_steps"]  # the updates whose records the context holds
-            step = plan.notes[NOTE] = _Step(context_size=len(self.context), prior_version=version)
+        if plan.ahead is not None:  # planned ahead: the batch keeps its own record
+            # the context holds the records of the plan's `version` updates
+            step = plan.notes[NOTE] = _Step(context_size=len(self.context), prior_version=plan.version)
         else:
             step = self._step if self._step is not None else _Step(context_size=len(self.context))
             self._step = step  # a second plan in the same step (dynamic sampling) adds to the same record

@@ -51,13 +51,6 @@ class RLVRCallback(Callback):
         """After the optimizer step and the engine sync of this RL step."""
 
 
-def plans_ahead(pl_module: Any) -> bool:
-    """Whether the module plans its batches ahead of the updates that train them (`rollout.mode=async`): what a plan
-    hook draws or keeps for the step's end must then travel with the plan (`RolloutPlan.source_weights`, `notes`)."""
-    settings = getattr(pl_module, "settings", None)
-    return settings is not None and settings.rollout.mode == "async"
-
-
 def check_rl_callbacks(callbacks: Iterable[Any], algorithm: AlgorithmConfig,
                        rollout: RolloutConfig = RolloutConfig()) -> None:
     """Each `RLVRCallback`'s `check_algorithm(algorithm)`, then the module's own rules that need the callbacks

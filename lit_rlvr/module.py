@@ -266,7 +266,9 @@ class GRPOModule(pl.LightningModule):
         return StepCollector(self.driver, self.tokenizer, algo.group_size, self.global_step, self.seed_key(),
                              self.counters, self.timer, self.flops, chat_template=self.settings.model.chat_template,
                              plan_hooks=hooks, group_filter=group_filter, next_batch=self._data_stream.next_batch,
-                             engine_name=self.settings.engine.name, hint=self._checkpoint_hint)
+                             engine_name=self.settings.engine.name, hint=self._checkpoint_hint,
+                             version=self.counters["rl_steps"],
+                             ahead=self.settings.rollout.lead if self.settings.rollout.mode == "async" else None)
 
     def async_pipeline(self) -> RolloutPipeline:
         """The run's `RolloutPipeline`, built at its first step (after a resume has restored the weights, which the

@@ -120,8 +120,8 @@ def test_snapshot_holds_the_bits_sampled_params_writes():
     policy = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3))
     optimizer = IVON(policy.parameters(), lr=0.1, ess=1e4, seed=7)
     plan = RolloutPlan(["p"], [None], [[1]], [4])
-    snapshot_posterior(plan, optimizer, 3, policy, version=0)
-    assert plan.num_weight_sources == 3 and plan.weights_version == 0 and not plan.uses_mean_weights
+    snapshot_posterior(plan, optimizer, 3, policy)
+    assert plan.num_weight_sources == 3 and not plan.uses_mean_weights
     means = {name: p.detach().clone() for name, p in policy.named_parameters()}
     for j in range(3):
         drawn = dict(plan.source_weights(j))

@@ -248,9 +248,12 @@ class RolloutPlan:
     weight_stacks: Optional[WeightStacks] = None
     source_weights: Optional[SourceWeights] = None  # set: the policy is neither read nor written to generate
     source_seeds: Optional[list[int]] = None  # [S] with `source_weights`: each one's seed (`Rollouts.sample_seed`)
-    weights_version: Optional[int] = None  # with `source_weights`: the version they were drawn at
     budget_rule: Optional[BudgetRule] = None
     seed_stream: tuple[int, ...] = ()  # appended to each engine call's seed key (DAPO: one stream per refill)
+    version: int = 0  # the updates (RL steps) made when the plan was made
+    # rollout.mode=async: batches the producer holds ahead of the one trained (`RolloutConfig.lead`); a plan hook's
+    # draws and what it keeps for the step's end must then travel with the plan. None = synchronous
+    ahead: Optional[int] = None
     # what callbacks keep from this plan to the end of the step that trains it, by callback (async mode: a batch
     # planned ahead keeps its own; the module hands them on as `Rollouts.plan_notes`)
     notes: dict[str, Any] = field(default_factory=dict)

@@ -90,8 +90,7 @@ class Producer:
                 item = self._queue.popleft()
                 self._busy = True
                 # no push can happen until `_busy` is cleared; weights drawn at plan time (3PO) are of their version
-                weights_version = item.plan.weights_version
-                item.version = self.version if weights_version is None else weights_version
+                item.version = self.version if item.plan.source_weights is None else item.plan.version
                 step = self.driver.weight_sync.version  # the engine holds it: the driver pushes nothing
                 self.idle_s += time.perf_counter() - self._idle_since
                 self._idle_since = None
