@@ -78,7 +78,8 @@ class Rollouts:
     # (rollout.mode=async); None = the step that trains it (synchronous)
     policy_version: Optional[Tensor] = None
     # [N] long each, with 3PO in async mode: the generating weight sample's index j and the seed of its noise's
-    # first parameter, `ivon.sample_seed(seed, policy_version, j, rank, 0)`; None otherwise
+    # first parameter, `sample_seed(seed, t, j, rank, 0)` (lit_rlvr.optim; t: IVON's steps when the plan was made,
+    # = policy_version unless a non-finite step was skipped); None otherwise
     sample_index: Optional[Tensor] = None
     sample_seed: Optional[Tensor] = None
     # [N] long, with V0.5 in async mode: the version of the prior's context (updates whose records it held) that
