@@ -16,17 +16,22 @@ completion (no weight noise in the rollouts) while the update is C3PO's, at a fr
 only `c3po` takes it.
 
 `IVON.sampled_params` writes θ̂ into the policy in place and restores m bit-exactly on exit; the module pushes
-the weights to the engine inside the generation context. Loss contexts use `train=True`: on exit IVON records
-that sample's gradient (and noise⊙gradient for the Hessian); the module's single optimizer step per RL step
-is IVON's update from the recorded samples. The loss uses each rollout's behaviour log-probs as `old`, so in
-C3PO the ratio compares θ̂_N with the θ̂_c that generated the sequence; the module's loss option `seq_mask_tau`
-τ drops sequences whose ratio exp(Σ_t(logp − old)) leaves [1/τ, τ] (docs/architecture.md §4). In B3PO and M3PO the
-loss sample is the generating one, so the ratio is 1 and the mask keeps everything.
+the weights to the engine inside the generation context. With `rollout.mode=async` the producer generates while the
+trainer updates, so the generating samples are drawn when the plan is made, into tensors of their own
+(`snapshot_posterior`, the same bits), and the producer pushes those (docs/async.md).
+
+Loss contexts use `train=True`: on exit IVON records that sample's gradient (and noise⊙gradient for the Hessian);
+the module's single optimizer step per RL step is IVON's update from the recorded samples. The loss uses each
+rollout's behaviour log-probs as `old`, so in C3PO the ratio compares θ̂_N with the θ̂_c that generated the
+sequence; the module's loss option `seq_mask_tau` τ drops sequences whose ratio exp(Σ_t(logp − old)) leaves [1/τ, τ]
+(docs/architecture.md §4). In B3PO and M3PO the loss sample is the generating one, so the ratio is 1 and the mask
+keeps everything (in async mode it is the same index drawn at the update's posterior: the ratio measures the lag).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Iterator, Optional
 
@@ -39,7 +44,7 @@ from lit_rlvr.config.settings import AlgorithmConfig
 from lit_rlvr.config.rollout_correction import RolloutCorrection
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.models.lora import trainable_parameters
-from lit_rlvr.optim import IVON, bf16_spacing_warning
+from lit_rlvr.optim import IVON, bf16_spacing_warning, sample_seed
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -67,9 +72,6 @@ class ParamNoise(RLVRCallback):
             unchanged): the ablation "IVON without exploration", c3po only.
     """
 
-    async_refusal = ("writes weight samples into the trainer's parameters to generate; the producer's samples must "
-                     "be drawn from a snapshot of the posterior (not built yet)")
-
     def __init__(self, variant: str = "c3po", num_samples: Optional[int] = None, bf16_check_every: int = 100,
                  generate: str = "samples"):
         super().__init__()
@@ -89,6 +91,7 @@ class ParamNoise(RLVRCallback):
         self.bf16_check_every = bf16_check_every
         self._bf16_warned = False
         self._tau_warned = False
+        self._memory_checked = False
 
     def _check_group_size(self, group_size: int) -> None:
         if group_size % self.num_samples:
@@ -146,7 +149,11 @@ class ParamNoise(RLVRCallback):
             raise RuntimeError(f"{KEY}: another callback already set the plan's weight sources; 3PO owns them")
         if self.generate == "mean":
             return
-        sample_from_posterior(plan, self._ivon(trainer), self.num_samples)
+        if plan.ahead is not None:  # the producer generates while this thread updates
+            snapshot_posterior(plan, self._ivon(trainer), self.num_samples, pl_module.policy)
+            self._maybe_warn_snapshot_memory(plan)
+        else:
+            sample_from_posterior(plan, self._ivon(trainer), self.num_samples)
 
     @override
     def on_before_advantages(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", rollouts: Rollouts) -> None:
@@ -171,6 +178,18 @@ class ParamNoise(RLVRCallback):
         if pl_module.global_step % self.bf16_check_every == 0:
             self._maybe_warn_bf16(pl_module, optimizer)
 
+    def _maybe_warn_snapshot_memory(self, plan: RolloutPlan) -> None:
+        """Once: the snapshots waiting for the producer (at most lead + 1 plans of N samples each) against the free
+        memory of their device."""
+        if self._memory_checked:
+            return
+        self._memory_checked = True
+        tensors = [t for _, t in plan.source_weights(0)]
+        nbytes = plan.num_weight_sources * sum(t.numel() * t.element_size() for t in tensors)
+        message = snapshot_memory_warning(nbytes, plan.ahead + 1, free_bytes(tensors[0].device) if tensors else None)
+        if message is not None:
+            log.warning(message)
+
     def _maybe_warn_bf16(self, pl_module: "pl.LightningModule", optimizer: IVON) -> None:
         if self._bf16_warned or engine_dtype(pl_module) != torch.bfloat16:
             return
@@ -187,6 +206,38 @@ def sample_from_posterior(plan: RolloutPlan, optimizer: IVON, num_samples: int) 
     plan.weight_context = lambda source: optimizer.sampled_params(sample_index=source)
     params = [p for group in optimizer.param_groups for p in group["params"] if p is not None]
     plan.weight_stacks = lambda num: dict(zip(params, optimizer.sampled_stack(range(num))))  # same bits
+
+
+def snapshot_posterior(plan: RolloutPlan, optimizer: IVON, num_samples: int, policy: torch.nn.Module) -> None:
+    """Make the plan's `num_samples` weight sources IVON's samples θ̂_0 … θ̂_{N−1} of this step, drawn now into
+    tensors of their own (`IVON.sampled_stack`: the bits `sampled_params(j)` would write), for a producer that
+    pushes them to its engine later; the policy is never written. The batch's version is then the plan's."""
+    names = {id(p): name for name, p in policy.named_parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"] if p is not None]
+    named = [(names[id(p)], stack) for p, stack in zip(params, optimizer.sampled_stack(range(num_samples)))]
+    plan.num_weight_sources = num_samples
+    plan.source_weights = lambda source: [(name, stack[source]) for name, stack in named]
+    plan.source_seeds = [sample_seed(optimizer.seed, optimizer.current_step, j, optimizer.rank, 0)
+                         for j in range(num_samples)]
+
+
+def snapshot_memory_warning(nbytes: int, plans: int, free: Optional[int]) -> Optional[str]:
+    """A warning when `plans` snapshots of `nbytes` each could take more than half of `free` bytes, else None."""
+    if free is None or plans * nbytes <= free // 2:
+        return None
+    return (f"3PO in async mode keeps each waiting batch's weight samples ({nbytes / 2**30:.2f} GiB a batch, up to "
+            f"{plans} batches: rollout.max_staleness + 1, + 1 with drop) next to the weights, and only "
+            f"{free / 2**30:.2f} GiB are free: lower rollout.max_staleness or {KEY}.num_samples")
+
+
+def free_bytes(device: torch.device) -> Optional[int]:
+    """Free memory of `device` (a GPU's, or the host's for the CPU); None where it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 @contextmanager

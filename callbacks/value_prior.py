@@ -17,6 +17,9 @@ of the coming steps in the sampler's order, `precompute_max` at a time ("next");
 time/prior_setup_s (once) and time/prior_prefetch_s, apart from time/prior_s. A prompt that was not computed
 ahead (another sampler, a module that draws extra batches) is embedded in the step, as with "off".
 
+With `rollout.mode=async` each plan keeps its own record (`RolloutPlan.notes`): the batch is planned, and its
+prior predicted, steps before it trains, and the budget rule runs in the producer (docs/async.md).
+
 Until the context holds `min_context` records the prior is absent: the baseline is the plain sample mean and
 OSLA asks for samples as for the plain mean (every prompt up to k_max with c ≈ 1/256); `v05/prior_present` = 0.
 The first round draws k_init samples per prompt (by default the module's `group_size`), OSLA decides the rest.
@@ -58,6 +61,7 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 KEY = "algorithm.callbacks.value_prior"  # config path of this callback, for error messages
+NOTE = "value_prior"  # its record's key in `RolloutPlan.notes`
 PRECOMPUTE_MODES = ("auto", "all", "next", "off")
 
 
@@ -73,6 +77,8 @@ class _Step:
     rounds: int = 0
     prior_s: float = 0.0  # prediction + allocation + fusion + context bookkeeping (its budget: ≤ 5% of a step)
     fusion: dict[str, list] = field(default_factory=dict)  # shrinkage_fusion's metrics [B] each
+    stats: Optional[tuple[tuple, tuple[list, list], tuple[list, list]]] = None  # see ValuePrior._group_stats
+    prior_version: Optional[int] = None  # async mode: the context's version (updates whose records it held)
 
 
 class ValuePrior(RLVRCallback):
@@ -107,8 +113,6 @@ class ValuePrior(RLVRCallback):
     """
 
     sets_sample_counts = True  # k_init and OSLA decide how many samples each prompt gets
-    async_refusal = ("keeps one step's priors from the plan to the step's end; the producer would plan the next "
-                     "batches in between (not built yet)")
 
     def __init__(
         self,
@@ -167,8 +171,7 @@ class ValuePrior(RLVRCallback):
                                        adapter_path=adapter_path, max_length=max_length, device=device, seed=seed,
                                        bandwidth_refit=bandwidth_refit)
         self.value_model = value_model
-        self._step: Optional[_Step] = None
-        self._stats: Optional[tuple[tuple, tuple[list, list], tuple[list, list]]] = None  # see _group_stats
+        self._step: Optional[_Step] = None  # synchronous mode: this step's record (async: each plan's, in its notes)
         self._restored_cache_keys: list[str] = []
         self._restored_features: dict[str, Tensor] = {}
         self._restored_head: dict[str, Any] = {}
@@ -213,7 +216,7 @@ class ValuePrior(RLVRCallback):
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
-        self._step, self._stats = None, None  # a step that raised half-way must not leak its prior into this one
+        self._step = None  # a step that raised half-way must not leak its prior into this one
         if self._ahead is not None:
             prompts = self._ahead.chunk_for(trainer.current_epoch, batch_idx)  # None: this chunk is held already
             if prompts is not None:
@@ -245,8 +248,12 @@ class ValuePrior(RLVRCallback):
         if plan.budget_rule is not None:
             raise RuntimeError("ValuePrior: another callback already set the plan's budget_rule; V0.5's OSLA rule "
                                "cannot be combined with it (remove one of the two callbacks)")
-        step = self._step if self._step is not None else _Step(context_size=len(self.context))
-        self._step = step  # a second plan in the same step (dynamic sampling) adds to the same record
+        if plan.ahead is not None:  # planned ahead: the batch keeps its own record
+            # the context holds the records of the plan's `version` updates
+            step = plan.notes[NOTE] = _Step(context_size=len(self.context), prior_version=plan.version)
+        else:
+            step = self._step if self._step is not None else _Step(context_size=len(self.context))
+            self._step = step  # a second plan in the same step (dynamic sampling) adds to the same record
         p_hat = self._predict(plan.prompts)  # [B] or None
         step.present = p_hat is not None
         prior = self.to_reward_scale(p_hat) if p_hat is not None else torch.full((plan.num_prompts,), math.nan)  # [B]
@@ -254,29 +261,31 @@ class ValuePrior(RLVRCallback):
         step.p_hat.update(zip(plan.prompts, p_hat.tolist() if p_hat is not None else [math.nan] * plan.num_prompts))
         plan.n_per_prompt = [self.k_init] * plan.num_prompts
         prior_list = prior.tolist()  # [B] float32 values, once for all rounds
-        plan.budget_rule = lambda rollouts: self._next_round(rollouts, prior_list)
+        plan.budget_rule = lambda rollouts: self._next_round(rollouts, prior_list, step)  # async: in the producer
         step.prior_s += time.perf_counter() - t0
 
     @override
     def on_before_advantages(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", rollouts: Rollouts) -> None:
         t0 = time.perf_counter()
-        step = self._require_step()
-        mean, counts = self._group_stats(rollouts)  # [B] float32 values, [B] ints
+        step = self._step_of(rollouts)
+        mean, counts = self._group_stats(rollouts, step)  # [B] float32 values, [B] ints
         prior = [step.prior.get(p, math.nan) for p in rollouts.prompts]  # [B] float32 values
         baseline, step.fusion = shrinkage_fusion(mean, prior, counts, self.noise_var)  # [B]
         rollouts.baseline = torch.tensor(baseline, dtype=torch.float32)
+        if step.prior_version is not None:
+            rollouts.prior_version = torch.full((rollouts.num_samples,), step.prior_version, dtype=torch.long)  # [N]
         step.prior_s += time.perf_counter() - t0
 
     @override
     def on_rl_step_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", rollouts: Rollouts) -> None:
         t0 = time.perf_counter()
-        step = self._require_step()
+        step = self._step_of(rollouts)
         self._step = None
-        mean, counts = self._group_stats(rollouts)  # [B] float32 values, [B] ints
+        mean, counts = self._group_stats(rollouts, step)  # [B] float32 values, [B] ints
         success = self._to_success_rate_py(mean)  # [B] float32 values (= to_success_rate)
         metrics = self._metrics(step, rollouts, success, counts)
         self.context.add(rollouts.prompts, success, counts)  # after the metrics: they judge the prior as predicted
-        self._stats = None  # let go of this step's rollouts
+        step.stats = None  # let go of this step's rollouts
         step.prior_s += time.perf_counter() - t0
         ahead = {f"time/prior_{k}_s": torch.tensor(v) for k, v in self._ahead_s.items() if v or k == "prefetch"}
         self._ahead_s = {"setup": 0.0, "prefetch": 0.0}
@@ -350,15 +359,15 @@ class ValuePrior(RLVRCallback):
             p_hat, _ = self.value_model.predict(prompts, self.context)
         return None if p_hat is None else p_hat.detach().float().cpu()
 
-    def _next_round(self, rollouts: Rollouts, prior: list[float]) -> Optional[list[int]]:
+    def _next_round(self, rollouts: Rollouts, prior: list[float], step: _Step) -> Optional[list[int]]:
         """The plan's budget rule: extra samples per prompt for the next round (OSLA, Eq. 12), None = stop.
 
         `expected_mse_reduction`, `osla_wants_more` and `allocate_round` of `lit_rlvr.functional.value_prior`, in
-        plain Python on float32 values: B is a few dozen numbers, where each torch call's overhead is the cost."""
+        plain Python on float32 values: B is a few dozen numbers, where each torch call's overhead is the cost.
+        In async mode the producer calls it: it reads only the plan's own `step` and settings fixed at build."""
         t0 = time.perf_counter()
-        step = self._require_step()
         step.rounds += 1  # called once after every round
-        mean, counts = self._group_stats(rollouts)  # [B] float32 values, [B] ints
+        mean, counts = self._group_stats(rollouts, step)  # [B] float32 values, [B] ints
         gain = expected_mse_reduction(mean, prior, counts, self.noise_var)  # [B] Δ̂² re-estimated
         wants = osla_wants_more(gain, counts, cost=self._cost_f32, k_max=self.k_max)  # [B]
         extra = allocate_round(wants, gain, counts, k_max=self.k_max, min_active_frac=self.min_active_frac,
@@ -366,20 +375,20 @@ class ValuePrior(RLVRCallback):
         step.prior_s += time.perf_counter() - t0
         return extra if sum(extra) > 0 else None
 
-    def _group_stats(self, rollouts: Rollouts) -> tuple[list[float], list[int]]:
+    def _group_stats(self, rollouts: Rollouts, step: _Step) -> tuple[list[float], list[int]]:
         """Each prompt's sample mean reward and count (`group_mean_py`), computed once per rollouts state: the
         last round's rule, the fusion and the step end all see the same final rollouts. Keyed on the rewards and
-        group tensors themselves, their in-place version counters and B, so any change recomputes. The lists are
-        shared: read them, never write."""
+        group tensors themselves, their in-place version counters and B, so any change recomputes; kept in the
+        plan's record `step`. The lists are shared: read them, never write."""
         rewards, group = rollouts.rewards, rollouts.group
         key = (rewards, group, getattr(rewards, "_version", None), getattr(group, "_version", None),
                rollouts.num_groups)
-        held = self._stats
+        held = step.stats
         if held is not None and held[0][0] is key[0] and held[0][1] is key[1] and held[0][2:] == key[2:]:
             return held[1]
         values = rewards.detach().float().tolist(), group.tolist()  # [N] float32 values, [N] ints
         stats = group_mean_py(*values, rollouts.num_groups)
-        self._stats = (key, stats, values)
+        step.stats = (key, stats, values)
         return stats
 
     def _metrics(self, step: _Step, rollouts: Rollouts, success: list[float], counts: list[int]) -> dict[str, Tensor]:
@@ -388,7 +397,7 @@ class ValuePrior(RLVRCallback):
         p_hat = [step.p_hat.get(p, nan) for p in rollouts.prompts]  # [B] float32 values, NaN where absent
         has = [math.isfinite(p) for p in p_hat]  # [B]
         any_prior, all_prior = any(has), all(has)
-        rewards, group = self._stats[2]  # [N], [N] of the rollouts `_group_stats` last read
+        rewards, group = step.stats[2]  # [N], [N] of the rollouts `_group_stats` last read
         fusion = step.fusion
         mid = (self.low + self.high) / 2
         where_prior = lambda values: [v for v, h in zip(values, has) if h]  # noqa: E731
@@ -407,6 +416,14 @@ class ValuePrior(RLVRCallback):
         }
         values = torch.tensor(list(metrics.values()), dtype=torch.float32)  # one tensor, not nine
         return dict(zip(metrics, values.unbind()))  # [] each, float32
+
+    def _step_of(self, rollouts: Rollouts) -> _Step:
+        """The record of the plan that generated `rollouts`: its own in async mode, else this step's."""
+        if rollouts.plan_notes is None:
+            return self._require_step()
+        if NOTE not in rollouts.plan_notes:
+            raise RuntimeError("ValuePrior: the batch's plan holds no V0.5 record (on_rollout_plan did not run on it)")
+        return rollouts.plan_notes[NOTE]
 
     def _require_step(self) -> _Step:
         if self._step is None:

@@ -245,6 +245,10 @@ class GRPOModule(pl.LightningModule):
                 return None
             rollouts, metrics = collector.count(item.result), collector.metrics
             rollouts.policy_version = torch.full((rollouts.num_samples,), item.version, dtype=torch.long)  # [N]
+            rollouts.plan_notes = item.plan.notes  # the hooks of this step find what they kept at plan time
+            if item.plan.source_seeds is not None:  # 3PO: the weight sample that generated each completion
+                rollouts.sample_index = rollouts.source.clone()  # [N]
+                rollouts.sample_seed = torch.tensor(item.plan.source_seeds, dtype=torch.long)[rollouts.source]  # [N]
             metrics = {**metrics, **self.pipeline.metrics(rollouts, version=self.counters["rl_steps"])}
         else:
             rollouts, metrics = collector.collect(batch)
@@ -262,7 +266,9 @@ class GRPOModule(pl.LightningModule):
         return StepCollector(self.driver, self.tokenizer, algo.group_size, self.global_step, self.seed_key(),
                              self.counters, self.timer, self.flops, chat_template=self.settings.model.chat_template,
                              plan_hooks=hooks, group_filter=group_filter, next_batch=self._data_stream.next_batch,
-                             engine_name=self.settings.engine.name, hint=self._checkpoint_hint)
+                             engine_name=self.settings.engine.name, hint=self._checkpoint_hint,
+                             version=self.counters["rl_steps"],
+                             ahead=self.settings.rollout.lead if self.settings.rollout.mode == "async" else None)
 
     def async_pipeline(self) -> RolloutPipeline:
         """The run's `RolloutPipeline`, built at its first step (after a resume has restored the weights, which the

@@ -5,12 +5,20 @@ the HF engine; the SGLang and vLLM engines run async in the live stages."""
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
 
 import pytest
+import torch
 from recipe_runs import train_in_process
 
+from lit_rlvr.callbacks.oracle_baseline import OracleBaseline
 from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.config.settings import AlgorithmConfig, RolloutConfig
+from lit_rlvr.hooks import check_rl_callbacks
+from lit_rlvr.module import GRPOModule
+from lit_rlvr.optim import IVON, sample_seed
+from lit_rlvr.rollout.weight_sync import WeightSync
 
 ASYNC = ("rollout.mode=async", "rollout.max_staleness=1")
 
@@ -42,13 +50,122 @@ def test_async_composes(overrides, column, tiny_path, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, says", [
-    (("algorithm=c3po",), "ParamNoise"), (("algorithm=b3po",), "ParamNoise"),
-    (("algorithm=m3po", "algorithm.callbacks.param_noise.num_samples=2"), "ParamNoise"),
-    (("algorithm=v05",), "ValuePrior"), (("algorithm=dapo",), "filter_groups"),
+    (("algorithm=c3po", "model.lora.rank=4"), "sampled adapters are not pushed that way"),
+    (("algorithm=dapo",), "filter_groups"),
     (("algorithm.rollout_correction.bypass_mode=false",), "would not correct for the lag"),
     (("engine.options.mode=shared",), "needs its own copy"),
-], ids=["c3po", "b3po", "m3po", "v05", "dapo", "no-correction", "shared-engine"])
+], ids=["c3po-lora", "dapo", "no-correction", "shared-engine"])
 def test_async_refusals_say_why(overrides, says, tiny_path, tmp_path):
     with pytest.raises(ConfigError, match=says) as caught:
         run(tmp_path, tiny_path, *overrides)
     assert "\n" not in str(caught.value) and "rollout.mode=async" in str(caught.value)
+
+
+def test_callbacks_that_read_the_steps_weights_are_refused_in_async_mode():
+    """OracleBaseline draws its samples with the weights of the step that trains the batch, which did not make it."""
+    with pytest.raises(ConfigError, match="rollout.mode=async: OracleBaseline draws its oracle samples") as caught:
+        check_rl_callbacks([OracleBaseline()], AlgorithmConfig(), RolloutConfig(mode="async"))
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("variant, num_samples", [("c3po", 2), ("b3po", 1), ("m3po", 2)])
+def test_3po_async_draws_its_samples_at_plan_time_and_the_producer_never_touches_the_policy(
+        variant, num_samples, tiny_path, tmp_path, monkeypatch):
+    """The producer generates with weight samples drawn in the trainer's thread when the batch was planned (version
+    v, IVON's seeding at step v); it never writes the trainer's parameters nor pushes them."""
+    producer_calls: list[str] = []  # what the producer thread did that it must not
+    trained = []  # each update's rollouts
+
+    def spy(name, method):
+        def wrapped(*args, **kwargs):
+            if threading.current_thread().name == "lit-rlvr-producer":
+                producer_calls.append(name)
+            return method(*args, **kwargs)
+        return wrapped
+
+    for cls, name in ((IVON, "_sample_params"), (IVON, "_write_means"), (IVON, "sampled_stack"), (IVON, "_update"),
+                      (WeightSync, "push")):  # every write of the parameters, and every read of them for a push
+        monkeypatch.setattr(cls, name, spy(f"{cls.__name__}.{name}", getattr(cls, name)))
+    collect = GRPOModule.collect
+
+    def collect_spy(self, batch):
+        rollouts = collect(self, batch)
+        if rollouts is not None:
+            trained.append((self.counters["rl_steps"], rollouts))
+        return rollouts
+
+    monkeypatch.setattr(GRPOModule, "collect", collect_spy)
+    summary, rows = run(tmp_path, tiny_path, f"algorithm={variant}",
+                        f"algorithm.callbacks.param_noise.num_samples={num_samples}")
+    assert producer_calls == []
+    assert len(trained) == len(rows) >= 2 and summary["optimizer_steps"] == len(rows)
+    assert [float(r["async/staleness_max"]) for r in rows] == [0.0] + [1.0] * (len(rows) - 1)
+    for update, rollouts in trained:
+        version = update - 1 if update else 0  # S = 1: planned one update earlier (the first: before any)
+        assert rollouts.policy_version.tolist() == [version] * rollouts.num_samples
+        assert rollouts.sample_index.tolist() == rollouts.source.tolist()
+        assert sorted(set(rollouts.sample_index.tolist())) == list(range(num_samples))
+        want = [sample_seed(0, version, j, 0, 0) for j in rollouts.sample_index.tolist()]  # IVON's, at step v
+        assert rollouts.sample_seed.tolist() == want
+    for row in rows:
+        assert math.isfinite(float(row["loss/policy"])) and row["noise/sigma_mean"] != ""
+
+
+def test_snapshot_holds_the_bits_sampled_params_writes():
+    """`snapshot_posterior`'s source j is what `IVON.sampled_params(j)` writes into the policy at that step."""
+    from lit_rlvr.callbacks.param_noise import snapshot_posterior
+    from lit_rlvr.rollout.batch import RolloutPlan
+
+    torch.manual_seed(0)
+    policy = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3))
+    optimizer = IVON(policy.parameters(), lr=0.1, ess=1e4, seed=7)
+    plan = RolloutPlan(["p"], [None], [[1]], [4])
+    snapshot_posterior(plan, optimizer, 3, policy)
+    assert plan.num_weight_sources == 3 and not plan.uses_mean_weights
+    means = {name: p.detach().clone() for name, p in policy.named_parameters()}
+    for j in range(3):
+        drawn = dict(plan.source_weights(j))
+        with optimizer.sampled_params(sample_index=j):
+            written = {name: p.detach().clone() for name, p in policy.named_parameters()}
+        assert drawn.keys() == written.keys()
+        assert all(torch.equal(drawn[n], written[n]) for n in written)  # same draw, same ops: same bits
+        assert not all(torch.equal(drawn[n], means[n]) for n in means)  # a sample, not the mean
+    assert all(torch.equal(p, means[n]) for n, p in policy.named_parameters())  # the snapshot wrote nothing
+    assert plan.source_seeds == [sample_seed(7, 0, j, 0, 0) for j in range(3)]
+
+
+@pytest.mark.parametrize("algorithm", ["v05", "c3po_v05"])
+def test_v05_async_allocates_with_the_prior_of_plan_time(algorithm, tiny_path, tmp_path, monkeypatch):
+    """OSLA's extra rounds run in the producer with the prior predicted when the batch was planned; each batch's
+    completions carry the version of the context that predicted it, and its baseline is fused with that prior."""
+    trained = []
+    collect = GRPOModule.collect
+
+    def collect_spy(self, batch):
+        rollouts = collect(self, batch)
+        if rollouts is not None:
+            trained.append((self.counters["rl_steps"], rollouts))
+        return rollouts
+
+    monkeypatch.setattr(GRPOModule, "collect", collect_spy)
+    summary, rows = run(tmp_path, tiny_path, f"algorithm={algorithm}", "algorithm.callbacks.value_prior.min_context=2",
+                        "algorithm.callbacks.value_prior.k_init=2", "algorithm.callbacks.value_prior.k_max=4",
+                        "algorithm.callbacks.value_prior.pad_to=1", "trainer.max_steps=4")
+    assert len(rows) == len(trained) >= 3
+    assert any(r.num_samples > 2 * r.num_groups for _, r in trained)  # the producer ran OSLA's extra rounds
+    assert [float(r["async/staleness_max"]) for r in rows] == [0.0] + [1.0] * (len(rows) - 1)
+    for update, rollouts in trained:
+        version = max(update - 1, 0)  # planned one update earlier: the context held that many steps' records
+        assert rollouts.prior_version.tolist() == [version] * rollouts.num_samples
+        assert rollouts.baseline is not None and rollouts.baseline.shape == (rollouts.num_groups,)
+    assert [float(r["v05/context_size"]) for r in rows] == [0.0, 0.0] + [2.0 * u for u in range(1, len(rows) - 1)]
+    assert float(rows[-1]["v05/prior_present"]) == 1.0  # the prior came in once the context held 2 records
+
+
+def test_snapshot_memory_warns_past_half_the_free_memory():
+    from lit_rlvr.callbacks.param_noise import snapshot_memory_warning
+
+    assert snapshot_memory_warning(2**30, 2, free=4 * 2**30) is None  # 2 GiB of 4 free
+    message = snapshot_memory_warning(2**30, 3, free=4 * 2**30)
+    assert "1.00 GiB a batch, up to 3 batches" in message and "rollout.max_staleness" in message
+    assert snapshot_memory_warning(2**40, 3, free=None) is None  # free memory unknown: nothing to compare

@@ -27,6 +27,9 @@ EPOCHS = ["data=jsonl", f"data.path={REPO}/tests/fixtures/eight_rows.jsonl", "da
 ASYNC = ["rollout.mode=async"]
 TASK = ["data.num_test=4"]  # the built-in task's held-out set, small
 NO_EVAL = ["eval_before=false"]  # (the S = 0 comparison keeps the default evaluation before training)
+C3PO = ["algorithm=c3po", "algorithm.callbacks.param_noise.num_samples=2"]
+V05 = ["algorithm=v05", *(f"algorithm.callbacks.value_prior.{k}" for k in (  # the prior present from the 2nd step
+    "min_context=4", "k_init=2", "k_max=4", "pad_to=1"))]
 # what depends on the machine's speed, or exists only in async mode
 UNTIMED = ("time/", "perf/", "async/")
 
@@ -68,6 +71,10 @@ def runs(tmp_path_factory):
         "engine": [*NO_EVAL, *TASK, *ASYNC, "algorithm._target_=tests.fault_helpers.FaultyModule",
                    "+algorithm.engine_fail_call=3", "trainer.max_steps=6",
                    "engine.options.sync_check_every=0"],  # (the post-push check would meet the failure first)
+        "c3po_sync": [*NO_EVAL, *C3PO, *TASK, "engine.options.mode=copy", "trainer.max_steps=2"],
+        "c3po_async0": [*NO_EVAL, *C3PO, *TASK, *ASYNC, "rollout.max_staleness=0", "trainer.max_steps=2"],
+        "v05_sync": [*NO_EVAL, *V05, *TASK, "engine.options.mode=copy", "trainer.max_steps=2"],
+        "v05_async0": [*NO_EVAL, *V05, *TASK, *ASYNC, "rollout.max_staleness=0", "trainer.max_steps=2"],
         "drop": [*NO_EVAL, *TASK, *ASYNC, "rollout.max_staleness=0", "rollout.stale_strategy=drop",
                  "trainer.max_steps=3"],
     }
@@ -78,15 +85,22 @@ def runs(tmp_path_factory):
             proc.kill()
 
 
-def test_staleness_zero_is_the_synchronous_run(runs):
-    (sync, sync_dir, _), (async0, async_dir, _) = runs["sync"], runs["async0"]
+@pytest.mark.parametrize("sync_run, async_run, steps", [("sync", "async0", 3), ("c3po_sync", "c3po_async0", 2),
+                                                      ("v05_sync", "v05_async0", 2)], ids=["grpo", "c3po", "v05"])
+def test_staleness_zero_is_the_synchronous_run(runs, sync_run, async_run, steps):
+    """C3PO too: the producer pushes the samples drawn at plan time, the bits the synchronous run writes into the
+    policy and pushes (its engine a copy, as the async run's). V0.5: OSLA's rounds run in the producer with the
+    prior of plan time, which at S = 0 is the synchronous run's."""
+    (sync, sync_dir, _), (async0, async_dir, _) = runs[sync_run], runs[async_run]
     finish(sync, sync_dir), finish(async0, async_dir)
     expected, got = rows(sync_dir), rows(async_dir)
-    assert len(got) == len(expected) == 3
+    assert len(got) == len(expected) == steps
     for want, have in zip(expected, got):
         assert {k: v for k, v in have.items() if not k.startswith(UNTIMED)} == \
                {k: v for k, v in want.items() if not k.startswith(UNTIMED)}
         assert float(have["async/staleness_max"]) == 0
+    if async_run == "v05_async0":  # the comparison covers a step with the prior present
+        assert float(got[-1]["v05/prior_present"]) == 1.0
     summary = json.loads((async_dir / "summary.json").read_text())
     assert summary["accuracy_after"] == json.loads((sync_dir / "summary.json").read_text())["accuracy_after"]
 

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from lit_rlvr.config.settings import AlgorithmConfig
 from lit_rlvr.callbacks import ValuePrior
-from lit_rlvr.callbacks.value_prior import _warn_unused_settings
+from lit_rlvr.callbacks.value_prior import _Step, _warn_unused_settings
 from lit_rlvr.functional import value_prior as lib
 from lit_rlvr.hooks import check_rl_callbacks
 from lit_rlvr.value import ValueModel
@@ -332,21 +332,21 @@ def test_prior_seconds_add_up_every_hooks_span(monkeypatch):
 def test_group_stats_are_computed_once_per_rollouts_state():
     """The same rollouts give the very same (shared) lists; a new rewards tensor, a new group tensor or an
     in-place change of either gives the new state's means and counts."""
-    cb = ValuePrior(value_model=StubV0({}))
+    cb, step = ValuePrior(value_model=StubV0({})), _Step()
     r = fake_rollouts(["a", "b"], [[1.0, 1.0], [-1.0, -1.0]])
-    first = cb._group_stats(r)
+    first = cb._group_stats(r, step)
     assert first == ([1.0, -1.0], [2, 2])
-    assert cb._group_stats(r) is first
+    assert cb._group_stats(r, step) is first
     r.rewards = torch.tensor([-1.0, -1.0, 1.0, 1.0])  # new tensor, same group tensor, same versions
-    assert cb._group_stats(r) == ([-1.0, 1.0], [2, 2])
+    assert cb._group_stats(r, step) == ([-1.0, 1.0], [2, 2])
     r.group = torch.tensor([0, 1, 1, 0])  # new tensor, same rewards tensor
-    assert cb._group_stats(r) == ([0.0, 0.0], [2, 2])
-    held = cb._group_stats(r)
-    assert cb._group_stats(r) is held
+    assert cb._group_stats(r, step) == ([0.0, 0.0], [2, 2])
+    held = cb._group_stats(r, step)
+    assert cb._group_stats(r, step) is held
     r.rewards[0] = 1.0  # in place: its version counter moves
-    assert cb._group_stats(r) == ([1.0, 0.0], [2, 2])
+    assert cb._group_stats(r, step) == ([1.0, 0.0], [2, 2])
     r.group[2] = 0
-    assert cb._group_stats(r) == ([1.0, -1.0], [3, 1])
+    assert cb._group_stats(r, step) == ([1.0, -1.0], [3, 1])
 
 
 def test_metrics_with_a_prior_for_some_prompts_only():

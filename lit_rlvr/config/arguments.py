@@ -81,6 +81,10 @@ class ModuleSettings:
             problems.append(f"rollout.mode=async with engine.options.mode={self.engine.options['mode']!r}: the "
                             "producer generates while the trainer changes its weights, so the engine needs its own "
                             "copy; set engine.options.mode=copy (the default in async mode)")
+        if algo.optimizer == "ivon" and self.model.lora.enabled:
+            problems.append("rollout.mode=async with algorithm.optimizer=ivon (3PO) and model.lora: the producer "
+                            "pushes 3PO's weight samples as full weights drawn at plan time, and sampled adapters "
+                            "are not pushed that way yet; use rollout.mode=sync, or full fine-tuning")
         return problems
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -77,6 +77,16 @@ class Rollouts:
     # [N] long: the version (updates, i.e. RL steps) of the weights that generated each completion
     # (rollout.mode=async); None = the step that trains it (synchronous)
     policy_version: Optional[Tensor] = None
+    # [N] long each, with 3PO in async mode: the generating weight sample's index j and the seed of its noise's
+    # first parameter, `sample_seed(seed, t, j, rank, 0)` (lit_rlvr.optim; t: IVON's steps when the plan was made,
+    # = policy_version unless a non-finite step was skipped); None otherwise
+    sample_index: Optional[Tensor] = None
+    sample_seed: Optional[Tensor] = None
+    # [N] long, with V0.5 in async mode: the version of the prior's context (updates whose records it held) that
+    # predicted the prior and allocated the samples; None otherwise
+    prior_version: Optional[Tensor] = None
+    # async mode: the notes callbacks left on the batch's plan (`RolloutPlan.notes`); None = synchronous
+    plan_notes: Optional[dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         if self.response_attention_mask is None:
@@ -199,11 +209,18 @@ class Rollouts:
             adv_group=cat_optional("adv_group"),
             token_weights=None,
             policy_version=cat_optional("policy_version"),
+            sample_index=cat_optional("sample_index"),
+            sample_seed=cat_optional("sample_seed"),
+            prior_version=cat_optional("prior_version"),
         )
 
 
 WeightContext = Callable[[int], AbstractContextManager]
 """`weight_context(c)`: a context manager inside which the policy holds the weights of source c."""
+
+SourceWeights = Callable[[int], Iterable[tuple[str, Tensor]]]
+"""`source_weights(c)`: (HF name, tensor) pairs of the weights source c generates with, fixed when the plan was made
+(3PO in async mode: samples of a snapshot of the posterior); pushed to an engine that keeps its own copy."""
 
 WeightStacks = Callable[[int], dict[Any, Tensor]]
 """`weight_stacks(S)`: {policy parameter: [S, *shape] tensor}, row c = the weights `weight_context(c)` holds,
@@ -230,8 +247,17 @@ class RolloutPlan:
     num_weight_sources: int = 1  # weight samples the counts are split over (C3PO: N)
     weight_context: WeightContext = _no_weight_change
     weight_stacks: Optional[WeightStacks] = None
+    source_weights: Optional[SourceWeights] = None  # set: the policy is neither read nor written to generate
+    source_seeds: Optional[list[int]] = None  # [S] with `source_weights`: each one's seed (`Rollouts.sample_seed`)
     budget_rule: Optional[BudgetRule] = None
     seed_stream: tuple[int, ...] = ()  # appended to each engine call's seed key (DAPO: one stream per refill)
+    version: int = 0  # the updates (RL steps) made when the plan was made
+    # rollout.mode=async: batches the producer holds ahead of the one trained (`RolloutConfig.lead`); a plan hook's
+    # draws and what it keeps for the step's end must then travel with the plan. None = synchronous
+    ahead: Optional[int] = None
+    # what callbacks keep from this plan to the end of the step that trains it, by callback (async mode: a batch
+    # planned ahead keeps its own; the module hands them on as `Rollouts.plan_notes`)
+    notes: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_prompts(self) -> int:
@@ -241,7 +267,7 @@ class RolloutPlan:
     def uses_mean_weights(self) -> bool:
         """False when a callback installed a weight context (3PO): the engine then needs a push per source,
         even with one source, and no longer holds the mean afterwards."""
-        return self.weight_context is _no_weight_change
+        return self.weight_context is _no_weight_change and self.source_weights is None
 
     def split_over_sources(self, counts: list[int], offset: Optional[list[int]] = None) -> list[list[int]]:
         """Split per-prompt counts over the weight sources as evenly as possible.

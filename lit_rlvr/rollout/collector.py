@@ -40,7 +40,8 @@ def plan_batch(batch: Batch, tokenizer: Any, group_size: int, *, chat_template: 
 @dataclass
 class StepCollector:
     """Args: `driver` generates and scores; `tokenizer`, `group_size`, `chat_template` make the plan; `step` and
-    `seed_key` (run seed, step) key the engine's seeds; `counters` (the run's totals), `timer` (the step's phase
+    `seed_key` (run seed, step) key the engine's seeds; `version` (the updates so far) and `ahead` (async mode: the
+    batches planned ahead; None: synchronous) go on every plan; `counters` (the run's totals), `timer` (the step's phase
     seconds) and `flops` (the step's token counts) are added to; `plan_hooks` edit each plan before
     it is generated (the callbacks' `on_rollout_plan`); `group_filter` (a `GroupFilter`, or None) and `next_batch`
     (the data stream's next batch, or None when it ran out) for DAPO's dynamic sampling; `engine_name` and
@@ -60,6 +61,8 @@ class StepCollector:
     group_filter: Any = None
     next_batch: Callable[[], Optional[Batch]] = lambda: None
     engine_name: str = "hf"
+    version: int = 0
+    ahead: Optional[int] = None
     hint: Callable[[], str] = lambda: "nothing was saved"
     stop_reason: Optional[str] = None  # a reward call hung: the run should finish this step, save and stop
     metrics: dict[str, Tensor] = field(default_factory=dict)
@@ -83,6 +86,7 @@ class StepCollector:
         """The batch's plan (`plan_batch`), edited by the hooks."""
         plan = plan_batch(batch, self.tokenizer, self.group_size, chat_template=self.chat_template,
                           seed_stream=seed_stream)
+        plan.version, plan.ahead = self.version, self.ahead
         for hook in self.plan_hooks:
             hook(plan)
         return plan

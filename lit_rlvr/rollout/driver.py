@@ -165,7 +165,10 @@ class RolloutDriver:
         """Samples of one weight source in one round (None when `counts` are all 0; the push still happens)."""
         with tally.timer("gen_s"), plan.weight_context(source):
             mean = plan.uses_mean_weights and plan.num_weight_sources == 1
-            if not mean or not self.weight_sync.holds(step):
+            if plan.source_weights is not None:  # drawn when the plan was made: the policy is not read
+                with self._engine_errors(step):
+                    tally.timer.add("sync_s", self.weight_sync.push_named(plan.source_weights(source), step=step))
+            elif not mean or not self.weight_sync.holds(step):
                 self._tallied_push(step, mean, tally)
             if sum(counts) == 0:
                 return None
@@ -198,7 +201,7 @@ class RolloutDriver:
         """One stacked engine call for all weight sources: an engine that has one, sharing the model, and
         equal totals per source (C3PO: G/N per prompt each)."""
         totals = {sum(c) for c in per_source}
-        return (plan.num_weight_sources > 1 and self.weight_sync.can_stack_sources()
+        return (plan.num_weight_sources > 1 and plan.source_weights is None and self.weight_sync.can_stack_sources()
                 and self.multi_turn is None  # multi-turn: one source after another
                 and len(totals) == 1 and totals != {0})
 

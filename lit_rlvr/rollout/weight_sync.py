@@ -10,7 +10,7 @@ whether it still holds pushed weights (SGLang's and vLLM's sleep may free them);
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 from torch import Tensor, nn
 
@@ -87,6 +87,24 @@ class WeightSync:
             nbytes = 0 if self.engine.shares_weights else self._send(step)
             self.version, self.holds_mean = step, holds_mean
         return PushResult(timer.times["sync_s"], nbytes, self._check(step))
+
+    def push_named(self, named: Iterable[tuple[str, Tensor]], *, step: int) -> float:
+        """Weights that are not the policy's own (3PO in async mode: a weight sample drawn from a snapshot of the
+        posterior) to an engine that keeps its own copy, while it holds `step`; returns the seconds. No post-push
+        check (it would score with the policy, which does not hold them), but the push counts toward its cadence,
+        as the synchronous run's push of the same sample does."""
+        if self.engine.shares_weights or is_lora(self.policy):
+            raise RuntimeError("WeightSync.push_named sends full weights to an engine with its own copy; this engine "
+                               "shares the trainer's weights or the policy is a LoRA model")
+        timer = StepTimer()
+        with timer("sync_s"):
+            self.engine.wake()
+            dtype = self.engine.weight_dtype
+            self._load((name, t if dtype is None else t.to(dtype)) for name, t in named)
+            self.version, self.holds_mean = step, False
+        if self.sync_check is not None and self.sync_check.every:
+            self._checked_pushes += 1
+        return timer.times["sync_s"]
 
     def _send(self, step: int) -> int:
         """The weights themselves; returns the bytes sent. A LoRA policy (lit_rlvr.rollout.lora): on an engine that
