@@ -84,6 +84,8 @@ def measure(algorithms: list[str], steps: int, warmup: int, block: int, override
             raise RuntimeError(f"{name}: {len(rows)} steps recorded, expected {warm + steps}")
         out[name] = {"algorithm": name, "steps": steps, "warmup": warm, **common.summarise_rows(rows, warm)}
         out[name]["_walls"] = [r["wall_s"] for r in rows[warm:]]
+        out[name]["_work"] = common.work_per_step(rows, warm)
+        out[name]["_samples"] = common.weight_samples(common.compose(*entry(name, overrides)))
         out[name]["peak_flops"] = run["peak_flops"]  # what mfu_* divide by (lit_rlvr.run.perf)
         out[name]["peak_rss_mb"] = run["peak_rss_mb"]
     return out, max(run["peak_rss_mb"] for run in runs.values())
@@ -92,7 +94,8 @@ def measure(algorithms: list[str], steps: int, warmup: int, block: int, override
 def single(args) -> dict:
     summaries, peak_rss = measure([args.algorithm], args.steps, args.warmup, 1, args.override)
     (summary,) = summaries.values()
-    summary.pop("_walls")
+    for private in ("_walls", "_work", "_samples"):
+        summary.pop(private)
     result = {"algorithm": summary.pop("algorithm"), "steps": summary.pop("steps"), **summary,
               "peak_rss_mb": peak_rss, **common.context()}
     if "mfu_update" in result:
@@ -112,6 +115,14 @@ def flops_floor(base: dict, other: dict) -> float | None:
     extra = (base["gen_s"] * (other["gen_flops"] / base["gen_flops"] - 1)
              + base["train_s"] * (other["update_flops"] / base["update_flops"] - 1))
     return 1 + extra / base["median_step_s"]
+
+
+def by_design(summaries: dict[str, dict], sides: tuple[str, str]) -> str | None:
+    """Why two algorithms' FLOPs differ by design: 3PO's weight samples each prefill the prompts."""
+    samples = {name: summaries[name]["_samples"] for name in sides}
+    if len(set(samples.values())) == 1:
+        return None
+    return "; ".join(common.WEIGHT_SAMPLES_BY_DESIGN.format(name=name, n=n) for name, n in samples.items() if n > 1)
 
 
 def compare(args) -> dict:
@@ -134,8 +145,11 @@ def compare(args) -> dict:
             result[f"{key}_flops_floor"] = floor
         if key in BUDGETS:
             result[f"{key}_budget"] = BUDGETS[key]
+        result[f"{key}_work"] = common.equal_work({n: summaries[n]["_work"] for n in (base, name)},
+                                                   by_design=by_design(summaries, (base, name)))
     for name in names:
-        summaries[name].pop("_walls")
+        for private in ("_walls", "_work", "_samples"):
+            summaries[name].pop(private)
         result[name] = {k: v for k, v in summaries[name].items() if k not in ("algorithm", "steps")}
     result.update(peak_rss_mb=peak_rss, **common.context())
     return result
@@ -146,15 +160,17 @@ def engines(args) -> dict:
     if len(names) < 2 or len(set(names)) != len(names):
         raise SystemExit(f"--engines needs two or more different engine configs, got {args.engines!r}")
     result = {"engines": names, "algorithm": args.algorithm, "steps": args.steps}
-    peak = 0.0
+    peak, work = 0.0, {}
     for name in names:
         summaries, rss = measure([args.algorithm], args.steps, args.warmup, 1, [*args.override, f"engine={name}"])
         (summary,) = summaries.values()
-        summary.pop("_walls")
+        summary.pop("_walls"), summary.pop("_samples")
+        work[name] = summary.pop("_work")
         result[name] = {k: v for k, v in summary.items() if k not in ("algorithm", "steps")}
         peak = max(peak, rss)
     for name in names[1:]:
         result[f"{name}_over_{names[0]}"] = result[name]["median_step_s"] / result[names[0]]["median_step_s"]
+        result[f"{name}_over_{names[0]}_work"] = common.equal_work({n: work[n] for n in (names[0], name)})
     result.update(peak_rss_mb=peak, **common.context())
     return result
 
@@ -169,7 +185,7 @@ def main(argv=None) -> None:
     parser.add_argument("--engines", default=None, help="comma-separated engine configs run in turn, e.g. hf,vllm_cpu")
     args = common.parse_bench_args(parser, argv)
     result = engines(args) if args.engines else compare(args) if args.compare else single(args)
-    common.emit(result, args.json)
+    common.report(result, args, "step_time.py")
 
 
 if __name__ == "__main__":
