@@ -88,3 +88,36 @@ def test_step_time_compare_states_each_sides_tokens_and_flops(tmp_path):
     assert grpo["flops"] > short["flops"]
     assert work["equal_work"] is False and result["equal_work"] is False and work["tol"] == 0.03
     assert f"{ratio} compares unequal work" in done.stderr
+
+
+def rows(tokens: float, gen_flops: float, update_flops: float, steps: int = 3) -> list[dict]:
+    """StepRecorder rows of `steps` steps with this work each (1 s generation, 2 s update)."""
+    return [{"wall_s": 3.0, "tokens": tokens, "time/gen_s": 1.0, "time/train_s": 2.0,
+             "perf/flops_per_s_gen": gen_flops, "perf/flops_per_s_update": update_flops / 2.0}] * steps
+
+
+def test_compare_trl_states_its_sides_and_why_they_differ_by_design():
+    import compare_trl
+
+    trl = {"tokens": [999.0, 200.0, 200.0], "flops": [(1.0, 1.0), (12.0, 30.0), (12.0, 30.0)]}  # warm-up first
+    entry = compare_trl.work(argparse.Namespace(warmup=1), rows(200.0, 10.0, 30.0), trl)
+    assert entry["sides"]["trl"] == {"tokens": 200.0, "gen_flops": 12.0, "update_flops": 30.0, "flops": 42.0}
+    assert entry["sides"]["ours"]["flops"] == 40.0 and entry["tokens_spread"] == 0.0
+    assert entry["equal_work"] is False and "TRL prefills every row" in entry["by_design"]  # 5 % more FLOPs
+
+
+def test_async_overlap_averages_each_sides_work_over_the_rounds():
+    import async_overlap
+    import common
+
+    def one_round(tokens_async: float) -> dict:
+        work = {name: common.work_per_step(rows(100.0, 10.0, 30.0), 1) for name in async_overlap.CONFIGS}
+        work["async_s1"] = common.work_per_step(rows(tokens_async, 10.0, 30.0), 1)
+        return {"async_over_ideal": 1.2, "_work": work}
+
+    rounds = [one_round(100.0), one_round(110.0)]
+    entries = async_overlap.work(rounds)
+    assert "_work" not in rounds[0]  # popped: the rounds' medians are taken over the figures only
+    ideal = entries["async_over_ideal_work"]
+    assert ideal["sides"]["async_s1"]["tokens"] == 105.0 and ideal["sides"]["sync_1core"]["tokens"] == 100.0
+    assert ideal["equal_work"] is False and set(entries) == {"async_over_ideal_work", "async_over_sync_2cores_work"}
