@@ -21,7 +21,8 @@ apart within a few steps (TRL's completions grew from ~3 to ~11 tokens while our
 step times would compare different workloads. At 1e-12 (our module refuses lr 0) every step still runs the full
 AdamW update, while the weights move by less than float32 resolves, so the length distributions stay equal;
 `ours_response_len_mean` and `trl_response_len_mean`
-(tokens per completion, EOS included) show it.
+(tokens per completion, EOS included) show it, and `ratio_work` states both sides' tokens and model FLOPs per step
+(bench/README.md "Equal work"; TRL's prefill per row makes its FLOPs differ by design).
 """
 
 from __future__ import annotations

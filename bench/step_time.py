@@ -25,7 +25,8 @@ tiny model's 16 is not: pass a model with larger heads to both (`--override mode
 `--compare a,b,…` runs the algorithms in processes that take turns (`--block` steps each, never
 two at once), and reports each one's medians, peak RSS and `b_over_a` = median step(b) / median step(a). An entry
 may carry its own Hydra overrides after `+`, e.g. `--compare grpo,grpo+model.lora.rank=8` (full fine-tuning
-against rank-8 LoRA in one run).
+against rank-8 LoRA in one run). Each ratio carries `b_over_a_work`: both sides' generated tokens and model FLOPs
+per step and `equal_work` (within 3 %; bench/README.md "Equal work"); `--strict` refuses a ratio of unequal work.
 """
 
 from __future__ import annotations
