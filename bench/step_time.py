@@ -92,11 +92,15 @@ def measure(algorithms: list[str], steps: int, warmup: int, block: int, override
     return out, max(run["peak_rss_mb"] for run in runs.values())
 
 
+def private(summary: dict) -> dict:
+    """Pop the figures `measure` keeps for the ratios (keys starting with "_") from `summary`, and return them."""
+    return {key: summary.pop(key) for key in [k for k in summary if k.startswith("_")]}
+
+
 def single(args) -> dict:
     summaries, peak_rss = measure([args.algorithm], args.steps, args.warmup, 1, args.override)
     (summary,) = summaries.values()
-    for private in ("_walls", "_work", "_samples"):
-        summary.pop(private)
+    private(summary)
     result = {"algorithm": summary.pop("algorithm"), "steps": summary.pop("steps"), **summary,
               "peak_rss_mb": peak_rss, **common.context()}
     if "mfu_update" in result:
@@ -118,9 +122,9 @@ def flops_floor(base: dict, other: dict) -> float | None:
     return 1 + extra / base["median_step_s"]
 
 
-def by_design(summaries: dict[str, dict], sides: tuple[str, str]) -> str | None:
+def by_design(kept: dict[str, dict], sides: tuple[str, str]) -> str | None:
     """Why two algorithms' FLOPs differ by design: 3PO's weight samples each prefill the prompts."""
-    samples = {name: summaries[name]["_samples"] for name in sides}
+    samples = {name: kept[name]["_samples"] for name in sides}
     if len(set(samples.values())) == 1:
         return None
     return "; ".join(common.WEIGHT_SAMPLES_BY_DESIGN.format(name=name, n=n) for name, n in samples.items() if n > 1)
@@ -132,11 +136,12 @@ def compare(args) -> dict:
         raise SystemExit(f"--compare needs two or more different algorithms, got {args.compare!r}")
     summaries, peak_rss = measure(names, args.steps, args.warmup, args.block, args.override, args.threads)
     base = names[0]
+    kept = {name: private(summaries[name]) for name in names}
     result = {"compare": names, "steps": args.steps, "block": args.block}
     for name in names[1:]:
         key = f"{name}_over_{base}"
         result[key] = summaries[name]["median_step_s"] / summaries[base]["median_step_s"]
-        paired = [b / a for a, b in zip(summaries[base]["_walls"], summaries[name]["_walls"])]
+        paired = [b / a for a, b in zip(kept[base]["_walls"], kept[name]["_walls"])]
         result[f"{key}_paired"] = common.median(paired)  # median of step-by-step ratios: robust to load swings
         if "noise_s" in summaries[name] and "noise_s" not in summaries[base]:
             # the noise draws alone, on top of the base step: the ratio cannot go below this
@@ -146,11 +151,9 @@ def compare(args) -> dict:
             result[f"{key}_flops_floor"] = floor
         if key in BUDGETS:
             result[f"{key}_budget"] = BUDGETS[key]
-        result[f"{key}_work"] = common.equal_work({n: summaries[n]["_work"] for n in (base, name)},
-                                                   by_design=by_design(summaries, (base, name)))
+        result[f"{key}_work"] = common.equal_work({n: kept[n]["_work"] for n in (base, name)},
+                                                   by_design=by_design(kept, (base, name)))
     for name in names:
-        for private in ("_walls", "_work", "_samples"):
-            summaries[name].pop(private)
         result[name] = {k: v for k, v in summaries[name].items() if k not in ("algorithm", "steps")}
     result.update(peak_rss_mb=peak_rss, **common.context())
     return result
@@ -165,8 +168,7 @@ def engines(args) -> dict:
     for name in names:
         summaries, rss = measure([args.algorithm], args.steps, args.warmup, 1, [*args.override, f"engine={name}"])
         (summary,) = summaries.values()
-        summary.pop("_walls"), summary.pop("_samples")
-        work[name] = summary.pop("_work")
+        work[name] = private(summary)["_work"]
         result[name] = {k: v for k, v in summary.items() if k not in ("algorithm", "steps")}
         peak = max(peak, rss)
     for name in names[1:]:
