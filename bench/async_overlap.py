@@ -95,7 +95,20 @@ def summarise(runs: dict[str, tuple[list, float]], warmup: int) -> dict[str, flo
             "async_over_sum": step["async_s1"] / (alone["gen_s"] + alone["train_s"]),
             "async_over_sync_2cores": step["async_s1"] / step["sync_2cores"],
             "trainer_wait_frac_s1": waits["async_s1"], "trainer_wait_frac_s2": waits["async_s2"],
-            "rss_async_over_sync": runs["async_s1"][1] / runs["sync_1core"][1]}
+            "rss_async_over_sync": runs["async_s1"][1] / runs["sync_1core"][1],
+            "_work": {name: common.work_per_step(rows, warmup) for name, (rows, _) in runs.items()}}
+
+
+# the ratios' sides (async_over_sum has async_over_ideal's): each entry `<ratio>_work` states their work per step
+WORK_SIDES = {"async_over_ideal": ("sync_1core", "async_s1"), "async_over_sync_2cores": ("sync_2cores", "async_s1")}
+
+
+def work(rounds: list[dict]) -> dict[str, dict]:
+    """Each ratio's equal-work entry, from its sides' work per step averaged over the rounds (popped from them)."""
+    per_round = [r.pop("_work") for r in rounds]
+    mean = {name: {k: common.mean(w[name][k] for w in per_round) for k in common.WORK_KEYS} for name in CONFIGS}
+    return {f"{ratio}_work": common.equal_work({name: mean[name] for name in sides})
+            for ratio, sides in WORK_SIDES.items()}
 
 
 def main(argv=None) -> None:
@@ -111,14 +124,14 @@ def main(argv=None) -> None:
     names = list(CONFIGS)
     rounds = [summarise(one_round(common.rotated(names, i), args.override, args.warmup + args.steps), args.warmup)
               for i in range(args.rounds)]
-    result = {"workload": args.workload, "steps": args.steps, "rounds": args.rounds}
+    result = {"workload": args.workload, "steps": args.steps, "rounds": args.rounds, **work(rounds)}
     for key in rounds[0]:
         values = [r[key] for r in rounds]
         result[key] = statistics.median(values)
         result[f"{key}_spread"] = [min(values), max(values)]
     result.update({f"{k}_budget": v for k, v in BUDGETS.items()})
     result.update(common.context())
-    common.emit(result, args.json)
+    common.report(result, args, "async_overlap.py")
 
 
 if __name__ == "__main__":

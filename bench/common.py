@@ -16,6 +16,7 @@ import os
 import queue
 import resource
 import statistics
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -45,6 +46,9 @@ LONG = {"data": "arithmetic_cot", "data.levels": "[1,3,5,7,8,9]", "algorithm.max
         "model.options.eval_problems": 64, "model.options.eval_samples": 2}
 WORKLOADS = {"tiny": {}, "long": LONG}  # overrides on top of REFERENCE
 MFU_BUDGETS = {"mfu_gen": 0.35, "mfu_update": 0.50}  # the long workload's model FLOPs utilisation (docs/mfu.md)
+# a ratio of two configurations compares equal work when their generated tokens and model FLOPs per step are each
+# within 3 % of the other side's (bench/README.md "Equal work")
+EQUAL_WORK_TOL = 0.03
 METRICS = ("time/step_s", "time/gen_s", "time/reward_s", "time/train_s", "time/sync_s", "time/prior_s",
            "perf/tokens_per_s", "rollouts/per_step", "response/len_mean", "response/len_max", "micro/padding_frac",
            "v05/prior_present", "time/prior_setup_s", "time/prior_prefetch_s", "perf/mfu_gen", "perf/mfu_update",
@@ -75,7 +79,7 @@ def quiet(threads: int = THREADS) -> None:
 
 def bench_parser(description: str, *, steps_help: str, warmup_help: str, block_help: str,
                  override_help: str) -> argparse.ArgumentParser:
-    """The options every benchmark shares: --json, --steps, --warmup, --block, --threads, --override."""
+    """The options every benchmark shares: --json, --steps, --warmup, --block, --threads, --override, --strict."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     parser.add_argument("--steps", type=int, default=20, help=steps_help)
@@ -83,6 +87,8 @@ def bench_parser(description: str, *, steps_help: str, warmup_help: str, block_h
     parser.add_argument("--block", type=int, default=1, help=block_help)
     parser.add_argument("--threads", type=int, default=THREADS, help="torch threads (docs/architecture.md §9: 2)")
     parser.add_argument("--override", action="append", default=[], help=override_help)
+    parser.add_argument("--strict", action="store_true",
+                        help="refuse (exit status 3) a ratio whose sides did unequal work (bench/README.md)")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny",
                         help="tiny: the default task, ~3-token answers; long: arithmetic_cot, 30-256 tokens, "
                              "wider model")
@@ -120,6 +126,12 @@ def median(values: Iterable[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
+def mean(values: Iterable[Optional[float]]) -> float:
+    """The mean, nan when there are no values or one is missing."""
+    values = list(values)
+    return math.nan if not values or None in values else statistics.fmean(values)
+
+
 def peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
@@ -140,6 +152,91 @@ def emit(result: dict[str, Any], as_json: bool) -> None:
     else:
         for key, value in rounded.items():
             print(f"{key:>28}: {value}")
+
+
+# -- equal work ------------------------------------------------------------------------------------------------------
+WORK_KEYS = ("tokens", "gen_flops", "update_flops")  # per step: generated tokens, model FLOPs of each phase
+# what 3PO's sampled weights add to a step by design (docs/mfu.md "Prefills")
+WEIGHT_SAMPLES_BY_DESIGN = ("{name} prefills each prompt once per weight sample (N = {n}; GRPO once): those extra "
+                            "generation FLOPs are the algorithm's own")
+
+
+def weight_samples(cfg: Any) -> int:
+    """How many weight samples generate a step of `cfg` (3PO's C3PO and M3PO: N; otherwise 1)."""
+    noise = (cfg.algorithm.get("callbacks") or {}).get("param_noise")
+    if noise is None or noise.get("generate", "samples") != "samples" or noise.get("variant") not in ("c3po", "m3po"):
+        return 1
+    return int(noise.get("num_samples", 1))
+
+
+def spread(values: Iterable[Optional[float]]) -> float:
+    """How far apart non-negative figures are: largest / smallest − 1 (0 when equal, inf when only the smallest
+    is 0, nan when one is missing)."""
+    values = [math.nan if v is None else float(v) for v in values]
+    if any(math.isnan(v) for v in values):
+        return math.nan
+    lo, hi = min(values), max(values)
+    return 0.0 if hi == lo else math.inf if lo <= 0 else hi / lo - 1
+
+
+def within(values: Iterable[Optional[float]], tol: float) -> bool:
+    """True when the largest figure is at most (1 + tol) × the smallest (a missing one never is)."""
+    values = [math.nan if v is None else float(v) for v in values]
+    return not any(math.isnan(v) for v in values) and max(values) <= min(values) * (1 + tol)
+
+
+def equal_work(sides: dict[str, dict[str, Optional[float]]], tol: float = EQUAL_WORK_TOL,
+               by_design: Optional[str] = None) -> dict[str, Any]:
+    """The entry a ratio of configurations carries beside it: each side's work per step (`tokens` generated,
+    model FLOPs `gen_flops` and `update_flops`, docs/mfu.md), how far apart the sides' tokens and total FLOPs are
+    (`spread`), and `equal_work`: both within `tol`. `by_design` says why the work differs when the comparison is
+    meant so (e.g. TRL prefills every row): stated beside the flag, which stays as measured."""
+    if not 0 <= tol < 1:
+        raise ValueError(f"equal-work tolerance {tol!r}: a fraction in [0, 1), e.g. {EQUAL_WORK_TOL}")
+    if len(sides) < 2:
+        raise ValueError(f"equal_work compares two or more sides, got {sorted(sides)}")
+    figures = {name: {k: side.get(k) for k in WORK_KEYS} for name, side in sides.items()}
+    for side in figures.values():
+        gen, update = side["gen_flops"], side["update_flops"]
+        side["flops"] = None if gen is None or update is None else gen + update
+    tokens = [side["tokens"] for side in figures.values()]
+    flops = [side["flops"] for side in figures.values()]
+    entry = {"sides": figures, "tokens_spread": spread(tokens), "flops_spread": spread(flops), "tol": tol,
+             "equal_work": within(tokens, tol) and within(flops, tol)}
+    if by_design:
+        entry["by_design"] = by_design
+    return entry
+
+
+def describe_work(entry: dict[str, Any]) -> str:
+    """One line of an `equal_work` entry's figures: each side's tokens and FLOPs per step, and their spread."""
+    def number(v: Optional[float]) -> str:
+        return "n/a" if v is None or not math.isfinite(v) else f"{v:.4g}"
+
+    sides = "; ".join(f"{name} {number(s['tokens'])} tokens, {number(s['flops'])} FLOPs (generation "
+                      f"{number(s['gen_flops'])} + update {number(s['update_flops'])})"
+                      for name, s in entry["sides"].items())
+    line = (f"{sides} per step: tokens {number(100 * entry['tokens_spread'])} % apart, FLOPs "
+            f"{number(100 * entry['flops_spread'])} % (tolerance {number(100 * entry['tol'])} %)")
+    return line + (f"; by design: {entry['by_design']}" if "by_design" in entry else "")
+
+
+def report(result: dict[str, Any], args: argparse.Namespace, script: str) -> None:
+    """`emit(result)`, with the equal-work check: every entry `<ratio>_work` whose sides did unequal work is named
+    on stderr (and `result["equal_work"]` is false); with `--strict` the result is refused instead: exit status 3,
+    naming both sides' figures."""
+    entries = {key.removesuffix("_work"): v for key, v in result.items()
+               if key.endswith("_work") and isinstance(v, dict) and "equal_work" in v}
+    unequal = {ratio: entry for ratio, entry in entries.items() if not entry["equal_work"]}
+    if entries:
+        result["equal_work"] = not unequal
+    for ratio, entry in unequal.items():
+        print(f"{script}: {ratio} compares unequal work: {describe_work(entry)}", file=sys.stderr, flush=True)
+    if unequal and getattr(args, "strict", False):
+        print(f"{script}: --strict: refused, {', '.join(unequal)} compared unequal work (figures above)",
+              file=sys.stderr, flush=True)
+        raise SystemExit(3)
+    emit(result, args.json)
 
 
 def context() -> dict[str, Any]:
@@ -208,6 +305,12 @@ def timed(fn: Callable, record: Callable[[float], None]) -> Callable:
     return wrapper
 
 
+def generated_tokens(module: Any) -> Optional[int]:
+    """The response tokens `module` (an `RLVRModule`) has generated so far, or None for another module."""
+    counters = getattr(module, "counters", None)
+    return None if counters is None else int(counters["tokens_generated"])
+
+
 class StepRecorder(Callback):
     """Per training step: its wall time (batch start to batch end, so Lightning's own work is in it) and the
     module's logged step metrics. With a baton, set-up and each step first wait for their turn."""
@@ -217,6 +320,7 @@ class StepRecorder(Callback):
         self.rows: list[dict[str, float]] = []
         self._t0 = 0.0
         self._timed: dict[str, float] = {}  # per step: seconds spent in the calls `time_calls` wraps
+        self._tokens0: Optional[int] = None
 
     def time_calls(self, owner: Any, name: str, key: str) -> None:
         """Add the time spent in `owner.name` (a class's method or an object's) to each step's row as `key`."""
@@ -244,13 +348,17 @@ class StepRecorder(Callback):
         if self.baton is not None:
             self.baton.acquire(self.name)
         self._timed = dict.fromkeys(self._timed, 0.0)
+        self._tokens0 = generated_tokens(pl_module)
         self._t0 = time.perf_counter()
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         wall = time.perf_counter() - self._t0
         source = trainer.callback_metrics or getattr(pl_module, "step_metrics", {})
-        self.rows.append({"wall_s": wall, **{k: float(v) for k, v in source.items() if k in METRICS}, **self._timed})
+        row = {"wall_s": wall, **{k: float(v) for k, v in source.items() if k in METRICS}, **self._timed}
+        if self._tokens0 is not None:  # the response tokens the step generated (equal work)
+            row["tokens"] = float(generated_tokens(pl_module) - self._tokens0)
+        self.rows.append(row)
 
     @override
     def on_train_end(self, trainer, pl_module) -> None:
@@ -368,6 +476,18 @@ def run_in_turns(jobs: dict[str, tuple[Callable[..., Any], tuple]], baton: Baton
     for proc in procs:
         proc.join()
     return values, errors
+
+
+def work_per_step(rows: list[dict[str, float]], warmup: int) -> dict[str, float]:
+    """Means over the timed steps of the generated tokens and each phase's model FLOPs (`equal_work`'s side)."""
+    timed = rows[warmup:]
+
+    def flops(phase: str, seconds: str) -> list[Optional[float]]:
+        return [r[f"perf/flops_per_s_{phase}"] * r[seconds] if f"perf/flops_per_s_{phase}" in r else None
+                for r in timed]
+
+    return {"tokens": mean([r.get("tokens") for r in timed]), "gen_flops": mean(flops("gen", "time/gen_s")),
+            "update_flops": mean(flops("update", "time/train_s"))}
 
 
 def summarise_rows(rows: list[dict[str, float]], warmup: int) -> dict[str, float]:

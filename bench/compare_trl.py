@@ -21,7 +21,8 @@ apart within a few steps (TRL's completions grew from ~3 to ~11 tokens while our
 step times would compare different workloads. At 1e-12 (our module refuses lr 0) every step still runs the full
 AdamW update, while the weights move by less than float32 resolves, so the length distributions stay equal;
 `ours_response_len_mean` and `trl_response_len_mean`
-(tokens per completion, EOS included) show it.
+(tokens per completion, EOS included) show it, and `ratio_work` states both sides' tokens and model FLOPs per step
+(bench/README.md "Equal work"; TRL's prefill per row makes its FLOPs differ by design).
 """
 
 from __future__ import annotations
@@ -203,6 +204,7 @@ def run_trl(overrides: list[str], total: int, baton) -> dict:
         trainer, timer, reward = build_trl(cfg, algo, total, step_prompts(cfg, total), baton, output_dir)
         trainer.train()
     return {"walls": timer.walls, "gens": timer.gens, "lengths": reward.mean_lengths,
+            "tokens": [sum(lengths) for _, lengths in reward.batches],
             "flops": trl_flops(trainer.model, trainer.processing_class, reward.batches),
             "version": __import__("trl").__version__, "peak_rss_mb": common.peak_rss_mb()}
 
@@ -226,7 +228,26 @@ def run(args) -> dict:
     paired = [o["wall_s"] / t for o, t in zip(rows[args.warmup :], trl_walls)]
     ours_s, trl_s = ours_summary["median_step_s"], common.median(trl_walls)
     return {**run_result(args, ours, trl, ours_summary, paired, ours_s, trl_s),
-            **mfu_result(args, ours, trl, ours_summary, trl_s)}
+            **mfu_result(args, ours, trl, ours_summary, trl_s), "ratio_work": work(args, rows, trl)}
+
+
+# TRL's side cannot do our step's work exactly: it samples other tokens (its own generator), and its generation
+# prefills every row where ours prefills each prompt once
+TRL_BY_DESIGN = ("TRL prefills every row (ours: each prompt once) and samples its own tokens; "
+                 "algorithm.ignore_eos=true fixes both sides' lengths")
+
+
+def trl_work(trl: dict, warmup: int) -> dict[str, float]:
+    """TRL's generated tokens and model FLOPs per timed step (`run_trl`'s result)."""
+    flops = trl["flops"][warmup:]
+    return {"tokens": common.mean(trl["tokens"][warmup:]), "gen_flops": common.mean(f[0] for f in flops),
+            "update_flops": common.mean(f[1] for f in flops)}
+
+
+def work(args, rows: list[dict], trl: dict) -> dict:
+    """`ratio`'s equal-work entry: each side's generated tokens and model FLOPs per timed step."""
+    return common.equal_work({"ours": common.work_per_step(rows, args.warmup), "trl": trl_work(trl, args.warmup)},
+                             by_design=TRL_BY_DESIGN)
 
 
 def mfu_result(args, ours: dict, trl: dict, summary: dict, trl_s: float) -> dict:
@@ -304,7 +325,7 @@ def main(argv=None) -> None:
         print(f"compare_trl: TRL cannot run this workload: {err}", file=sys.stderr)
         common.emit({"error": str(err)}, args.json)
         raise SystemExit(2) from err
-    common.emit(result, args.json)
+    common.report(result, args, "compare_trl.py")
 
 
 if __name__ == "__main__":

@@ -143,12 +143,16 @@ def run(args) -> dict:
         result[f"{config}_rows_differing"] = sum(not torch.equal(a.token_ids, b.token_ids)
                                                  for a, b in zip(base, outputs[config], strict=True))
     all_on, all_on_cpu = common.median(times["all_on"]), common.median(cpu_times["all_on"])
+    base_work = work(engine, prompts, group, base, "all_on")
     for config in configs:
         result[f"{config}_s"] = common.median(times[config])
         result[f"{config}_cpu_s"] = common.median(cpu_times[config])
         if config != "all_on":
             result[f"all_on_over_{config}"] = all_on / result[f"{config}_s"]
             result[f"all_on_over_{config}_cpu"] = all_on_cpu / result[f"{config}_cpu_s"]
+            result[f"all_on_over_{config}_work"] = common.equal_work(
+                {"all_on": base_work, config: work(engine, prompts, group, outputs[config], config)},
+                by_design=PREFILL_PER_ROW if config == "prefill_per_row" else None)
     for key in ("prefill_s", "decode_s", "pick_s", "other_s"):
         result[f"all_on_{key}"] = common.median([s[key] for s in splits])
     result.update(generation_utilisation(engine, prompts, group, base, all_on, all_on_cpu))
@@ -160,6 +164,26 @@ def run(args) -> dict:
     return result
 
 
+# the one configuration whose model FLOPs differ by design: what all_on saves is that work
+PREFILL_PER_ROW = "prefill_per_row prefills every row, all_on each prompt once: the extra FLOPs are what all_on saves"
+
+
+def work(engine, prompts, group: int, completions, config: str) -> dict[str, float]:
+    """Generated tokens and model FLOPs of one configuration's batch (docs/mfu.md): one prefill per prompt, or per
+    row with `prefill_per_row`; no update."""
+    import torch
+
+    from lit_rlvr import functional as F
+    from lit_rlvr.run.perf import transformer_shape
+
+    lengths = torch.tensor([len(p) for p in prompts])  # [B]
+    prompt = lengths.repeat_interleave(group)  # [B·G]
+    response = torch.tensor([len(c.token_ids) for c in completions])  # [B·G]
+    prefill = prompt if config == "prefill_per_row" else lengths
+    flops, _ = F.generation_flops(prefill, prompt, response, **transformer_shape(engine.model.config))
+    return {"tokens": float(response.sum()), "gen_flops": float(flops), "update_flops": 0.0}
+
+
 def generation_utilisation(engine, prompts, group: int, completions, seconds: float,
                            cpu_seconds: float) -> dict[str, float]:
     """The batch's model FLOPs and the bytes it must read (one prefill per prompt, as `all_on` runs it;
@@ -167,14 +191,13 @@ def generation_utilisation(engine, prompts, group: int, completions, seconds: fl
     CPU time per thread."""
     import torch
 
-    from lit_rlvr import functional as F
     from lit_rlvr.functional.flops import KV_SHAPE_KEYS, generation_bytes
     from lit_rlvr.run.perf import cpu_bandwidth, cpu_peak, transformer_shape
 
     lengths = torch.tensor([len(p) for p in prompts])  # [B]
     response = torch.tensor([len(c.token_ids) for c in completions])  # [B·G]
     shape = transformer_shape(engine.model.config)
-    flops, _ = F.generation_flops(lengths, lengths.repeat_interleave(group), response, **shape)
+    flops = work(engine, prompts, group, completions, "all_on")["gen_flops"]
     weights = list(engine.model.parameters())
     moved, _ = generation_bytes(lengths, lengths.repeat_interleave(group), response, torch.zeros_like(response),
                                 parameters=sum(w.numel() for w in weights), dtype_bytes=weights[0].element_size(),
@@ -227,7 +250,7 @@ def main(argv=None) -> None:
     parser.add_argument("--shrink", default="", help="comma-separated row-cut thresholds to time beside the "
                         "shipped 0.75, e.g. 0.875,0.9 (configurations shrink_<x>)")
     args = common.parse_bench_args(parser, argv)
-    common.emit(run(args), args.json)
+    common.report(run(args), args, "generation.py")
 
 
 if __name__ == "__main__":

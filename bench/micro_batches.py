@@ -60,6 +60,18 @@ def timed_pass(module, rollouts, tokens) -> tuple[float, "object", float]:
     return seconds, grad, float(sums["micro/padding_frac"])
 
 
+def batch_work(module, rollouts) -> dict[str, float]:
+    """The update's tokens and model FLOPs over `rollouts` (docs/mfu.md; padding excluded), one pass, no
+    generation: the same for every variant, which partitions the same batch."""
+    from lit_rlvr import functional as F
+    from lit_rlvr.functional.flops import SHAPE_KEYS
+
+    perf = module.flops
+    flops, _ = F.update_flops(rollouts.prompt_mask.sum(-1), rollouts.response_mask.sum(-1), adapter=perf.adapter,
+                              **{k: perf.shape[k] for k in SHAPE_KEYS})
+    return {"tokens": float(rollouts.num_tokens()), "gen_flops": 0.0, "update_flops": float(flops)}
+
+
 def run(args) -> dict:
     budgets = [int(t) for t in args.tokens.split(",") if t.strip()]
     if not budgets or min(budgets) < 1:
@@ -77,6 +89,7 @@ def run(args) -> dict:
             grads[name], padding[name] = grad, pad
     lengths = rollouts.response_mask.sum(-1).float()
     fixed_s = common.median(times["fixed"])
+    work = batch_work(module, rollouts)
     result = {"workload": args.workload, "repeats": args.repeats, "completions": len(lengths),
               "response_len_mean": float(lengths.mean()), "response_len_max": float(lengths.max()),
               "micro_batch_size": module.algorithm.micro_batch_size, "budget": BUDGET,
@@ -86,6 +99,7 @@ def run(args) -> dict:
         result[f"{name}_over_fixed"] = result[f"{name}_s"] / fixed_s
         result[f"{name}_padding_frac"] = padding[name]
         result[f"{name}_grad_rel_diff"] = float((grads[name] - grads["fixed"]).norm() / grads["fixed"].norm())
+        result[f"{name}_over_fixed_work"] = common.equal_work({"fixed": work, name: work})
     result["spread"] = {n: [round(t, 3) for t in ts] for n, ts in times.items()}
     result.update(peak_rss_mb=common.peak_rss_mb(), **common.context())
     return result
@@ -95,7 +109,7 @@ def main(argv=None) -> None:
     parser = common.rounds_parser(__doc__.split("\n\n")[0], "timed rounds (each runs every variant once)")
     parser.add_argument("--tokens", default="2048,4096,8192", help="micro_batch_tokens values to time")
     args = common.parse_bench_args(parser, argv)
-    common.emit(run(args), args.json)
+    common.report(run(args), args, "micro_batches.py")
 
 
 if __name__ == "__main__":

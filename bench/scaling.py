@@ -58,6 +58,7 @@ def run_point(axis: str, value: int, args) -> dict:
         jobs["trl"] = (compare_trl.run_trl, (overrides, total))
     values, errors = common.run_in_turns(jobs, common.Baton(names, 1), args.threads)
     point = {"axis": axis, "value": value, **common.context()}
+    work = {}
     for name in names:
         if name in errors:
             point[name] = {"error": errors[name].splitlines()[0]}
@@ -68,10 +69,17 @@ def run_point(axis: str, value: int, args) -> dict:
         if "rows" in run:
             summary = common.summarise_rows(run["rows"], args.warmup)
             entry.update(gen_s=summary["gen_s"], train_s=summary["train_s"], len_mean=summary["response_len_mean"])
+            work[name] = common.work_per_step(run["rows"], args.warmup)
         else:
             entry.update(gen_s=common.median(run["gens"][args.warmup :]),
                          len_mean=common.median(run["lengths"][args.warmup :]))
+            work[name] = compare_trl.trl_work(run, args.warmup)
         point[name] = entry
+    if len(work) > 1:  # the curves are drawn side by side: what each trainer's step did at this point
+        notes = [common.WEIGHT_SAMPLES_BY_DESIGN.format(name="c3po", n=common.weight_samples(
+                     common.compose("c3po", overrides)))] if "c3po" in work else []
+        notes += [compare_trl.TRL_BY_DESIGN] if "trl" in work else []
+        point["work"] = common.equal_work(work, by_design="; ".join(notes) or None)
     return point
 
 
@@ -150,7 +158,9 @@ def main(argv=None) -> None:
     out.write_text(json.dumps(result, indent=1) + "\n")
     plot(points, Path(args.figure))
     common.emit({"out": str(out), "figure": args.figure, "slopes": result["slopes"],
-                 "slopes_top": result["slopes_top"]}, args.json)
+                 "slopes_top": result["slopes_top"],
+                 "equal_work": {f"{p['axis']}={p['value']}": p["work"]["equal_work"] for p in points if "work" in p}},
+                args.json)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ tiny model's 16 is not: pass a model with larger heads to both (`--override mode
 `--compare a,b,…` runs the algorithms in processes that take turns (`--block` steps each, never
 two at once), and reports each one's medians, peak RSS and `b_over_a` = median step(b) / median step(a). An entry
 may carry its own Hydra overrides after `+`, e.g. `--compare grpo,grpo+model.lora.rank=8` (full fine-tuning
-against rank-8 LoRA in one run).
+against rank-8 LoRA in one run). Each ratio carries `b_over_a_work`: both sides' generated tokens and model FLOPs
+per step and `equal_work` (within 3 %; bench/README.md "Equal work"); `--strict` refuses a ratio of unequal work.
 """
 
 from __future__ import annotations
@@ -84,15 +85,22 @@ def measure(algorithms: list[str], steps: int, warmup: int, block: int, override
             raise RuntimeError(f"{name}: {len(rows)} steps recorded, expected {warm + steps}")
         out[name] = {"algorithm": name, "steps": steps, "warmup": warm, **common.summarise_rows(rows, warm)}
         out[name]["_walls"] = [r["wall_s"] for r in rows[warm:]]
+        out[name]["_work"] = common.work_per_step(rows, warm)
+        out[name]["_samples"] = common.weight_samples(common.compose(*entry(name, overrides)))
         out[name]["peak_flops"] = run["peak_flops"]  # what mfu_* divide by (lit_rlvr.run.perf)
         out[name]["peak_rss_mb"] = run["peak_rss_mb"]
     return out, max(run["peak_rss_mb"] for run in runs.values())
 
 
+def private(summary: dict) -> dict:
+    """Pop the figures `measure` keeps for the ratios (keys starting with "_") from `summary`, and return them."""
+    return {key: summary.pop(key) for key in [k for k in summary if k.startswith("_")]}
+
+
 def single(args) -> dict:
     summaries, peak_rss = measure([args.algorithm], args.steps, args.warmup, 1, args.override)
     (summary,) = summaries.values()
-    summary.pop("_walls")
+    private(summary)
     result = {"algorithm": summary.pop("algorithm"), "steps": summary.pop("steps"), **summary,
               "peak_rss_mb": peak_rss, **common.context()}
     if "mfu_update" in result:
@@ -114,17 +122,26 @@ def flops_floor(base: dict, other: dict) -> float | None:
     return 1 + extra / base["median_step_s"]
 
 
+def by_design(kept: dict[str, dict], sides: tuple[str, str]) -> str | None:
+    """Why two algorithms' FLOPs differ by design: 3PO's weight samples each prefill the prompts."""
+    samples = {name: kept[name]["_samples"] for name in sides}
+    if len(set(samples.values())) == 1:
+        return None
+    return "; ".join(common.WEIGHT_SAMPLES_BY_DESIGN.format(name=name, n=n) for name, n in samples.items() if n > 1)
+
+
 def compare(args) -> dict:
     names = [n.strip() for n in args.compare.split(",") if n.strip()]
     if len(names) < 2 or len(set(names)) != len(names):
         raise SystemExit(f"--compare needs two or more different algorithms, got {args.compare!r}")
     summaries, peak_rss = measure(names, args.steps, args.warmup, args.block, args.override, args.threads)
     base = names[0]
+    kept = {name: private(summaries[name]) for name in names}
     result = {"compare": names, "steps": args.steps, "block": args.block}
     for name in names[1:]:
         key = f"{name}_over_{base}"
         result[key] = summaries[name]["median_step_s"] / summaries[base]["median_step_s"]
-        paired = [b / a for a, b in zip(summaries[base]["_walls"], summaries[name]["_walls"])]
+        paired = [b / a for a, b in zip(kept[base]["_walls"], kept[name]["_walls"])]
         result[f"{key}_paired"] = common.median(paired)  # median of step-by-step ratios: robust to load swings
         if "noise_s" in summaries[name] and "noise_s" not in summaries[base]:
             # the noise draws alone, on top of the base step: the ratio cannot go below this
@@ -134,8 +151,9 @@ def compare(args) -> dict:
             result[f"{key}_flops_floor"] = floor
         if key in BUDGETS:
             result[f"{key}_budget"] = BUDGETS[key]
+        result[f"{key}_work"] = common.equal_work({n: kept[n]["_work"] for n in (base, name)},
+                                                   by_design=by_design(kept, (base, name)))
     for name in names:
-        summaries[name].pop("_walls")
         result[name] = {k: v for k, v in summaries[name].items() if k not in ("algorithm", "steps")}
     result.update(peak_rss_mb=peak_rss, **common.context())
     return result
@@ -146,15 +164,16 @@ def engines(args) -> dict:
     if len(names) < 2 or len(set(names)) != len(names):
         raise SystemExit(f"--engines needs two or more different engine configs, got {args.engines!r}")
     result = {"engines": names, "algorithm": args.algorithm, "steps": args.steps}
-    peak = 0.0
+    peak, work = 0.0, {}
     for name in names:
         summaries, rss = measure([args.algorithm], args.steps, args.warmup, 1, [*args.override, f"engine={name}"])
         (summary,) = summaries.values()
-        summary.pop("_walls")
+        work[name] = private(summary)["_work"]
         result[name] = {k: v for k, v in summary.items() if k not in ("algorithm", "steps")}
         peak = max(peak, rss)
     for name in names[1:]:
         result[f"{name}_over_{names[0]}"] = result[name]["median_step_s"] / result[names[0]]["median_step_s"]
+        result[f"{name}_over_{names[0]}_work"] = common.equal_work({n: work[n] for n in (names[0], name)})
     result.update(peak_rss_mb=peak, **common.context())
     return result
 
@@ -169,7 +188,7 @@ def main(argv=None) -> None:
     parser.add_argument("--engines", default=None, help="comma-separated engine configs run in turn, e.g. hf,vllm_cpu")
     args = common.parse_bench_args(parser, argv)
     result = engines(args) if args.engines else compare(args) if args.compare else single(args)
-    common.emit(result, args.json)
+    common.report(result, args, "step_time.py")
 
 
 if __name__ == "__main__":
