@@ -57,8 +57,8 @@ def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", default="arithmetic_cot", help="a task of scripts/reproduce_settings.py: its "
-                                                                 "pinned warm-up is the checkpoint (unless --model-dir)")
+    parser.add_argument("--task", default="arithmetic_cot",
+                        help="a task of scripts/reproduce_settings.py: its pinned warm-up is the checkpoint")
     parser.add_argument("--model-dir", default=None, help="an HF directory to probe instead of the task's warm-up")
     parser.add_argument("--prompts", type=int, default=256, help="prompts of the warm-up's dev slice")
     parser.add_argument("--group-size", type=int, default=16, help="G")

@@ -59,7 +59,8 @@ PANELS = [
 SCALE_HELP = {"steps": "optimizer steps per run (equal for every method)", "batch_size": "prompts per RL step",
               "num_test": "held-out prompts", "eval_samples": "held-out samples per prompt (mean@k, pass@k; T = 1)",
               "eval_every": "held-out evaluation every n steps during training (0: before and after only)",
-              "oracle_every": "oracle baseline on every n-th step (0: no oracle)", "oracle_samples": "oracle rollouts per prompt"}
+              "oracle_every": "oracle baseline on every n-th step (0: no oracle)",
+              "oracle_samples": "oracle rollouts per prompt"}
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

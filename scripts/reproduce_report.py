@@ -121,7 +121,8 @@ def claims_table(per_run: Runs) -> str:
 
 # -- figures ---------------------------------------------------------------------------------------------------------
 def exploration_figure(per_run: Runs, ess: dict[str, float], out: Path, title: str) -> None:
-    """Two panels: held-out accuracy after training against λ (the runs named in `ess`, mean ± sd over seeds, log axis), and the
+    """Two panels: held-out accuracy after training against λ (the runs named in `ess`, mean ± sd over seeds, log
+    axis), and the
     dead-group probe's rescued shares per probed method (mean ± sd over seeds)."""
     from lit_rlvr.config.extras import require
 

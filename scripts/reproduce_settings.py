@@ -38,7 +38,8 @@ def ivon(lr: float, ess: float = 1e8, num_samples: int = 4, generate: str = "sam
             "algorithm.optimizer_options.weight_decay=0.000001", "algorithm.optimizer_options.beta1=0.9",
             "algorithm.optimizer_options.beta2=0.9999", "algorithm.optimizer_options.clip_radius=1.0",
             "algorithm.optimizer_options.hess_approx=price", "algorithm.optimizer_options.rescale_lr=true",
-            "algorithm.callbacks.param_noise.variant=c3po", f"algorithm.callbacks.param_noise.num_samples={num_samples}",
+            "algorithm.callbacks.param_noise.variant=c3po",
+            f"algorithm.callbacks.param_noise.num_samples={num_samples}",
             "algorithm.seq_mask_tau=2.0", *([f"algorithm.callbacks.param_noise.generate={generate}"]
                                             if generate != "samples" else [])]
 
@@ -204,7 +205,8 @@ EXPLORATION_FIGURES = [
     ("malformed_weights", "malformed: weight samples"),
     ("malformed_hot", "malformed: T = 1.5"),
 ]
-DIGITS = {"noise_rel": 4, "weight_change": 4, "rollouts": 0, "tokens": 0, "wall_s": 0, "baseline_mse": 4, "malformed_frac": 4, "clip_tail": 4,
+DIGITS = {"noise_rel": 4, "weight_change": 4,
+          "rollouts": 0, "tokens": 0, "wall_s": 0, "baseline_mse": 4, "malformed_frac": 4, "clip_tail": 4,
           "len_tail": 1}
 # a figure of a pair of runs (method, reference) rather than of one run: see reproduce.paired_figure
 EQUAL_ROLLOUTS = "acc_at_equal_rollouts"

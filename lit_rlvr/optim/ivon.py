@@ -408,8 +408,8 @@ class IVON(ivon.IVON):
     def noise_stats(self) -> dict[str, Tensor]:
         """Detached scalar tensors (no device sync): mean σ over all (local) elements, and the RMS of the
         perturbation θ − m of the last sample as actually written (after rounding to the param dtype; 0
-        before any sample), that RMS over the RMS of the weights m (`noise/relative`), and how many weights the posterior covers (`noise/numel`: the adapters alone with
-        LoRA). Under FSDP these are this rank's shards only."""
+        before any sample), that RMS over the RMS of the weights m (`noise/relative`), and how many weights the
+        posterior covers (`noise/numel`: the adapters alone with LoRA). Under FSDP these are this rank's shards only."""
         total = torch.zeros((), device=self._device, dtype=torch.float32)
         for group in self.param_groups:
             total += (1.0 / (group["ess"] * (group["hess"] + group["weight_decay"])).sqrt()).sum()
