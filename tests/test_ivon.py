@@ -253,7 +253,7 @@ def test_sigma_and_noise_stats():
     sig = opt.sigma()
     assert [s.shape for s in sig] == [p.shape for p in model.parameters()]
     stats = opt.noise_stats()
-    assert set(stats) == {"noise/sigma_mean", "noise/param_delta_rms", "noise/numel"}
+    assert set(stats) == {"noise/sigma_mean", "noise/param_delta_rms", "noise/relative", "noise/numel"}
     assert stats["noise/numel"] == sum(p.numel() for g in opt.param_groups for p in g["params"])
     assert all(isinstance(v, torch.Tensor) and not v.requires_grad for v in stats.values())
     torch.testing.assert_close(stats["noise/sigma_mean"], torch.tensor(expected))
