@@ -126,6 +126,7 @@ def main(argv=None) -> None:
 
     mean_correct, mean_malformed, mean_acc = draw("mean", 0, args.temperature)
     dead = ~mean_correct
+    print(f"  dead at the mean: {int(dead.sum())} of {len(prompts)}", flush=True)
     arms = [("again", args.temperature, None)]
     arms += [(f"T = {t:g}", t, None) for t in map(float, args.hot.split(","))]
     arms += [(f"λ = {e:.0e}", args.temperature, e) for e in map(float, args.ess.split(","))]
@@ -138,6 +139,7 @@ def main(argv=None) -> None:
         rows.append({"arm": arm, "temperature": temperature, "ess": ess, "rescued_count": hits, "n_dead": n,
                      "rescued": hits / n if n else math.nan, "ci95": [low, high], "malformed": malformed,
                      "accuracy": acc})
+        print(f"  {arm}: rescued {hits} / {n} [{low:.3f}, {high:.3f}], malformed {malformed:.3f}", flush=True)
     print(f"\n{args.prompts} prompts × G = {args.group_size}; dead at the mean (T = {args.temperature:g}): "
           f"{int(dead.sum())} ({dead.float().mean():.3f}); model {model_dir}\n")
     print("| arm | rescued / dead | share [95 % CI] | malformed | accuracy of the arm's completions |")
