@@ -92,11 +92,12 @@ def task_model(task_name: str) -> tuple[str, dict]:
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    if args.model_dir:
-        model_dir, options = args.model_dir, {}
+    if args.model_dir:  # a warm-up's directory records its task, levels and completion budget
+        record = Path(args.model_dir).expanduser() / "warmup.json"
+        model_dir, options = args.model_dir, json.loads(record.read_text()) if record.exists() else {}
     else:
         model_dir, options = task_model(args.task)
-    task_name = options.get("task", "arithmetic_cot")
+    task_name = options.get("task", "arithmetic")  # (warm_start_tiny's default task)
     task_class, _ = WARMUP_TASKS[task_name]
     levels = tuple(options.get("levels", task_class.levels))
     problems = dev_problems(task_class(levels=levels, seed=0), args.prompts)

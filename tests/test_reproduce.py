@@ -360,3 +360,22 @@ def test_dead_group_probe_without_ivon_and_its_counting():
                 dict(num_samples=0)):
         with pytest.raises(ValueError, match="DeadGroupProbe"):
             DeadGroupProbe(**bad)
+
+
+def test_dead_groups_script_counts_and_intervals(tiny_path, tmp_path):
+    """scripts/dead_groups.py on the default warm-up, tiny: every arm counted against the same dead prompts, the
+    Wilson interval around each share, nothing drawn twice with one seed."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import dead_groups
+
+    low, high = dead_groups.wilson(5, 10)
+    assert low == pytest.approx(0.2366, abs=1e-4) and high == pytest.approx(0.7634, abs=1e-4)
+    assert all(math.isnan(v) for v in dead_groups.wilson(0, 0))  # no dead prompt, no share
+    out = tmp_path / "dead.json"
+    dead_groups.main(["--model-dir", tiny_path, "--prompts", "12", "--group-size", "2", "--num-samples", "2",
+                      "--hot", "1.3", "--ess", "1e6", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["arm"] for r in rows] == ["mean (defines dead)", "again", "T = 1.3", "λ = 1e+06"]
+    dead = rows[0]["n_dead"]
+    assert all(r["n_dead"] == dead and 0 <= r["rescued_count"] <= dead for r in rows[1:])
+    assert all(0 <= r["malformed"] <= 1 for r in rows)
