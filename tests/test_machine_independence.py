@@ -49,8 +49,8 @@ def _run(run_dir: Path, model_dir: Path, env: dict[str, str]) -> tuple[dict, dic
 @pytest.fixture(scope="module")
 def runs(tiny_path, tmp_path_factory) -> dict[str, tuple[dict, dict]]:
     """`shared`: from the session's warm-up, this CPU's kernels; `lower`: the lower kernels, a cold cache of its
-    own (the same settings; the kernel family in the cache key names its entry). Side by side with 1 thread each, on CI's 2 cores (2 threads
-    each made the shared run's 60 steps 2.5x slower: its threads waited on each other)."""
+    own (the same settings; the kernel family in the cache key names its entry). Side by side with 1 thread each,
+    on CI's 2 cores (2 threads each made the shared run's 60 steps 2.5x slower: its threads waited on each other)."""
     base, shared = tmp_path_factory.mktemp("float_orders"), Path(tiny_path)
     plans = {"shared": (shared, ONE_THREAD), "lower": (base / "cache" / shared.name, {**ONE_THREAD, **LOWER})}
     with ThreadPoolExecutor(len(plans)) as pool:
