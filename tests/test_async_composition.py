@@ -4,6 +4,8 @@ the HF engine; the SGLang and vLLM engines run async in the live stages."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 import threading
 from pathlib import Path
@@ -18,6 +20,8 @@ from lit_rlvr.config.settings import AlgorithmConfig, RolloutConfig
 from lit_rlvr.hooks import check_rl_callbacks
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.optim import IVON, sample_seed
+from lit_rlvr.rollout.hf import HFEngine
+from lit_rlvr.rollout.pipeline import RolloutPipeline
 from lit_rlvr.rollout.weight_sync import WeightSync
 
 ASYNC = ("rollout.mode=async", "rollout.max_staleness=1")
@@ -59,6 +63,79 @@ def test_async_refusals_say_why(overrides, says, tiny_path, tmp_path):
     with pytest.raises(ConfigError, match=says) as caught:
         run(tmp_path, tiny_path, *overrides)
     assert "\n" not in str(caught.value) and "rollout.mode=async" in str(caught.value)
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (("algorithm=c3po", "engine.options.sync_check_every=0"), "would continue under the new mean"),
+    (("engine=sglang", "engine.options.sync_check_every=0"), "built for the HF engine only"),
+    (("rollout.mode=sync",), "needs rollout.mode=async"),
+    (("rollout.mode=async",), "none would land mid-batch"),  # (the post-push check after every push: the default)
+], ids=["c3po", "sglang", "sync", "check-every-push"])
+def test_partial_rollout_refusals_say_why(overrides, says, tiny_path, tmp_path):
+    with pytest.raises(ConfigError, match=says) as caught:
+        mode = [] if any(o.startswith("rollout.mode") for o in overrides) else ["rollout.mode=async"]
+        train_in_process(tmp_path, [f"model.name_or_path={tiny_path}", "rollout.partial_rollout=true", *mode,
+                                    *overrides])
+    assert "\n" not in str(caught.value) and "rollout.partial_rollout=true" in str(caught.value)
+
+
+@pytest.mark.parametrize("kv, extra", [
+    ("keep", ()), ("recompute", ()), ("recompute", ("env=calculator",)), ("keep", ("model.lora.rank=4",)),
+    ("recompute", ("model.lora.rank=4", "engine.options.lora_sync=merged")),
+], ids=["keep", "recompute", "calculator", "lora-adapter", "lora-merged"])
+def test_partial_rollouts_land_each_push_in_the_batch_being_generated(kv, extra, tiny_path, tmp_path, monkeypatch):
+    """A handshake makes every push land inside a batch: the trainer's push waits until the producer is decoding,
+    and the producer holds the first decode step of each batch after the first until that push is staged. Each
+    completion then holds tokens of two versions in order, and the bound reads its oldest."""
+    decoding, pushed, trained, calls = threading.Event(), threading.Event(), [], itertools.count()
+    pushing, forward, generate = RolloutPipeline.pushing, HFEngine._forward, HFEngine.generate
+    held = threading.local()
+
+    @contextlib.contextmanager
+    def pushing_spy(self, version):
+        decoding.wait(timeout=10)
+        with pushing(self, version):
+            yield
+        pushed.set()
+
+    def generate_spy(self, *args, **kwargs):  # the first batch meets no push: the trainer waits for it
+        held.waiting = threading.current_thread().name == "lit-rlvr-producer" and next(calls) > 0
+        try:
+            return generate(self, *args, **kwargs)
+        finally:
+            decoding.clear()
+
+    def forward_spy(self, ids, *args, **kwargs):
+        out = forward(self, ids, *args, **kwargs)
+        if ids.shape[1] == 1 and getattr(held, "waiting", False):  # the call's first decode step
+            held.waiting = False
+            decoding.set()
+            if pushed.wait(timeout=10):
+                pushed.clear()
+        return out
+
+    collect = GRPOModule.collect
+
+    def collect_spy(self, batch):
+        rollouts = collect(self, batch)
+        if rollouts is not None:
+            trained.append(rollouts)
+        return rollouts
+
+    for cls, name, spy in ((RolloutPipeline, "pushing", pushing_spy), (HFEngine, "_forward", forward_spy),
+                           (HFEngine, "generate", generate_spy), (GRPOModule, "collect", collect_spy)):
+        monkeypatch.setattr(cls, name, spy)
+    summary, rows = run(tmp_path, tiny_path, "rollout.partial_rollout=true", f"rollout.kv_at_swap={kv}",
+                        "algorithm.ignore_eos=true", "engine.options.sync_check_every=0", *extra)
+    assert summary["optimizer_steps"] == len(rows) == 3
+    assert [float(r["async/staleness_max"]) for r in rows] == [0.0, 1.0, 1.0]  # the oldest token's version
+    assert [float(r["async/partial_frac"]) for r in rows][1:] == [1.0, 1.0]  # the first batch met no push
+    for update, rollouts in enumerate(trained[1:], start=1):  # planned at update - 1, finished under update
+        sampled = rollouts.token_version[rollouts.response_mask]
+        assert set(sampled.tolist()) == {update - 1, update}
+        assert rollouts.policy_version.tolist() == [update - 1] * rollouts.num_samples
+        for row in rollouts.token_version:  # segments in order: a version never goes back
+            assert (row[1:] >= row[:-1]).logical_or(row[1:] == 0).all()
 
 
 def test_callbacks_that_read_the_steps_weights_are_refused_in_async_mode():

@@ -60,11 +60,10 @@ def train(pipeline: RolloutPipeline, driver: ScriptedDriver, indices, version: i
         assert item.result.plan.prompts == batch(item.index)["prompt"]
         trained.append((item.index, version - item.version))
         time.sleep(update_s)
-        with pipeline.engine_access():
+        with pipeline.engine_access(), pipeline.pushing(version + 1):
             assert not driver.busy.locked()  # a push never meets a generation under way
             version += 1
             driver.weight_sync.version = version
-            pipeline.pushed(version)
     return trained, version
 
 
@@ -142,7 +141,7 @@ def test_producer_error_reaches_the_trainer():
 
 
 @pytest.mark.parametrize("bad", [{"max_staleness": -1}, {"max_staleness": 1.5}, {"mode": "asynch"},
-                                 {"stale_strategy": "evict"}])
+                                 {"stale_strategy": "evict"}, {"partial_rollout": "yes"}, {"kv_at_swap": "drop"}])
 def test_settings_refused_in_one_line(bad):
     with pytest.raises(ConfigError, match=f"rollout.{next(iter(bad))}"):
         RolloutConfig(**bad)

@@ -66,7 +66,8 @@ class ModuleSettings:
     def async_problems(self) -> list[str]:
         """What `rollout.mode=async` cannot run with, one line each (docs/async.md)."""
         if self.rollout.mode != "async":
-            return []
+            return (["rollout.partial_rollout=true needs rollout.mode=async (a synchronous run pushes between batches)"]
+                    if self.rollout.partial_rollout else [])
         algo, problems = self.algorithm, []
         correction = algo.rollout_correction
         if not correction.bypass and correction.rollout_is is None:
@@ -81,6 +82,19 @@ class ModuleSettings:
             problems.append(f"rollout.mode=async with engine.options.mode={self.engine.options['mode']!r}: the "
                             "producer generates while the trainer changes its weights, so the engine needs its own "
                             "copy; set engine.options.mode=copy (the default in async mode)")
+        if self.rollout.partial_rollout and self.engine.name != "hf":
+            problems.append(f"rollout.partial_rollout=true with engine={self.engine.name}: pushes that land while a "
+                            "batch is generated are built for the HF engine only; set rollout.partial_rollout=false "
+                            "(each batch finishes under the weights it began with) or engine=hf")
+        if self.rollout.partial_rollout and self.engine.options.get("sync_check_every", 1) == 1:
+            problems.append("rollout.partial_rollout=true with engine.options.sync_check_every=1: the post-push check "
+                            "samples with the engine, so every push would wait for its batch to end and none would "
+                            "land mid-batch; set engine.options.sync_check_every=0 (off) or k > 1 (every k-th push "
+                            "waits and is checked)")
+        if self.rollout.partial_rollout and algo.optimizer == "ivon":
+            problems.append("rollout.partial_rollout=true with algorithm.optimizer=ivon (3PO): a completion drawn by "
+                            "a weight sample would continue under the new mean, not a sample; set "
+                            "rollout.partial_rollout=false")
         if algo.optimizer == "ivon" and self.model.lora.enabled:
             problems.append("rollout.mode=async with algorithm.optimizer=ivon (3PO) and model.lora: the producer "
                             "pushes 3PO's weight samples as full weights drawn at plan time, and sampled adapters "

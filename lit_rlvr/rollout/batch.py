@@ -77,6 +77,9 @@ class Rollouts:
     # [N] long: the version (updates, i.e. RL steps) of the weights that generated each completion
     # (rollout.mode=async); None = the step that trains it (synchronous)
     policy_version: Optional[Tensor] = None
+    # [N, T] long, with partial rollouts (rollout.partial_rollout=true): the version of the weights that drew each
+    # token (a completion that spans a push has several; 0 past its end); None otherwise
+    token_version: Optional[Tensor] = None
     # [N] long each, with 3PO in async mode: the generating weight sample's index j and the seed of its noise's
     # first parameter, `sample_seed(seed, t, j, rank, 0)` (lit_rlvr.optim; t: IVON's steps when the plan was made,
     # = policy_version unless a non-finite step was skipped); None otherwise
@@ -209,6 +212,7 @@ class Rollouts:
             adv_group=cat_optional("adv_group"),
             token_weights=None,
             policy_version=cat_optional("policy_version"),
+            token_version=(cat("token_version") if all(p.token_version is not None for p in parts) else None),
             sample_index=cat_optional("sample_index"),
             sample_seed=cat_optional("sample_seed"),
             prior_version=cat_optional("prior_version"),
@@ -299,6 +303,10 @@ def rollouts_from_completions(
     response_ids = torch.full((len(flat), width), pad_id, dtype=torch.long)  # [N, T]
     old_logp = torch.zeros((len(flat), width))  # [N, T]
     response_mask = present.clone()  # [N, T]
+    versions = None  # [N, T]: each token's weights' tag, when the engine tagged every completion
+    if flat and all(c.versions is not None for c in flat):
+        versions = torch.zeros((len(flat), width), dtype=torch.long)
+        versions[present] = torch.cat([c.versions for c in flat])
     if flat:  # one scatter of all rows' tokens into the right-padded grid
         response_ids[present] = torch.cat([c.token_ids for c in flat])
         old_logp[present] = torch.cat([c.logprobs for c in flat]).float()
@@ -318,4 +326,5 @@ def rollouts_from_completions(
         prompts=plan.prompts,
         answers=plan.answers,
         finish_reason=[c.finish_reason for c in flat],
+        token_version=versions,
     )

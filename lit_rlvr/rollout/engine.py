@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
@@ -94,6 +94,8 @@ class Completion:
     logprobs: Tensor  # [t] float: log-prob of each token under softmax(logits / temperature)
     finish_reason: str  # "stop" | "length"
     token_mask: Optional[Tensor] = None  # [t] bool, True = sampled (False: an environment's observation); None = all
+    # [t] long: the tag of the weights whose logits drew each token (`RolloutEngine.push_in_flight`); None = untagged
+    versions: Optional[Tensor] = None
 
 
 class RolloutEngine:
@@ -118,6 +120,7 @@ class RolloutEngine:
     serves_many_adapters: bool = False  # True: one `generate_stacked` call mixes adapters, one per weight source
     adapter_base_by_name: bool = True  # with adapters: the base weights arrive once by HF name (a server's dummy start)
     max_lora_rank: Optional[int] = None  # the largest adapter rank it serves (None: any); checked with the config
+    swaps_in_flight: bool = False  # True: `push_in_flight` lands a push between two decode steps of a generation
 
     def generate(
         self, prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int], params: SamplingParams
@@ -141,6 +144,14 @@ class RolloutEngine:
         one generation uses when `SamplingParams.adapter` is None (3PO's samples for a multi-adapter call are loaded
         aside); when `serves_lora`."""
         raise NotImplementedError(f"{type(self).__name__} serves no LoRA adapters")
+
+    def push_in_flight(self, tag: int, *, recompute_kv: bool = False) -> AbstractContextManager:
+        """The `load_weights` / `load_adapter` calls made inside it form one push tagged `tag` (an opaque label, the
+        trainer's version), which lands at once when the engine is not generating, else between two decode steps
+        of the generation under way (unfinished completions continue under it; `recompute_kv`: their KV cache is
+        computed again with the new weights, else kept). From then on each completion's `versions` give, per
+        token, the tag of the weights that drew it (when `swaps_in_flight`)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no push while it generates")
 
     def end_weight_update(self) -> None:
         """Called after the last bucket of a push (SGLang flushes its cache once here)."""

@@ -4,12 +4,18 @@ Modes: `shared` samples with the training module's own model (3PO perturbs it in
 `copy` keeps its own model, updated only through `load_weights` — the same path as SGLang. A `copy` engine may
 hold its weights in another dtype (`dtype`, e.g. bfloat16; pushes are cast to it): an engine that computes
 differently from the trainer, as SGLang and vLLM do on GPUs, on a CPU (the training-inference mismatch).
+
+A `copy` engine also takes pushes while it generates (`push_in_flight`, `rollout.partial_rollout`): the pushed
+tensors are copied aside and land between two decode steps; unfinished rows continue under the new weights, with
+their KV cache kept (PipelineRL's choice: the prefix's keys and values stay those of the old weights) or computed
+again with the new ones (one forward over the prefix). Each token records the tag of the push that drew it.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+import threading
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Iterable, Iterator, Optional, Sequence
@@ -208,12 +214,28 @@ class HFEngine(RolloutEngine):
         # (a peft wrapper's forward takes **kwargs: ask the transformers model under it)
         inner = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         self._cache_arg = "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
+        # pushes while generating (`push_in_flight`): the trainer's thread stages, the generating thread lands them
+        self.swaps_in_flight = mode == "copy"
+        self._swap = threading.Condition()
+        self._generating = False
+        self._direct = False  # a push lands at once: a generation waits for it to end
+        self._staging: Optional[list[tuple]] = None  # the loads of the push under way, copied aside
+        self._stager: Optional[int] = None  # the thread whose loads are staged
+        self._staged: list[tuple[int, bool, list[tuple]]] = []  # (tag, recompute_kv, loads) waiting for a step
+        self._tag: Optional[int] = None  # the tag of the weights held (None: no tagged push yet)
+        self._superseded: set[str] = set()  # adapters replaced by a tagged push: a plan made before may name one
 
     # -- weights ---------------------------------------------------------------------------------------------
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         if self._mode == "shared":
             return  # the engine samples with the trainer's own tensors
+        if self._stages_here():  # the trainer goes on changing its tensors: copies land later
+            self._staging.append(("weights", [(name, t.detach().clone()) for name, t in named_tensors]))
+            return
+        self._load(named_tensors)
+
+    def _load(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         for name, tensor in named_tensors:
             target = self._params.get(name)
             if target is None:
@@ -225,17 +247,86 @@ class HFEngine(RolloutEngine):
         """`copy` mode with `lora_sync=adapter`: one adapter slot, overwritten in place by each push."""
         if not self.serves_lora:
             raise RuntimeError("HFEngine serves adapters only in copy mode with a LoRA policy and lora_sync=adapter")
-        slots = {peft_file_name(n): p for n, p in self._params.items() if ".lora_" in n}
+        slots = self._adapter_slots()
         if set(tensors) != set(slots):
             raise KeyError(f"HFEngine.load_adapter({name!r}): {len(set(slots) - set(tensors))} adapter tensors "
                            f"missing, {len(set(tensors) - set(slots))} unknown")
+        if self._stages_here():
+            self._staging.append(("adapter", name, {k: t.detach().clone() for k, t in tensors.items()}))
+            return
+        self._set_adapter(name, tensors)
+
+    def _adapter_slots(self) -> dict[str, Tensor]:
+        return {peft_file_name(n): p for n, p in self._params.items() if ".lora_" in n}
+
+    def _set_adapter(self, name: str, tensors: dict[str, Tensor]) -> None:
+        slots = self._adapter_slots()
         for key, tensor in tensors.items():
             slots[key].copy_(tensor)
+        if self._tag is not None and self._active_adapter is not None:
+            self._superseded.add(self._active_adapter)
         self._active_adapter = name
 
     def _check_adapter(self, params: SamplingParams) -> None:
-        if params.adapter is not None and params.adapter != self._active_adapter:
+        if params.adapter not in (None, self._active_adapter, *self._superseded):
             raise RuntimeError(f"HFEngine holds adapter {self._active_adapter!r}, asked for {params.adapter!r}")
+
+    # -- pushes while generating -------------------------------------------------------------------------------
+    @contextmanager
+    def push_in_flight(self, tag: int, *, recompute_kv: bool = False) -> Iterator[None]:
+        if not self.swaps_in_flight:
+            raise RuntimeError("HFEngine takes pushes while generating in copy mode only (a shared engine's weights "
+                               "are the trainer's)")
+        with self._swap:
+            direct = not self._generating
+            if direct:
+                self._direct = True
+            else:
+                self._staging, self._stager = [], threading.get_ident()
+        try:
+            yield
+        except BaseException:
+            with self._swap:  # a failed push lands nothing (a direct one may have loaded part of it)
+                self._staging = self._stager = None
+                self._direct = False
+                self._swap.notify_all()
+            raise
+        with self._swap:
+            if direct:
+                self._direct, self._tag = False, tag
+            else:
+                self._staged.append((tag, recompute_kv, self._staging))
+                self._staging = self._stager = None
+            self._swap.notify_all()
+
+    def _stages_here(self) -> bool:
+        return self._staging is not None and self._stager == threading.get_ident()
+
+    def _land_staged(self) -> Optional[bool]:
+        """Load the pushes staged since the last call (None: there were none; else whether one asks for the KV
+        cache to be computed again). Called by the generating thread only, before a generation and between steps."""
+        with self._swap:
+            pushes, self._staged = self._staged, []
+        for tag, _, loads in pushes:
+            for load in loads:
+                self._load(load[1]) if load[0] == "weights" else self._set_adapter(load[1], load[2])
+            self._tag = tag
+        return any(recompute for _, recompute, _ in pushes) if pushes else None
+
+    @contextmanager
+    def _generation(self) -> Iterator[None]:
+        """A generation: it waits for a push landing at once, lands the staged ones, and makes later pushes stage."""
+        with self._swap:
+            while self._direct:
+                self._swap.wait()
+            self._generating = True
+        try:
+            self._land_staged()
+            yield
+        finally:
+            with self._swap:
+                self._generating = False
+                self._swap.notify_all()
 
     def to(self, device: torch.device) -> "HFEngine":
         """Move a `copy` engine's model (a `shared` one moves with the trainer's model)."""
@@ -250,11 +341,11 @@ class HFEngine(RolloutEngine):
     def generate(
         self, prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int], params: SamplingParams
     ) -> list[list[Completion]]:
-        self._check_adapter(params)
         rows = [list(p) for p, n in zip(prompt_token_ids, n_per_prompt) for _ in range(n)]
         seeds = row_seeds(prompt_token_ids, n_per_prompt, params.seed)  # [R]
         done: list[Completion] = []
-        with eval_mode(self.model):
+        with self._generation(), eval_mode(self.model):
+            self._check_adapter(params)
             for start in range(0, len(rows), self._max_batch):
                 done.extend(self._sample(rows[start : start + self._max_batch], params,
                                          seeds[start : start + self._max_batch]))
@@ -288,7 +379,7 @@ class HFEngine(RolloutEngine):
         seeds = [row_seeds(prompt_token_ids, c, p.seed) for c, p in zip(counts_per_source, params_per_source)]
         done: list[list[Completion]] = [[] for _ in range(num)]
         window = max(1, self._max_batch // num)  # rows per source per batch: blocks stay equal
-        with stacked_weights(self.model, stacks), eval_mode(self.model):
+        with self._generation(), stacked_weights(self.model, stacks), eval_mode(self.model):
             for start in range(0, per_source, window):
                 batch = [r for block in rows for r in block[start : start + window]]
                 block_seeds = torch.cat([s[start : start + window] for s in seeds])
@@ -360,6 +451,8 @@ class HFEngine(RolloutEngine):
         position = mask.sum(-1)  # [R]: the first decoded token's position (left padding skipped)
         mask = torch.cat([mask, torch.ones((num_rows, steps), dtype=torch.bool)], dim=1)  # [R, P+T]: step t, P+t+1
         uniforms = counter_uniforms(seeds, torch.arange(steps))  # [R, T]
+        # [R, T] the tag of the weights whose logits drew each token (-1: before the first tagged push)
+        versions = torch.full((num_rows, steps), -1 if self._tag is None else self._tag, dtype=torch.long)
         live = torch.arange(num_rows)  # [A] the rows that ids, mask, logits and the cache hold, in their order
         done = torch.zeros(num_rows, dtype=torch.bool)  # [A]
         cut = can_select_rows(cache)  # e.g. a linear-attention layer's state cannot drop rows
@@ -383,26 +476,34 @@ class HFEngine(RolloutEngine):
                     x[keep] for x in (live, token, done, uniforms, position, mask, ids))
                 if cache is not None:
                     cache.batch_select_indices(keep.to(next(self.model.parameters()).device))
-            if self._use_cache:
+            recompute = self._land_staged() if self._staged else None  # a push in flight lands here
+            if recompute is not None:
+                versions[live, t + 1 :] = self._tag
+            if self._use_cache and recompute:  # the prefix's KV cache again, with the new weights
+                prefix = torch.cat([ids, tokens[live, : t + 1]], dim=1)  # [A, P+t+1]
+                logits, cache = self._forward(prefix, mask[:, : width + t + 1],
+                                              growing_cache(self.model.config, steps - t - 1))
+            elif self._use_cache:
                 logits, cache = self._forward(token[:, None], mask[:, : width + t + 1], cache,
                                               position_ids=(position + t)[:, None])
             else:
                 ids = torch.cat([ids, token[:, None]], dim=1)
                 logits, _ = self._forward(ids, mask[:, : width + t + 1])
-        return self._completions(tokens, logprobs, stop, sequences)
+        return self._completions(tokens, logprobs, stop, sequences, versions if self._tag is not None else None)
 
     @staticmethod
-    def _completions(tokens: Tensor, logprobs: Tensor, stop: Tensor,
-                     sequences: Sequence[Tensor] = ()) -> list[Completion]:
+    def _completions(tokens: Tensor, logprobs: Tensor, stop: Tensor, sequences: Sequence[Tensor] = (),
+                     versions: Optional[Tensor] = None) -> list[Completion]:
         """Each row up to and including its first stop token or the end of its first stop sequence ("stop"), or
-        all of it ("length")."""
+        all of it ("length"); `versions` [R, T]: each token's weights' tag (None: untagged)."""
         is_stop = torch.isin(tokens, stop)  # [R, T]
         for q in sequences:
             if len(q) <= tokens.shape[1]:  # the window starting at i ends at i + len(q) - 1
                 is_stop[:, len(q) - 1 :] |= (tokens.unfold(1, len(q), 1) == q).all(-1)
         finished = is_stop.any(-1)  # [R]
         lengths = torch.where(finished, is_stop.int().argmax(-1) + 1, tokens.shape[1])  # argmax: the first stop
-        return [Completion(tokens[r, :n], logprobs[r, :n], "stop" if f else "length")
+        return [Completion(tokens[r, :n], logprobs[r, :n], "stop" if f else "length",
+                           versions=None if versions is None else versions[r, :n])
                 for r, (n, f) in enumerate(zip(lengths.tolist(), finished.tolist()))]
 
     @staticmethod

@@ -44,6 +44,8 @@ class Episode:
     env: Any = None
     ids: list[int] = field(default_factory=list)  # [t] response token ids
     logprobs: list[float] = field(default_factory=list)  # [t] behaviour log-probs (0 at observation tokens)
+    # [t] the tag of the weights that drew each token (an observation: its turn's), when the engine tags them
+    versions: Optional[list[int]] = None
     sampled: list[bool] = field(default_factory=list)  # [t] True = sampled by the model
     reward: float = 0.0  # sum of the steps' rewards
     malformed: bool = False
@@ -66,8 +68,10 @@ class Episode:
         return "error" if self.transcript.error else "length" if self.transcript.cut else "stop"
 
     def completion(self) -> Completion:
+        versions = self.versions if self.versions is not None and len(self.versions) == len(self.ids) else None
         return Completion(torch.tensor(self.ids, dtype=torch.long), torch.tensor(self.logprobs), self.finish_reason,
-                          token_mask=torch.tensor(self.sampled, dtype=torch.bool))
+                          token_mask=torch.tensor(self.sampled, dtype=torch.bool),
+                          versions=None if versions is None else torch.tensor(versions, dtype=torch.long))
 
 
 STOP_POLL_S = 0.25  # seconds between stop checks while environment calls run
@@ -232,6 +236,10 @@ class MultiTurn:
         ids = ids[:room]
         e.ids += ids
         e.logprobs += c.logprobs[: len(ids)].tolist()
+        if c.versions is not None and len(e.versions or ()) == len(e.ids) - len(ids):  # every earlier token tagged
+            e.versions = (e.versions or []) + c.versions[: len(ids)].tolist()
+        else:
+            e.versions = None
         e.sampled += [True] * len(ids)
         e.last_text = self._decode(ids)
         e.turns += 1
@@ -280,6 +288,8 @@ class MultiTurn:
             else:
                 e.ids += obs
                 e.logprobs += [0.0] * len(obs)
+                if e.versions:
+                    e.versions += e.versions[-1:] * len(obs)
                 e.sampled += [False] * len(obs)
                 e.transcript.turns.append(("observation", text))
         self.env_seconds += time.perf_counter() - started

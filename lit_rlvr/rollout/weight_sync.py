@@ -144,6 +144,12 @@ class WeightSync:
             self.engine.load_adapter(self.sample_adapters[-1], tensors, config, activate=False)
         return [replace(params, adapter=name) for params, name in zip(params_per_source, self.sample_adapters)]
 
+    def check_due(self) -> bool:
+        """Whether the next push is followed by the post-push check (it samples with the engine)."""
+        check = self.sync_check
+        return (not self.engine.shares_weights and check is not None and check.every > 0
+                and self._checked_pushes % check.every == 0)
+
     def _check(self, step: int) -> dict[str, Tensor]:
         """After a push to a non-shared engine, every `sync_check.every`-th: its log-probs of a few sampled tokens
         against the trainer's, as `engine/sync_logp_diff` (`EngineSyncError` above the bound)."""

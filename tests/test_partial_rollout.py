@@ -1,0 +1,133 @@
+"""Pushes that land while the HF engine generates (`push_in_flight`, rollout.partial_rollout): the tokens before the
+swap are the old weights' and tagged with their version, those after it the new weights', with the KV cache kept or
+computed again; nothing lands untagged, and the oldest version of each completion is the one the bound reads."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from lit_rlvr import functional as F
+from lit_rlvr.models import load_policy
+from lit_rlvr.rollout.batch import RolloutPlan, rollouts_from_completions
+from lit_rlvr.rollout.engine import SamplingParams
+from lit_rlvr.rollout.hf import HFEngine
+from lit_rlvr.rollout.pipeline import completion_versions
+
+PROMPTS = ["12+34=", "5+5=", "71-18="]
+PARAMS = SamplingParams(temperature=1.0, max_new_tokens=8, seed=5, ignore_eos=True)  # every row 8 tokens long
+SWAP_AT = 2  # the push is staged during the first decode forward: it lands before the forward that draws token 2
+
+
+@pytest.fixture(scope="module")
+def models(tiny_path):
+    model, tokenizer = load_policy(tiny_path)
+    other = copy.deepcopy(model)
+    torch.manual_seed(0)
+    with torch.no_grad():  # weights far from the first ones: every logit changes
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return model.eval(), other.eval(), tokenizer
+
+
+def _plan(tokenizer) -> RolloutPlan:
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    return RolloutPlan(PROMPTS, [46, 10, 53], ids, [2] * len(PROMPTS))
+
+
+def _generate(model, tokenizer, push=None, recompute_kv=False):
+    """A copy engine tagged 0; with `push` (weights), a push tagged 1 made from another thread during the first
+    decode forward of the generation. Returns its rollouts."""
+    engine = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, mode="copy")
+    with engine.push_in_flight(0):  # no generation under way: lands at once, as a tag only
+        pass
+    forward, calls = engine._forward, []
+
+    def forward_then_push(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        calls.append(1)
+        if push is not None and len(calls) == 2:  # the first decode forward (the prefill is the first call)
+            def trainer():
+                with engine.push_in_flight(1, recompute_kv=recompute_kv):
+                    engine.load_weights((n, p.detach()) for n, p in push.named_parameters())
+            thread = threading.Thread(target=trainer)
+            thread.start()
+            thread.join()
+        return out
+
+    engine._forward = forward_then_push
+    plan = _plan(tokenizer)
+    completions = engine.generate(plan.prompt_token_ids, plan.n_per_prompt, PARAMS)
+    return rollouts_from_completions(plan, completions, source=0, pad_id=tokenizer.pad_token_id), engine
+
+
+def _scored(model, rollouts) -> torch.Tensor:
+    """The log-probs `model` gives the rollouts' tokens, the whole sequence in one forward. [N, T]"""
+    ids = torch.cat([rollouts.prompt_ids, rollouts.response_ids], 1)
+    mask = torch.cat([rollouts.prompt_mask, rollouts.response_mask], 1)
+    with torch.no_grad():
+        positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    width = rollouts.response_ids.shape[1]
+    return F.token_logprobs(logits[:, -width - 1 : -1], rollouts.response_ids, temperature=1.0)
+
+
+def test_without_a_push_in_flight_every_token_has_the_engines_tag(models):
+    model, _, tokenizer = models
+    rollouts, _ = _generate(model, tokenizer)
+    assert rollouts.token_version is not None and (rollouts.token_version == 0).all()
+    untagged = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, mode="copy")
+    plan = _plan(tokenizer)
+    assert all(c.versions is None for group in untagged.generate(plan.prompt_token_ids, plan.n_per_prompt, PARAMS)
+               for c in group)
+
+
+@pytest.mark.parametrize("recompute_kv", [False, True], ids=["keep", "recompute"])
+def test_a_push_lands_between_two_decode_steps_and_each_token_keeps_its_version(models, recompute_kv):
+    model, other, tokenizer = models
+    before, _ = _generate(model, tokenizer)
+    swapped, engine = _generate(model, tokenizer, push=other, recompute_kv=recompute_kv)
+    versions = swapped.token_version
+    assert (versions[:, :SWAP_AT] == 0).all() and (versions[:, SWAP_AT:] == 1).all()
+    # the segment before the swap is the old weights' own: the same tokens and log-probs as without a push
+    assert torch.equal(swapped.response_ids[:, :SWAP_AT], before.response_ids[:, :SWAP_AT])
+    assert torch.equal(swapped.old_logp[:, :SWAP_AT], before.old_logp[:, :SWAP_AT])
+    oldest, spans = completion_versions(versions, swapped.response_mask, fallback=0)
+    assert oldest.tolist() == [0] * swapped.num_samples and spans.all()
+    new = _scored(other, swapped)[:, SWAP_AT:]
+    if recompute_kv:  # the whole prefix again under the new weights: their log-probs, to rounding
+        assert torch.allclose(swapped.old_logp[:, SWAP_AT:], new, atol=1e-4)
+    else:  # the prefix's keys and values stay the old weights': the first token after the swap is drawn from neither
+        assert not torch.allclose(swapped.old_logp[:, SWAP_AT], new[:, 0], atol=1e-3)
+    # the engine holds the new weights after the generation
+    assert all(torch.equal(p, q) for p, q in zip(engine.model.parameters(), other.parameters()))
+
+
+def test_a_push_that_fails_lands_nothing(models):
+    model, other, tokenizer = models
+    engine = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, mode="copy")
+    engine._generating = True  # as if a generation were under way: the loads are staged
+    with pytest.raises(KeyError):
+        with engine.push_in_flight(3):
+            engine.load_weights((n, p.detach()) for n, p in other.named_parameters())
+            raise KeyError("the push failed")
+    assert engine._staged == [] and engine._staging is None
+
+
+def test_completion_versions_reads_the_oldest_sampled_token():
+    versions = torch.tensor([[3, 3, 4, 0], [5, 5, 5, 5], [2, 9, 9, 9]])
+    mask = torch.tensor([[True, True, True, False], [True, True, True, True], [False, False, False, False]])
+    oldest, spans = completion_versions(versions, mask, fallback=7)
+    assert oldest.tolist() == [3, 5, 7] and spans.tolist() == [True, False, False]
+
+
+def test_a_shared_engine_takes_no_push_in_flight(models):
+    model, _, tokenizer = models
+    engine = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, mode="shared")
+    assert not engine.swaps_in_flight
+    with pytest.raises(RuntimeError, match="copy mode only"):
+        with engine.push_in_flight(0):
+            pass
