@@ -132,10 +132,11 @@ class GRPOModule(pl.LightningModule):
     # -- Lightning plumbing ----------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         check_rl_callbacks(self.rl_callbacks(), self.algorithm, self.settings.rollout)  # the CLI and Python: first
-        if self.settings.rollout.mode == "async" and self._trainer is not None and self.trainer.world_size > 1:
-            raise ConfigError([f"rollout.mode=async on {self.trainer.world_size} ranks: each rank's producer would "
-                               "join the weight pushes' collectives from its own thread (not built yet); use one rank "
-                               "or rollout.mode=sync"])
+        ranks = self.trainer.world_size if self._trainer is not None else 1
+        if self.settings.rollout.mode == "async" and ranks > 1 and self.algorithm.optimizer == "ivon":
+            raise ConfigError([f"rollout.mode=async with algorithm.optimizer=ivon (3PO) on {ranks} ranks: the weight "
+                               "samples drawn at plan time would be of this rank's shards, and gathering them for the "
+                               "producer is not built yet; use rollout.mode=sync, or one rank"])
         if self.settings.model.compile:  # (setup may run without a trainer: tests, notebooks)
             ConfigError.check(compile_problems(True, sharded=hasattr(self.trainer.strategy, "parallelize")))
         if self.engine is None:
@@ -427,12 +428,21 @@ class GRPOModule(pl.LightningModule):
         checkpoint["lit_rlvr"] = {"counters": self.counters.global_values(), "engine_version": self.global_step,
                                   "model_path": self.model_path, "rng": rng_states()}
         if self.settings.rollout.mode == "async":  # the batches in flight are generated again on resume
-            checkpoint["lit_rlvr"]["async"] = self.pipeline.state() if self.pipeline else self._pipeline_state
+            state = self.pipeline.state() if self.pipeline else self._pipeline_state
+            # each rank's own batches (its share of the data): every rank saves, one file is written
+            checkpoint["lit_rlvr"]["async"] = state if D.world_size() == 1 else {"ranks": D.all_gather_object(state)}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("lit_rlvr", {})
         self.counters.restore(state.get("counters", {}), self.global_rank)
         self._pipeline_state = state.get("async", {})
+        if "ranks" in self._pipeline_state:  # saved by several ranks: this rank's
+            ranks = self._pipeline_state["ranks"]
+            if len(ranks) != D.world_size():
+                raise CheckpointError(f"the checkpoint holds the batches in flight (rollout.mode=async) of "
+                                      f"{len(ranks)} ranks, and this run has {D.world_size()}: resume on "
+                                      f"{len(ranks)} ranks")
+            self._pipeline_state = ranks[D.rank()]
         in_flight, rollout = len(self._pipeline_state.get("in_flight", ())), self.settings.rollout
         if in_flight > rollout.lead:  # each step trains one batch and submits one: a longer queue never shrinks
             raise CheckpointError(f"the checkpoint holds {in_flight} batches generated ahead (rollout.mode=async), "

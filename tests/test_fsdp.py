@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 COMMON = ["engine.options.mode=copy", "data.batch_size=8", "data.num_test=16",
@@ -30,6 +31,7 @@ FSDP_CPU = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "tra
 TIMING = ("time/", "perf/")
 # V0.5 with its prior present from the second step on (each rank adds 4 records per step)
 V05 = ["algorithm=v05", "algorithm.callbacks.value_prior.min_context=4", "algorithm.callbacks.value_prior.k_max=8"]
+ASYNC = ["rollout.mode=async"]
 
 
 def _run(run_dir: Path, overrides: list[str], ranks: int, steps: int = 3, push_check: bool = True) -> Path:
@@ -82,6 +84,8 @@ def runs(tiny_path, tmp_path_factory):
         "v05_two_ranks": partial(_run, base / "v05", FSDP_CPU + V05, ranks=2),
         "c3po_lora_two_ranks": partial(_run, base / "c3po_lora", FSDP_CPU + ["algorithm=c3po", "model.lora.rank=4"],
                                        ranks=2),
+        "v05_async0_two_ranks": partial(_run, base / "v05_async0",
+                                        FSDP_CPU + V05 + ASYNC + ["rollout.max_staleness=0"], ranks=2),
     })
 
 
@@ -90,7 +94,9 @@ def resumed(runs, tmp_path_factory):
     """The C3PO and the V0.5 runs stopped after 2 steps, then resumed from their last.ckpt for the third."""
     base = tmp_path_factory.mktemp("fsdp")
     firsts = {"c3po": (base / "c3po_resumed", FSDP_CPU + ["algorithm=c3po"]),
-              "v05": (base / "v05_resumed", FSDP_CPU + V05)}
+              "v05": (base / "v05_resumed", FSDP_CPU + V05),
+              "async1": (base / "async1_resumed", FSDP_CPU + ["algorithm.group_size=4", *ASYNC,
+                                                              "rollout.max_staleness=1"])}
     _side_by_side({name: partial(_run, run_dir, first, ranks=2, steps=2) for name, (run_dir, first) in firsts.items()})
     return _side_by_side({name: partial(_run, run_dir, first + [f"resume={run_dir}/checkpoints/last.ckpt"], ranks=2)
                           for name, (run_dir, first) in firsts.items()})
@@ -189,6 +195,29 @@ def test_v05_resume_on_two_ranks_continues_exactly(runs, resumed):
     assert rows == straight
 
 
+def test_async_at_staleness_zero_on_two_ranks_is_the_synchronous_run(runs):
+    """V0.5, whose OSLA rounds run in each rank's producer: the ranks agree on each round over a gloo group of the
+    producers' own (the trainer's threads run FSDP's collectives on the default one at the same time). At S = 0 the
+    run is the synchronous one."""
+    rows = _rows(runs["v05_async0_two_ranks"])
+    untimed = [{k: v for k, v in row.items() if not k.startswith("async/")} for row in rows]
+    assert untimed == _rows(runs["v05_two_ranks"])
+    assert all(row["async/staleness_max"] == 0 for row in rows)
+
+
+def test_async_on_two_ranks_saves_each_ranks_batches_in_flight_and_resumes(resumed):
+    """S = 1 on 2 ranks, stopped after 2 steps and resumed: every checkpoint holds each rank's own batch in flight
+    (its share of the data), and the resumed run generates it again with the restored weights, then trains on."""
+    run_dir = resumed["async1"]
+    # the third update's batch was in flight at the stop: generated again by the weights it trains (staleness 0)
+    assert [(r["step"], r["async/staleness_max"]) for r in _rows(run_dir)] == [(0, 0.0), (1, 1.0), (2, 0.0)]
+    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    ranks = saved["lit_rlvr"]["async"]["ranks"]
+    assert [len(r["in_flight"]) for r in ranks] == [1, 1]
+    prompts = [set(r["in_flight"][0][1]["prompt"]) for r in ranks]
+    assert prompts[0] and prompts[1] and not prompts[0] & prompts[1]  # each rank's own rows
+
+
 def test_eval_of_a_sharded_checkpoint_gives_the_trained_runs_accuracy(sharded_eval):
     trained, evaluated = sharded_eval
     assert (trained / "checkpoints" / "last.ckpt").is_dir()  # one shard per rank
@@ -209,6 +238,16 @@ def test_eval_of_a_sharded_checkpoint_without_fsdp_says_how(sharded_eval, tmp_pa
                            f"hydra.run.dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert "is a sharded checkpoint" in done.stderr and "trainer=fsdp32" in done.stderr, done.stderr[-2000:]
+
+
+def test_3po_async_on_two_ranks_is_refused_before_any_step(tiny_path, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+                    *FSDP_CPU, "algorithm=c3po", "rollout.mode=async", "trainer.max_steps=1", "eval_before=false",
+                    "data.num_test=4", "callbacks.progress=null", f"hydra.run.dir={tmp_path}"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    assert "rollout.mode=async with algorithm.optimizer=ivon (3PO) on 2 ranks" in done.stdout + done.stderr
+    assert not list(tmp_path.glob("checkpoints/*"))
 
 
 def test_ivon_on_plain_ddp_ranks_is_refused(tiny_path, tmp_path):

@@ -30,7 +30,7 @@ class ScriptedDriver:
         self.busy = threading.Lock()
         self.random, self.max_s = random.Random(seed), max_s
 
-    def rollout(self, plan: RolloutPlan, *, step: int, seed_key: tuple):
+    def rollout(self, plan: RolloutPlan, *, step: int, seed_key: tuple, group=None):
         assert self.busy.acquire(blocking=False), "two plans generated at once"
         try:
             time.sleep(self.random.random() * self.max_s)

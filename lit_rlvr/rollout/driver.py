@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from lit_rlvr.config.bounds import model_context
@@ -115,17 +116,20 @@ class RolloutDriver:
                    chat_template=chat_template)
 
     # -- generation --------------------------------------------------------------------------------------------
-    def rollout(self, plan: RolloutPlan, *, step: int, seed_key: tuple) -> RolloutResult:
+    def rollout(self, plan: RolloutPlan, *, step: int, seed_key: tuple,
+                group: Optional[dist.ProcessGroup] = None) -> RolloutResult:
         """Generate and score the plan's samples, round after round while its budget rule asks for more.
 
         `step` is the optimizer step of the policy's weights (the engine's version after a push); the engine call
-        of round r and weight source s samples with `seed_of(*seed_key, r, s, *plan.seed_stream)`."""
+        of round r and weight source s samples with `seed_of(*seed_key, r, s, *plan.seed_stream)`. `group`: the
+        process group of the ranks' agreement on rounds (None: the default; async rollouts' producer thread has
+        its own, `distributed.thread_group`)."""
         tally = _Tally()
         parts: list[Rollouts] = []
         counts: Optional[list[int]] = plan.n_per_prompt
         have = [0] * plan.num_prompts
         failures, round_index = 0, 0
-        while self._another_round(counts):
+        while self._another_round(counts, group):
             STOP.check()  # a stop request past its grace abandons the step between engine calls
             counts = counts or [0] * plan.num_prompts  # this rank is done but takes part in the others' pushes
             if any(c < 0 for c in counts):
@@ -156,9 +160,9 @@ class RolloutDriver:
         return {k: torch.tensor(float(v)) for k, v in take().items()} if take is not None else {}
 
     @staticmethod
-    def _another_round(counts: Optional[list[int]]) -> bool:
+    def _another_round(counts: Optional[list[int]], group: Optional[dist.ProcessGroup] = None) -> bool:
         """Whether any rank asks for more samples: weight pushes are collectives, so all ranks run every round."""
-        return D.global_max(int(counts is not None and sum(counts) > 0)) > 0
+        return D.global_max(int(counts is not None and sum(counts) > 0), group) > 0
 
     def _generate(self, plan: RolloutPlan, counts: list[int], source: int, seed: int, step: int,
                   tally: _Tally) -> Optional[Rollouts]:

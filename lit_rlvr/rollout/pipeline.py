@@ -40,6 +40,7 @@ from torch import Tensor
 
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 from lit_rlvr.rollout.driver import RolloutDriver, RolloutResult
+from lit_rlvr.run import distributed as D
 from lit_rlvr.run.step_log import StepTimer
 
 Batch = dict[str, list]
@@ -78,6 +79,7 @@ class Producer:
 
     def __init__(self, driver: RolloutDriver, seed: int, version: int):
         self.driver, self.seed = driver, seed
+        self.group = D.thread_group()  # its collectives across ranks, apart from the trainer's thread's
         self.version = version  # of the weights the engine holds: the trainer sets it with each push
         self._cond = threading.Condition()
         self._queue: deque[InFlight] = deque()
@@ -110,7 +112,8 @@ class Producer:
                 self.idle_s += time.perf_counter() - self._idle_since
                 self._idle_since = None
             try:
-                item.result = self.driver.rollout(item.plan, step=step, seed_key=(self.seed, item.index))
+                item.result = self.driver.rollout(item.plan, step=step, seed_key=(self.seed, item.index),
+                                                  group=self.group)
             except BaseException as err:  # noqa: BLE001 - raised again in the trainer's thread by `wait`
                 item.error = err
             finally:

@@ -8,6 +8,7 @@ same collectives, and make logged metrics describe the global batch.
 from __future__ import annotations
 
 import zlib
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -34,24 +35,32 @@ def all_gather_object(obj: object) -> list:
     return out
 
 
-def _device() -> torch.device:
+def _device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
     """Where collectives run: NCCL needs CUDA tensors, gloo takes CPU ones."""
-    if dist.get_backend() == "nccl":
+    if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def all_reduce(value: Tensor, op: str = "sum") -> Tensor:
-    """Sum (or max) of `value` over ranks, returned on `value`'s device; `value` itself is not changed."""
+def all_reduce(value: Tensor, op: str = "sum", group: Optional[dist.ProcessGroup] = None) -> Tensor:
+    """Sum (or max) of `value` over ranks (of `group`: None = all, the default group), returned on `value`'s
+    device; `value` itself is not changed."""
     if world_size() == 1:
         return value
-    out = value.detach().to(_device(), copy=True)
-    dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    out = value.detach().to(_device(group), copy=True)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
     return out.to(value.device)
 
 
-def global_max(value: int) -> int:
-    return int(all_reduce(torch.tensor(value, dtype=torch.long), "max"))
+def global_max(value: int, group: Optional[dist.ProcessGroup] = None) -> int:
+    return int(all_reduce(torch.tensor(value, dtype=torch.long), "max", group))
+
+
+def thread_group() -> Optional[dist.ProcessGroup]:
+    """A gloo group of all ranks for the collectives of a second thread (async rollouts' producer): two threads
+    that share one group would interleave their collectives and deadlock. None in a single process. Every rank
+    must call it, in the same order."""
+    return dist.new_group(backend="gloo") if world_size() > 1 else None
 
 
 def reduce_metrics(metrics: dict[str, Tensor]) -> dict[str, Tensor]:
