@@ -130,7 +130,7 @@ def test_resume_generates_the_batches_in_flight_again_first():
 
 def test_producer_error_reaches_the_trainer():
     driver = ScriptedDriver(0)
-    driver.rollout = lambda plan, step, seed_key: (_ for _ in ()).throw(RuntimeError("engine died"))
+    driver.rollout = lambda plan, step, seed_key, group=None: (_ for _ in ()).throw(RuntimeError("engine died"))
     pipeline = RolloutPipeline(driver, max_staleness=0, lead=0, drop=False, seed=0)
     try:
         with pytest.raises(RuntimeError, match="engine died"):
