@@ -133,10 +133,19 @@ class GRPOModule(pl.LightningModule):
     def setup(self, stage: str) -> None:
         check_rl_callbacks(self.rl_callbacks(), self.algorithm, self.settings.rollout)  # the CLI and Python: first
         ranks = self.trainer.world_size if self._trainer is not None else 1
-        if self.settings.rollout.mode == "async" and ranks > 1 and self.algorithm.optimizer == "ivon":
+        rollout = self.settings.rollout
+        if rollout.mode == "async" and ranks > 1 and self.algorithm.optimizer == "ivon":
             raise ConfigError([f"rollout.mode=async with algorithm.optimizer=ivon (3PO) on {ranks} ranks: the weight "
                                "samples drawn at plan time would be of this rank's shards, and gathering them for the "
                                "producer is not built yet; use rollout.mode=sync, or one rank"])
+        rounds_by = next((type(cb).__name__ for cb in self.rl_callbacks() if cb.sets_sample_counts), None)
+        if rollout.mode == "async" and ranks > 1 and rollout.lead > 1 and rounds_by:
+            # the producers agree on each round across ranks: with a plan queued behind the one a rank's trainer
+            # waits for, one rank's producer would wait in that agreement while its trainer waits in FSDP's
+            raise ConfigError([f"rollout.mode=async on {ranks} ranks with {rounds_by} (rounds agreed across ranks) "
+                               f"and rollout.max_staleness={rollout.max_staleness} "
+                               f"rollout.stale_strategy={rollout.stale_strategy}: more than one batch ahead is not "
+                               "built yet; use rollout.max_staleness=1 with stale_strategy=wait, or one rank"])
         if self.settings.model.compile:  # (setup may run without a trainer: tests, notebooks)
             ConfigError.check(compile_problems(True, sharded=hasattr(self.trainer.strategy, "parallelize")))
         if self.engine is None:
@@ -278,6 +287,10 @@ class GRPOModule(pl.LightningModule):
         """The run's `RolloutPipeline`, built at its first step (after a resume has restored the weights, which the
         engine receives first: the producer never pushes)."""
         if self.pipeline is None:
+            saved = self._pipeline_state.get("ranks_saved")
+            if saved is not None:
+                raise CheckpointError(f"the checkpoint holds the batches in flight (rollout.mode=async) of {saved} "
+                                      f"rank(s), and this run has {D.world_size()}: resume on {saved}")
             if not self.driver.weight_sync.holds(self.global_step):
                 self.sync_engine()
             opts, state = self.settings.rollout, self._pipeline_state
@@ -436,13 +449,9 @@ class GRPOModule(pl.LightningModule):
         state = checkpoint.get("lit_rlvr", {})
         self.counters.restore(state.get("counters", {}), self.global_rank)
         self._pipeline_state = state.get("async", {})
-        if "ranks" in self._pipeline_state:  # saved by several ranks: this rank's
-            ranks = self._pipeline_state["ranks"]
-            if len(ranks) != D.world_size():
-                raise CheckpointError(f"the checkpoint holds the batches in flight (rollout.mode=async) of "
-                                      f"{len(ranks)} ranks, and this run has {D.world_size()}: resume on "
-                                      f"{len(ranks)} ranks")
-            self._pipeline_state = ranks[D.rank()]
+        ranks = self._pipeline_state.get("ranks", [self._pipeline_state] if self._pipeline_state else [])
+        if ranks and (len(ranks) > 1 or D.world_size() > 1):  # each rank's own batches (an evaluation needs none)
+            self._pipeline_state = ranks[D.rank()] if len(ranks) == D.world_size() else {"ranks_saved": len(ranks)}
         in_flight, rollout = len(self._pipeline_state.get("in_flight", ())), self.settings.rollout
         if in_flight > rollout.lead:  # each step trains one batch and submits one: a longer queue never shrinks
             raise CheckpointError(f"the checkpoint holds {in_flight} batches generated ahead (rollout.mode=async), "

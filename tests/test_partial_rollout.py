@@ -114,7 +114,7 @@ def test_a_push_that_fails_lands_nothing(models):
         with engine.push_in_flight(3):
             engine.load_weights((n, p.detach()) for n, p in other.named_parameters())
             raise KeyError("the push failed")
-    assert engine._staged == [] and engine._staging is None
+    assert engine._staged is None and engine._staging is None
 
 
 def test_completion_versions_reads_the_oldest_sampled_token():
@@ -131,3 +131,84 @@ def test_a_shared_engine_takes_no_push_in_flight(models):
     with pytest.raises(RuntimeError, match="copy mode only"):
         with engine.push_in_flight(0):
             pass
+
+
+def test_the_pushing_threads_own_post_push_check_generates_inside_a_direct_push(models):
+    """The post-push check samples with the engine inside the push: the push's own thread must not wait for it."""
+    model, other, tokenizer = models
+    engine = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, mode="copy")
+    plan, out = _plan(tokenizer), []
+
+    def push_then_check():
+        with engine.push_in_flight(1):
+            engine.load_weights((n, p.detach()) for n, p in other.named_parameters())
+            out.append(engine.generate(plan.prompt_token_ids, plan.n_per_prompt, PARAMS))
+
+    thread = threading.Thread(target=push_then_check, daemon=True)
+    thread.start()
+    thread.join(timeout=120)
+    assert not thread.is_alive() and out, "the check's generation waited for its own push"
+
+
+def test_a_push_staged_after_the_last_decode_step_is_not_lost_under_a_later_direct_push(models):
+    """Staged while a generation ended (no decode step left to land it), then a push lands at once: the staged one
+    lands first, under it, so the engine holds the newer weights and tag."""
+    model, other, tokenizer = models
+    engine = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, mode="copy")
+    engine._generating = True  # the push meets a generation in its last step
+    with engine.push_in_flight(1):
+        engine.load_weights((n, p.detach()) for n, p in other.named_parameters())
+    engine._generating = False
+    with engine.push_in_flight(2):
+        engine.load_weights((n, p.detach()) for n, p in model.named_parameters())
+    plan = _plan(tokenizer)
+    completions = engine.generate(plan.prompt_token_ids, plan.n_per_prompt, PARAMS)
+    assert all((c.versions == 2).all() for group in completions for c in group)
+    assert all(torch.equal(p, q) for p, q in zip(engine.model.parameters(), model.parameters()))
+
+
+def test_pushes_staged_in_a_row_keep_one_copy_and_the_newest_tensors(models):
+    model, other, tokenizer = models
+    engine = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, mode="copy")
+    engine._generating = True
+    named = dict(other.named_parameters())
+    first, second = list(named)[:2], list(named)[1:3]
+    for tag, names in ((1, first), (2, second)):
+        with engine.push_in_flight(tag, recompute_kv=tag == 1):
+            engine.load_weights((n, named[n].detach() * tag) for n in names)
+    staged = engine._staged
+    assert staged.tag == 2 and staged.recompute_kv and sorted(staged.weights) == sorted(set(first) | set(second))
+    assert torch.equal(staged.weights[first[1]], named[first[1]].detach() * 2)  # the newer push's tensor
+    assert torch.equal(staged.weights[first[0]], named[first[0]].detach())  # the earlier's, not pushed again
+
+
+def test_a_producers_rounds_never_push_the_policy_when_its_version_moved(models):
+    """A plan with a budget rule (V0.5's OSLA) runs rounds; with partial rollouts the trainer's push moves the
+    engine's version between two of them. The producer's driver (`push_policy=False`) must not push the policy
+    itself then: it would read the trainer's parameters mid-update, from the producer's thread."""
+    from lit_rlvr.rewards.base import RewardRunner
+    from lit_rlvr.rollout.driver import RolloutDriver
+    from lit_rlvr.rollout.engine import SamplingConfig
+
+    model, _, tokenizer = models
+    engine = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, mode="copy")
+    driver = RolloutDriver(engine, tokenizer, RewardRunner(lambda p, c, a: 0.0), SamplingConfig(max_new_tokens=4),
+                           model)
+    driver.push(step=0)
+    pushes = []
+    push = driver.weight_sync.push
+    driver.weight_sync.push = lambda **kw: pushes.append(kw) or push(**kw)
+    plan = _plan(tokenizer)
+    rounds = iter([[1, 1, 1], None])
+
+    def budget_rule(rollouts):  # a second round, after the trainer's push of version 1 moved the engine on
+        driver.weight_sync.version = 1
+        return next(rounds)
+
+    plan.budget_rule = budget_rule
+    out = driver.rollout(plan, step=0, seed_key=(0, 0), push_policy=False)
+    assert pushes == [] and out.rollouts.num_samples == 3 * 2 + 3
+    driver.weight_sync.version = 1
+    plan.budget_rule, rounds = budget_rule, iter([[1, 1, 1], None])
+    driver.rollout(plan, step=0, seed_key=(0, 0))  # the synchronous driver pushes what a round's step needs
+    assert len(pushes) == 2

@@ -30,7 +30,7 @@ class ScriptedDriver:
         self.busy = threading.Lock()
         self.random, self.max_s = random.Random(seed), max_s
 
-    def rollout(self, plan: RolloutPlan, *, step: int, seed_key: tuple, group=None):
+    def rollout(self, plan: RolloutPlan, *, step: int, seed_key: tuple, group=None, push_policy=True):
         assert self.busy.acquire(blocking=False), "two plans generated at once"
         try:
             time.sleep(self.random.random() * self.max_s)
@@ -77,6 +77,8 @@ def test_capacity_bound_and_order(staleness, strategy):
                                    seed=7)
         try:
             trained, _ = train(pipeline, driver, range(12), version=0)
+            for item in list(pipeline.in_flight):  # the batches still queued get generated (close drops them)
+                assert item.done.wait(timeout=60)
         finally:
             pipeline.close()
         assert [i for i, _ in trained] == list(range(12 - options.lead))  # in order, each once
@@ -130,7 +132,7 @@ def test_resume_generates_the_batches_in_flight_again_first():
 
 def test_producer_error_reaches_the_trainer():
     driver = ScriptedDriver(0)
-    driver.rollout = lambda plan, step, seed_key, group=None: (_ for _ in ()).throw(RuntimeError("engine died"))
+    driver.rollout = lambda plan, step, seed_key, **_: (_ for _ in ()).throw(RuntimeError("engine died"))
     pipeline = RolloutPipeline(driver, max_staleness=0, lead=0, drop=False, seed=0)
     try:
         with pytest.raises(RuntimeError, match="engine died"):

@@ -116,20 +116,22 @@ class RolloutDriver:
                    chat_template=chat_template)
 
     # -- generation --------------------------------------------------------------------------------------------
-    def rollout(self, plan: RolloutPlan, *, step: int, seed_key: tuple,
-                group: Optional[dist.ProcessGroup] = None) -> RolloutResult:
+    def rollout(self, plan: RolloutPlan, *, step: int, seed_key: tuple, group: Optional[dist.ProcessGroup] = None,
+                push_policy: bool = True) -> RolloutResult:
         """Generate and score the plan's samples, round after round while its budget rule asks for more.
 
         `step` is the optimizer step of the policy's weights (the engine's version after a push); the engine call
         of round r and weight source s samples with `seed_of(*seed_key, r, s, *plan.seed_stream)`. `group`: the
         process group of the ranks' agreement on rounds (None: the default; async rollouts' producer thread has
-        its own, `distributed.thread_group`)."""
+        its own, `distributed.thread_group`). `push_policy=False`: the engine's weights are the caller's business,
+        and the policy is never pushed from here (async rollouts: the producer's thread must not read the
+        trainer's parameters; only weights drawn into the plan are pushed)."""
         tally = _Tally()
         parts: list[Rollouts] = []
         counts: Optional[list[int]] = plan.n_per_prompt
         have = [0] * plan.num_prompts
         failures, round_index = 0, 0
-        while self._another_round(counts, group):
+        while self._another_round(plan, counts, round_index, group):
             STOP.check()  # a stop request past its grace abandons the step between engine calls
             counts = counts or [0] * plan.num_prompts  # this rank is done but takes part in the others' pushes
             if any(c < 0 for c in counts):
@@ -139,7 +141,7 @@ class RolloutDriver:
             if self._can_stack(plan, per_source):
                 new = iter([self._generate_stacked(plan, per_source, seeds, step, tally)])
             else:  # lazily: each source's samples are scored before the next source generates
-                new = (self._generate(plan, c, source, seeds[source], step, tally)
+                new = (self._generate(plan, c, source, seeds[source], step, tally, push_policy)
                        for source, c in enumerate(per_source))
             for part in new:
                 STOP.check()
@@ -160,19 +162,24 @@ class RolloutDriver:
         return {k: torch.tensor(float(v)) for k, v in take().items()} if take is not None else {}
 
     @staticmethod
-    def _another_round(counts: Optional[list[int]], group: Optional[dist.ProcessGroup] = None) -> bool:
-        """Whether any rank asks for more samples: weight pushes are collectives, so all ranks run every round."""
+    def _another_round(plan: RolloutPlan, counts: Optional[list[int]], round_index: int,
+                       group: Optional[dist.ProcessGroup] = None) -> bool:
+        """Whether any rank asks for more samples: weight pushes are collectives, so all ranks run every round.
+        A plan without a budget rule has one round on every rank: nothing to agree on (no collective, so async
+        rollouts' producers on several ranks never wait for one another)."""
+        if plan.budget_rule is None:
+            return round_index == 0
         return D.global_max(int(counts is not None and sum(counts) > 0), group) > 0
 
     def _generate(self, plan: RolloutPlan, counts: list[int], source: int, seed: int, step: int,
-                  tally: _Tally) -> Optional[Rollouts]:
+                  tally: _Tally, push_policy: bool = True) -> Optional[Rollouts]:
         """Samples of one weight source in one round (None when `counts` are all 0; the push still happens)."""
         with tally.timer("gen_s"), plan.weight_context(source):
             mean = plan.uses_mean_weights and plan.num_weight_sources == 1
             if plan.source_weights is not None:  # drawn when the plan was made: the policy is not read
                 with self._engine_errors(step):
                     tally.timer.add("sync_s", self.weight_sync.push_named(plan.source_weights(source), step=step))
-            elif not mean or not self.weight_sync.holds(step):
+            elif push_policy and (not mean or not self.weight_sync.holds(step)):
                 self._tallied_push(step, mean, tally)
             if sum(counts) == 0:
                 return None

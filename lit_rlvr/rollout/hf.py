@@ -17,7 +17,7 @@ import copy
 import inspect
 import threading
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
@@ -160,6 +160,24 @@ def _per_prompt(done: list[Completion], n_per_prompt: Sequence[int]) -> list[lis
     return out
 
 
+@dataclass
+class _Staged:
+    """A push made while a generation runs (`HFEngine.push_in_flight`): its tag and copies of what it loads."""
+
+    tag: int
+    recompute_kv: bool
+    thread: int  # the pushing thread (its loads are staged; others' are not)
+    weights: dict[str, Tensor] = field(default_factory=dict)
+    adapter: Optional[tuple[str, dict[str, Tensor]]] = None
+
+    def after(self, earlier: Optional["_Staged"]) -> "_Staged":
+        """This push on top of an earlier one not landed yet: its tensors win, the earlier's others stay."""
+        if earlier is None:
+            return self
+        return _Staged(self.tag, self.recompute_kv or earlier.recompute_kv, self.thread,
+                       {**earlier.weights, **self.weights}, self.adapter or earlier.adapter)
+
+
 class HFEngine(RolloutEngine):
     """Batched sampling with a transformers model; see the module docstring for the two modes.
 
@@ -218,10 +236,9 @@ class HFEngine(RolloutEngine):
         self.swaps_in_flight = mode == "copy"
         self._swap = threading.Condition()
         self._generating = False
-        self._direct = False  # a push lands at once: a generation waits for it to end
-        self._staging: Optional[list[tuple]] = None  # the loads of the push under way, copied aside
-        self._stager: Optional[int] = None  # the thread whose loads are staged
-        self._staged: list[tuple[int, bool, list[tuple]]] = []  # (tag, recompute_kv, loads) waiting for a step
+        self._direct: Optional[int] = None  # the thread whose push lands at once: other generations wait for it
+        self._staging: Optional[_Staged] = None  # the push under way while a generation runs, copied aside
+        self._staged: Optional[_Staged] = None  # pushes waiting for the next decode step, merged
         self._tag: Optional[int] = None  # the tag of the weights held (None: no tagged push yet)
         self._superseded: set[str] = set()  # adapters replaced by a tagged push: a plan made before may name one
 
@@ -231,7 +248,7 @@ class HFEngine(RolloutEngine):
         if self._mode == "shared":
             return  # the engine samples with the trainer's own tensors
         if self._stages_here():  # the trainer goes on changing its tensors: copies land later
-            self._staging.append(("weights", [(name, t.detach().clone()) for name, t in named_tensors]))
+            self._staging.weights.update((name, t.detach().clone()) for name, t in named_tensors)
             return
         self._load(named_tensors)
 
@@ -252,7 +269,7 @@ class HFEngine(RolloutEngine):
             raise KeyError(f"HFEngine.load_adapter({name!r}): {len(set(slots) - set(tensors))} adapter tensors "
                            f"missing, {len(set(tensors) - set(slots))} unknown")
         if self._stages_here():
-            self._staging.append(("adapter", name, {k: t.detach().clone() for k, t in tensors.items()}))
+            self._staging.adapter = (name, {k: t.detach().clone() for k, t in tensors.items()})
             return
         self._set_adapter(name, tensors)
 
@@ -277,47 +294,55 @@ class HFEngine(RolloutEngine):
         if not self.swaps_in_flight:
             raise RuntimeError("HFEngine takes pushes while generating in copy mode only (a shared engine's weights "
                                "are the trainer's)")
+        me = threading.get_ident()
         with self._swap:
             direct = not self._generating
-            if direct:
-                self._direct = True
+            if direct:  # generations (of other threads) wait for it; one staged earlier lands first, under it
+                self._direct = me
             else:
-                self._staging, self._stager = [], threading.get_ident()
+                self._staging = _Staged(tag, recompute_kv, me)
         try:
+            if direct:
+                self._land_staged()
             yield
         except BaseException:
             with self._swap:  # a failed push lands nothing (a direct one may have loaded part of it)
-                self._staging = self._stager = None
-                self._direct = False
+                self._staging, self._direct = None, None
                 self._swap.notify_all()
             raise
         with self._swap:
             if direct:
-                self._direct, self._tag = False, tag
-            else:
-                self._staged.append((tag, recompute_kv, self._staging))
-                self._staging = self._stager = None
+                self._direct, self._tag = None, tag
+            else:  # one staged push at most: a newer one replaces what it loads anew (one copy of the weights)
+                self._staged = self._staging.after(self._staged)
+                self._staging = None
             self._swap.notify_all()
 
     def _stages_here(self) -> bool:
-        return self._staging is not None and self._stager == threading.get_ident()
+        staging = self._staging
+        return staging is not None and staging.thread == threading.get_ident()
 
     def _land_staged(self) -> Optional[bool]:
-        """Load the pushes staged since the last call (None: there were none; else whether one asks for the KV
-        cache to be computed again). Called by the generating thread only, before a generation and between steps."""
+        """Load the push staged since the last call (None: there was none; else whether it asks for the KV cache
+        to be computed again). Called by the generating thread between steps, before a generation, and by a direct
+        push (no generation runs then)."""
         with self._swap:
-            pushes, self._staged = self._staged, []
-        for tag, _, loads in pushes:
-            for load in loads:
-                self._load(load[1]) if load[0] == "weights" else self._set_adapter(load[1], load[2])
-            self._tag = tag
-        return any(recompute for _, recompute, _ in pushes) if pushes else None
+            staged, self._staged = self._staged, None
+        if staged is None:
+            return None
+        self._load(staged.weights.items())
+        if staged.adapter is not None:
+            self._set_adapter(*staged.adapter)
+        self._tag = staged.tag
+        return staged.recompute_kv
 
     @contextmanager
     def _generation(self) -> Iterator[None]:
-        """A generation: it waits for a push landing at once, lands the staged ones, and makes later pushes stage."""
+        """A generation: it waits for another thread's push landing at once (the pushing thread's own post-push
+        check generates inside it), lands the staged one, and makes later pushes stage."""
+        me = threading.get_ident()
         with self._swap:
-            while self._direct:
+            while self._direct is not None and self._direct != me:
                 self._swap.wait()
             self._generating = True
         try:
@@ -476,7 +501,7 @@ class HFEngine(RolloutEngine):
                     x[keep] for x in (live, token, done, uniforms, position, mask, ids))
                 if cache is not None:
                     cache.batch_select_indices(keep.to(next(self.model.parameters()).device))
-            recompute = self._land_staged() if self._staged else None  # a push in flight lands here
+            recompute = self._land_staged() if self._staged is not None else None  # a push in flight lands here
             if recompute is not None:
                 versions[live, t + 1 :] = self._tag
             if self._use_cache and recompute:  # the prefix's KV cache again, with the new weights

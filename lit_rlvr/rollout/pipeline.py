@@ -113,7 +113,7 @@ class Producer:
                 self._idle_since = None
             try:
                 item.result = self.driver.rollout(item.plan, step=step, seed_key=(self.seed, item.index),
-                                                  group=self.group)
+                                                  group=self.group, push_policy=False)
             except BaseException as err:  # noqa: BLE001 - raised again in the trainer's thread by `wait`
                 item.error = err
             finally:
