@@ -132,8 +132,8 @@ class GRPOModule(pl.LightningModule):
     # -- Lightning plumbing ----------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         check_rl_callbacks(self.rl_callbacks(), self.algorithm, self.settings.rollout)  # the CLI and Python: first
-        ranks = self.trainer.world_size if self._trainer is not None else 1
         rollout = self.settings.rollout
+        ranks = self.trainer.world_size if rollout.mode == "async" and self._trainer is not None else 1
         if rollout.mode == "async" and ranks > 1 and self.algorithm.optimizer == "ivon":
             raise ConfigError([f"rollout.mode=async with algorithm.optimizer=ivon (3PO) on {ranks} ranks: the weight "
                                "samples drawn at plan time would be of this rank's shards, and gathering them for the "
