@@ -9,6 +9,9 @@ see comparable machine load:
   "generation alone" and "update alone" on that pinning.
 - `async_s1`, `async_s2`: `rollout.mode=async` with S = 1 and 2. The trainer's thread is pinned to CPU 0 and the
   producer's thread to CPU 1, with 1 torch thread each.
+- `async_s1_partial`: `async_s1` with partial rollouts (`rollout.partial_rollout=true`: a push lands between two
+  decode steps of the batch in flight instead of waiting for its end) and no post-push check
+  (`engine.options.sync_check_every=0`, which partial rollouts need; `async_s1` keeps the default check per push).
 - `sync_2cores`: the synchronous run on both cores (2 torch threads), the best synchronous use of the machine.
 
 Reported per round, then as the median and the spread over rounds:
@@ -18,6 +21,8 @@ Reported per round, then as the median and the spread over rounds:
 - `async_over_sum` = step(async_s1) / (gen_s + train_s) of sync_1core. The synchronous run on the same pinning
   takes the sum.
 - `async_over_sync_2cores` = step(async_s1) / step(sync_2cores).
+- `partial_over_async_s1` = step(async_s1_partial) / step(async_s1), and `partial_frac`: the share of trained
+  completions that span two policy versions (`async/partial_frac`; 0 when every push meets no generation).
 - `trainer_wait_frac_s2`: `async/trainer_wait_frac` at S = 2; budget ≤ 0.10.
 - `rss_async_over_sync`: peak RSS of async_s1 over sync_1core; budget ≤ 1.5. The HF engine keeps its own copy of
   the weights in async mode.
@@ -43,6 +48,8 @@ CONFIGS = {  # name: (torch threads, trainer's CPUs, producer's CPUs, Hydra over
     "sync_1core": (1, {0}, None, []),
     "async_s1": (1, {0}, {1}, ["rollout.mode=async", "rollout.max_staleness=1"]),
     "async_s2": (1, {0}, {1}, ["rollout.mode=async", "rollout.max_staleness=2"]),
+    "async_s1_partial": (1, {0}, {1}, ["rollout.mode=async", "rollout.max_staleness=1", "rollout.partial_rollout=true",
+                                       "engine.options.sync_check_every=0"]),
     "sync_2cores": (2, None, None, []),
 }
 
@@ -85,8 +92,9 @@ def one_round(names: list[str], overrides: list[str], steps: int) -> dict[str, t
 def summarise(runs: dict[str, tuple[list, float]], warmup: int) -> dict[str, float]:
     """One round's medians and ratios."""
     med = {name: common.summarise_rows(rows, warmup) for name, (rows, _) in runs.items()}
-    waits = {name: common.median(r.get("async/trainer_wait_frac") for r in rows[warmup:])
-             for name, (rows, _) in runs.items() if name.startswith("async")}
+    def median_of(key: str, name: str) -> float:
+        return common.median(r.get(key) for r in runs[name][0][warmup:])
+
     alone = med["sync_1core"]
     step = {name: m["median_step_s"] for name, m in med.items()}
     return {**{f"{name}_step_s": s for name, s in step.items()},
@@ -94,13 +102,17 @@ def summarise(runs: dict[str, tuple[list, float]], warmup: int) -> dict[str, flo
             "async_over_ideal": step["async_s1"] / max(alone["gen_s"], alone["train_s"]),
             "async_over_sum": step["async_s1"] / (alone["gen_s"] + alone["train_s"]),
             "async_over_sync_2cores": step["async_s1"] / step["sync_2cores"],
-            "trainer_wait_frac_s1": waits["async_s1"], "trainer_wait_frac_s2": waits["async_s2"],
+            "partial_over_async_s1": step["async_s1_partial"] / step["async_s1"],
+            "partial_frac": median_of("async/partial_frac", "async_s1_partial"),
+            "trainer_wait_frac_s1": median_of("async/trainer_wait_frac", "async_s1"),
+            "trainer_wait_frac_s2": median_of("async/trainer_wait_frac", "async_s2"),
             "rss_async_over_sync": runs["async_s1"][1] / runs["sync_1core"][1],
             "_work": {name: common.work_per_step(rows, warmup) for name, (rows, _) in runs.items()}}
 
 
 # the ratios' sides (async_over_sum has async_over_ideal's): each entry `<ratio>_work` states their work per step
-WORK_SIDES = {"async_over_ideal": ("sync_1core", "async_s1"), "async_over_sync_2cores": ("sync_2cores", "async_s1")}
+WORK_SIDES = {"async_over_ideal": ("sync_1core", "async_s1"), "async_over_sync_2cores": ("sync_2cores", "async_s1"),
+              "partial_over_async_s1": ("async_s1", "async_s1_partial")}
 
 
 def work(rounds: list[dict]) -> dict[str, dict]:

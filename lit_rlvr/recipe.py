@@ -228,6 +228,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                         total.ready, f", and rollout.mode=async keeps {module.settings.rollout.lead} ahead of the "
                         "update" if module.settings.rollout.lead else "")
         checkpoint.save(trainer)  # no-op when fit ended on a saved step (max_steps)
+        count_the_saved_step(trainer)
         try:
             with stop_requests(checkpoint.stop_grace_s if trainer.world_size == 1 else None):
                 after = validate(trainer, module, datamodule)
@@ -372,6 +373,17 @@ def _reward_means(metrics_csv: Path) -> list[float]:
         return []
     with metrics_csv.open() as handle:
         return [float(row["reward/mean"]) for row in csv.DictReader(handle) if row.get("reward/mean")]
+
+
+def count_the_saved_step(trainer) -> None:
+    """A checkpoint saved at a batch's end holds that step as not yet counted; Lightning counts it when the resumed
+    loop starts. A resume already at `max_steps` never starts the loop: count it here, or the evaluation after
+    training is logged one step early and the summary has one step too few."""
+    loop = trainer.fit_loop.epoch_loop
+    total = loop.batch_progress.total
+    if trainer.fit_loop.restarting and total.completed == total.processed - 1:
+        loop._batches_that_stepped += 1
+        total.completed += 1
 
 
 def summarise(cfg, run_dir: Path, module: GRPOModule, before, after, wall_s: float) -> dict[str, Any]:

@@ -127,6 +127,14 @@ def overrides(task: Task, method: str, seed: int, args: argparse.Namespace, run_
             *args.set, f"hydra.run.dir={run_dir}"]
 
 
+def finished(summary: Path) -> bool:
+    """A summary is also written by a run stopped by a signal: only one that was not stopped is a finished run."""
+    if not summary.exists():
+        return False
+    record = json.loads(summary.read_text())
+    return not (record.get("stopped_by_sigterm") or record.get("stopped_by_sigint"))
+
+
 def run_one(task: Task, method: str, seed: int, args: argparse.Namespace) -> tuple[Path, bool]:
     """One `python train.py` run; reused when it finished before with the same overrides, continued from its last
     checkpoint when it stopped before its end."""
@@ -134,7 +142,7 @@ def run_one(task: Task, method: str, seed: int, args: argparse.Namespace) -> tup
     ovr = overrides(task, method, seed, args, run_dir)
     settings, last = run_dir / "repro_overrides.json", run_dir / "checkpoints" / "last.ckpt"
     same = settings.exists() and json.loads(settings.read_text()) == ovr and not args.force
-    if same and (run_dir / "summary.json").exists():
+    if same and finished(run_dir / "summary.json"):
         print(f"[reuse] {method} seed {seed}", flush=True)
         return run_dir, True
     resume = same and last.exists()
@@ -206,11 +214,16 @@ def run_figures(run_dir: Path, oracle_every: int) -> dict[str, Any]:
 
     grad = col("grad/norm")
     resumed = run_dir / "repro_resumed.json"
+    curve = heldout_curve(run)
+    # a resumed process does not evaluate before it trains: the start is then the first process's step-0 row
+    before = summary["accuracy_before"]
+    if before is None:
+        before = next((point["acc"] for point in curve if point["step"] == 0), math.nan)
     return {
         "steps": int(summary["steps"]),
-        "acc_before": float(summary["accuracy_before"]),
+        "acc_before": float(before),
         "acc_after": float(summary["accuracy_after"]),
-        "acc_gain": float(summary["accuracy_after"]) - float(summary["accuracy_before"]),
+        "acc_gain": float(summary["accuracy_after"]) - float(before),
         "pass_after": float(summary.get("pass_at_k_after") or math.nan),
         "train_acc_tail": report.tail_mean(train, "reward/accuracy"),
         "rollouts": float(summary["rollouts_total"]),
@@ -231,7 +244,7 @@ def run_figures(run_dir: Path, oracle_every: int) -> dict[str, Any]:
         "weight_change": relative_weight_change(run_dir),
         **dead_figures(train),
         "resumed": len(json.loads(resumed.read_text())) if resumed.exists() else 0,
-        "curve": heldout_curve(run),
+        "curve": curve,
     }
 
 
@@ -292,7 +305,8 @@ def panels_figure(dirs: dict[str, list[Path]], out: Path, oracle_every: int, tit
     from reproduce_report import _shrink
 
     runs = [mean_run(method, paths, oracle_every) for method, paths in dirs.items()]
-    report.plot(runs, out, panels=PANELS, title=f"lit-rlvr reproduction on {title}", dpi=60)
+    panels = [p for p in PANELS if oracle_every or not p[0].startswith("repro/")]  # no oracle: no empty panels
+    report.plot(runs, out, panels=panels, title=f"lit-rlvr reproduction on {title}", dpi=60)
     _shrink(out)
 
 

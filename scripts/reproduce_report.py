@@ -255,14 +255,17 @@ and the evaluations are not counted); gradient norm before clipping, mean and sd
 entropy of the policy on its rollouts, last 10% of steps; equal-reward groups = `groups/zero_adv_frac` (all rewards
 of a prompt equal); zero-advantage groups = prompts whose advantages are all zero (`repro/all_zero_adv_frac`: the
 same for GRPO and C3PO, but V0.5's fused baseline gives an equal-reward group a nonzero advantage); malformed =
-fraction of rollouts without a readable answer; baseline MSE = mean over the sampled steps (every {every}th) of
-mean over prompts (b − μ)², where b is the baseline the method's advantages used (group mean, or V0.5's fused
-baseline) and μ the expected reward of the same prompts under the same weights, estimated by {samples} extra
-rollouts per prompt (C3PO: spread over the same N weight samples) and debiased for the oracle's own noise
-(`callbacks/oracle_baseline.py`); completion length = mean tokens of the training completions and truncated =
+fraction of rollouts without a readable answer; {mse}; completion length = mean tokens of the training completions and truncated =
 the share cut at the token budget, both over the last 10% of steps. `acc_at_equal_rollouts` (a claim's figure):
 each run's held-out curve against rollouts consumed, read (linearly between evaluations) at the smaller of the two
 runs' rollout totals."""
+
+MSE_TEXT = """baseline MSE = mean over the sampled steps (every {every}th) of
+mean over prompts (b − μ)², where b is the baseline the method's advantages used (group mean, or V0.5's fused
+baseline) and μ the expected reward of the same prompts under the same weights, estimated by {samples} extra
+rollouts per prompt (C3PO: spread over the same N weight samples) and debiased for the oracle's own noise
+(`callbacks/oracle_baseline.py`)"""
+NO_MSE_TEXT = "baseline MSE and zero-advantage groups: not measured (`--oracle-every 0`: the oracle did not run)"
 
 
 TITLES = {"claims": "Reproducing the papers' claims at small scale", "3po": "3PO tested fairly: noise scale, "
@@ -294,7 +297,8 @@ section is written by hand and kept when the script writes this file again).
 
 {setup_text(args, task)}
 
-{FIGURES_TEXT.format(every=args.oracle_every, samples=args.oracle_samples)}
+{FIGURES_TEXT.format(mse=MSE_TEXT.format(every=args.oracle_every, samples=args.oracle_samples)
+                      if args.oracle_every else NO_MSE_TEXT)}
 
 ## Results (mean ± sd over seeds)
 

@@ -74,6 +74,11 @@ def test_epoch_ends_with_eval_before_and_an_exact_resume_across_them(tmp_path):
     finish(start(tmp_path / "part", *epochs, "trainer.max_steps=5", f"resume={tmp_path}/part/checkpoints/last.ckpt"))
     expected, resumed = rows(tmp_path / "full"), rows(tmp_path / "part")
     assert sorted(resumed) == list(range(5)) and resumed == expected
+    # a resume of the finished run trains nothing and still counts its 5 steps (it said 4: reproduce.py refused it)
+    finish(start(tmp_path / "full", *epochs, "trainer.max_steps=5", f"resume={tmp_path}/full/checkpoints/last.ckpt"))
+    assert json.loads((tmp_path / "full" / "summary.json").read_text())["steps"] == 5
+    evaluations = [r for r in csv.DictReader((tmp_path / "full" / "metrics.csv").open()) if r.get("val/accuracy")]
+    assert [r["step"] for r in evaluations] == ["0", "1", "3", "5"]  # before, 2 epoch ends, after (not at 4)
     report("epoch ends, eval_before=true")
 
 

@@ -215,6 +215,21 @@ def test_reproduce_tiny(tmp_path):
     assert [p["rollouts"] for p in curve] == [0, 16, 32]
 
 
+def test_a_run_stopped_by_a_signal_is_not_finished(tmp_path):
+    """A stopped run writes its summary too; reproduce.py must continue it, not reuse it (a study's table once
+    crashed on such a run's missing accuracy)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import reproduce
+
+    summary = tmp_path / "summary.json"
+    assert not reproduce.finished(summary)
+    for stopped, done in ((dict(stopped_by_sigterm=True, stopped_by_sigint=False), False),
+                          (dict(stopped_by_sigterm=False, stopped_by_sigint=True), False),
+                          (dict(stopped_by_sigterm=False, stopped_by_sigint=False), True)):
+        summary.write_text(json.dumps({"accuracy_after": 0.5 if done else None, **stopped}))
+        assert reproduce.finished(summary) is done
+
+
 def test_reproduce_tasks_pin_their_settings():
     sys.path.insert(0, str(ROOT / "scripts"))
     import reproduce
