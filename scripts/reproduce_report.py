@@ -248,17 +248,18 @@ split is fixed (`data.split_seed=0`, the warm-up's split), so every seed scores 
 Every override is in each run's `repro_overrides.json`; `scripts/reproduce_settings.py` lists them."""
 
 
-FIGURES_TEXT = """Figures per run: held-out mean@k = `val/accuracy` after training (gain = after − before), pass@k the
-unbiased pass@k over the same k samples; train rollout acc = accuracy of the training rollouts over the last 10%
-of steps; rollouts consumed = `rollouts_total`, tokens generated = `tokens_generated` (the oracle's extra rollouts
-and the evaluations are not counted); gradient norm before clipping, mean and sd over the steps; entropy = token
-entropy of the policy on its rollouts, last 10% of steps; equal-reward groups = `groups/zero_adv_frac` (all rewards
-of a prompt equal); zero-advantage groups = prompts whose advantages are all zero (`repro/all_zero_adv_frac`: the
-same for GRPO and C3PO, but V0.5's fused baseline gives an equal-reward group a nonzero advantage); malformed =
-fraction of rollouts without a readable answer; {mse}; completion length = mean tokens of the training completions and truncated =
-the share cut at the token budget, both over the last 10% of steps. `acc_at_equal_rollouts` (a claim's figure):
-each run's held-out curve against rollouts consumed, read (linearly between evaluations) at the smaller of the two
-runs' rollout totals."""
+FIGURES_TEXT = """Figures per run: held-out mean@k = `val/accuracy` after training (gain = after − before), pass@k
+the unbiased pass@k
+over the same k samples; train rollout acc = accuracy of the training rollouts over the last 10% of steps; rollouts
+consumed = `rollouts_total`, tokens generated = `tokens_generated` (the oracle's extra rollouts and the evaluations
+are not counted); gradient norm before clipping, mean and sd over the steps; entropy = token entropy of the policy
+on its rollouts, last 10% of steps; equal-reward groups = `groups/zero_adv_frac` (all rewards of a prompt equal);
+zero-advantage groups = prompts whose advantages are all zero (`repro/all_zero_adv_frac`: the same for GRPO and
+C3PO, but V0.5's fused baseline gives an equal-reward group a nonzero advantage); malformed = fraction of rollouts
+without a readable answer; {mse}; completion length = mean tokens of the training completions and truncated = the
+share cut at the token budget, both over the last 10% of steps. `acc_at_equal_rollouts` (a claim's figure): each
+run's held-out curve against rollouts consumed, read (linearly between evaluations) at the smaller of the two runs'
+rollout totals."""
 
 MSE_TEXT = """baseline MSE = mean over the sampled steps (every {every}th) of
 mean over prompts (b − μ)², where b is the baseline the method's advantages used (group mean, or V0.5's fused
