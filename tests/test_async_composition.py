@@ -54,11 +54,10 @@ def test_async_composes(overrides, column, tiny_path, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, says", [
-    (("algorithm=c3po", "model.lora.rank=4"), "sampled adapters are not pushed that way"),
     (("algorithm=dapo",), "filter_groups"),
     (("algorithm.rollout_correction.bypass_mode=false",), "would not correct for the lag"),
     (("engine.options.mode=shared",), "needs its own copy"),
-], ids=["c3po-lora", "dapo", "no-correction", "shared-engine"])
+], ids=["dapo", "no-correction", "shared-engine"])
 def test_async_refusals_say_why(overrides, says, tiny_path, tmp_path):
     with pytest.raises(ConfigError, match=says) as caught:
         run(tmp_path, tiny_path, *overrides)
@@ -145,11 +144,15 @@ def test_callbacks_that_read_the_steps_weights_are_refused_in_async_mode():
     assert "\n" not in str(caught.value)
 
 
-@pytest.mark.parametrize("variant, num_samples", [("c3po", 2), ("b3po", 1), ("m3po", 2)])
+@pytest.mark.parametrize("variant, num_samples, lora", [
+    ("c3po", 2, ()), ("b3po", 1, ()), ("m3po", 2, ()), ("c3po", 2, ("model.lora.rank=4",)),
+    ("c3po", 2, ("model.lora.rank=4", "engine.options.lora_sync=merged"))],
+    ids=["c3po", "b3po", "m3po", "c3po-lora-adapter", "c3po-lora-merged"])
 def test_3po_async_draws_its_samples_at_plan_time_and_the_producer_never_touches_the_policy(
-        variant, num_samples, tiny_path, tmp_path, monkeypatch):
+        variant, num_samples, lora, tiny_path, tmp_path, monkeypatch):
     """The producer generates with weight samples drawn in the trainer's thread when the batch was planned (version
-    v, IVON's seeding at step v); it never writes the trainer's parameters nor pushes them."""
+    v, IVON's seeding at step v); it never writes the trainer's parameters nor pushes them. On LoRA the samples are
+    the adapters', pushed as adapters or merged into the base."""
     producer_calls: list[str] = []  # what the producer thread did that it must not
     trained = []  # each update's rollouts
 
@@ -173,7 +176,7 @@ def test_3po_async_draws_its_samples_at_plan_time_and_the_producer_never_touches
 
     monkeypatch.setattr(GRPOModule, "collect", collect_spy)
     summary, rows = run(tmp_path, tiny_path, f"algorithm={variant}",
-                        f"algorithm.callbacks.param_noise.num_samples={num_samples}")
+                        f"algorithm.callbacks.param_noise.num_samples={num_samples}", *lora)
     assert producer_calls == []
     assert len(trained) == len(rows) >= 2 and summary["optimizer_steps"] == len(rows)
     assert [float(r["async/staleness_max"]) for r in rows] == [0.0] + [1.0] * (len(rows) - 1)

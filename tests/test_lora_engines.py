@@ -145,3 +145,28 @@ def test_qwen3_4b_adapter_push_is_under_2_percent_of_the_full_weights():
     adapter = push_bytes(lora, lora_sync="adapter", first=False, dtype=torch.bfloat16)
     assert adapter / full <= 0.02
     assert push_bytes(lora, lora_sync="merged", first=False, dtype=torch.bfloat16) / full > 0.5
+
+
+@pytest.mark.parametrize("sync", ["adapter", "merged"])
+def test_a_sampled_adapter_pushed_from_a_snapshot_is_what_a_push_with_it_in_place_sends(sync):
+    """3PO in async mode on LoRA: the producer pushes adapter values drawn at plan time (`push_named`) while the
+    trainer's adapters move on. The engine must then hold what the synchronous run sends with that sample written
+    into the policy (`push`), bit for bit: the same tensors through the same ops."""
+    snapshot, in_place = (lora_module({"mode": "copy", "lora_sync": sync}) for _ in range(2))
+    for module in (snapshot, in_place):
+        module.setup("fit")
+    adapters = [n for n, p in snapshot.policy.named_parameters() if p.requires_grad]
+    generator = torch.Generator().manual_seed(0)
+    params = dict(snapshot.policy.named_parameters())
+    sample = {n: params[n].detach() + 0.1 * torch.randn(params[n].shape, generator=generator) for n in adapters}
+    with torch.no_grad():  # the trainer moves on: the producer must not read the policy's adapters
+        for n in adapters:
+            params[n].add_(1.0)
+        in_place_params = dict(in_place.policy.named_parameters())
+        for n in adapters:
+            in_place_params[n].copy_(sample[n])
+    snapshot.driver.weight_sync.push_named(sample.items(), step=0)
+    in_place.driver.weight_sync.push(step=0, holds_mean=False)
+    held, want = (dict(m.engine.model.named_parameters()) for m in (snapshot, in_place))
+    assert held.keys() == want.keys() and all(torch.equal(held[n], want[n]) for n in want)
+    assert snapshot.driver.weight_sync.version == 0 and not snapshot.driver.weight_sync.holds(0)

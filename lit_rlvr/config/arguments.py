@@ -95,10 +95,6 @@ class ModuleSettings:
             problems.append("rollout.partial_rollout=true with algorithm.optimizer=ivon (3PO): a completion drawn by "
                             "a weight sample would continue under the new mean, not a sample; set "
                             "rollout.partial_rollout=false")
-        if algo.optimizer == "ivon" and self.model.lora.enabled:
-            problems.append("rollout.mode=async with algorithm.optimizer=ivon (3PO) and model.lora: the producer "
-                            "pushes 3PO's weight samples as full weights drawn at plan time, and sampled adapters "
-                            "are not pushed that way yet; use rollout.mode=sync, or full fine-tuning")
         return problems
 
 

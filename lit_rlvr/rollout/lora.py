@@ -109,11 +109,13 @@ def base_named_weights(policy: nn.Module, dtype: Optional[torch.dtype] = None) -
             yield hf_name(name), tensor
 
 
-def merged_named_weights(policy: nn.Module, dtype: Optional[torch.dtype] = None,
-                         adapted_only: bool = False) -> Iterator[tuple[str, Tensor]]:
+def merged_named_weights(policy: nn.Module, dtype: Optional[torch.dtype] = None, adapted_only: bool = False,
+                         adapters: Optional[dict[str, Tensor]] = None) -> Iterator[tuple[str, Tensor]]:
     """(HF name, W + (α/r)·B A) of every weight the adapters change, computed in fp32 from the full tensors; with
-    `adapted_only` False the unchanged base weights too (a first push)."""
+    `adapted_only` False the unchanged base weights too (a first push). `adapters` ({parameter name: tensor}):
+    A and B to merge instead of the policy's (a 3PO weight sample drawn earlier)."""
     full = dict(full_named_weights(policy))  # a collective under FSDP2: every rank gathers every tensor
+    full.update(adapters or {})
     layers = dict(lora_layers(policy))
     adapted = set()
     for layer_name, layer in layers.items():

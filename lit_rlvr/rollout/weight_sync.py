@@ -90,26 +90,32 @@ class WeightSync:
 
     def push_named(self, named: Iterable[tuple[str, Tensor]], *, step: int) -> float:
         """Weights that are not the policy's own (3PO in async mode: a weight sample drawn from a snapshot of the
-        posterior) to an engine that keeps its own copy, while it holds `step`; returns the seconds. No post-push
-        check (it would score with the policy, which does not hold them), but the push counts toward its cadence,
-        as the synchronous run's push of the same sample does."""
-        if self.engine.shares_weights or is_lora(self.policy):
-            raise RuntimeError("WeightSync.push_named sends full weights to an engine with its own copy; this engine "
-                               "shares the trainer's weights or the policy is a LoRA model")
+        posterior; of a LoRA policy, its adapters, sent as `_send` sends the policy's) to an engine that keeps its own
+        copy, while it holds `step`; returns the seconds. No post-push check (it would score with the policy, which
+        does not hold them), but the push counts toward its cadence, as the synchronous run's push of the same sample
+        does."""
+        if self.engine.shares_weights:
+            raise RuntimeError("WeightSync.push_named sends weights to an engine with its own copy; this engine "
+                               "shares the trainer's weights")
         timer = StepTimer()
         with timer("sync_s"):
             self.engine.wake()
-            dtype = self.engine.weight_dtype
-            self._load((name, t if dtype is None else t.to(dtype)) for name, t in named)
+            if is_lora(self.policy):
+                self._send(step, adapters=dict(named))
+            else:
+                dtype = self.engine.weight_dtype
+                self._load((name, t if dtype is None else t.to(dtype)) for name, t in named)
             self.version, self.holds_mean = step, False
         if self.sync_check is not None and self.sync_check.every:
             self._checked_pushes += 1
         return timer.times["sync_s"]
 
-    def _send(self, step: int) -> int:
+    def _send(self, step: int, adapters: Optional[dict[str, Tensor]] = None) -> int:
         """The weights themselves; returns the bytes sent. A LoRA policy (lit_rlvr.rollout.lora): on an engine that
         serves adapters, the base once (while the engine holds none), then the adapter under `adapter_name`, which
-        becomes the engine's default; otherwise merged weights (the adapted layers only, once the base is there)."""
+        becomes the engine's default; otherwise merged weights (the adapted layers only, once the base is there).
+        `adapters` ({parameter name: tensor}): adapter values to send instead of the policy's (the frozen base is
+        still read from the policy, so the trainer may be changing the adapters meanwhile)."""
         engine, dtype = self.engine, self.engine.weight_dtype
         first = not (self.base_pushed and engine.holds_weights)  # a sleep may have freed what was pushed
         if not is_lora(self.policy):
@@ -118,11 +124,12 @@ class WeightSync:
             nbytes = self._load(base_named_weights(self.policy, dtype)) if first and engine.adapter_base_by_name else 0
             self._adapter_pushes = self._adapter_pushes + 1 if self.version == step else 0
             self.adapter = adapter_name(step, push=self._adapter_pushes)
-            tensors = adapter_tensors(self.policy, dtype)
+            tensors = adapter_tensors(self.policy, dtype) if adapters is None else {
+                peft_file_name(name): t if dtype is None else t.to(dtype) for name, t in adapters.items()}
             engine.load_adapter(self.adapter, tensors, peft_config_dict(self.policy))
             nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
         else:
-            nbytes = self._load(merged_named_weights(self.policy, dtype, adapted_only=not first))
+            nbytes = self._load(merged_named_weights(self.policy, dtype, adapted_only=not first, adapters=adapters))
         self.base_pushed = True
         return nbytes
 
