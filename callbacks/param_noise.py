@@ -46,6 +46,7 @@ from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.models.lora import trainable_parameters
 from lit_rlvr.optim import IVON, bf16_spacing_warning, sample_seed
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
+from lit_rlvr.rollout.weights import whole_stack
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -211,10 +212,12 @@ def sample_from_posterior(plan: RolloutPlan, optimizer: IVON, num_samples: int) 
 def snapshot_posterior(plan: RolloutPlan, optimizer: IVON, num_samples: int, policy: torch.nn.Module) -> None:
     """Make the plan's `num_samples` weight sources IVON's samples θ̂_0 … θ̂_{N−1} of this step, drawn now into
     tensors of their own (`IVON.sampled_stack`: the bits `sampled_params(j)` would write), for a producer that
-    pushes them to its engine later; the policy is never written. The batch's version is then the plan's."""
+    pushes them to its engine later; the policy is never written. The batch's version is then the plan's. Sharded
+    parameters (FSDP2) are gathered here, in the trainer's thread: the producer's pushes then run no collective."""
     names = {id(p): name for name, p in policy.named_parameters()}
     params = [p for group in optimizer.param_groups for p in group["params"] if p is not None]
-    named = [(names[id(p)], stack) for p, stack in zip(params, optimizer.sampled_stack(range(num_samples)))]
+    stacks = optimizer.sampled_stack(range(num_samples))
+    named = [(names[id(p)], whole_stack(p, stack)) for p, stack in zip(params, stacks)]
     plan.num_weight_sources = num_samples
     plan.source_weights = lambda source: [(name, stack[source]) for name, stack in named]
     plan.source_seeds = [sample_seed(optimizer.seed, optimizer.current_step, j, optimizer.rank, 0)

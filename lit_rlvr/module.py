@@ -134,10 +134,12 @@ class GRPOModule(pl.LightningModule):
         check_rl_callbacks(self.rl_callbacks(), self.algorithm, self.settings.rollout)  # the CLI and Python: first
         rollout = self.settings.rollout
         ranks = self.trainer.world_size if rollout.mode == "async" and self._trainer is not None else 1
-        if rollout.mode == "async" and ranks > 1 and self.algorithm.optimizer == "ivon":
-            raise ConfigError([f"rollout.mode=async with algorithm.optimizer=ivon (3PO) on {ranks} ranks: the weight "
-                               "samples drawn at plan time would be of this rank's shards, and gathering them for the "
-                               "producer is not built yet; use rollout.mode=sync, or one rank"])
+        lora = self.settings.model.lora.enabled
+        if rollout.mode == "async" and ranks > 1 and self.algorithm.optimizer == "ivon" and lora:
+            raise ConfigError([f"rollout.mode=async with algorithm.optimizer=ivon (3PO) and model.lora on {ranks} "
+                               "ranks: the producer would gather the sharded base weights to push a sample's adapters, "
+                               "a collective off the trainer's thread; use rollout.mode=sync, one rank, or full "
+                               "fine-tuning"])
         rounds_by = next((type(cb).__name__ for cb in self.rl_callbacks() if cb.sets_sample_counts), None)
         if rollout.mode == "async" and ranks > 1 and rollout.lead > 1 and rounds_by:
             # the producers agree on each round across ranks: with a plan queued behind the one a rank's trainer

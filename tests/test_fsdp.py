@@ -86,6 +86,8 @@ def runs(tiny_path, tmp_path_factory):
                                        ranks=2),
         "v05_async0_two_ranks": partial(_run, base / "v05_async0",
                                         FSDP_CPU + V05 + ASYNC + ["rollout.max_staleness=0"], ranks=2),
+        "c3po_async0_two_ranks": partial(_run, base / "c3po_async0",
+                                         FSDP_CPU + ["algorithm=c3po"] + ASYNC + ["rollout.max_staleness=0"], ranks=2),
     })
 
 
@@ -195,13 +197,15 @@ def test_v05_resume_on_two_ranks_continues_exactly(runs, resumed):
     assert rows == straight
 
 
-def test_async_at_staleness_zero_on_two_ranks_is_the_synchronous_run(runs):
+@pytest.mark.parametrize("algorithm", ["v05", "c3po"])
+def test_async_at_staleness_zero_on_two_ranks_is_the_synchronous_run(runs, algorithm):
     """V0.5, whose OSLA rounds run in each rank's producer: the ranks agree on each round over a gloo group of the
-    producers' own (the trainer's threads run FSDP's collectives on the default one at the same time). At S = 0 the
-    run is the synchronous one."""
-    rows = _rows(runs["v05_async0_two_ranks"])
+    producers' own (the trainer's threads run FSDP's collectives on the default one at the same time). C3PO, whose
+    weight samples are drawn from each rank's shards at plan time and gathered there, in the trainer's thread, so
+    the producers' pushes run no collective. At S = 0 either run is the synchronous one."""
+    rows = _rows(runs[f"{algorithm}_async0_two_ranks"])
     untimed = [{k: v for k, v in row.items() if not k.startswith("async/")} for row in rows]
-    assert untimed == _rows(runs["v05_two_ranks"])
+    assert len(rows) == 3 and untimed == _rows(runs[f"{algorithm}_two_ranks"])
     assert all(row["async/staleness_max"] == 0 for row in rows)
 
 
@@ -240,13 +244,14 @@ def test_eval_of_a_sharded_checkpoint_without_fsdp_says_how(sharded_eval, tmp_pa
     assert "is a sharded checkpoint" in done.stderr and "trainer=fsdp32" in done.stderr, done.stderr[-2000:]
 
 
-def test_3po_async_on_two_ranks_is_refused_before_any_step(tiny_path, tmp_path):
+def test_3po_async_on_lora_on_two_ranks_is_refused_before_any_step(tiny_path, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-                    *FSDP_CPU, "algorithm=c3po", "rollout.mode=async", "trainer.max_steps=1", "eval_before=false",
-                    "data.num_test=4", "callbacks.progress=null", f"hydra.run.dir={tmp_path}"]
+           *FSDP_CPU, "algorithm=c3po", "model.lora.rank=4", "rollout.mode=async", "trainer.max_steps=1",
+           "eval_before=false", "data.num_test=4", "callbacks.progress=null", f"hydra.run.dir={tmp_path}"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode != 0
-    assert "rollout.mode=async with algorithm.optimizer=ivon (3PO) on 2 ranks" in done.stdout + done.stderr
+    assert "rollout.mode=async with algorithm.optimizer=ivon (3PO) and model.lora on 2 ranks" in \
+        done.stdout + done.stderr
     assert not list(tmp_path.glob("checkpoints/*"))
 
 
