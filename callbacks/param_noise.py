@@ -44,7 +44,7 @@ from lit_rlvr.config.settings import AlgorithmConfig
 from lit_rlvr.config.rollout_correction import RolloutCorrection
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.models.lora import trainable_parameters
-from lit_rlvr.optim import IVON, bf16_spacing_warning, sample_seed
+from lit_rlvr.optim import IVON, PosteriorSnapshot, bf16_spacing_warning, sample_seed
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 from lit_rlvr.rollout.weights import whole_stack
 
@@ -151,8 +151,9 @@ class ParamNoise(RLVRCallback):
         if self.generate == "mean":
             return
         if plan.ahead is not None:  # the producer generates while this thread updates
-            snapshot_posterior(plan, self._ivon(trainer), self.num_samples, pl_module.policy)
-            self._maybe_warn_snapshot_memory(plan)
+            optimizer = self._ivon(trainer)
+            nbytes = snapshot_posterior(plan, optimizer, self.num_samples, pl_module.policy)
+            self._maybe_warn_snapshot_memory(plan, nbytes, optimizer._device)
         else:
             sample_from_posterior(plan, self._ivon(trainer), self.num_samples)
 
@@ -179,15 +180,13 @@ class ParamNoise(RLVRCallback):
         if pl_module.global_step % self.bf16_check_every == 0:
             self._maybe_warn_bf16(pl_module, optimizer)
 
-    def _maybe_warn_snapshot_memory(self, plan: RolloutPlan) -> None:
-        """Once: the snapshots waiting for the producer (at most lead + 1 plans of N samples each) against the free
-        memory of their device."""
+    def _maybe_warn_snapshot_memory(self, plan: RolloutPlan, nbytes: int, device: torch.device) -> None:
+        """Once: the snapshots waiting for the producer (at most lead + 1 plans of `nbytes` each) against the free
+        memory of `device`, the weights'."""
         if self._memory_checked:
             return
         self._memory_checked = True
-        tensors = [t for _, t in plan.source_weights(0)]
-        nbytes = plan.num_weight_sources * sum(t.numel() * t.element_size() for t in tensors)
-        message = snapshot_memory_warning(nbytes, plan.ahead + 1, free_bytes(tensors[0].device) if tensors else None)
+        message = snapshot_memory_warning(nbytes, plan.ahead + 1, free_bytes(device))
         if message is not None:
             log.warning(message)
 
@@ -209,28 +208,38 @@ def sample_from_posterior(plan: RolloutPlan, optimizer: IVON, num_samples: int) 
     plan.weight_stacks = lambda num: dict(zip(params, optimizer.sampled_stack(range(num))))  # same bits
 
 
-def snapshot_posterior(plan: RolloutPlan, optimizer: IVON, num_samples: int, policy: torch.nn.Module) -> None:
-    """Make the plan's `num_samples` weight sources IVON's samples θ̂_0 … θ̂_{N−1} of this step, drawn now into
-    tensors of their own (`IVON.sampled_stack`: the bits `sampled_params(j)` would write), for a producer that
-    pushes them to its engine later; the policy is never written. The batch's version is then the plan's. Sharded
-    parameters (FSDP2) are gathered here, in the trainer's thread: the producer's pushes then run no collective."""
+def snapshot_posterior(plan: RolloutPlan, optimizer: IVON, num_samples: int, policy: torch.nn.Module) -> int:
+    """Make the plan's `num_samples` weight sources IVON's samples θ̂_0 … θ̂_{N−1} of this step, for a producer
+    that pushes them to its engine later (the bits `sampled_params(j)` would write now); the policy is never written.
+    The batch's version is then the plan's. Returns the bytes the snapshot holds until the batch is generated:
+    N > 2 samples are drawn when pushed, from a copy of m and 1/σ (`PosteriorSnapshot`: two copies of the weights
+    whatever N); N ≤ 2, or sharded parameters (FSDP2), are drawn now, the shards gathered here in the trainer's
+    thread so that the producer's pushes run no collective (N copies of the whole weights)."""
     names = {id(p): name for name, p in policy.named_parameters()}
     params = [p for group in optimizer.param_groups for p in group["params"] if p is not None]
-    stacks = optimizer.sampled_stack(range(num_samples))
-    named = [(names[id(p)], whole_stack(p, stack)) for p, stack in zip(params, stacks)]
+    if num_samples > 2 and not any(hasattr(p, "full_tensor") for p in params):
+        snapshot = PosteriorSnapshot(optimizer, num_samples)
+        order = [names[id(p)] for p in params]
+        plan.source_weights = lambda source: list(zip(order, snapshot.sample(source)))
+        nbytes = snapshot.nbytes
+    else:
+        stacks = optimizer.sampled_stack(range(num_samples))
+        named = [(names[id(p)], whole_stack(p, stack)) for p, stack in zip(params, stacks)]
+        plan.source_weights = lambda source: [(name, stack[source]) for name, stack in named]
+        nbytes = sum(stack.numel() * stack.element_size() for _, stack in named)
     plan.num_weight_sources = num_samples
-    plan.source_weights = lambda source: [(name, stack[source]) for name, stack in named]
     plan.source_seeds = [sample_seed(optimizer.seed, optimizer.current_step, j, optimizer.rank, 0)
                          for j in range(num_samples)]
+    return nbytes
 
 
 def snapshot_memory_warning(nbytes: int, plans: int, free: Optional[int]) -> Optional[str]:
     """A warning when `plans` snapshots of `nbytes` each could take more than half of `free` bytes, else None."""
     if free is None or plans * nbytes <= free // 2:
         return None
-    return (f"3PO in async mode keeps each waiting batch's weight samples ({nbytes / 2**30:.2f} GiB a batch, up to "
-            f"{plans} batches: rollout.max_staleness + 1, + 1 with drop) next to the weights, and only "
-            f"{free / 2**30:.2f} GiB are free: lower rollout.max_staleness or {KEY}.num_samples")
+    return (f"3PO in async mode keeps a snapshot of the posterior per waiting batch ({nbytes / 2**30:.2f} GiB a "
+            f"batch, up to {plans} batches: rollout.max_staleness + 1, + 1 with drop) next to the weights, and only "
+            f"{free / 2**30:.2f} GiB are free: lower rollout.max_staleness")
 
 
 def free_bytes(device: torch.device) -> Optional[int]:

@@ -145,8 +145,8 @@ def test_callbacks_that_read_the_steps_weights_are_refused_in_async_mode():
 
 
 @pytest.mark.parametrize("variant, num_samples, lora", [
-    ("c3po", 2, ()), ("b3po", 1, ()), ("m3po", 2, ()), ("c3po", 2, ("model.lora.rank=4",)),
-    ("c3po", 2, ("model.lora.rank=4", "engine.options.lora_sync=merged"))],
+    ("c3po", 4, ()), ("b3po", 1, ()), ("m3po", 2, ()), ("c3po", 4, ("model.lora.rank=4",)),
+    ("c3po", 2, ("model.lora.rank=4", "engine.options.lora_sync=merged"))],  # N > 2: drawn when pushed
     ids=["c3po", "b3po", "m3po", "c3po-lora-adapter", "c3po-lora-merged"])
 def test_3po_async_draws_its_samples_at_plan_time_and_the_producer_never_touches_the_policy(
         variant, num_samples, lora, tiny_path, tmp_path, monkeypatch):
@@ -191,8 +191,11 @@ def test_3po_async_draws_its_samples_at_plan_time_and_the_producer_never_touches
         assert math.isfinite(float(row["loss/policy"])) and row["noise/sigma_mean"] != ""
 
 
-def test_snapshot_holds_the_bits_sampled_params_writes():
-    """`snapshot_posterior`'s source j is what `IVON.sampled_params(j)` writes into the policy at that step."""
+@pytest.mark.parametrize("num_samples", [2, 3], ids=["drawn-now", "drawn-when-pushed"])
+def test_snapshot_holds_the_bits_sampled_params_writes(num_samples):
+    """`snapshot_posterior`'s source j is what `IVON.sampled_params(j)` writes into the policy at that step, also
+    when it is drawn later in another thread after the trainer has stepped (N > 2: from a copy of m and 1/σ, two
+    copies of the weights whatever N; N ≤ 2: the samples themselves, N copies)."""
     from lit_rlvr.callbacks.param_noise import snapshot_posterior
     from lit_rlvr.rollout.batch import RolloutPlan
 
@@ -200,18 +203,30 @@ def test_snapshot_holds_the_bits_sampled_params_writes():
     policy = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3))
     optimizer = IVON(policy.parameters(), lr=0.1, ess=1e4, seed=7)
     plan = RolloutPlan(["p"], [None], [[1]], [4])
-    snapshot_posterior(plan, optimizer, 3, policy)
-    assert plan.num_weight_sources == 3 and not plan.uses_mean_weights
+    nbytes = snapshot_posterior(plan, optimizer, num_samples, policy)
+    weights = sum(p.numel() * 4 for p in policy.parameters())
+    assert nbytes == (2 if num_samples > 2 else num_samples) * weights
+    assert plan.num_weight_sources == num_samples and not plan.uses_mean_weights
     means = {name: p.detach().clone() for name, p in policy.named_parameters()}
-    for j in range(3):
-        drawn = dict(plan.source_weights(j))
+    written = []
+    for j in range(num_samples):
         with optimizer.sampled_params(sample_index=j):
-            written = {name: p.detach().clone() for name, p in policy.named_parameters()}
-        assert drawn.keys() == written.keys()
-        assert all(torch.equal(drawn[n], written[n]) for n in written)  # same draw, same ops: same bits
-        assert not all(torch.equal(drawn[n], means[n]) for n in means)  # a sample, not the mean
-    assert all(torch.equal(p, means[n]) for n, p in policy.named_parameters())  # the snapshot wrote nothing
-    assert plan.source_seeds == [sample_seed(7, 0, j, 0, 0) for j in range(3)]
+            written.append({name: p.detach().clone() for name, p in policy.named_parameters()})
+    for p in policy.parameters():  # the trainer steps on: the snapshot must not follow
+        p.grad = torch.ones_like(p)
+    with optimizer.sampled_params(train=True):
+        pass
+    optimizer.step()
+    drawn = [None] * num_samples
+    producer = threading.Thread(target=lambda: drawn.__setitem__(slice(None), [
+        dict(plan.source_weights(j)) for j in range(num_samples)]))
+    producer.start(), producer.join()
+    for j in range(num_samples):
+        assert drawn[j].keys() == written[j].keys()
+        assert all(torch.equal(drawn[j][n], written[j][n]) for n in written[j])  # same draw, same ops: same bits
+        assert not all(torch.equal(drawn[j][n], means[n]) for n in means)  # a sample, not the mean
+    assert not torch.equal(next(policy.parameters()), next(iter(means.values())))  # (the step moved m)
+    assert plan.source_seeds == [sample_seed(7, 0, j, 0, 0) for j in range(num_samples)]
 
 
 @pytest.mark.parametrize("algorithm", ["v05", "c3po_v05"])

@@ -27,7 +27,7 @@ EPOCHS = ["data=jsonl", f"data.path={REPO}/tests/fixtures/eight_rows.jsonl", "da
 ASYNC = ["rollout.mode=async"]
 TASK = ["data.num_test=4"]  # the built-in task's held-out set, small
 NO_EVAL = ["eval_before=false"]  # (the S = 0 comparison keeps the default evaluation before training)
-C3PO = ["algorithm=c3po", "algorithm.callbacks.param_noise.num_samples=2"]
+C3PO = ["algorithm=c3po", "algorithm.callbacks.param_noise.num_samples=4"]  # async: drawn when pushed (N > 2)
 V05 = ["algorithm=v05", *(f"algorithm.callbacks.value_prior.{k}" for k in (  # the prior present from the 2nd step
     "min_context=4", "k_init=2", "k_max=4", "pad_to=1"))]
 # what depends on the machine's speed, or exists only in async mode

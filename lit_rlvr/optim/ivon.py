@@ -52,7 +52,7 @@ try:  # DTensor is public from torch 2.4; builds without distributed have none
 except ImportError:  # pragma: no cover
     DTensor = ()  # isinstance(x, ()) is always False
 
-__all__ = ["IVON", "sample_seed", "bf16_spacing_warning"]
+__all__ = ["IVON", "PosteriorSnapshot", "sample_seed", "bf16_spacing_warning"]
 
 
 def sample_seed(seed: int, step: int, sample_index: int, rank: int, param_index: int) -> int:
@@ -90,6 +90,54 @@ def _write_flat(shards: list[Tensor], flat: Tensor) -> None:
     if shards:
         parts = flat.split([t.numel() for t in shards])
         torch._foreach_copy_(shards, [part.view(t.shape) for part, t in zip(parts, shards)])
+
+
+def _draw_standard_normal(layout: list[tuple[int, int, torch.device]], device: torch.device) -> Tensor:
+    """ε of one param group: flat fp32, one seeded draw per (local) param of `layout` ((numel, seed, device) each)
+    written straight into its slice (the same numbers as drawing it alone: a contiguous fill of the same size)."""
+    generators: dict[torch.device, torch.Generator] = {}
+    flat = torch.empty(sum(n for n, _, _ in layout), device=device, dtype=torch.float32)
+    offset = 0
+    for numel, seed, where in layout:
+        gen = generators.get(where)
+        if gen is None:
+            gen = generators[where] = torch.Generator(device=where)
+        gen.manual_seed(seed)
+        torch.randn(numel, generator=gen, out=flat[offset:offset + numel])
+        offset += numel
+    return flat
+
+
+class PosteriorSnapshot:
+    """IVON's posterior at one step, kept to draw its weight samples later, from any thread: per param group the
+    mean m (a copy) and 1/σ, and the seeds of every sample. `sample(j)` is then what `IVON.sampled_stack([j])`
+    gave at that step, bit for bit (the same draws and the same ops), at two copies of the (local) weights
+    whatever the number of samples."""
+
+    def __init__(self, optimizer: "IVON", num_samples: int):
+        self.num_samples = num_samples
+        groups = [[_local(p) for p in _params(g)] for g in optimizer.param_groups]
+        self._means = [_flat(shards, optimizer._device).float() for shards in groups]  # fp32 copies of m
+        # 1/σ: IVON replaces this tensor when h changes, never writes it, so holding it is a snapshot
+        self._scales = optimizer._noise_scales()
+        self._layouts = [optimizer._noise_layout(j) for j in range(num_samples)]
+        self._shapes = [[(t.shape, t.dtype) for t in shards] for shards in groups]
+        self._device = optimizer._device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self._means, *self._scales))
+
+    def sample(self, j: int) -> list[Tensor]:
+        """θ_j = m + σ⊙ε_j, one tensor per (local) parameter in param-group order and the parameter's dtype."""
+        out = []
+        for layout, mean, scale, shapes in zip(self._layouts[j], self._means, self._scales, self._shapes):
+            row = torch.div(_draw_standard_normal(layout, self._device), scale)  # σ⊙ε_j, as in `_noises`
+            row.add_(mean)  # + m
+            for part, (shape, dtype) in zip(row.split([math.prod(shape) for shape, _ in shapes]), shapes):
+                part = part.view(shape)
+                out.append(part if part.dtype == dtype else part.to(dtype))
+        return out
 
 
 class IVON(ivon.IVON):
@@ -203,25 +251,21 @@ class IVON(ivon.IVON):
             self._runtime["sampling"] = False
 
     def _standard_normal(self, sample_index: int) -> list[Tensor]:
-        """ε per param group: flat fp32 [group numel], one seeded draw per (local) param written straight into
-        its slice (the same numbers as drawing it alone: a contiguous fill of the same size)."""
-        generators: dict[torch.device, torch.Generator] = {}
-        out, param_index = [], 0
+        """ε per param group: flat fp32 [group numel] (`_draw_standard_normal`)."""
+        return [_draw_standard_normal(layout, self._device) for layout in self._noise_layout(sample_index)]
+
+    def _noise_layout(self, sample_index: int) -> list[list[tuple[int, int, torch.device]]]:
+        """Per param group, (numel, seed, device) of each (local) param's noise in sample `sample_index`."""
+        layouts, param_index = [], 0
         for group in self.param_groups:
-            flat = torch.empty(group["numel"], device=self._device, dtype=torch.float32)  # [group numel]
-            offset = 0
+            layout = []
             for p in _params(group):
                 local = _local(p)
-                gen = generators.get(local.device)
-                if gen is None:
-                    gen = generators[local.device] = torch.Generator(device=local.device)
-                gen.manual_seed(sample_seed(self.seed, self.current_step, sample_index, self._shard_key(p),
-                                            param_index))
-                torch.randn(local.numel(), generator=gen, out=flat[offset:offset + local.numel()])
-                offset += local.numel()
+                layout.append((local.numel(), sample_seed(self.seed, self.current_step, sample_index,
+                                                          self._shard_key(p), param_index), local.device))
                 param_index += 1
-            out.append(flat)
-        return out
+            layouts.append(layout)
+        return layouts
 
     def _shard_key(self, p: Tensor) -> int:
         """`rank` for a plain tensor; for a DTensor the shard's coordinate over the mesh dims it is sharded on."""
