@@ -4,7 +4,8 @@
 # S = 1); prints tokens/s, weight-sync seconds, the model FLOPs utilisation of generation and update
 # (perf/mfu_gen, perf/mfu_update against the GPU's published bf16 peak, lit_rlvr.run.perf; PEAK_FLOPS=FLOP/s sets
 # it for a GPU the table lacks), decode's memory-bandwidth utilisation (perf/mbu_gen) and, for the async run, the
-# share of the step the trainer waited for data (async/trainer_wait_frac) per run.
+# share of the step the trainer waited for data (async/trainer_wait_frac) per run. Then C3PO with asynchronous
+# rollouts (its samples drawn from a snapshot of the posterior) and, on the HF engine, partial rollouts.
 #
 #   scripts/gpu_smoke.sh                 # the built-in tiny model, saved to disk by its warm-up
 #   scripts/gpu_smoke.sh /path/to/model  # any local HF causal LM (e.g. Qwen3-4B), with the arithmetic task
@@ -59,6 +60,12 @@ run fsdp_c3po $PY -m torch.distributed.run --nproc_per_node 1 --master_port 2953
   algorithm=c3po "${FSDP_ENGINE[@]}" "${COMMON[@]}" model.dtype=float32
 run async_grpo $PY train.py trainer=gpu algorithm=grpo "${ENGINE[@]}" "${COMMON[@]}" rollout.mode=async \
   rollout.max_staleness=1  # the HF engine keeps its own copy in async mode
+run async_c3po $PY train.py trainer=gpu algorithm=c3po "${ENGINE[@]}" "${COMMON[@]}" model.dtype=float32 \
+  rollout.mode=async rollout.max_staleness=1  # N = 4: each sample drawn from the posterior's snapshot when pushed
+if [ "${ENGINE[0]}" = engine=hf ]; then  # pushes that land mid-batch: the HF engine only
+  run async_partial $PY train.py trainer=gpu algorithm=grpo engine=hf "${COMMON[@]}" rollout.mode=async \
+    rollout.max_staleness=1 rollout.partial_rollout=true engine.options.sync_check_every=0
+fi
 
 $PY - "$OUT" <<'EOF'
 import csv, json, statistics, sys
@@ -67,7 +74,9 @@ from pathlib import Path
 out = Path(sys.argv[1])
 print(f"{'run':<11} {'steps':>5} {'tokens/s':>9} {'sync_s':>8} {'gen_s':>7} {'train_s':>7} {'step_s':>7} "
       f"{'mfu_gen':>8} {'mfu_upd':>8} {'mbu_gen':>8} {'wait':>9} {'reward':>7} {'acc before→after':>18}")
-for name in ("grpo", "c3po", "fsdp_grpo", "fsdp_c3po", "async_grpo"):
+for name in ("grpo", "c3po", "fsdp_grpo", "fsdp_c3po", "async_grpo", "async_c3po", "async_partial"):
+    if not (out / name / "summary.json").exists():  # (async_partial: the HF engine only)
+        continue
     rows = [r for r in csv.DictReader((out / name / "metrics.csv").open()) if r.get("reward/mean")]
     med = lambda k: statistics.median(float(r[k]) for r in rows[1:] or rows)  # step 1 includes warm-up work
     pct = lambda k: f"{100 * med(k):.3g}%" if rows[-1].get(k) else "n/a"  # no peak known: no MFU column
@@ -75,7 +84,11 @@ for name in ("grpo", "c3po", "fsdp_grpo", "fsdp_c3po", "async_grpo"):
     print(f"{name:<11} {len(rows):>5} {med('perf/tokens_per_s'):>9.0f} {med('time/sync_s'):>8.4f} {med('time/gen_s'):>7.3f} "
           f"{med('time/train_s'):>7.3f} {med('time/step_s'):>7.3f} {pct('perf/mfu_gen'):>8} {pct('perf/mfu_update'):>8} "
           f"{pct('perf/mbu_gen'):>8} {pct('async/trainer_wait_frac'):>9} {float(rows[-1]['reward/mean']):>7.3f} {s['accuracy_before']:>8.3f} → {s['accuracy_after']:.3f}")
+partial = out / "async_partial" / "metrics.csv"
+if partial.exists():
+    fracs = [float(r["async/partial_frac"]) for r in csv.DictReader(partial.open()) if r.get("async/partial_frac")]
+    print("async_partial: async/partial_frac per step (completions spanning two versions):", fracs)
 print("medians over steps 2..N; sync_s = weight pushes into the engine per step (C3PO: one per weight sample);")
 print("mfu_* = model FLOPs of the phase / its seconds / the peak above, per GPU; mbu_gen = decode's bytes / gen_s /")
-print("the GPU's published memory bandwidth (docs/mfu.md); wait = async/trainer_wait_frac (async_grpo only)")
+print("the GPU's published memory bandwidth (docs/mfu.md); wait = async/trainer_wait_frac (the async runs only)")
 EOF
