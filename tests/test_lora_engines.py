@@ -170,3 +170,32 @@ def test_a_sampled_adapter_pushed_from_a_snapshot_is_what_a_push_with_it_in_plac
     held, want = (dict(m.engine.model.named_parameters()) for m in (snapshot, in_place))
     assert held.keys() == want.keys() and all(torch.equal(held[n], want[n]) for n in want)
     assert snapshot.driver.weight_sync.version == 0 and not snapshot.driver.weight_sync.holds(0)
+
+
+def test_the_sync_bound_follows_the_trainers_compute_dtype_too():
+    """FSDP's mixed precision keeps fp32 weights and computes in bf16: the bound is then bf16's (0.5), not the fp32
+    engine's (0.02) (found on an H200: C3PO under trainer=fsdp stopped at a 0.032 gap, bf16 rounding alone)."""
+    from lit_rlvr.rollout.engine import Completion
+    from lit_rlvr.rollout.lora import SyncCheck, check_engine_sync
+
+    class Policy(torch.nn.Module):  # fp32 weights; logits rounded through bf16, as FSDP's param_dtype computes
+        def __init__(self, dtype):
+            super().__init__()
+            self.weight, self.dtype = torch.nn.Parameter(torch.zeros(4)), dtype
+
+        def forward(self, input_ids):
+            logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).repeat(input_ids.shape[1], 1)[None]
+            return type("Out", (), {"logits": logits.to(self.dtype)})
+
+    class Engine:  # samples token 3 with a log-prob 0.03 off the trainer's
+        def generation_dtype(self):
+            return torch.float32
+
+        def generate(self, prompts, counts, params):
+            logp = torch.log_softmax(torch.tensor([0.0, 1.0, 2.0, 3.0]), -1)[3] + 0.03
+            return [[Completion(torch.tensor([3, 3]), torch.full((2,), float(logp)), "length")]]
+
+    check = SyncCheck()
+    assert 0.02 < float(check_engine_sync(Engine(), Policy(torch.bfloat16), [1], check=check, version=0)) < 0.5
+    with pytest.raises(EngineSyncError, match="differ from the trainer's by 0.03"):
+        check_engine_sync(Engine(), Policy(torch.float32), [1], check=check, version=0)

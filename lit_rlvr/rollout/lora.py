@@ -175,18 +175,20 @@ def probe_prompt(tokenizer) -> list[int]:
 
 
 @torch.no_grad()
-def trainer_logprobs(policy: nn.Module, prompt: Sequence[int], tokens: Tensor, temperature: float) -> Tensor:
-    """[t] log-probs of `tokens` after `prompt` under softmax(logits / T) of the policy as it is now."""
+def trainer_logprobs(policy: nn.Module, prompt: Sequence[int], tokens: Tensor,
+                     temperature: float) -> tuple[Tensor, torch.dtype]:
+    """[t] log-probs of `tokens` after `prompt` under softmax(logits / T) of the policy as it is now, and the dtype
+    the logits were computed in (bf16 under FSDP's mixed precision, whatever the weights' dtype)."""
     device = next(policy.parameters()).device
     ids = torch.tensor([list(prompt) + tokens.tolist()], device=device)  # [1, P+t]
     was_training = policy.training
     policy.eval()
     try:
-        logits = policy(input_ids=ids).logits[0, len(prompt) - 1: -1].float()  # [t, V]
+        logits = policy(input_ids=ids).logits[0, len(prompt) - 1: -1]  # [t, V]
     finally:
         policy.train(was_training)
-    logp = torch.log_softmax(logits / temperature, -1)
-    return logp.gather(-1, tokens.to(device)[:, None]).squeeze(-1).cpu()  # [t]
+    logp = torch.log_softmax(logits.float() / temperature, -1)
+    return logp.gather(-1, tokens.to(device)[:, None]).squeeze(-1).cpu(), logits.dtype  # [t]
 
 
 def check_engine_sync(engine: RolloutEngine, policy: nn.Module, prompt: Sequence[int], *, check: SyncCheck,
@@ -198,9 +200,11 @@ def check_engine_sync(engine: RolloutEngine, policy: nn.Module, prompt: Sequence
     (completion,), = engine.generate([list(prompt)], [1], params)
     if len(completion.token_ids) == 0:
         return torch.tensor(0.0)
-    mine = trainer_logprobs(policy, prompt, completion.token_ids, params.temperature)
+    mine, computed_in = trainer_logprobs(policy, prompt, completion.token_ids, params.temperature)
     diff = (completion.logprobs.float() - mine).abs().max()
-    bound = check.bound(engine.generation_dtype() or next(policy.parameters()).dtype)
+    # the coarser side sets the rounding: the engine's dtype, or the trainer's compute dtype (FSDP: bf16)
+    engine_dtype = engine.generation_dtype() or next(policy.parameters()).dtype
+    bound = max(check.bound(engine_dtype), check.bound(computed_in))
     if not bool(diff <= bound):
         raise EngineSyncError(
             f"after the weight push of step {version} the engine's log-probs differ from the trainer's by "
