@@ -55,9 +55,10 @@ def test_async_composes(overrides, column, tiny_path, tmp_path):
 
 @pytest.mark.parametrize("overrides, says", [
     (("algorithm=dapo",), "filter_groups"),
+    (("algorithm=c3po", "rollout.stale_strategy=drop"), "every batch would arrive too stale"),
     (("algorithm.rollout_correction.bypass_mode=false",), "would not correct for the lag"),
     (("engine.options.mode=shared",), "needs its own copy"),
-], ids=["dapo", "no-correction", "shared-engine"])
+], ids=["dapo", "c3po-drop", "no-correction", "shared-engine"])
 def test_async_refusals_say_why(overrides, says, tiny_path, tmp_path):
     with pytest.raises(ConfigError, match=says) as caught:
         run(tmp_path, tiny_path, *overrides)

@@ -91,6 +91,10 @@ class ModuleSettings:
                             "samples with the engine, so every push would wait for its batch to end and none would "
                             "land mid-batch; set engine.options.sync_check_every=0 (off) or k > 1 (every k-th push "
                             "waits and is checked)")
+        if algo.optimizer == "ivon" and self.rollout.stale_strategy == "drop":
+            problems.append("rollout.mode=async with algorithm.optimizer=ivon (3PO) and rollout.stale_strategy=drop: "
+                            "a 3PO batch keeps the version it was planned at and drop plans one batch further ahead, "
+                            "so every batch would arrive too stale and be generated again; use stale_strategy=wait")
         if self.rollout.partial_rollout and algo.optimizer == "ivon":
             problems.append("rollout.partial_rollout=true with algorithm.optimizer=ivon (3PO): a completion drawn by "
                             "a weight sample would continue under the new mean, not a sample; set "

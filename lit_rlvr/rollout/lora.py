@@ -115,6 +115,10 @@ def merged_named_weights(policy: nn.Module, dtype: Optional[torch.dtype] = None,
     `adapted_only` False the unchanged base weights too (a first push). `adapters` ({parameter name: tensor}):
     A and B to merge instead of the policy's (a 3PO weight sample drawn earlier)."""
     full = dict(full_named_weights(policy))  # a collective under FSDP2: every rank gathers every tensor
+    unknown = set(adapters or {}) - set(full)
+    if unknown:  # merged silently from the policy's own adapters otherwise
+        raise KeyError(f"merged_named_weights: {len(unknown)} adapter tensors that are not the policy's, e.g. "
+                       f"{sorted(unknown)[0]!r}")
     full.update(adapters or {})
     layers = dict(lora_layers(policy))
     adapted = set()
