@@ -98,7 +98,10 @@ def resumed(runs, tmp_path_factory):
     firsts = {"c3po": (base / "c3po_resumed", FSDP_CPU + ["algorithm=c3po"]),
               "v05": (base / "v05_resumed", FSDP_CPU + V05),
               "async1": (base / "async1_resumed", FSDP_CPU + ["algorithm.group_size=4", *ASYNC,
-                                                              "rollout.max_staleness=1"])}
+                                                              "rollout.max_staleness=1"]),
+              # (a fourth run fills the pool's idle slot: two rounds of two either way)
+              "c3po_async1": (base / "c3po_async1_resumed", FSDP_CPU + ["algorithm=c3po", *ASYNC,
+                                                                        "rollout.max_staleness=1"])}
     _side_by_side({name: partial(_run, run_dir, first, ranks=2, steps=2) for name, (run_dir, first) in firsts.items()})
     return _side_by_side({name: partial(_run, run_dir, first + [f"resume={run_dir}/checkpoints/last.ckpt"], ranks=2)
                           for name, (run_dir, first) in firsts.items()})
@@ -209,10 +212,12 @@ def test_async_at_staleness_zero_on_two_ranks_is_the_synchronous_run(runs, algor
     assert all(row["async/staleness_max"] == 0 for row in rows)
 
 
-def test_async_on_two_ranks_saves_each_ranks_batches_in_flight_and_resumes(resumed):
+@pytest.mark.parametrize("run", ["async1", "c3po_async1"])
+def test_async_on_two_ranks_saves_each_ranks_batches_in_flight_and_resumes(resumed, run):
     """S = 1 on 2 ranks, stopped after 2 steps and resumed: every checkpoint holds each rank's own batch in flight
-    (its share of the data), and the resumed run generates it again with the restored weights, then trains on."""
-    run_dir = resumed["async1"]
+    (its share of the data), and the resumed run generates it again with the restored weights, then trains on.
+    C3PO too: there the producers push samples gathered at plan time while the trainers run FSDP's collectives."""
+    run_dir = resumed[run]
     # the third update's batch was in flight at the stop: generated again by the weights it trains (staleness 0)
     assert [(r["step"], r["async/staleness_max"]) for r in _rows(run_dir)] == [(0, 0.0), (1, 1.0), (2, 0.0)]
     saved = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
