@@ -151,9 +151,8 @@ class ParamNoise(RLVRCallback):
         if self.generate == "mean":
             return
         if plan.ahead is not None:  # the producer generates while this thread updates
-            optimizer = self._ivon(trainer)
-            nbytes = snapshot_posterior(plan, optimizer, self.num_samples, pl_module.policy)
-            self._maybe_warn_snapshot_memory(plan, nbytes, optimizer._device)
+            nbytes = snapshot_posterior(plan, self._ivon(trainer), self.num_samples, pl_module.policy)
+            self._maybe_warn_snapshot_memory(plan, nbytes, pl_module.device)
         else:
             sample_from_posterior(plan, self._ivon(trainer), self.num_samples)
 
@@ -182,7 +181,7 @@ class ParamNoise(RLVRCallback):
 
     def _maybe_warn_snapshot_memory(self, plan: RolloutPlan, nbytes: int, device: torch.device) -> None:
         """Once: the snapshots waiting for the producer (at most lead + 1 plans of `nbytes` each) against the free
-        memory of `device`, the weights'."""
+        memory of `device`, the module's."""
         if self._memory_checked:
             return
         self._memory_checked = True

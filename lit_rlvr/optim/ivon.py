@@ -115,7 +115,6 @@ class PosteriorSnapshot:
     whatever the number of samples."""
 
     def __init__(self, optimizer: "IVON", num_samples: int):
-        self.num_samples = num_samples
         groups = [[_local(p) for p in _params(g)] for g in optimizer.param_groups]
         self._means = [_flat(shards, optimizer._device).float() for shards in groups]  # fp32 copies of m
         # 1/σ: IVON replaces this tensor when h changes, never writes it, so holding it is a snapshot
