@@ -7,8 +7,11 @@ see comparable machine load:
 
 - `sync_1core`: the synchronous run on one core (1 torch thread, pinned to CPU 0). Its `gen_s` and `train_s` are
   "generation alone" and "update alone" on that pinning.
-- `async_s1`, `async_s2`: `rollout.mode=async` with S = 1 and 2. The trainer's thread is pinned to CPU 0 and the
-  producer's thread to CPU 1, with 1 torch thread each.
+- `async_s1`, `async_s2`: `rollout.mode=async` with S = 1 and 2, the HF engine in a process of its own
+  (`engine.options.process=true`). The trainer is pinned to CPU 0 and the engine's process to CPU 1, with 1 torch
+  thread each: the pinning the budget names.
+- `async_s1_thread`: `async_s1` with the engine in the producer's thread (`process=false`, pinned to CPU 1): both
+  threads share one interpreter and its GIL.
 - `async_s1_partial`: `async_s1` with partial rollouts (`rollout.partial_rollout=true`: a push lands between two
   decode steps of the batch in flight instead of waiting for its end) and no post-push check
   (`engine.options.sync_check_every=0`, which partial rollouts need; `async_s1` keeps the default check per push).
@@ -17,15 +20,15 @@ see comparable machine load:
 Reported per round, then as the median and the spread over rounds:
 
 - `async_over_ideal` = step(async_s1) / max(gen_s, train_s) of sync_1core. An ideal pipeline takes the longer
-  phase; budget ≤ 1.15.
+  phase; budget ≤ 1.15. `thread_over_ideal`: the same for `async_s1_thread`.
 - `async_over_sum` = step(async_s1) / (gen_s + train_s) of sync_1core. The synchronous run on the same pinning
   takes the sum.
 - `async_over_sync_2cores` = step(async_s1) / step(sync_2cores).
 - `partial_over_async_s1` = step(async_s1_partial) / step(async_s1), and `partial_frac`: the share of trained
   completions that span two policy versions (`async/partial_frac`; 0 when every push meets no generation).
 - `trainer_wait_frac_s2`: `async/trainer_wait_frac` at S = 2; budget ≤ 0.10.
-- `rss_async_over_sync`: peak RSS of async_s1 over sync_1core; budget ≤ 1.5. The HF engine keeps its own copy of
-  the weights in async mode.
+- `rss_async_over_sync`: peak RSS of async_s1's two processes together (the trainer's and the engine's, each its
+  own peak) over sync_1core's; budget ≤ 1.5. The engine keeps its own copy of the weights in async mode.
 
 Steps are Lightning training batches (wall time); the first `--warmup` are dropped, which include the calls that
 only fill the pipeline.
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import resource
 import statistics
 import sys
 from pathlib import Path
@@ -44,36 +48,48 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 BUDGETS = {"async_over_ideal": 1.15, "trainer_wait_frac_s2": 0.10, "rss_async_over_sync": 1.5}
-CONFIGS = {  # name: (torch threads, trainer's CPUs, producer's CPUs, Hydra overrides)
+PROCESS = ["engine.options.process=true"]
+CONFIGS = {  # name: (torch threads, trainer's CPUs, engine's CPUs (its process, else the producer's thread), overrides)
     "sync_1core": (1, {0}, None, []),
-    "async_s1": (1, {0}, {1}, ["rollout.mode=async", "rollout.max_staleness=1"]),
-    "async_s2": (1, {0}, {1}, ["rollout.mode=async", "rollout.max_staleness=2"]),
+    "async_s1": (1, {0}, {1}, ["rollout.mode=async", "rollout.max_staleness=1", *PROCESS]),
+    "async_s2": (1, {0}, {1}, ["rollout.mode=async", "rollout.max_staleness=2", *PROCESS]),
+    "async_s1_thread": (1, {0}, {1}, ["rollout.mode=async", "rollout.max_staleness=1"]),
     "async_s1_partial": (1, {0}, {1}, ["rollout.mode=async", "rollout.max_staleness=1", "rollout.partial_rollout=true",
-                                       "engine.options.sync_check_every=0"]),
+                                       "engine.options.sync_check_every=0", *PROCESS]),
     "sync_2cores": (2, None, None, []),
 }
 
 
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` on `cpus` (threads it starts later inherit its main thread's)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(task), cpus)
+
+
 def run_config(name: str, overrides: list[str], steps: int, results) -> None:
     """One configuration's run in this (child) process; puts its summary on `results`."""
-    threads, trainer_cpus, producer_cpus, own = CONFIGS[name]
+    threads, trainer_cpus, engine_cpus, own = CONFIGS[name]
     common.quiet(threads)
     if trainer_cpus is not None:
         os.sched_setaffinity(0, trainer_cpus)  # this thread (the trainer's)
-    if producer_cpus is not None:
+    if engine_cpus is not None:
         from lit_rlvr.rollout.pipeline import Producer
 
         run = Producer._run
 
         def pinned_run(self) -> None:
-            os.sched_setaffinity(0, producer_cpus)  # the producer's thread only
+            os.sched_setaffinity(0, engine_cpus)  # the producer's thread
+            for pid in getattr(self.driver.engine, "engine_pids", list)():  # and the engine's process, if it has one
+                pin_process(pid, engine_cpus)
             run(self)
 
         Producer._run = pinned_run
     recorder = common.StepRecorder(name)
     module, datamodule, trainer = common.build_run(common.compose("grpo", [*overrides, *own]), steps, recorder)
     trainer.fit(module, datamodule=datamodule)
-    results.put((name, recorder.rows, common.peak_rss_mb()))
+    module.engine.shutdown()  # an engine process ends and is waited for: its peak RSS is then this process's child's
+    engine_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    results.put((name, recorder.rows, common.peak_rss_mb() + engine_rss))
 
 
 def one_round(names: list[str], overrides: list[str], steps: int) -> dict[str, tuple[list, float]]:
@@ -100,6 +116,7 @@ def summarise(runs: dict[str, tuple[list, float]], warmup: int) -> dict[str, flo
     return {**{f"{name}_step_s": s for name, s in step.items()},
             "gen_alone_s": alone["gen_s"], "update_alone_s": alone["train_s"],
             "async_over_ideal": step["async_s1"] / max(alone["gen_s"], alone["train_s"]),
+            "thread_over_ideal": step["async_s1_thread"] / max(alone["gen_s"], alone["train_s"]),
             "async_over_sum": step["async_s1"] / (alone["gen_s"] + alone["train_s"]),
             "async_over_sync_2cores": step["async_s1"] / step["sync_2cores"],
             "partial_over_async_s1": step["async_s1_partial"] / step["async_s1"],
@@ -111,7 +128,8 @@ def summarise(runs: dict[str, tuple[list, float]], warmup: int) -> dict[str, flo
 
 
 # the ratios' sides (async_over_sum has async_over_ideal's): each entry `<ratio>_work` states their work per step
-WORK_SIDES = {"async_over_ideal": ("sync_1core", "async_s1"), "async_over_sync_2cores": ("sync_2cores", "async_s1"),
+WORK_SIDES = {"async_over_ideal": ("sync_1core", "async_s1"), "thread_over_ideal": ("sync_1core", "async_s1_thread"),
+              "async_over_sync_2cores": ("sync_2cores", "async_s1"),
               "partial_over_async_s1": ("async_s1", "async_s1_partial")}
 
 

@@ -40,8 +40,11 @@ def run(tmp_path: Path, tiny_path: str, *overrides: str) -> tuple[dict, list[dic
     (("algorithm=gspo",), "loss/policy"),
     (("algorithm=dapo", "algorithm.filter_groups.enable=false"), "loss/policy"),
     (("algorithm.rollout_correction.rollout_is=token",), "mismatch/is_clip_frac"),  # AReaL's decoupled objective
-    (("env=calculator", "algorithm.max_new_tokens=8"), "env/turns_mean"),
-], ids=["grpo", "dr_grpo", "gspo", "dapo-no-filter", "decoupled", "calculator"])
+    # the calculator's turns with the HF engine in a process of its own, 3PO's sample pushes and LoRA adapters
+    # through its socket (the calculator in the producer's thread: the partial-rollout test below)
+    (("env=calculator", "algorithm.max_new_tokens=8", "engine.options.process=true", "algorithm=c3po",
+      "model.lora.rank=4"), "env/turns_mean"),
+], ids=["grpo", "dr_grpo", "gspo", "dapo-no-filter", "decoupled", "calculator-process-c3po-lora"])
 def test_async_composes(overrides, column, tiny_path, tmp_path):
     """(LoRA, adapter and merged pushes: in the 3PO and the partial-rollout tests below, which push the mean's
     adapters after every update too.)"""

@@ -1,8 +1,9 @@
-"""`rollout.mode=async` in `python train.py` runs (docs/async.md): S = 0 is the synchronous run bit for bit; with
+"""`rollout.mode=async` in `python train.py` runs (docs/async.md): S = 0 is the synchronous run bit for bit (GRPO
+with the HF engine in a process of its own, C3PO and V0.5 with it in the producer's thread); with
 S = 1 every update trains a batch exactly one version old, across epoch ends; a SIGTERM saves the batches in flight
-and exits 0, and the resumed run trains every prompt exactly once, in the uninterrupted run's order; `drop` evicts
-a stale batch and trains its copy generated again; an engine that fails in the producer stops the run naming the
-intact checkpoint. The runs start together when this module starts."""
+and exits 0 (the engine's process ends with it), and the resumed run trains every prompt exactly once, in the
+uninterrupted run's order; `drop` evicts a stale batch and trains its copy generated again; an engine that fails in
+the producer stops the run naming the intact checkpoint. The runs start together when this module starts."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ SMALL = ["callbacks.progress=null", "data.batch_size=4",
 EPOCHS = ["data=jsonl", f"data.path={REPO}/tests/fixtures/eight_rows.jsonl", "data.eval_limit=4",
           "reward=arithmetic"]  # 8 rows, 4 a step: an epoch ends every 2 steps
 ASYNC = ["rollout.mode=async"]
+PROCESS = ["engine.options.process=true"]  # the HF engine in a process of its own
 TASK = ["data.num_test=4"]  # the built-in task's held-out set, small
 NO_EVAL = ["eval_before=false"]  # (the S = 0 comparison keeps the default evaluation before training)
 C3PO = ["algorithm=c3po", "algorithm.callbacks.param_noise.num_samples=4"]  # async: drawn when pushed (N > 2)
@@ -66,8 +68,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("async")
     specs = {
         "sync": [*TASK, "engine.options.mode=copy", "trainer.max_steps=3"],
-        "async0": [*TASK, *ASYNC, "rollout.max_staleness=0", "trainer.max_steps=3"],
-        "full": [*NO_EVAL, *ASYNC, *EPOCHS, "rollout.max_staleness=1", "trainer.max_steps=5"],
+        "async0": [*TASK, *ASYNC, *PROCESS, "rollout.max_staleness=0", "trainer.max_steps=3"],
+        "full": [*NO_EVAL, *ASYNC, *PROCESS, *EPOCHS, "rollout.max_staleness=1", "trainer.max_steps=5"],
         "engine": [*NO_EVAL, *TASK, *ASYNC, "algorithm._target_=tests.fault_helpers.FaultyModule",
                    "+algorithm.engine_fail_call=3", "trainer.max_steps=6",
                    "engine.options.sync_check_every=0"],  # (the post-push check would meet the failure first)

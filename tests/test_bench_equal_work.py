@@ -120,8 +120,8 @@ def test_async_overlap_averages_each_sides_work_over_the_rounds():
     assert "_work" not in rounds[0]  # popped: the rounds' medians are taken over the figures only
     ideal = entries["async_over_ideal_work"]
     assert ideal["sides"]["async_s1"]["tokens"] == 105.0 and ideal["sides"]["sync_1core"]["tokens"] == 100.0
-    assert ideal["equal_work"] is False and set(entries) == {"async_over_ideal_work", "async_over_sync_2cores_work",
-                                                             "partial_over_async_s1_work"}
+    assert ideal["equal_work"] is False and set(entries) == {
+        "async_over_ideal_work", "thread_over_ideal_work", "async_over_sync_2cores_work", "partial_over_async_s1_work"}
 
 
 def test_async_overlap_ratios_from_each_configurations_steps():
@@ -134,8 +134,10 @@ def test_async_overlap_ratios_from_each_configurations_steps():
     runs = {"sync_1core": (timed(3.0), 100.0), "sync_2cores": (timed(2.5), 100.0),
             "async_s1": (timed(2.4, **{"async/trainer_wait_frac": 0.3}), 110.0),
             "async_s2": (timed(2.2, **{"async/trainer_wait_frac": 0.05}), 110.0),
+            "async_s1_thread": (timed(2.6), 110.0),
             "async_s1_partial": (timed(1.8, **{"async/partial_frac": 0.5}), 110.0)}
     figures = async_overlap.summarise(runs, warmup=1)
     assert figures["partial_over_async_s1"] == 1.8 / 2.4 and figures["partial_frac"] == 0.5
     assert figures["trainer_wait_frac_s1"] == 0.3 and figures["trainer_wait_frac_s2"] == 0.05
     assert figures["async_over_ideal"] == 2.4 / 2.0 and figures["rss_async_over_sync"] == 1.1
+    assert figures["thread_over_ideal"] == 2.6 / 2.0

