@@ -202,10 +202,10 @@ class HFProcessEngine(RolloutEngine):
             if self._exited is not None:
                 raise EngineError(self._exited)
             call = next(self._ids)
+            data = pickle.dumps((call, threading.get_ident(), method, args), protocol=pickle.HIGHEST_PROTOCOL)
             self._waiting[call] = done
             try:
-                self._conn.send_bytes(pickle.dumps((call, threading.get_ident(), method, args),
-                                                   protocol=pickle.HIGHEST_PROTOCOL))
+                self._conn.send_bytes(data)
             except OSError as err:
                 del self._waiting[call]
                 raise EngineError(f"the HF engine's process does not take calls ({err})") from err
