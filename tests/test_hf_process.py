@@ -3,7 +3,9 @@ in-process `copy` engine samples, before and after a push; a push made while the
 decode steps (each token tagged with its weights' version); errors come back as themselves; a child that dies is
 an `EngineError` for the calls that wait on it, not a hang. (Runs: tests/test_async_runs.py.)"""
 
+import gc
 import os
+import signal
 import threading
 import time
 
@@ -78,8 +80,9 @@ def test_a_push_made_while_it_generates_lands_between_two_decode_steps(engines):
 
 def test_errors_come_back_as_themselves(engines, tiny_path):
     child, _, model, _ = engines
-    with pytest.raises(KeyError, match="unknown parameter 'nope'"):
+    with pytest.raises(KeyError, match="unknown parameter 'nope'") as caught:
         child.load_weights([("nope", torch.zeros(1))])
+    assert any("raised in the HF engine's process" in note and "_load" in note for note in caught.value.__notes__)
     with pytest.raises(ConfigError, match=r"^engine.options.max_batch=0 is not valid"):
         HFProcessEngine(model, pad_id=0, eos_id=2, max_batch=0)
     with pytest.raises(ValueError, match="process=true with engine.options.mode='shared'"):
@@ -115,9 +118,22 @@ def test_a_child_that_dies_fails_the_waiting_and_later_calls(tiny_path):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     (pid,) = engine.engine_pids()
-    os.kill(pid, 9)
+    os.kill(pid, signal.SIGTERM)  # a job's SIGTERM reaches every process: the trainer decides, the child goes on
+    os.kill(pid, signal.SIGINT)
+    assert engine._call("state")["generating"]
+    os.kill(pid, signal.SIGKILL)
     waiting.join(timeout=30)
     assert not waiting.is_alive() and f"(pid {pid}) exited with code -9" in failed["err"]
     with pytest.raises(EngineError, match="exited with code -9"):
         engine.load_weights(model.named_parameters())
     engine.shutdown()  # nothing to end: no hang
+
+
+def test_an_engine_garbage_collected_ends_its_child(tiny_path):
+    model, tokenizer = load_policy(tiny_path)
+    engine = build_engine("hf", model, tokenizer, {"process": True})
+    (pid,) = engine.engine_pids()
+    del engine
+    gc.collect()
+    with pytest.raises(ProcessLookupError):  # ended and reaped
+        os.kill(pid, 0)

@@ -10,11 +10,14 @@ it over a socket, so that generation and the update really run at once (as SGLan
   steps, exactly as it does in one process.
 - What crosses the socket is a copy: the model once, at start; each pushed bucket as one flat tensor per dtype;
   a generation's completions as flat tensors. The trainer may change its tensors as soon as a call returns.
-- The child runs in a session of its own (a terminal's Ctrl-C reaches the trainer only, which stops the run), has
-  the trainer's torch thread count, and ends on `shutdown` or when the socket closes (the trainer's process
-  ended, even by SIGKILL). When the child dies, each waiting and later call raises `EngineError`.
+- The child ignores SIGINT and SIGTERM and runs in a session of its own: a terminal's Ctrl-C, or a SIGTERM sent to
+  every process of a job (SLURM, systemd), stops the run through the trainer, which saves as usual. It has the
+  trainer's torch thread count and `sys.path`, and ends at `shutdown`, when the engine is garbage collected, or when
+  the socket closes (the trainer's process ended, even by SIGKILL). When the child dies, each waiting and later
+  call raises `EngineError`; an error raised in the child comes back as itself, with the child's traceback as a note.
 - A call waiting for the child honours a stop request past its grace (`STOP.check()`), as the decode loop does in
-  one process; the child's generation is then left to finish on its own.
+  one process: the call is abandoned and the child is ended with it (it may hold a push half made), so any later
+  call raises `EngineError` rather than wait.
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ import math
 import os
 import pickle
 import queue
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import traceback
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -39,10 +44,12 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from lit_rlvr.config.errors import StopRequested
 from lit_rlvr.rollout.engine import Completion, EngineError, RolloutEngine, SamplingParams
 from lit_rlvr.run.stop import STOP
 
 POLL_S = 0.2  # how often a waiting call looks at stop requests
+START_TIMEOUT_S = 600.0  # the child imports torch, unpickles the policy and copies it
 # what the child's engine is, copied onto this proxy once it is built (the contract's capability attributes)
 CAPABILITIES = ("bucket_bytes", "weight_dtype", "lora_sync", "serves_lora", "adapter_base_by_name", "swaps_in_flight",
                 "max_lora_rank")
@@ -74,14 +81,15 @@ def pack_completions(per_prompt: list[list[Completion]]) -> tuple:
     """Completions per prompt -> (counts per prompt, length and finish reason of each, flat token ids, log-probs,
     versions or None): five objects to send whatever their number."""
     flat = [c for completions in per_prompt for c in completions]
-    tagged = bool(flat) and flat[0].versions is not None
+    tagged = any(c.versions is not None for c in flat)  # (a first push may land between two row batches)
 
     def cat(tensors: list[Tensor], dtype: torch.dtype) -> Tensor:
         return torch.cat(tensors) if tensors else torch.zeros(0, dtype=dtype)
 
     return ([len(c) for c in per_prompt], [(len(c.token_ids), c.finish_reason) for c in flat],
             cat([c.token_ids for c in flat], torch.long), cat([c.logprobs for c in flat], torch.float),
-            cat([c.versions for c in flat], torch.long) if tagged else None)
+            cat([c.versions if c.versions is not None else torch.full_like(c.token_ids, -1) for c in flat], torch.long)
+            if tagged else None)
 
 
 def unpack_completions(counts: list[int], rows: list[tuple[int, str]], tokens: Tensor, logprobs: Tensor,
@@ -111,6 +119,49 @@ def _portable(err: BaseException) -> BaseException:
     return RuntimeError(f"{type(err).__name__}: {err}")
 
 
+class _Channel:
+    """The trainer's end of the socket: the calls waiting for a reply, and why the child is gone once it is. Apart
+    from the engine, so that the reply reader holds no reference to it (the engine is then garbage collected)."""
+
+    def __init__(self, conn: Connection, process: subprocess.Popen):
+        self.conn, self.process = conn, process
+        self.lock = threading.Lock()  # one sender at a time; the table of waiting calls
+        self.waiting: dict[int, Future] = {}
+        self.ids = itertools.count()
+        self.exited: Optional[str] = None
+
+    def fail(self, reason: str) -> None:
+        """The child is gone (or given up): every waiting and later call raises `EngineError(reason)`."""
+        with self.lock:
+            self.exited = self.exited or reason
+            waiting, self.waiting = self.waiting, {}
+        for done in waiting.values():
+            done.set_result((False, EngineError(self.exited), ""))
+
+
+def _read(channel: _Channel) -> None:
+    """The replies, each to its waiting call; once the socket closes (or a reply cannot be read) every waiting
+    call fails naming the child's exit."""
+    try:
+        while True:
+            call, ok, value, trace = pickle.loads(channel.conn.recv_bytes())
+            with channel.lock:
+                done = channel.waiting.pop(call, None)
+            if done is not None:
+                done.set_result((ok, value, trace))
+    except BaseException as err:  # EOF or a closed socket, or a reply that does not unpickle
+        unreadable = not isinstance(err, (EOFError, OSError))
+    if unreadable:
+        channel.process.kill()
+    try:
+        code = channel.process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        code = None
+    pid = channel.process.pid
+    channel.fail(f"the HF engine's process (pid {pid}) exited with code {code}" if code is not None else
+                 f"the HF engine's process (pid {pid}) closed its socket")
+
+
 class HFProcessEngine(RolloutEngine):
     """The engine contract, forwarded to a `copy` `HFEngine` in a child process (see the module docstring).
 
@@ -127,24 +178,25 @@ class HFProcessEngine(RolloutEngine):
                              f"it cannot be sent to the engine's process ({type(err).__name__}: {err}); set "
                              "engine.options.process=false") from err
         here, there = socket.socketpair()
-        self._process = subprocess.Popen(
+        process = subprocess.Popen(
             [sys.executable, "-m", "lit_rlvr.rollout.hf_process", "--fd", str(there.fileno()),
-             "--threads", str(torch.get_num_threads())], pass_fds=(there.fileno(),), start_new_session=True)
+             "--threads", str(torch.get_num_threads())], pass_fds=(there.fileno(),), start_new_session=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})  # the modules of this one
         there.close()
-        self._conn = Connection(os.dup(here.fileno()))
-        self._lock = threading.Lock()  # one sender at a time; the table of waiting calls
-        self._waiting: dict[int, Future] = {}
-        self._ids = itertools.count()
-        self._exited: Optional[str] = None  # why the child is gone, once it is
-        reader = threading.Thread(target=self._read, name="hf-engine-replies", daemon=True)
+        self._channel = _Channel(Connection(os.dup(here.fileno())), process)
+        self._thread_key = threading.local()  # a token per calling thread (thread ids are reused)
+        self._keys = itertools.count()
+        reader = threading.Thread(target=_read, args=(self._channel,), name="hf-engine-replies", daemon=True)
         reader.start()
-        # at shutdown, garbage collection or the interpreter's exit: no thread of ours outlives it
-        self._closer = weakref.finalize(self, _end, self._process, here, self._conn, reader)
+        # at shutdown, garbage collection or the interpreter's exit: the child ends, no thread of ours outlives it
+        self._closer = weakref.finalize(self, _end, process, here, self._channel.conn, reader)
         try:
-            built = self._call("start", payload, {"pad_id": pad_id, "eos_id": eos_id, **options, "mode": "copy"})
+            built = self._call("start", payload, {"pad_id": pad_id, "eos_id": eos_id, **options, "mode": "copy"},
+                               timeout_s=START_TIMEOUT_S)
         except BaseException:
             self.shutdown()
             raise
+        del payload
         for name in CAPABILITIES:
             setattr(self, name, built[name])
         self._generation_dtype = built["generation_dtype"]
@@ -167,7 +219,7 @@ class HFProcessEngine(RolloutEngine):
         try:
             yield
         except BaseException:
-            if self._exited is None:
+            if self._channel.exited is None:
                 self._call("push_end", True)  # a failed push lands nothing
             raise
         self._call("push_end", False)
@@ -183,64 +235,51 @@ class HFProcessEngine(RolloutEngine):
         return self._generation_dtype
 
     def shutdown(self) -> None:
-        if self._exited is None and self._process.poll() is None:
-            try:
-                self._call("shutdown")
-            except (EngineError, OSError):
-                pass
-        self._closer()
+        self._closer()  # the socket shut both ways: the child reads its end and ends
 
     def engine_pids(self) -> list[int]:
         """The engine's process (e.g. to pin it to cores: `os.sched_setaffinity`)."""
-        return [self._process.pid]
+        return [self._channel.process.pid]
 
     # -- the socket ------------------------------------------------------------------------------------------
-    def _call(self, method: str, *args: Any) -> Any:
+    def _call(self, method: str, *args: Any, timeout_s: Optional[float] = None) -> Any:
         """Run `method(*args)` in the child, in this thread's own thread there; its value, or its exception."""
-        done: Future = Future()
-        with self._lock:
-            if self._exited is not None:
-                raise EngineError(self._exited)
-            call = next(self._ids)
-            data = pickle.dumps((call, threading.get_ident(), method, args), protocol=pickle.HIGHEST_PROTOCOL)
-            self._waiting[call] = done
+        channel, done = self._channel, Future()
+        key = getattr(self._thread_key, "key", None)
+        if key is None:
+            key = self._thread_key.key = next(self._keys)
+        with channel.lock:
+            if channel.exited is not None:
+                raise EngineError(channel.exited)
+            call = next(channel.ids)
+            data = pickle.dumps((call, key, method, args), protocol=pickle.HIGHEST_PROTOCOL)
+            channel.waiting[call] = done
             try:
-                self._conn.send_bytes(data)
+                channel.conn.send_bytes(data)
             except OSError as err:
-                del self._waiting[call]
+                del channel.waiting[call]
                 raise EngineError(f"the HF engine's process does not take calls ({err})") from err
+        waited = 0.0
         while True:
             try:
-                ok, value = done.result(timeout=POLL_S)
+                ok, value, trace = done.result(timeout=POLL_S)
                 break
             except FutureTimeout:
-                STOP.check()  # a stop request past its grace abandons the call (the child's answer is dropped)
+                waited += POLL_S
+                try:
+                    STOP.check()
+                except StopRequested:  # abandoned: the child may hold a push half made, so it ends here
+                    channel.fail(f"the HF engine's process was ended when a stop request abandoned its {method}")
+                    self._closer()
+                    raise
+                if timeout_s is not None and waited >= timeout_s:
+                    channel.fail(f"the HF engine's process did not answer {method} within {timeout_s:g} s")
+                    self._closer()
         if not ok:
+            if trace and hasattr(value, "add_note"):  # (Python >= 3.11)
+                value.add_note(f"raised in the HF engine's process:\n{trace.rstrip()}")
             raise value
         return value
-
-    def _read(self) -> None:
-        """The replies, each to its waiting call; once the socket closes every waiting call fails naming the exit."""
-        try:
-            while True:
-                call, ok, value = pickle.loads(self._conn.recv_bytes())
-                with self._lock:
-                    done = self._waiting.pop(call, None)
-                if done is not None:
-                    done.set_result((ok, value))
-        except (EOFError, OSError):
-            pass
-        try:
-            code = self._process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            code = None
-        with self._lock:
-            self._exited = (f"the HF engine's process (pid {self._process.pid}) exited with code {code}"
-                            if code is not None else f"the HF engine's process (pid {self._process.pid}) closed its "
-                            "socket")
-            waiting, self._waiting = self._waiting, {}
-        for done in waiting.values():
-            done.set_result((False, EngineError(self._exited)))
 
 
 def _end(process: subprocess.Popen, sock: socket.socket, conn: Connection, reader: threading.Thread) -> None:
@@ -263,14 +302,16 @@ def _end(process: subprocess.Popen, sock: socket.socket, conn: Connection, reade
 
 # -- the child ---------------------------------------------------------------------------------------------------
 def _serve(conn: Connection) -> None:
-    """Take calls until `shutdown` or the socket closes: `start` builds the engine here; every other call runs in
-    the thread that stands for its caller's thread."""
-    from lit_rlvr.rollout.hf import HFEngine
-
+    """Take calls until the socket closes: `start` builds the engine here; every other call runs in the thread
+    that stands for its caller's thread."""
     send = threading.Lock()
 
     def reply(call: int, ok: bool, value: Any) -> None:
-        data = pickle.dumps((call, ok, value if ok else _portable(value)), protocol=pickle.HIGHEST_PROTOCOL)
+        trace = "" if ok else "".join(traceback.format_exception(value))
+        try:
+            data = pickle.dumps((call, ok, value if ok else _portable(value), trace), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as err:  # a value that does not pickle: its caller gets the reason, not silence
+            data = pickle.dumps((call, False, RuntimeError(f"the HF engine's reply does not pickle: {err}"), ""))
         with send:
             conn.send_bytes(data)
 
@@ -280,22 +321,36 @@ def _serve(conn: Connection) -> None:
             call, thread, method, args = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             return
-        if method == "shutdown":
-            reply(call, True, None)
-            return
         if method == "start":
-            try:
-                payload, options = args
-                engine = HFEngine(pickle.loads(payload), **options)
-                built = {name: getattr(engine, name) for name in CAPABILITIES}
-                reply(call, True, {**built, "generation_dtype": engine.generation_dtype()})
-            except BaseException as err:
-                reply(call, False, err)
+            engine = _start(call, args, reply)
+            del args
             continue
         if thread not in workers:
             workers[thread] = queue.SimpleQueue()
             threading.Thread(target=_work, args=(engine, workers[thread], reply), daemon=True).start()
         workers[thread].put((call, method, args))
+
+
+def _start(call: int, args: tuple, reply) -> Any:
+    """Build the engine from the pickled policy (which is dropped once copied); reply with what it is."""
+    from lit_rlvr.rollout.hf import HFEngine
+
+    payload, options = args
+    try:
+        try:
+            model = pickle.loads(payload)
+        except Exception as err:  # e.g. a class defined in a script's __main__
+            raise ValueError(f"the engine's process cannot rebuild the policy ({type(err).__name__}: {err}); set "
+                             "engine.options.process=false") from err
+        del payload
+        engine = HFEngine(model, **options)
+        del model
+        reply(call, True, {**{name: getattr(engine, name) for name in CAPABILITIES},
+                           "generation_dtype": engine.generation_dtype()})
+        return engine
+    except BaseException as err:
+        reply(call, False, err)
+        return None
 
 
 def _work(engine, calls: queue.SimpleQueue, reply) -> None:
@@ -304,11 +359,10 @@ def _work(engine, calls: queue.SimpleQueue, reply) -> None:
     while True:
         call, method, args = calls.get()
         try:
-            value = _run(engine, pushes, method, args)
+            value, ok = _run(engine, pushes, method, args), True
         except BaseException as err:
-            reply(call, False, err)
-        else:
-            reply(call, True, value)
+            value, ok = err, False
+        reply(call, ok, value)
 
 
 def _run(engine, pushes: list, method: str, args: tuple) -> Any:
@@ -349,6 +403,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--threads", type=int, required=True)
     args = parser.parse_args(argv)
+    for name in (signal.SIGINT, signal.SIGTERM):  # the trainer decides when to stop; the socket's end ends this
+        signal.signal(name, signal.SIG_IGN)
     torch.set_num_threads(args.threads)
     _serve(Connection(args.fd))
 
