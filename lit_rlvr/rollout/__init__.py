@@ -9,6 +9,7 @@ from typing import Any, Optional
 from lit_rlvr.config.problems import convert
 from lit_rlvr.rollout.engine import Completion, RolloutEngine, SamplingParams
 from lit_rlvr.rollout.hf import HFEngine
+from lit_rlvr.rollout.hf_process import HFProcessEngine
 
 ENGINES = ("hf", "sglang", "vllm")
 
@@ -21,9 +22,7 @@ def build_engine(name: str, model, tokenizer, options: Optional[dict[str, Any]] 
 
 def _build(name: str, model, tokenizer, options: dict[str, Any]) -> RolloutEngine:
     if name == "hf":
-        if convert("engine.options.process", options.pop("process", False), bool):  # its own process (async, CPU)
-            from lit_rlvr.rollout.hf_process import HFProcessEngine
-
+        if convert("engine.options.process", options.pop("process", False), bool):  # its own process
             return HFProcessEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, **options)
         return HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, **options)
     if name == "sglang":

@@ -46,6 +46,7 @@ from torch import Tensor, nn
 
 from lit_rlvr.config.errors import StopRequested
 from lit_rlvr.rollout.engine import Completion, EngineError, RolloutEngine, SamplingParams
+from lit_rlvr.rollout.hf import HFEngine
 from lit_rlvr.run.stop import STOP
 
 POLL_S = 0.2  # how often a waiting call looks at stop requests
@@ -333,8 +334,6 @@ def _serve(conn: Connection) -> None:
 
 def _start(call: int, args: tuple, reply) -> Any:
     """Build the engine from the pickled policy (which is dropped once copied); reply with what it is."""
-    from lit_rlvr.rollout.hf import HFEngine
-
     payload, options = args
     try:
         try:
