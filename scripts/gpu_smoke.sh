@@ -5,7 +5,8 @@
 # (perf/mfu_gen, perf/mfu_update against the GPU's published bf16 peak, lit_rlvr.run.perf; PEAK_FLOPS=FLOP/s sets
 # it for a GPU the table lacks), decode's memory-bandwidth utilisation (perf/mbu_gen) and, for the async run, the
 # share of the step the trainer waited for data (async/trainer_wait_frac) per run. Then C3PO with asynchronous
-# rollouts (its samples drawn from a snapshot of the posterior) and, on the HF engine, partial rollouts.
+# rollouts (its samples drawn from a snapshot of the posterior) and, on the HF engine, partial rollouts, also with
+# the engine in a process of its own (engine.options.process=true).
 #
 #   scripts/gpu_smoke.sh                 # the built-in tiny model, saved to disk by its warm-up
 #   scripts/gpu_smoke.sh /path/to/model  # any local HF causal LM (e.g. Qwen3-4B), with the arithmetic task
@@ -65,6 +66,9 @@ run async_c3po $PY train.py trainer=gpu algorithm=c3po "${ENGINE[@]}" "${COMMON[
 if [ "${ENGINE[0]}" = engine=hf ]; then  # pushes that land mid-batch: the HF engine only
   run async_partial $PY train.py trainer=gpu algorithm=grpo engine=hf "${COMMON[@]}" rollout.mode=async \
     rollout.max_staleness=1 rollout.partial_rollout=true engine.options.sync_check_every=0
+  # the engine in a process of its own, on the same GPU (its own CUDA context), pushes landing mid-batch there
+  run async_process $PY train.py trainer=gpu algorithm=grpo engine=hf "${COMMON[@]}" rollout.mode=async \
+    rollout.max_staleness=1 engine.options.process=true rollout.partial_rollout=true engine.options.sync_check_every=0
 fi
 
 $PY - "$OUT" <<'EOF'
@@ -74,8 +78,8 @@ from pathlib import Path
 out = Path(sys.argv[1])
 print(f"{'run':<11} {'steps':>5} {'tokens/s':>9} {'sync_s':>8} {'gen_s':>7} {'train_s':>7} {'step_s':>7} "
       f"{'mfu_gen':>8} {'mfu_upd':>8} {'mbu_gen':>8} {'wait':>9} {'reward':>7} {'acc before→after':>18}")
-for name in ("grpo", "c3po", "fsdp_grpo", "fsdp_c3po", "async_grpo", "async_c3po", "async_partial"):
-    if not (out / name / "summary.json").exists():  # (async_partial: the HF engine only)
+for name in ("grpo", "c3po", "fsdp_grpo", "fsdp_c3po", "async_grpo", "async_c3po", "async_partial", "async_process"):
+    if not (out / name / "summary.json").exists():  # (async_partial, async_process: the HF engine only)
         continue
     rows = [r for r in csv.DictReader((out / name / "metrics.csv").open()) if r.get("reward/mean")]
     med = lambda k: statistics.median(float(r[k]) for r in rows[1:] or rows)  # step 1 includes warm-up work
