@@ -58,9 +58,6 @@ class RewardOptionError(ValueError):
         self.problems = problems
         super().__init__("\n".join(problems))
 
-    def __reduce__(self):  # pickled (an engine's process sends it back): rebuilt from its lines, not its message
-        return type(self), (self.problems,)
-
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message names the file, what is wrong and the key to change."""

