@@ -5,6 +5,7 @@ an `EngineError` for the calls that wait on it, not a hang. (Runs: tests/test_as
 
 import gc
 import os
+import pickle
 import signal
 import threading
 import time
@@ -78,13 +79,15 @@ def test_a_push_made_while_it_generates_lands_between_two_decode_steps(engines):
     child.load_weights(model.named_parameters())  # back to the policy's weights for the other tests
 
 
-def test_errors_come_back_as_themselves(engines, tiny_path):
+def test_errors_come_back_as_themselves(engines):
     child, _, model, _ = engines
     with pytest.raises(KeyError, match="unknown parameter 'nope'") as caught:
         child.load_weights([("nope", torch.zeros(1))])
     assert any("raised in the HF engine's process" in note and "_load" in note for note in caught.value.__notes__)
-    with pytest.raises(ConfigError, match=r"^engine.options.max_batch=0 is not valid"):
-        HFProcessEngine(model, pad_id=0, eos_id=2, max_batch=0)
+    # an option the child's engine refuses comes back as the one-line ConfigError (pickled with its lines)
+    line = "engine.options.max_batch=0 is not valid: expected an integer >= 1"
+    sent = pickle.loads(pickle.dumps(ConfigError([line])))
+    assert type(sent) is ConfigError and str(sent) == line and sent.problems == [line]
     with pytest.raises(ValueError, match="process=true with engine.options.mode='shared'"):
         HFProcessEngine(model, pad_id=0, eos_id=2, mode="shared")
 

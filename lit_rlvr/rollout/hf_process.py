@@ -180,7 +180,7 @@ class HFProcessEngine(RolloutEngine):
                              "engine.options.process=false") from err
         here, there = socket.socketpair()
         process = subprocess.Popen(
-            [sys.executable, "-m", "lit_rlvr.rollout.hf_process", "--fd", str(there.fileno()),
+            [sys.executable, "-c", "from lit_rlvr.rollout.hf_process import main; main()", "--fd", str(there.fileno()),
              "--threads", str(torch.get_num_threads())], pass_fds=(there.fileno(),), start_new_session=True,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})  # the modules of this one
         there.close()
@@ -406,7 +406,3 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         signal.signal(name, signal.SIG_IGN)
     torch.set_num_threads(args.threads)
     _serve(Connection(args.fd))
-
-
-if __name__ == "__main__":
-    main()
