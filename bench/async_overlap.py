@@ -73,14 +73,16 @@ def run_config(name: str, overrides: list[str], steps: int, results) -> None:
     if trainer_cpus is not None:
         os.sched_setaffinity(0, trainer_cpus)  # this thread (the trainer's)
     if engine_cpus is not None:
+        from lit_rlvr.rollout.hf_process import HFProcessEngine
         from lit_rlvr.rollout.pipeline import Producer
 
         run = Producer._run
 
         def pinned_run(self) -> None:
             os.sched_setaffinity(0, engine_cpus)  # the producer's thread
-            for pid in getattr(self.driver.engine, "engine_pids", list)():  # and the engine's process, if it has one
-                pin_process(pid, engine_cpus)
+            if isinstance(self.driver.engine, HFProcessEngine):  # and the engine's process
+                for pid in self.driver.engine.engine_pids():
+                    pin_process(pid, engine_cpus)
             run(self)
 
         Producer._run = pinned_run
