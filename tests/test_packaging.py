@@ -24,7 +24,8 @@ def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     source = out / "source"  # a copy: setuptools builds in the tree, and a stale build/ would ship removed files
     shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".git", ".cache", "build", "dist", "outputs", "runs",
-                                                               "*.egg-info", "__pycache__", "wandb", "lightning_logs"))
+                                                               "*.egg-info", "__pycache__", "wandb", "lightning_logs",
+                                                               ".venv*", "venv"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(source)],
                    check=True, capture_output=True, text=True, timeout=600)
     return next(out.glob("lit_rlvr-*.whl"))
