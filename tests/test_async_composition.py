@@ -70,7 +70,7 @@ def test_async_refusals_say_why(overrides, says, tiny_path, tmp_path):
 
 @pytest.mark.parametrize("overrides, says", [
     (("algorithm=c3po", "engine.options.sync_check_every=0"), "would continue under the new mean"),
-    (("engine=sglang", "engine.options.sync_check_every=0"), "built for the HF engine only"),
+    (("engine=sglang", "engine.options.sync_check_every=0"), "set rollout.kv_at_swap=recompute"),
     (("rollout.mode=sync",), "needs rollout.mode=async"),
     (("rollout.mode=async",), "none would land mid-batch"),  # (the post-push check after every push: the default)
 ], ids=["c3po", "sglang", "sync", "check-every-push"])

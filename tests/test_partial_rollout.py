@@ -13,9 +13,10 @@ import torch
 from lit_rlvr import functional as F
 from lit_rlvr.models import load_policy
 from lit_rlvr.rollout.batch import RolloutPlan, rollouts_from_completions
-from lit_rlvr.rollout.engine import SamplingParams
+from lit_rlvr.rollout.engine import RolloutEngine, SamplingParams
 from lit_rlvr.rollout.hf import HFEngine
 from lit_rlvr.rollout.pipeline import completion_versions
+from lit_rlvr.rollout.segments import SegmentedPushes, generate_in_segments
 
 PROMPTS = ["12+34=", "5+5=", "71-18="]
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=8, seed=5, ignore_eos=True)  # every row 8 tokens long
@@ -212,3 +213,121 @@ def test_a_producers_rounds_never_push_the_policy_when_its_version_moved(models)
     plan.budget_rule, rounds = budget_rule, iter([[1, 1, 1], None])
     driver.rollout(plan, step=0, seed_key=(0, 0))  # the synchronous driver pushes what a round's step needs
     assert len(pushes) == 2
+
+
+def _in_segments(engine, tokenizer, params, segment_tokens, between):
+    plan = _plan(tokenizer)
+    completions = generate_in_segments(engine.generate, plan.prompt_token_ids, plan.n_per_prompt, params,
+                                       segment_tokens, between)
+    return rollouts_from_completions(plan, completions, source=0, pad_id=tokenizer.pad_token_id)
+
+
+def test_segments_continue_each_completion_from_its_prefix_under_the_same_weights(models):
+    """SGLang's and vLLM's way to take a push mid-batch (`lit_rlvr.rollout.segments`), run on the HF engine: the first
+    segment is the unsegmented generation's start, and each later one continues from the prompt and the tokens so
+    far, drawing from the same weights (their log-probs, to rounding)."""
+    model, _, tokenizer = models
+    engine = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, mode="copy")
+    plan = _plan(tokenizer)
+    whole = rollouts_from_completions(plan, engine.generate(plan.prompt_token_ids, plan.n_per_prompt, PARAMS),
+                                      source=0, pad_id=tokenizer.pad_token_id)
+    one = _in_segments(engine, tokenizer, PARAMS, PARAMS.max_new_tokens, lambda: 0)
+    assert torch.equal(one.response_ids, whole.response_ids) and torch.equal(one.old_logp, whole.old_logp)
+    three = _in_segments(engine, tokenizer, PARAMS, 3, lambda: 0)
+    assert torch.equal(three.response_ids[:, :3], whole.response_ids[:, :3])
+    assert (three.token_version == 0).all() and three.response_mask.all()  # 8 tokens each (ignore_eos)
+    assert torch.allclose(three.old_logp, _scored(model, three), atol=1e-4)
+    stopping = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5)
+    for completion in (c for group in generate_in_segments(engine.generate, plan.prompt_token_ids, plan.n_per_prompt,
+                                                           stopping, 4, lambda: 0) for c in group):
+        stops = (completion.token_ids == tokenizer.eos_token_id).nonzero().flatten().tolist()
+        assert (completion.finish_reason, stops) in (("stop", [len(completion.token_ids) - 1]), ("length", []))
+        assert completion.finish_reason == "stop" or len(completion.token_ids) == 12
+
+
+def test_a_push_between_two_segments_draws_the_rest_from_the_new_weights(models):
+    model, other, tokenizer = models
+    engine = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, mode="copy")
+    calls = []
+
+    def between():  # the push lands before the second segment
+        calls.append(1)
+        if len(calls) == 2:
+            engine.load_weights((n, p.detach()) for n, p in other.named_parameters())
+        return 0 if len(calls) < 2 else 1
+
+    swapped = _in_segments(engine, tokenizer, PARAMS, 3, between)
+    assert (swapped.token_version[:, :3] == 0).all() and (swapped.token_version[:, 3:] == 1).all()
+    assert torch.allclose(swapped.old_logp[:, :3], _scored(model, swapped)[:, :3], atol=1e-4)
+    assert torch.allclose(swapped.old_logp[:, 3:], _scored(other, swapped)[:, 3:], atol=1e-4)  # prefix recomputed
+    assert len(calls) == 3  # 8 tokens in segments of 3, 3 and 2
+
+
+class _RequestsOnHF(SegmentedPushes, RolloutEngine):
+    """`SegmentedPushes` (SGLang's and vLLM's in-flight pushes) over an HF engine that stands for their servers: a
+    call generates whole requests, and pushes go through the mixin's staging."""
+
+    def __init__(self, hf: HFEngine, segment_tokens: int):
+        self._hf = hf
+        self._init_segments(segment_tokens)
+
+    def load_weights(self, named_tensors):
+        if self._stages_here():
+            self._keep("load_weights", [(n, t.detach().clone()) for n, t in named_tensors])
+            return
+        self._hf.load_weights(named_tensors)
+
+    def end_weight_update(self):
+        if self._stages_here():
+            self._keep("end_weight_update")
+
+    def generate(self, prompt_token_ids, n_per_prompt, params):
+        return self._generate_with_pushes(self._hf.generate, prompt_token_ids, n_per_prompt, params)
+
+
+def test_a_push_staged_while_a_request_engine_generates_lands_at_the_next_segment(models):
+    model, other, tokenizer = models
+    hf = HFEngine(copy.deepcopy(model), pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, mode="copy")
+    engine = _RequestsOnHF(hf, segment_tokens=3)
+    plan = _plan(tokenizer)
+    untagged = engine.generate(plan.prompt_token_ids, plan.n_per_prompt, PARAMS)
+    assert all(c.versions is None for group in untagged for c in group)  # no tagged push: whole requests
+    with engine.push_in_flight(0):
+        pass
+    generate, calls, untouched = hf.generate, [], []
+
+    def generate_then_push(*args):
+        out = generate(*args)
+        calls.append(1)
+        if len(calls) == 1:  # the trainer's thread pushes while the first segment's results are in
+            def trainer():
+                with engine.push_in_flight(1):
+                    engine.load_weights((n, p.detach()) for n, p in other.named_parameters())
+                    engine.end_weight_update()
+                untouched.append(not any(torch.equal(p, q) for p, q in zip(hf.model.parameters(),
+                                                                            other.parameters())))
+            thread = threading.Thread(target=trainer)
+            thread.start()
+            thread.join()
+        return out
+
+    hf.generate = generate_then_push
+    swapped = rollouts_from_completions(plan, engine.generate(plan.prompt_token_ids, plan.n_per_prompt, PARAMS),
+                                        source=0, pad_id=tokenizer.pad_token_id)
+    assert untouched == [True]  # the push was staged: the engine's weights stayed until the next segment
+    assert (swapped.token_version[:, :3] == 0).all() and (swapped.token_version[:, 3:] == 1).all()
+    assert torch.allclose(swapped.old_logp[:, 3:], _scored(other, swapped)[:, 3:], atol=1e-4)
+    assert all(torch.equal(p, q) for p, q in zip(hf.model.parameters(), other.parameters()))
+    # a staged push that fails lands nothing; two that succeed land in order, the later one's weights last
+    engine._generating = True
+    with pytest.raises(KeyError):
+        with engine.push_in_flight(2):
+            engine.load_weights((n, p.detach()) for n, p in model.named_parameters())
+            raise KeyError("the push failed")
+    for tag, weights in ((3, model), (4, other)):
+        with engine.push_in_flight(tag):
+            engine.load_weights((n, p.detach()) for n, p in weights.named_parameters())
+    assert [push.tag for push in engine._staged] == [3, 4]
+    engine._generating = False
+    assert engine._land_staged() == 4 and engine._staged == []
+    assert all(torch.equal(p, q) for p, q in zip(hf.model.parameters(), other.parameters()))

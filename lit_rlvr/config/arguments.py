@@ -82,10 +82,10 @@ class ModuleSettings:
             problems.append(f"rollout.mode=async with engine.options.mode={self.engine.options['mode']!r}: the "
                             "producer generates while the trainer changes its weights, so the engine needs its own "
                             "copy; set engine.options.mode=copy (the default in async mode)")
-        if self.rollout.partial_rollout and self.engine.name != "hf":
-            problems.append(f"rollout.partial_rollout=true with engine={self.engine.name}: pushes that land while a "
-                            "batch is generated are built for the HF engine only; set rollout.partial_rollout=false "
-                            "(each batch finishes under the weights it began with) or engine=hf")
+        if self.rollout.partial_rollout and self.engine.name != "hf" and self.rollout.kv_at_swap != "recompute":
+            problems.append(f"rollout.partial_rollout=true with engine={self.engine.name} and rollout.kv_at_swap="
+                            f"{self.rollout.kv_at_swap}: an unfinished completion goes on as a new request, whose "
+                            "prefix the new weights compute again; set rollout.kv_at_swap=recompute")
         if self.rollout.partial_rollout and self.engine.options.get("sync_check_every", 1) == 1:
             problems.append("rollout.partial_rollout=true with engine.options.sync_check_every=1: the post-push check "
                             "samples with the engine, so every push would wait for its batch to end and none would "

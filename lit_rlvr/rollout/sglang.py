@@ -36,6 +36,7 @@ from lit_rlvr.rollout.engine import (
     split_by_source,
 )
 from lit_rlvr.rollout.lora import check_lora_sync
+from lit_rlvr.rollout.segments import SegmentedPushes
 
 FINISH_REASONS = {"stop": "stop", "length": "length"}  # sglang finish_reason["type"] -> ours; "abort" raises
 # Explicit so server-side `preferred_sampling_params` cannot add penalties that change the behaviour log-probs.
@@ -198,15 +199,17 @@ def lora_server_args(model: nn.Module, max_loras: int, cpu: bool = False) -> dic
             "max_loras_per_batch": int(max_loras), **({"lora_backend": "torch_native"} if cpu else {})}
 
 
-class SGLangEngine(RolloutEngine):
+class SGLangEngine(SegmentedPushes, RolloutEngine):
     """The RolloutEngine protocol on `sglang.Engine`; `holds_weights` is False until the first push and after a
-    sleep."""
+    sleep. Pushes land while it generates between segments of `segment_tokens` new tokens
+    (`lit_rlvr.rollout.segments`)."""
 
     def __init__(self, model: nn.Module, tokenizer, *, mem_fraction_static: float = 0.5, bucket_bytes: int = 256 << 20,
                  base_port: int = 30000, port_stride: int = 10, seed: int = 0, deterministic: bool = False,
                  dtype: Optional[str] = None, model_path: Optional[str] = None, server_args: Optional[dict] = None,
-                 lora_sync: str = "adapter", max_loras: int = 8):
+                 lora_sync: str = "adapter", max_loras: int = 8, segment_tokens: int = 32):
         self.lora_sync = check_lora_sync(lora_sync)
+        self._init_segments(segment_tokens)
         self._adapters: set[str] = set()  # names of the adapters it holds
         self._active_adapter: Optional[str] = None  # the one a request without `SamplingParams.adapter` uses
         server_args = dict(server_args or {})
@@ -325,6 +328,9 @@ class SGLangEngine(RolloutEngine):
     # -- weights ---------------------------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """One bucket (HF names); the first bucket opens sglang's weight-update session, no cache flush yet."""
+        if self._stages_here():
+            self._keep("load_weights", [(name, t.detach().clone()) for name, t in named_tensors])
+            return
         self.wake()
         if not self._updating:
             _check(self._call("begin a weight update", self._engine.begin_weight_update), "begin_weight_update")
@@ -334,6 +340,9 @@ class SGLangEngine(RolloutEngine):
 
     def end_weight_update(self) -> None:
         """After the last bucket: close the session (sglang finalizes the weights) and flush the KV cache once."""
+        if self._stages_here():
+            self._keep("end_weight_update")
+            return
         if not self._updating:
             return
         _check(self._call("end a weight update", self._engine.end_weight_update), "end_weight_update")
@@ -367,6 +376,11 @@ class SGLangEngine(RolloutEngine):
 
     # -- sampling --------------------------------------------------------------------------------------------
     def generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int], params: SamplingParams
+    ) -> list[list[Completion]]:
+        return self._generate_with_pushes(self._generate_once, prompt_token_ids, n_per_prompt, params)
+
+    def _generate_once(
         self, prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int], params: SamplingParams
     ) -> list[list[Completion]]:
         self.wake()
@@ -406,6 +420,9 @@ class SGLangEngine(RolloutEngine):
         are unloaded first (their slots free)."""
         if not self.serves_lora:
             raise RuntimeError("SGLangEngine serves adapters only with a LoRA policy and lora_sync=adapter")
+        if self._stages_here():
+            self._keep("load_adapter", name, {k: v.detach().clone() for k, v in tensors.items()}, config, activate)
+            return
         self.wake()
         self.end_weight_update()
         version = name.rsplit("_", 1)[0]

@@ -35,6 +35,7 @@ from lit_rlvr.rollout.engine import (
 from lit_rlvr.rollout.hf import row_seeds
 from lit_rlvr.config.options import lora_rank_problems
 from lit_rlvr.rollout.lora import check_lora_sync
+from lit_rlvr.rollout.segments import SegmentedPushes
 
 WORKER_EXTENSION = "lit_rlvr.rollout.vllm_worker.WeightReceiver"
 FINISH_REASONS = ("stop", "length")  # vLLM's finish_reason for these is ours; "abort" raises
@@ -152,9 +153,10 @@ def _to_bytes(bucket: list[tuple[str, Tensor]]) -> bytes:
     return save({name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in bucket})
 
 
-class VLLMEngine(RolloutEngine):
+class VLLMEngine(SegmentedPushes, RolloutEngine):
     """The RolloutEngine protocol on `vllm.LLM`; `holds_weights` is False until the first push and after a sleep
-    at level 2.
+    at level 2. Pushes land while it generates between segments of `segment_tokens` new tokens
+    (`lit_rlvr.rollout.segments`).
 
     Args:
         kv_cache_memory_bytes: a fixed KV cache size (needed on a CPU, where vLLM would otherwise reserve most of
@@ -171,7 +173,8 @@ class VLLMEngine(RolloutEngine):
                  gpu_memory_utilization: float = 0.5, bucket_bytes: int = 256 << 20, seed: int = 0,
                  dtype: Optional[str] = None, model_path: Optional[str] = None, max_model_len: Optional[int] = None,
                  enforce_eager: bool = False, sleep_level: int = 0, llm_args: Optional[dict] = None,
-                 lora_sync: str = "adapter", max_loras: int = 8):
+                 lora_sync: str = "adapter", max_loras: int = 8, segment_tokens: int = 32):
+        self._init_segments(segment_tokens)
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
             raise ValueError("VLLM_ENABLE_V1_MULTIPROCESSING=0 runs vLLM inside the trainer's process, where it "
                              "disables torch.set_num_threads, binds memory and reseeds the global RNG; unset it")
@@ -210,12 +213,18 @@ class VLLMEngine(RolloutEngine):
     # -- weights ---------------------------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """One bucket (HF names). The last module's tensors wait for the next bucket or `end_weight_update`."""
+        if self._stages_here():
+            self._keep("load_weights", [(name, t.detach().clone()) for name, t in named_tensors])
+            return
         self.wake()
         ready, self._pending = split_complete(self._pending + list(named_tensors))
         self._send(ready)
 
     def end_weight_update(self) -> None:
         """After the last bucket: send what is held back and drop the prefix cache (KV of the old weights)."""
+        if self._stages_here():
+            self._keep("end_weight_update")
+            return
         self._send(self._pending)
         self._pending = []
         if not self._llm.reset_prefix_cache():
@@ -254,6 +263,11 @@ class VLLMEngine(RolloutEngine):
 
     # -- sampling --------------------------------------------------------------------------------------------
     def generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int], params: SamplingParams
+    ) -> list[list[Completion]]:
+        return self._generate_with_pushes(self._generate_once, prompt_token_ids, n_per_prompt, params)
+
+    def _generate_once(
         self, prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int], params: SamplingParams
     ) -> list[list[Completion]]:
         self.wake()
@@ -297,6 +311,9 @@ class VLLMEngine(RolloutEngine):
 
         if not self.serves_lora:
             raise RuntimeError("VLLMEngine serves adapters only with a LoRA policy and lora_sync=adapter")
+        if self._stages_here():
+            self._keep("load_adapter", name, {k: v.detach().clone() for k, v in tensors.items()}, config, activate)
+            return
         self.wake()
         if self._pending:
             self.end_weight_update()

@@ -56,7 +56,8 @@ class PushProbe(RLVRCallback):
             full = param.detach().full_tensor() if hasattr(param, "full_tensor") else param.detach()  # FSDP2 shards
             digest.update(full.float().cpu().numpy().tobytes())
         prompt = pl_module.tokenizer(PROBE, add_special_tokens=False)["input_ids"]
-        (probe,) = pl_module.engine.generate([prompt], [1], SamplingParams(temperature=0.0, max_new_tokens=8))[0]
+        with pl_module.engine_access():  # partial rollouts: the push did not wait for the producer's batch to end
+            (probe,) = pl_module.engine.generate([prompt], [1], SamplingParams(temperature=0.0, max_new_tokens=8))[0]
         self.records.append({"step": pl_module.global_step, "holds_mean": holds_mean, "digest": digest.hexdigest(),
                              "probe_ids": probe.token_ids.tolist(), "probe_logprobs": probe.logprobs.tolist()})
         self.path.write_text(json.dumps(self.records))

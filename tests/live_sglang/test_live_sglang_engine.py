@@ -21,6 +21,7 @@ from lit_rlvr.rollout.weights import push_weights
 from sglang_live import cpu_options, live
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared checks
+from in_flight_live import assert_a_push_mid_generation_lands_between_segments_as_on_hf  # noqa: E402
 from multi_turn_live import assert_greedy_transcripts_equal_hf, assert_sampled_rollouts_are_consistent  # noqa: E402
 
 pytestmark = live
@@ -164,6 +165,14 @@ def test_multi_turn_rollouts_equal_hf(engine, policy):
     push_weights(engine, model, bucket_bytes=1 << 20)
     assert_greedy_transcripts_equal_hf(engine, model, tokenizer)
     assert_sampled_rollouts_are_consistent(engine, model, tokenizer)
+
+
+def test_a_push_made_while_sglang_generates_lands_between_two_segments(engine, policy):
+    """rollout.partial_rollout=true on SGLang (lit_rlvr.rollout.segments): the push is staged, lands before the next
+    segment (sglang's update session and cache flush in the generating thread), and the tokens after it are the new
+    weights' greedy ones, each tagged with its version."""
+    model, tokenizer = policy
+    assert_a_push_mid_generation_lands_between_segments_as_on_hf(engine, model, tokenizer, bucket_bytes=64 << 10)
 
 
 def test_a_dead_scheduler_is_an_engine_error_not_a_killed_process(engine, policy):

@@ -101,8 +101,9 @@ def test_two_ranks_each_with_its_own_engine(runs):
         assert (a["step"], a["digest"], a["probe_ids"]) == (b["step"], b["digest"], b["probe_ids"])
 
 
-def test_async_run_generates_one_batch_ahead_and_pushes_between_batches(runs):
+def test_async_run_generates_one_batch_ahead_and_its_pushes_land_in_flight(runs):
     assert _column(runs["async"], "async/staleness_max") == [0.0, 1.0, 1.0]  # generated a version before it trained
+    assert all(0 <= v <= 1 for v in _column(runs["async"], "async/partial_frac"))  # (how many: the machine's timing)
     assert all(math.isfinite(v) for v in _column(runs["async"], "loss/policy"))
     assert all(v > 0 for v in _column(runs["async"], "grad/norm"))
     pushes = [p for p in _pushes(runs["async"]) if p["holds_mean"]]

@@ -27,9 +27,11 @@ RUNS = {  # name: (overrides, engine base port[, launcher]); distinct ports: eng
     "c3po": (["algorithm=c3po", "trainer.max_steps=3"], 31100),
     "v05": ([*V05, "trainer.max_steps=2"], 31200),
     "c3po_lora": (["algorithm=c3po", "model.lora.rank=4", "trainer.max_steps=2"], 31600),
-    # rollout.mode=async: the producer generates the next batch while the trainer updates; pushes between batches
+    # rollout.mode=async: the producer generates the next batch while the trainer updates; each push lands in the
+    # batch being generated (partial rollouts), between two segments of 4 tokens
     "async": (["algorithm=grpo", "rollout.mode=async", "rollout.max_staleness=1", "trainer.max_steps=3",
-               "eval_before=false"], 31700),
+               "eval_before=false", "rollout.partial_rollout=true", "rollout.kv_at_swap=recompute",
+               "engine.options.sync_check_every=0", "engine.options.segment_tokens=4"], 31700),
     # torchrun, FSDP2 over gloo: each rank its own engine (ports spaced by local rank)
     "ranks2": (["algorithm=grpo", "trainer.max_steps=2", "eval_before=false", *FSDP_CPU], 31500, TORCHRUN),
 }

@@ -1,0 +1,182 @@
+"""Pushes that land while a request-serving engine generates (SGLang, vLLM; `rollout.partial_rollout=true`).
+
+Such an engine takes a batch of requests and returns when the last one ends, so a push cannot land between two of
+its decode steps as in `HFEngine`. It generates in segments instead: each unfinished completion asks for at most
+`segment_tokens` new tokens per call, and between two calls a push staged by another thread lands. A completion
+then goes on as a new request whose prompt is its prompt and its tokens so far, which the engine computes again
+with the weights it holds now: the KV cache at a swap is recomputed (`rollout.kv_at_swap=recompute`), the only
+choice such an engine offers, since the new weights must not read keys and values it no longer holds. This is
+AReaL's interruptible generation (abort, push, resubmit with the tokens so far) with the interruption at fixed
+points; between two segments without a push, the prefix cache (SGLang's radix cache, vLLM's prefix caching)
+serves the prefix again.
+
+Continuing a completion under the same weights draws from the same distribution as one long request, so a segment
+boundary changes the random stream, not what is sampled: segment 0 uses the call's seed (with `segment_tokens` ≥
+`max_new_tokens` the generation is the unsegmented one), segment k a seed derived from (seed, k).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+
+from lit_rlvr.config.options import range_problems
+from lit_rlvr.rollout.engine import Completion, SamplingParams
+
+GenerateOnce = Callable[[Sequence[Sequence[int]], Sequence[int], SamplingParams], list[list[Completion]]]
+
+
+def segment_seed(seed: int, segment: int) -> int:
+    """The seed of segment `segment` of a call seeded `seed`: the seed itself for the first, then a hash."""
+    if segment == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/{segment}".encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "little")
+
+
+def generate_in_segments(generate_once: GenerateOnce, prompt_token_ids: Sequence[Sequence[int]],
+                         n_per_prompt: Sequence[int], params: SamplingParams, segment_tokens: int,
+                         between: Callable[[], int]) -> list[list[Completion]]:
+    """`n_per_prompt[b]` completions of prompt b, generated `segment_tokens` new tokens at a time.
+
+    `generate_once(prompts, counts, params)` is one call of the engine; `between()` runs before each segment (it
+    lands a staged push) and returns the tag of the weights the segment runs with, which each of its tokens records
+    in `Completion.versions`. A completion ends when a segment stops it (a stop token) or it holds
+    `params.max_new_tokens` tokens; its log-probs are those of the weights that drew each token.
+    """
+    if segment_tokens < 1:
+        raise ValueError(f"segment_tokens={segment_tokens!r} must be at least 1")
+    rows = [[int(t) for t in prompt] for prompt, n in zip(prompt_token_ids, n_per_prompt) for _ in range(n)]
+    parts: list[list[tuple[Completion, int]]] = [[] for _ in rows]
+    active, done_tokens, segment = list(range(len(rows))), 0, 0
+    while active:
+        tag = between()
+        budget = min(segment_tokens, params.max_new_tokens - done_tokens)
+        seg_params = replace(params, max_new_tokens=budget, seed=segment_seed(params.seed, segment))
+        if segment == 0:  # the call as asked: its first tokens are those of the unsegmented generation
+            outputs = [c for per_prompt in generate_once(prompt_token_ids, n_per_prompt, seg_params)
+                       for c in per_prompt]
+        else:  # each unfinished completion as a prompt of its own: its prompt and its tokens so far
+            prompts = [rows[i] + [t for c, _ in parts[i] for t in c.token_ids.tolist()] for i in active]
+            outputs = [c for (c,) in generate_once(prompts, [1] * len(active), seg_params)]
+        done_tokens += budget
+        still = []
+        for i, completion in zip(active, outputs, strict=True):
+            parts[i].append((completion, tag))
+            if completion.finish_reason == "length" and done_tokens < params.max_new_tokens:
+                if len(completion.token_ids) != budget:
+                    raise RuntimeError(f"the engine ended a segment of {budget} tokens after "
+                                       f"{len(completion.token_ids)} with finish reason 'length'")
+                still.append(i)
+        active, segment = still, segment + 1
+    joined = iter([_join(p) for p in parts])
+    return [[next(joined) for _ in range(n)] for n in n_per_prompt]
+
+
+def _join(parts: list[tuple[Completion, int]]) -> Completion:
+    """One completion from its segments, each token tagged with its segment's weights."""
+    return Completion(torch.cat([c.token_ids for c, _ in parts]), torch.cat([c.logprobs for c, _ in parts]),
+                      parts[-1][0].finish_reason,
+                      versions=torch.cat([torch.full((len(c.token_ids),), tag, dtype=torch.long)
+                                          for c, tag in parts]))
+
+
+@dataclass
+class _Staged:
+    """The engine calls of a push made while a generation runs, with copies of their tensors, in order."""
+
+    tag: int
+    thread: int  # the pushing thread (its calls are staged; others' are not)
+    calls: list[tuple[str, tuple]] = field(default_factory=list)
+
+
+class SegmentedPushes:
+    """`push_in_flight` for a request-serving engine (a mixin of `RolloutEngine`): while a generation runs, the
+    pushing thread's `load_weights`, `load_adapter` and `end_weight_update` calls are copied aside and made by the
+    generating thread between two segments (`generate_in_segments`). An engine calls `_init_segments` when built;
+    each of those three methods first asks `_stages_here()` and then `_keep`s the call; it generates through
+    `_generate_with_pushes`."""
+
+    def _init_segments(self, segment_tokens: int) -> None:
+        problems = range_problems({"segment_tokens": segment_tokens}, "engine.options")
+        if problems:
+            raise ValueError(problems[0])
+        self._segment_tokens = segment_tokens
+        self.swaps_in_flight = True
+        self._swap = threading.Condition()
+        self._generating = False
+        self._direct: Optional[int] = None  # the thread whose push lands at once: generations wait for it
+        self._staging: Optional[_Staged] = None  # the push under way while a generation runs
+        self._staged: list[_Staged] = []  # pushes waiting for the next segment, in order
+        self._tag: Optional[int] = None  # the tag of the weights held (None: no tagged push: whole requests)
+
+    @contextmanager
+    def push_in_flight(self, tag: int, *, recompute_kv: bool = False) -> Iterator[None]:
+        """See `RolloutEngine.push_in_flight`; the KV cache of an unfinished completion is always computed again
+        (its prefix is a new request's prompt), whatever `recompute_kv` says."""
+        me = threading.get_ident()
+        with self._swap:
+            direct = not self._generating
+            if direct:
+                self._direct = me
+            else:
+                self._staging = _Staged(tag, me)
+        try:
+            if direct:
+                self._land_staged()
+            yield
+        except BaseException:
+            with self._swap:  # a failed push lands nothing (a direct one may have made part of its calls)
+                self._staging, self._direct = None, None
+                self._swap.notify_all()
+            raise
+        with self._swap:
+            if direct:
+                self._direct, self._tag = None, tag
+            else:
+                self._staged.append(self._staging)
+                self._staging = None
+            self._swap.notify_all()
+
+    def _stages_here(self) -> bool:
+        """Whether this thread's push is staged: its engine calls are kept (`_keep`) for the next segment."""
+        staging = self._staging
+        return staging is not None and staging.thread == threading.get_ident()
+
+    def _keep(self, method: str, *args: Any) -> None:
+        """Keep the call `method(*args)` of the staged push (its tensors copied by the caller)."""
+        self._staging.calls.append((method, args))
+
+    def _land_staged(self) -> Optional[int]:
+        """Make the calls of the pushes staged so far, in order; returns the tag of the weights held now."""
+        with self._swap:
+            staged, self._staged = self._staged, []
+        for push in staged:
+            for method, args in push.calls:
+                getattr(self, method)(*args)
+            self._tag = push.tag
+        return self._tag
+
+    def _generate_with_pushes(self, generate_once: GenerateOnce, prompt_token_ids: Sequence[Sequence[int]],
+                              n_per_prompt: Sequence[int], params: SamplingParams) -> list[list[Completion]]:
+        """Whole requests until the first tagged push (`rollout.partial_rollout=false` never makes one); then
+        segments, with staged pushes landing between them. A generation waits for a push landing at once."""
+        if self._tag is None:
+            return generate_once(prompt_token_ids, n_per_prompt, params)
+        me = threading.get_ident()
+        with self._swap:
+            while self._direct is not None and self._direct != me:
+                self._swap.wait()
+            self._generating = True
+        try:
+            return generate_in_segments(generate_once, prompt_token_ids, n_per_prompt, params, self._segment_tokens,
+                                        self._land_staged)
+        finally:
+            with self._swap:
+                self._generating = False
+                self._swap.notify_all()
