@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Optional, Sequence
@@ -174,6 +175,79 @@ class RolloutEngine:
 
     def shutdown(self) -> None:
         """End the engine's own processes, if any."""
+
+
+class InFlightPushes:
+    """The threads' side of `push_in_flight` for an engine that takes pushes while it generates (HFEngine between
+    two decode steps, `lit_rlvr.rollout.segments.SegmentedPushes` between two segments): a push made while no
+    generation runs lands at once, and generations wait for it; one made while a generation runs is staged (the
+    pushing thread's loads are copied aside: `_stages_here`) and lands when the generating thread calls
+    `_land_staged`. The engine says how a push is staged (`_new_staging`), how staged pushes add up
+    (`_add_staged`) and how they land (`_land_staged`); it generates inside `_generation()`."""
+
+    def _init_in_flight(self) -> None:
+        self._swap = threading.Condition()
+        self._generating = False
+        self._direct: Optional[int] = None  # the thread whose push lands at once: other generations wait for it
+        self._staging = None  # the push under way while a generation runs
+        self._tag: Optional[int] = None  # the tag of the weights held (None: no tagged push yet)
+
+    def _new_staging(self, tag: int, recompute_kv: bool, thread: int):
+        raise NotImplementedError
+
+    def _add_staged(self, staging) -> None:
+        raise NotImplementedError
+
+    def _land_staged(self):
+        raise NotImplementedError
+
+    @contextmanager
+    def push_in_flight(self, tag: int, *, recompute_kv: bool = False) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._swap:
+            direct = not self._generating
+            if direct:  # generations (of other threads) wait for it; one staged earlier lands first, under it
+                self._direct = me
+            else:
+                self._staging = self._new_staging(tag, recompute_kv, me)
+        try:
+            if direct:
+                self._land_staged()
+            yield
+        except BaseException:
+            with self._swap:  # a failed push lands nothing (a direct one may have loaded part of it)
+                self._staging, self._direct = None, None
+                self._swap.notify_all()
+            raise
+        with self._swap:
+            if direct:
+                self._direct, self._tag = None, tag
+            else:
+                self._add_staged(self._staging)
+                self._staging = None
+            self._swap.notify_all()
+
+    def _stages_here(self) -> bool:
+        """Whether this thread's push is staged: its loads are copied aside for the generating thread."""
+        staging = self._staging
+        return staging is not None and staging.thread == threading.get_ident()
+
+    @contextmanager
+    def _generation(self) -> Iterator[None]:
+        """A generation: it waits for another thread's push landing at once (the pushing thread's own post-push
+        check generates inside it), lands the staged ones, and makes later pushes stage."""
+        me = threading.get_ident()
+        with self._swap:
+            while self._direct is not None and self._direct != me:
+                self._swap.wait()
+            self._generating = True
+        try:
+            self._land_staged()
+            yield
+        finally:
+            with self._swap:
+                self._generating = False
+                self._swap.notify_all()
 
 
 def save_policy_config(model, path: str) -> None:

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-import threading
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator, Optional, Sequence
 
@@ -29,7 +28,7 @@ from lit_rlvr.config.options import range_problems
 from lit_rlvr.config.problems import convert
 from lit_rlvr.models.lora import is_lora
 from lit_rlvr.rollout.batch import left_pad
-from lit_rlvr.rollout.engine import Completion, RolloutEngine, SamplingParams
+from lit_rlvr.rollout.engine import Completion, InFlightPushes, RolloutEngine, SamplingParams
 from lit_rlvr.rollout.kv_cache import can_select_rows, growing_cache
 from lit_rlvr.rollout.lora import check_lora_sync, peft_file_name
 from lit_rlvr.rollout.multi_weight import stacked_weights
@@ -178,7 +177,7 @@ class _Staged:
                        {**earlier.weights, **self.weights}, self.adapter or earlier.adapter)
 
 
-class HFEngine(RolloutEngine):
+class HFEngine(InFlightPushes, RolloutEngine):
     """Batched sampling with a transformers model; see the module docstring for the two modes.
 
     Sampling is batch-invariant: completion j of a prompt draws its tokens by inverse-CDF sampling from
@@ -234,12 +233,8 @@ class HFEngine(RolloutEngine):
         self._cache_arg = "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
         # pushes while generating (`push_in_flight`): the trainer's thread stages, the generating thread lands them
         self.swaps_in_flight = mode == "copy"
-        self._swap = threading.Condition()
-        self._generating = False
-        self._direct: Optional[int] = None  # the thread whose push lands at once: other generations wait for it
-        self._staging: Optional[_Staged] = None  # the push under way while a generation runs, copied aside
+        self._init_in_flight()
         self._staged: Optional[_Staged] = None  # pushes waiting for the next decode step, merged
-        self._tag: Optional[int] = None  # the tag of the weights held (None: no tagged push yet)
         self._superseded: set[str] = set()  # adapters replaced by a tagged push: a plan made before may name one
 
     # -- weights ---------------------------------------------------------------------------------------------
@@ -289,38 +284,18 @@ class HFEngine(RolloutEngine):
             raise RuntimeError(f"HFEngine holds adapter {self._active_adapter!r}, asked for {params.adapter!r}")
 
     # -- pushes while generating -------------------------------------------------------------------------------
-    @contextmanager
-    def push_in_flight(self, tag: int, *, recompute_kv: bool = False) -> Iterator[None]:
+    def push_in_flight(self, tag: int, *, recompute_kv: bool = False) -> AbstractContextManager:
         if not self.swaps_in_flight:
             raise RuntimeError("HFEngine takes pushes while generating in copy mode only (a shared engine's weights "
                                "are the trainer's)")
-        me = threading.get_ident()
-        with self._swap:
-            direct = not self._generating
-            if direct:  # generations (of other threads) wait for it; one staged earlier lands first, under it
-                self._direct = me
-            else:
-                self._staging = _Staged(tag, recompute_kv, me)
-        try:
-            if direct:
-                self._land_staged()
-            yield
-        except BaseException:
-            with self._swap:  # a failed push lands nothing (a direct one may have loaded part of it)
-                self._staging, self._direct = None, None
-                self._swap.notify_all()
-            raise
-        with self._swap:
-            if direct:
-                self._direct, self._tag = None, tag
-            else:  # one staged push at most: a newer one replaces what it loads anew (one copy of the weights)
-                self._staged = self._staging.after(self._staged)
-                self._staging = None
-            self._swap.notify_all()
+        return super().push_in_flight(tag, recompute_kv=recompute_kv)
 
-    def _stages_here(self) -> bool:
-        staging = self._staging
-        return staging is not None and staging.thread == threading.get_ident()
+    def _new_staging(self, tag: int, recompute_kv: bool, thread: int) -> _Staged:
+        return _Staged(tag, recompute_kv, thread)
+
+    def _add_staged(self, staging: _Staged) -> None:
+        """One staged push at most: a newer one replaces what it loads anew (one copy of the weights)."""
+        self._staged = staging.after(self._staged)
 
     def _land_staged(self) -> Optional[bool]:
         """Load the push staged since the last call (None: there was none; else whether it asks for the KV cache
@@ -335,23 +310,6 @@ class HFEngine(RolloutEngine):
             self._set_adapter(*staged.adapter)
         self._tag = staged.tag
         return staged.recompute_kv
-
-    @contextmanager
-    def _generation(self) -> Iterator[None]:
-        """A generation: it waits for another thread's push landing at once (the pushing thread's own post-push
-        check generates inside it), lands the staged one, and makes later pushes stage."""
-        me = threading.get_ident()
-        with self._swap:
-            while self._direct is not None and self._direct != me:
-                self._swap.wait()
-            self._generating = True
-        try:
-            self._land_staged()
-            yield
-        finally:
-            with self._swap:
-                self._generating = False
-                self._swap.notify_all()
 
     def to(self, device: torch.device) -> "HFEngine":
         """Move a `copy` engine's model (a `shared` one moves with the trainer's model)."""

@@ -18,15 +18,13 @@ boundary changes the random stream, not what is sampled: segment 0 uses the call
 from __future__ import annotations
 
 import hashlib
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from lit_rlvr.config.options import range_problems
-from lit_rlvr.rollout.engine import Completion, SamplingParams
+from lit_rlvr.rollout.engine import Completion, InFlightPushes, SamplingParams
 
 GenerateOnce = Callable[[Sequence[Sequence[int]], Sequence[int], SamplingParams], list[list[Completion]]]
 
@@ -95,12 +93,13 @@ class _Staged:
     calls: list[tuple[str, tuple]] = field(default_factory=list)
 
 
-class SegmentedPushes:
+class SegmentedPushes(InFlightPushes):
     """`push_in_flight` for a request-serving engine (a mixin of `RolloutEngine`): while a generation runs, the
     pushing thread's `load_weights`, `load_adapter` and `end_weight_update` calls are copied aside and made by the
     generating thread between two segments (`generate_in_segments`). An engine calls `_init_segments` when built;
     each of those three methods first asks `_stages_here()` and then `_keep`s the call; it generates through
-    `_generate_with_pushes`."""
+    `_generate_with_pushes`. The KV cache of an unfinished completion is always computed again (its prefix is a new
+    request's prompt), whatever a push's `recompute_kv` says."""
 
     def _init_segments(self, segment_tokens: int) -> None:
         problems = range_problems({"segment_tokens": segment_tokens}, "engine.options")
@@ -108,45 +107,14 @@ class SegmentedPushes:
             raise ValueError(problems[0])
         self._segment_tokens = segment_tokens
         self.swaps_in_flight = True
-        self._swap = threading.Condition()
-        self._generating = False
-        self._direct: Optional[int] = None  # the thread whose push lands at once: generations wait for it
-        self._staging: Optional[_Staged] = None  # the push under way while a generation runs
+        self._init_in_flight()
         self._staged: list[_Staged] = []  # pushes waiting for the next segment, in order
-        self._tag: Optional[int] = None  # the tag of the weights held (None: no tagged push: whole requests)
 
-    @contextmanager
-    def push_in_flight(self, tag: int, *, recompute_kv: bool = False) -> Iterator[None]:
-        """See `RolloutEngine.push_in_flight`; the KV cache of an unfinished completion is always computed again
-        (its prefix is a new request's prompt), whatever `recompute_kv` says."""
-        me = threading.get_ident()
-        with self._swap:
-            direct = not self._generating
-            if direct:
-                self._direct = me
-            else:
-                self._staging = _Staged(tag, me)
-        try:
-            if direct:
-                self._land_staged()
-            yield
-        except BaseException:
-            with self._swap:  # a failed push lands nothing (a direct one may have made part of its calls)
-                self._staging, self._direct = None, None
-                self._swap.notify_all()
-            raise
-        with self._swap:
-            if direct:
-                self._direct, self._tag = None, tag
-            else:
-                self._staged.append(self._staging)
-                self._staging = None
-            self._swap.notify_all()
+    def _new_staging(self, tag: int, recompute_kv: bool, thread: int) -> _Staged:
+        return _Staged(tag, thread)
 
-    def _stages_here(self) -> bool:
-        """Whether this thread's push is staged: its engine calls are kept (`_keep`) for the next segment."""
-        staging = self._staging
-        return staging is not None and staging.thread == threading.get_ident()
+    def _add_staged(self, staging: _Staged) -> None:
+        self._staged.append(staging)  # each a copy: pushes rarely stage twice within one segment
 
     def _keep(self, method: str, *args: Any) -> None:
         """Keep the call `method(*args)` of the staged push (its tensors copied by the caller)."""
@@ -168,15 +136,6 @@ class SegmentedPushes:
         segments, with staged pushes landing between them. A generation waits for a push landing at once."""
         if self._tag is None:
             return generate_once(prompt_token_ids, n_per_prompt, params)
-        me = threading.get_ident()
-        with self._swap:
-            while self._direct is not None and self._direct != me:
-                self._swap.wait()
-            self._generating = True
-        try:
+        with self._generation():
             return generate_in_segments(generate_once, prompt_token_ids, n_per_prompt, params, self._segment_tokens,
                                         self._land_staged)
-        finally:
-            with self._swap:
-                self._generating = False
-                self._swap.notify_all()
