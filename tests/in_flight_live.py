@@ -31,6 +31,19 @@ def perturbed(model, scale: float = 2.0):
     return other
 
 
+def _tag(engine, tag: int, weights=None, bucket_bytes: int = 1 << 20) -> None:
+    """A push tagged `tag` (of `weights`, or only the tag), as the trainer makes it."""
+    with engine.push_in_flight(tag):
+        if weights is not None:
+            push_weights(engine, weights, bucket_bytes=bucket_bytes)
+
+
+def _in_another_thread(fn) -> None:
+    thread = threading.Thread(target=fn)
+    thread.start()
+    thread.join()
+
+
 def assert_a_push_mid_generation_lands_between_segments_as_on_hf(engine, model, tokenizer, bucket_bytes=1 << 20):
     """Greedy generation tagged 0, a push of other weights tagged 1 made during the first segment: the completions
     equal HFEngine's segments with the same swap (tokens, log-probs to 1e-5, and each token's tag). The engine
@@ -47,7 +60,8 @@ def assert_a_push_mid_generation_lands_between_segments_as_on_hf(engine, model, 
             hf.load_weights((n, p.detach()) for n, p in other.named_parameters())
         return int(len(calls) >= 2)
 
-    want = generate_in_segments(hf.generate, ids, counts, PARAMS, SEGMENT, swap_before_the_second_segment)
+    want = generate_in_segments(hf.generate, ids, counts, PARAMS, SEGMENT, swap_before_the_second_segment,
+                                tokenizer.eos_token_id)
     unswapped = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id).generate(ids, counts,
                                                                                                       PARAMS)
     assert any(c.token_ids[SEGMENT:].tolist() != u.token_ids[SEGMENT:].tolist()  # the swap changes what follows
@@ -60,16 +74,10 @@ def assert_a_push_mid_generation_lands_between_segments_as_on_hf(engine, model, 
         out = once(*args)
         segments.append(1)
         if len(segments) == 1:  # the trainer's push, from its own thread, while the engine generates
-            def trainer():
-                with engine.push_in_flight(1):
-                    push_weights(engine, other, bucket_bytes=bucket_bytes)
-            thread = threading.Thread(target=trainer)
-            thread.start()
-            thread.join()
+            _in_another_thread(lambda: _tag(engine, 1, other, bucket_bytes))
         return out
 
-    with engine.push_in_flight(0):  # tagged: generations go in segments from now on
-        pass
+    _in_another_thread(lambda: _tag(engine, 0))  # as the pipeline tags it: this thread's generations go in segments
     engine._generate_once, engine._segment_tokens = once_then_push, SEGMENT
     try:
         got = engine.generate(ids, counts, PARAMS)

@@ -218,7 +218,7 @@ def test_a_producers_rounds_never_push_the_policy_when_its_version_moved(models)
 def _in_segments(engine, tokenizer, params, segment_tokens, between):
     plan = _plan(tokenizer)
     completions = generate_in_segments(engine.generate, plan.prompt_token_ids, plan.n_per_prompt, params,
-                                       segment_tokens, between)
+                                       segment_tokens, between, tokenizer.eos_token_id)
     return rollouts_from_completions(plan, completions, source=0, pad_id=tokenizer.pad_token_id)
 
 
@@ -237,12 +237,33 @@ def test_segments_continue_each_completion_from_its_prefix_under_the_same_weight
     assert torch.equal(three.response_ids[:, :3], whole.response_ids[:, :3])
     assert (three.token_version == 0).all() and three.response_mask.all()  # 8 tokens each (ignore_eos)
     assert torch.allclose(three.old_logp, _scored(model, three), atol=1e-4)
-    stopping = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5)
-    for completion in (c for group in generate_in_segments(engine.generate, plan.prompt_token_ids, plan.n_per_prompt,
-                                                           stopping, 4, lambda: 0) for c in group):
-        stops = (completion.token_ids == tokenizer.eos_token_id).nonzero().flatten().tolist()
-        assert (completion.finish_reason, stops) in (("stop", [len(completion.token_ids) - 1]), ("length", []))
-        assert completion.finish_reason == "stop" or len(completion.token_ids) == 12
+
+
+def _length_first(generate):
+    """The HF engine's calls as SGLang and vLLM report them: both check a request's length before its stop tokens,
+    so a completion that draws a stop token as its last allowed token says "length"."""
+    def call(prompts, counts, params):
+        out = generate(prompts, counts, params)
+        for completion in (c for group in out for c in group):
+            if len(completion.token_ids) == params.max_new_tokens:
+                completion.finish_reason = "length"
+        return out
+    return call
+
+
+def test_a_stop_token_drawn_last_in_a_segment_ends_the_completion(models):
+    model, _, tokenizer = models
+    engine = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, mode="copy")
+    plan, stopping = _plan(tokenizer), SamplingParams(temperature=1.0, max_new_tokens=12, seed=5)
+    whole = engine.generate(plan.prompt_token_ids, plan.n_per_prompt, stopping)
+    assert any(c.finish_reason == "stop" for group in whole for c in group)  # the model stops within 12 tokens
+    for segment_tokens in (1, 4):  # with 1, every stop token is the last of its segment
+        out = generate_in_segments(_length_first(engine.generate), plan.prompt_token_ids, plan.n_per_prompt,
+                                   stopping, segment_tokens, lambda: 0, tokenizer.eos_token_id)
+        for completion in (c for group in out for c in group):
+            stops = (completion.token_ids == tokenizer.eos_token_id).nonzero().flatten().tolist()
+            assert (completion.finish_reason, stops) in (("stop", [len(completion.token_ids) - 1]), ("length", []))
+            assert completion.finish_reason == "stop" or len(completion.token_ids) == 12
 
 
 def test_a_push_between_two_segments_draws_the_rest_from_the_new_weights(models):
@@ -263,13 +284,22 @@ def test_a_push_between_two_segments_draws_the_rest_from_the_new_weights(models)
     assert len(calls) == 3  # 8 tokens in segments of 3, 3 and 2
 
 
+def _tag_from_the_trainers_thread(engine, tag: int) -> None:
+    def trainer():
+        with engine.push_in_flight(tag):
+            pass
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    thread.join()
+
+
 class _RequestsOnHF(SegmentedPushes, RolloutEngine):
     """`SegmentedPushes` (SGLang's and vLLM's in-flight pushes) over an HF engine that stands for their servers: a
     call generates whole requests, and pushes go through the mixin's staging."""
 
     def __init__(self, hf: HFEngine, segment_tokens: int):
         self._hf = hf
-        self._init_segments(segment_tokens)
+        self._init_segments(segment_tokens, hf._eos_id)
 
     def load_weights(self, named_tensors):
         if self._stages_here():
@@ -292,8 +322,7 @@ def test_a_push_staged_while_a_request_engine_generates_lands_at_the_next_segmen
     plan = _plan(tokenizer)
     untagged = engine.generate(plan.prompt_token_ids, plan.n_per_prompt, PARAMS)
     assert all(c.versions is None for group in untagged for c in group)  # no tagged push: whole requests
-    with engine.push_in_flight(0):
-        pass
+    _tag_from_the_trainers_thread(engine, 0)  # as the pipeline does: the trainer's thread pushes, another generates
     generate, calls, untouched = hf.generate, [], []
 
     def generate_then_push(*args):
@@ -329,5 +358,7 @@ def test_a_push_staged_while_a_request_engine_generates_lands_at_the_next_segmen
             engine.load_weights((n, p.detach()) for n, p in weights.named_parameters())
     assert [push.tag for push in engine._staged] == [3, 4]
     engine._generating = False
-    assert engine._land_staged() == 4 and engine._staged == []
+    # the pushing thread's own generation (an evaluation, the post-push check) lands them, in whole requests
+    evaluation = engine.generate(plan.prompt_token_ids, plan.n_per_prompt, PARAMS)
+    assert engine._tag == 4 and engine._staged == [] and all(c.versions is None for g in evaluation for c in g)
     assert all(torch.equal(p, q) for p, q in zip(hf.model.parameters(), other.parameters()))

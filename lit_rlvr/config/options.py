@@ -28,7 +28,7 @@ RANGES.update({
     "engine.options.sync_check_tol": (lambda v: v is None or v > 0, "a number > 0 (the largest log-prob gap "
                                                                     "after a push), or null"),
     # SGLang's and vLLM's in-flight pushes (lit_rlvr.rollout.segments)
-    "engine.options.segment_tokens": (lambda v: not isinstance(v, bool) and v >= 1,
+    "engine.options.segment_tokens": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
                                       "an integer >= 1 (new tokens per request between two chances for a push)"),
     "data.batch_size": (lambda v: v >= 1, "an integer >= 1 (prompts per RL step)"),
     "data.eval_batch_size": at_least(1),

@@ -190,6 +190,7 @@ class InFlightPushes:
         self._generating = False
         self._direct: Optional[int] = None  # the thread whose push lands at once: other generations wait for it
         self._staging = None  # the push under way while a generation runs
+        self._pusher: Optional[int] = None  # the thread that pushes (the trainer's)
         self._tag: Optional[int] = None  # the tag of the weights held (None: no tagged push yet)
 
     def _new_staging(self, tag: int, recompute_kv: bool, thread: int):
@@ -205,6 +206,7 @@ class InFlightPushes:
     def push_in_flight(self, tag: int, *, recompute_kv: bool = False) -> Iterator[None]:
         me = threading.get_ident()
         with self._swap:
+            self._pusher = me
             direct = not self._generating
             if direct:  # generations (of other threads) wait for it; one staged earlier lands first, under it
                 self._direct = me

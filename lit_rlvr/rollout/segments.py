@@ -18,6 +18,7 @@ boundary changes the random stream, not what is sampled: segment 0 uses the call
 from __future__ import annotations
 
 import hashlib
+import threading
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence
 
@@ -39,16 +40,19 @@ def segment_seed(seed: int, segment: int) -> int:
 
 def generate_in_segments(generate_once: GenerateOnce, prompt_token_ids: Sequence[Sequence[int]],
                          n_per_prompt: Sequence[int], params: SamplingParams, segment_tokens: int,
-                         between: Callable[[], int]) -> list[list[Completion]]:
+                         between: Callable[[], int], eos_id: Optional[int]) -> list[list[Completion]]:
     """`n_per_prompt[b]` completions of prompt b, generated `segment_tokens` new tokens at a time.
 
     `generate_once(prompts, counts, params)` is one call of the engine; `between()` runs before each segment (it
     lands a staged push) and returns the tag of the weights the segment runs with, which each of its tokens records
-    in `Completion.versions`. A completion ends when a segment stops it (a stop token) or it holds
-    `params.max_new_tokens` tokens; its log-probs are those of the weights that drew each token.
+    in `Completion.versions`. A completion ends when a segment stops it, or ends short of its budget (the engine's
+    own limit, e.g. its context), or it holds `params.max_new_tokens` tokens; its log-probs are those of the weights
+    that drew each token. SGLang and vLLM check the length before the stop tokens, so a segment whose last token is
+    a stop token (`eos_id` or `params.stop_token_ids`, none with `ignore_eos`) says "length": it is a stop here.
     """
     if segment_tokens < 1:
         raise ValueError(f"segment_tokens={segment_tokens!r} must be at least 1")
+    stops = set() if params.ignore_eos else {*params.stop_token_ids, *([] if eos_id is None else [eos_id])}
     rows = [[int(t) for t in prompt] for prompt, n in zip(prompt_token_ids, n_per_prompt) for _ in range(n)]
     parts: list[list[tuple[Completion, int]]] = [[] for _ in rows]
     active, done_tokens, segment = list(range(len(rows))), 0, 0
@@ -66,10 +70,11 @@ def generate_in_segments(generate_once: GenerateOnce, prompt_token_ids: Sequence
         still = []
         for i, completion in zip(active, outputs, strict=True):
             parts[i].append((completion, tag))
-            if completion.finish_reason == "length" and done_tokens < params.max_new_tokens:
-                if len(completion.token_ids) != budget:
-                    raise RuntimeError(f"the engine ended a segment of {budget} tokens after "
-                                       f"{len(completion.token_ids)} with finish reason 'length'")
+            if completion.finish_reason != "length" or done_tokens >= params.max_new_tokens:
+                continue
+            if len(completion.token_ids) and int(completion.token_ids[-1]) in stops:
+                completion.finish_reason = "stop"  # a stop token drawn as the segment's last token
+            elif len(completion.token_ids) == budget:
                 still.append(i)
         active, segment = still, segment + 1
     joined = iter([_join(p) for p in parts])
@@ -101,11 +106,11 @@ class SegmentedPushes(InFlightPushes):
     `_generate_with_pushes`. The KV cache of an unfinished completion is always computed again (its prefix is a new
     request's prompt), whatever a push's `recompute_kv` says."""
 
-    def _init_segments(self, segment_tokens: int) -> None:
+    def _init_segments(self, segment_tokens: int, eos_id: Optional[int]) -> None:
         problems = range_problems({"segment_tokens": segment_tokens}, "engine.options")
         if problems:
             raise ValueError(problems[0])
-        self._segment_tokens = segment_tokens
+        self._segment_tokens, self._eos_id = segment_tokens, eos_id
         self.swaps_in_flight = True
         self._init_in_flight()
         self._staged: list[_Staged] = []  # pushes waiting for the next segment, in order
@@ -132,10 +137,13 @@ class SegmentedPushes(InFlightPushes):
 
     def _generate_with_pushes(self, generate_once: GenerateOnce, prompt_token_ids: Sequence[Sequence[int]],
                               n_per_prompt: Sequence[int], params: SamplingParams) -> list[list[Completion]]:
-        """Whole requests until the first tagged push (`rollout.partial_rollout=false` never makes one); then
+        """Whole requests until the first tagged push (`rollout.partial_rollout=false` never makes one), and in the
+        pushing thread (an evaluation, the post-push check: no push can come while it generates); otherwise
         segments, with staged pushes landing between them. A generation waits for a push landing at once."""
         if self._tag is None:
             return generate_once(prompt_token_ids, n_per_prompt, params)
         with self._generation():
+            if threading.get_ident() == self._pusher:
+                return generate_once(prompt_token_ids, n_per_prompt, params)
             return generate_in_segments(generate_once, prompt_token_ids, n_per_prompt, params, self._segment_tokens,
-                                        self._land_staged)
+                                        self._land_staged, self._eos_id)

@@ -209,7 +209,7 @@ class SGLangEngine(SegmentedPushes, RolloutEngine):
                  dtype: Optional[str] = None, model_path: Optional[str] = None, server_args: Optional[dict] = None,
                  lora_sync: str = "adapter", max_loras: int = 8, segment_tokens: int = 32):
         self.lora_sync = check_lora_sync(lora_sync)
-        self._init_segments(segment_tokens)
+        self._init_segments(segment_tokens, tokenizer.eos_token_id)
         self._adapters: set[str] = set()  # names of the adapters it holds
         self._active_adapter: Optional[str] = None  # the one a request without `SamplingParams.adapter` uses
         server_args = dict(server_args or {})
@@ -329,7 +329,7 @@ class SGLangEngine(SegmentedPushes, RolloutEngine):
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """One bucket (HF names); the first bucket opens sglang's weight-update session, no cache flush yet."""
         if self._stages_here():
-            self._keep("load_weights", [(name, t.detach().clone()) for name, t in named_tensors])
+            self._keep("load_weights", [(name, t.detach().to("cpu", copy=True)) for name, t in named_tensors])
             return
         self.wake()
         if not self._updating:
@@ -421,7 +421,8 @@ class SGLangEngine(SegmentedPushes, RolloutEngine):
         if not self.serves_lora:
             raise RuntimeError("SGLangEngine serves adapters only with a LoRA policy and lora_sync=adapter")
         if self._stages_here():
-            self._keep("load_adapter", name, {k: v.detach().clone() for k, v in tensors.items()}, config, activate)
+            self._keep("load_adapter", name, {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}, config,
+                       activate)
             return
         self.wake()
         self.end_weight_update()

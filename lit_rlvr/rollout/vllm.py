@@ -174,7 +174,7 @@ class VLLMEngine(SegmentedPushes, RolloutEngine):
                  dtype: Optional[str] = None, model_path: Optional[str] = None, max_model_len: Optional[int] = None,
                  enforce_eager: bool = False, sleep_level: int = 0, llm_args: Optional[dict] = None,
                  lora_sync: str = "adapter", max_loras: int = 8, segment_tokens: int = 32):
-        self._init_segments(segment_tokens)
+        self._init_segments(segment_tokens, tokenizer.eos_token_id)
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
             raise ValueError("VLLM_ENABLE_V1_MULTIPROCESSING=0 runs vLLM inside the trainer's process, where it "
                              "disables torch.set_num_threads, binds memory and reseeds the global RNG; unset it")
@@ -214,7 +214,7 @@ class VLLMEngine(SegmentedPushes, RolloutEngine):
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """One bucket (HF names). The last module's tensors wait for the next bucket or `end_weight_update`."""
         if self._stages_here():
-            self._keep("load_weights", [(name, t.detach().clone()) for name, t in named_tensors])
+            self._keep("load_weights", [(name, t.detach().to("cpu", copy=True)) for name, t in named_tensors])
             return
         self.wake()
         ready, self._pending = split_complete(self._pending + list(named_tensors))
@@ -312,7 +312,8 @@ class VLLMEngine(SegmentedPushes, RolloutEngine):
         if not self.serves_lora:
             raise RuntimeError("VLLMEngine serves adapters only with a LoRA policy and lora_sync=adapter")
         if self._stages_here():
-            self._keep("load_adapter", name, {k: v.detach().clone() for k, v in tensors.items()}, config, activate)
+            self._keep("load_adapter", name, {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}, config,
+                       activate)
             return
         self.wake()
         if self._pending:

@@ -34,30 +34,52 @@ class PushProbe(RLVRCallback):
         self._wrap(pl_module)
 
     def _wrap(self, pl_module) -> None:
-        """Record every push: the driver (built in the module's setup) sends them all through `push`."""
+        """Record every push: the driver (built in the module's setup) sends them all through `push`. The training
+        step's push (`sync_engine`) is answered once it has returned: with partial rollouts it is staged while the
+        producer generates, and lands in the engine's next generation (the probe's, if none comes first)."""
         driver = pl_module.driver
         if getattr(driver.push, "probed", False):  # a run validates, fits, validates: wrap once
             return
-        original = driver.push
+        original, sync_engine, pending = driver.push, pl_module.sync_engine, []
 
         def probed_push(*, step: int, holds_mean: bool = True):
             seconds = original(step=step, holds_mean=holds_mean)
-            self._record(pl_module, holds_mean)
+            record = self._record(pl_module, holds_mean)
+            if pending:  # inside sync_engine: answered after it
+                pending.append(record)
+            else:
+                self._answer(pl_module, [record])
             return seconds
 
+        def probed_sync_engine():
+            pending.append(None)
+            try:
+                sync_engine()
+            finally:
+                records = [r for r in pending if r is not None]
+                pending.clear()
+            self._answer(pl_module, records)
+
         probed_push.probed = True
-        driver.push = probed_push
+        driver.push, pl_module.sync_engine = probed_push, probed_sync_engine
 
     @torch.no_grad()
-    def _record(self, pl_module, holds_mean: bool) -> None:
+    def _record(self, pl_module, holds_mean: bool) -> dict:
         digest = hashlib.sha256()
         for name, param in pl_module.policy.named_parameters():
             digest.update(name.encode())
             full = param.detach().full_tensor() if hasattr(param, "full_tensor") else param.detach()  # FSDP2 shards
             digest.update(full.float().cpu().numpy().tobytes())
+        return {"step": pl_module.global_step, "holds_mean": holds_mean, "digest": digest.hexdigest()}
+
+    def _answer(self, pl_module, records: list[dict]) -> None:
+        """The engine's greedy answer to the probe prompt, between two of the producer's batches in async mode."""
+        if not records:
+            return
         prompt = pl_module.tokenizer(PROBE, add_special_tokens=False)["input_ids"]
-        with pl_module.engine_access():  # partial rollouts: the push did not wait for the producer's batch to end
+        with pl_module.engine_access():
             (probe,) = pl_module.engine.generate([prompt], [1], SamplingParams(temperature=0.0, max_new_tokens=8))[0]
-        self.records.append({"step": pl_module.global_step, "holds_mean": holds_mean, "digest": digest.hexdigest(),
-                             "probe_ids": probe.token_ids.tolist(), "probe_logprobs": probe.logprobs.tolist()})
+        for record in records:
+            record.update(probe_ids=probe.token_ids.tolist(), probe_logprobs=probe.logprobs.tolist())
+        self.records += records
         self.path.write_text(json.dumps(self.records))
