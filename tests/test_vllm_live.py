@@ -342,9 +342,11 @@ def test_v05_prior_is_present_and_c3po_samples_weights(runs):
 def test_async_with_vllm_trains_one_batch_behind_the_engine(runs):
     rows = _rows(runs["async"])
     assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
-    assert all(r["grad/norm"] > 0 and math.isfinite(r["loss/policy"]) for r in rows)
+    assert all(math.isfinite(r["loss/policy"]) for r in rows)
+    # a gradient wherever a group's rewards differ (a batch of uniform groups has none: GRPO's advantages are 0)
+    assert all(r["grad/norm"] > 0 for r in rows if r["groups/zero_adv_frac"] < 1)
     assert all(0 <= r["async/partial_frac"] <= 1 for r in rows)  # (how many span two versions: the machine's timing)
-    assert any(r["engine/sync_logp_diff"] is not None for r in rows)  # the post-push check passed (every second push)
+    assert any(r.get("engine/sync_logp_diff") is not None for r in rows)  # the post-push check (every second push)
 
 
 def test_resume_with_vllm_continues_exactly(runs):
