@@ -297,9 +297,9 @@ class _RequestsOnHF(SegmentedPushes, RolloutEngine):
     """`SegmentedPushes` (SGLang's and vLLM's in-flight pushes) over an HF engine that stands for their servers: a
     call generates whole requests, and pushes go through the mixin's staging."""
 
-    def __init__(self, hf: HFEngine, segment_tokens: int):
+    def __init__(self, hf: HFEngine, segment_tokens: int, eos_id: int):
         self._hf = hf
-        self._init_segments(segment_tokens, hf._eos_id)
+        self._init_segments(segment_tokens, eos_id)
 
     def load_weights(self, named_tensors):
         if self._stages_here():
@@ -318,7 +318,7 @@ class _RequestsOnHF(SegmentedPushes, RolloutEngine):
 def test_a_push_staged_while_a_request_engine_generates_lands_at_the_next_segment(models):
     model, other, tokenizer = models
     hf = HFEngine(copy.deepcopy(model), pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, mode="copy")
-    engine = _RequestsOnHF(hf, segment_tokens=3)
+    engine = _RequestsOnHF(hf, segment_tokens=3, eos_id=tokenizer.eos_token_id)
     plan = _plan(tokenizer)
     untagged = engine.generate(plan.prompt_token_ids, plan.n_per_prompt, PARAMS)
     assert all(c.versions is None for group in untagged for c in group)  # no tagged push: whole requests
