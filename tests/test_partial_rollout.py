@@ -302,14 +302,12 @@ class _RequestsOnHF(SegmentedPushes, RolloutEngine):
         self._init_segments(segment_tokens, eos_id)
 
     def load_weights(self, named_tensors):
-        if self._stages_here():
-            self._keep("load_weights", [(n, t.detach().clone()) for n, t in named_tensors])
+        if self._staged_call("load_weights", named_tensors):
             return
         self._hf.load_weights(named_tensors)
 
     def end_weight_update(self):
-        if self._stages_here():
-            self._keep("end_weight_update")
+        self._staged_call("end_weight_update")
 
     def generate(self, prompt_token_ids, n_per_prompt, params):
         return self._generate_with_pushes(self._hf.generate, prompt_token_ids, n_per_prompt, params)

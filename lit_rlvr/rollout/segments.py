@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -89,6 +89,19 @@ def _join(parts: list[tuple[Completion, int]]) -> Completion:
                                           for c, tag in parts]))
 
 
+def _cpu_copy(value: Any) -> Any:
+    """`value` with every tensor in it copied to the CPU (an iterator of (name, tensor) pairs becomes a list)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _cpu_copy(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_cpu_copy(v) for v in value)
+    if isinstance(value, (list, Iterator)):
+        return [_cpu_copy(v) for v in value]
+    return value
+
+
 @dataclass
 class _Staged:
     """The engine calls of a push made while a generation runs, with copies of their tensors, in order."""
@@ -102,7 +115,7 @@ class SegmentedPushes(InFlightPushes):
     """`push_in_flight` for a request-serving engine (a mixin of `RolloutEngine`): while a generation runs, the
     pushing thread's `load_weights`, `load_adapter` and `end_weight_update` calls are copied aside and made by the
     generating thread between two segments (`generate_in_segments`). An engine calls `_init_segments` when built;
-    each of those three methods first asks `_stages_here()` and then `_keep`s the call; it generates through
+    each of those three methods first offers its call to `_staged_call`; it generates through
     `_generate_with_pushes`. The KV cache of an unfinished completion is always computed again (its prefix is a new
     request's prompt), whatever a push's `recompute_kv` says."""
 
@@ -121,9 +134,13 @@ class SegmentedPushes(InFlightPushes):
     def _add_staged(self, staging: _Staged) -> None:
         self._staged.append(staging)  # each a copy: pushes rarely stage twice within one segment
 
-    def _keep(self, method: str, *args: Any) -> None:
-        """Keep the call `method(*args)` of the staged push (its tensors copied by the caller)."""
-        self._staging.calls.append((method, args))
+    def _staged_call(self, method: str, *args: Any) -> bool:
+        """True when this thread's push is staged: the call `method(*args)` is kept for the next segment, with CPU
+        copies of its tensors (the trainer goes on changing its own)."""
+        if not self._stages_here():
+            return False
+        self._staging.calls.append((method, tuple(_cpu_copy(a) for a in args)))
+        return True
 
     def _land_staged(self) -> Optional[int]:
         """Make the calls of the pushes staged so far, in order; returns the tag of the weights held now."""

@@ -328,8 +328,7 @@ class SGLangEngine(SegmentedPushes, RolloutEngine):
     # -- weights ---------------------------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """One bucket (HF names); the first bucket opens sglang's weight-update session, no cache flush yet."""
-        if self._stages_here():
-            self._keep("load_weights", [(name, t.detach().to("cpu", copy=True)) for name, t in named_tensors])
+        if self._staged_call("load_weights", named_tensors):
             return
         self.wake()
         if not self._updating:
@@ -340,8 +339,7 @@ class SGLangEngine(SegmentedPushes, RolloutEngine):
 
     def end_weight_update(self) -> None:
         """After the last bucket: close the session (sglang finalizes the weights) and flush the KV cache once."""
-        if self._stages_here():
-            self._keep("end_weight_update")
+        if self._staged_call("end_weight_update"):
             return
         if not self._updating:
             return
@@ -420,9 +418,7 @@ class SGLangEngine(SegmentedPushes, RolloutEngine):
         are unloaded first (their slots free)."""
         if not self.serves_lora:
             raise RuntimeError("SGLangEngine serves adapters only with a LoRA policy and lora_sync=adapter")
-        if self._stages_here():
-            self._keep("load_adapter", name, {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}, config,
-                       activate)
+        if self._staged_call("load_adapter", name, tensors, config, activate):
             return
         self.wake()
         self.end_weight_update()

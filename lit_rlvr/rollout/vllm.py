@@ -213,8 +213,7 @@ class VLLMEngine(SegmentedPushes, RolloutEngine):
     # -- weights ---------------------------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """One bucket (HF names). The last module's tensors wait for the next bucket or `end_weight_update`."""
-        if self._stages_here():
-            self._keep("load_weights", [(name, t.detach().to("cpu", copy=True)) for name, t in named_tensors])
+        if self._staged_call("load_weights", named_tensors):
             return
         self.wake()
         ready, self._pending = split_complete(self._pending + list(named_tensors))
@@ -222,8 +221,7 @@ class VLLMEngine(SegmentedPushes, RolloutEngine):
 
     def end_weight_update(self) -> None:
         """After the last bucket: send what is held back and drop the prefix cache (KV of the old weights)."""
-        if self._stages_here():
-            self._keep("end_weight_update")
+        if self._staged_call("end_weight_update"):
             return
         self._send(self._pending)
         self._pending = []
@@ -311,9 +309,7 @@ class VLLMEngine(SegmentedPushes, RolloutEngine):
 
         if not self.serves_lora:
             raise RuntimeError("VLLMEngine serves adapters only with a LoRA policy and lora_sync=adapter")
-        if self._stages_here():
-            self._keep("load_adapter", name, {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}, config,
-                       activate)
+        if self._staged_call("load_adapter", name, tensors, config, activate):
             return
         self.wake()
         if self._pending:
