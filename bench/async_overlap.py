@@ -28,7 +28,8 @@ Reported per round, then as the median and the spread over rounds:
   completions that span two policy versions (`async/partial_frac`; 0 when every push meets no generation).
 - `trainer_wait_frac_s2`: `async/trainer_wait_frac` at S = 2; budget ≤ 0.10.
 - `rss_async_over_sync`: peak RSS of async_s1's two processes together (the trainer's and the engine's, each its
-  own peak) over sync_1core's; budget ≤ 1.5. The engine keeps its own copy of the weights in async mode.
+  own peak) over sync_1core's; budget ≤ 1.5. The engine keeps its own copy of the weights in async mode. Each
+  side's peak is reported too (`rss_sync_mb`, `rss_async_trainer_mb`, `rss_async_engine_mb`).
 
 Steps are Lightning training batches (wall time); the first `--warmup` are dropped, which include the calls that
 only fill the pipeline.
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import resource
 import statistics
 import sys
 from pathlib import Path
@@ -89,12 +89,14 @@ def run_config(name: str, overrides: list[str], steps: int, results) -> None:
     recorder = common.StepRecorder(name)
     module, datamodule, trainer = common.build_run(common.compose("grpo", [*overrides, *own]), steps, recorder)
     trainer.fit(module, datamodule=datamodule)
-    module.engine.shutdown()  # an engine process ends and is waited for: its peak RSS is then this process's child's
-    engine_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    results.put((name, recorder.rows, common.peak_rss_mb() + engine_rss))
+    # the engine process's own peak, read before it ends (its ru_maxrss would start at this process's RSS when it
+    # was started: see lit_rlvr.run.processes.peak_rss_mb)
+    engine_pids = getattr(module.engine, "engine_pids", lambda: [])()
+    engine_rss = sum(common.peak_rss_mb(pid) for pid in engine_pids)
+    results.put((name, recorder.rows, (common.peak_rss_mb(), engine_rss)))
 
 
-def one_round(names: list[str], overrides: list[str], steps: int) -> dict[str, tuple[list, float]]:
+def one_round(names: list[str], overrides: list[str], steps: int) -> dict[str, tuple[list, tuple[float, float]]]:
     ctx = multiprocessing.get_context("spawn")
     out = {}
     for name in names:  # one at a time: the async run's two threads must have the machine to themselves
@@ -107,7 +109,7 @@ def one_round(names: list[str], overrides: list[str], steps: int) -> dict[str, t
     return out
 
 
-def summarise(runs: dict[str, tuple[list, float]], warmup: int) -> dict[str, float]:
+def summarise(runs: dict[str, tuple[list, tuple[float, float]]], warmup: int) -> dict[str, float]:
     """One round's medians and ratios."""
     med = {name: common.summarise_rows(rows, warmup) for name, (rows, _) in runs.items()}
     def median_of(key: str, name: str) -> float:
@@ -125,7 +127,9 @@ def summarise(runs: dict[str, tuple[list, float]], warmup: int) -> dict[str, flo
             "partial_frac": median_of("async/partial_frac", "async_s1_partial"),
             "trainer_wait_frac_s1": median_of("async/trainer_wait_frac", "async_s1"),
             "trainer_wait_frac_s2": median_of("async/trainer_wait_frac", "async_s2"),
-            "rss_async_over_sync": runs["async_s1"][1] / runs["sync_1core"][1],
+            "rss_async_over_sync": sum(runs["async_s1"][1]) / runs["sync_1core"][1][0],
+            "rss_sync_mb": runs["sync_1core"][1][0],
+            "rss_async_trainer_mb": runs["async_s1"][1][0], "rss_async_engine_mb": runs["async_s1"][1][1],
             "_work": {name: common.work_per_step(rows, warmup) for name, (rows, _) in runs.items()}}
 
 

@@ -14,7 +14,6 @@ import math
 import multiprocessing
 import os
 import queue
-import resource
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ from typing import Any, Callable, Iterable, Optional
 import lit_rlvr  # noqa: E402,F401  (first: it sets the OpenMP wait settings before torch loads; see bench/README.md)
 
 from lightning.pytorch.callbacks import Callback  # noqa: E402
+from lit_rlvr.run.processes import peak_rss_mb  # noqa: E402,F401  (the benchmarks' peak RSS: common.peak_rss_mb)
 from typing_extensions import override  # noqa: E402
 
 
@@ -130,10 +130,6 @@ def mean(values: Iterable[Optional[float]]) -> float:
     """The mean, nan when there are no values or one is missing."""
     values = list(values)
     return math.nan if not values or None in values else statistics.fmean(values)
-
-
-def peak_rss_mb() -> float:
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 def emit(result: dict[str, Any], as_json: bool) -> None:

@@ -9,7 +9,6 @@ import io
 import logging
 import math
 import os
-import resource
 import time
 import warnings
 from pathlib import Path
@@ -34,6 +33,7 @@ from lit_rlvr.models.lora import is_adapter_dir, load_adapter_weights, options_f
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.run import jsonsafe
 from lit_rlvr.run.one_line import config_phase
+from lit_rlvr.run.processes import peak_rss_mb
 from lit_rlvr.run.resume import RunConfig, check_config, check_weights_fit, load_checkpoint, resolved_config
 from lit_rlvr.run.run_checkpoint import STOP_GRACE_S, RunCheckpoint
 from lit_rlvr.run.stop import stop_requests
@@ -406,7 +406,7 @@ def summarise(cfg, run_dir: Path, module: GRPOModule, before, after, wall_s: flo
         "tokens_generated": counters["tokens_generated"],
         "skipped_steps": counters["skipped_steps"],
         "reward_failures": counters["reward_failures"],
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_rss_mb": peak_rss_mb(),
         "seed": cfg.seed,
         "run_dir": str(run_dir),
     }

@@ -274,13 +274,14 @@ def test_growing_cache_layer_equals_transformers_dynamic_layer():
 
     g = torch.Generator().manual_seed(0)
     ours, theirs = GrowingLayer(room=100), DynamicLayer()
-    steps = [5] + [1] * 80  # a prefill, then one token at a time: the buffer grows (by 64, then doubling)
+    steps = [5] + [1] * 80  # a prefill, then one token at a time: the buffer grows (by 64, then doubling, up to 105)
     for i, new in enumerate(steps):
         k, v = torch.randn(4, 2, new, 3, generator=g), torch.randn(4, 2, new, 3, generator=g)
         got, want = ours.update(k, v), theirs.update(k, v)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
         assert ours.get_seq_length() == theirs.get_seq_length() == sum(steps[: i + 1])
         assert ours._buffers[0].shape[-2] <= 2 * ours.length + 64  # reserves at most what it holds, + 64
+        assert ours._buffers[0].shape[-2] <= 5 + 100  # and never past the last position: the prefill's + room
         if i == 2:
             for layer in (ours, theirs):
                 layer.batch_select_indices(torch.tensor([3, 1, 1, 0]))

@@ -4,9 +4,12 @@ decode steps (each token tagged with its weights' version); errors come back as 
 an `EngineError` for the calls that wait on it, not a hang. (Runs: tests/test_async_runs.py.)"""
 
 import gc
+import importlib.util
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -18,7 +21,8 @@ from lit_rlvr.models import load_policy
 from lit_rlvr.rollout import build_engine
 from lit_rlvr.rollout.engine import EngineError, SamplingParams
 from lit_rlvr.rollout.hf import HFEngine
-from lit_rlvr.rollout.hf_process import HFProcessEngine, pack_tensors, unpack_tensors
+from lit_rlvr.rollout.hf_process import CHILD_PROGRAM, HFProcessEngine, pack_tensors, unpack_tensors
+from lit_rlvr.run.processes import peak_rss_mb
 
 PROMPTS = ["12+34=", "5+5=", "71-18="]
 
@@ -55,6 +59,20 @@ def test_it_samples_what_the_in_process_copy_engine_samples_before_and_after_a_p
     after = child.generate(prompts, [3, 0, 2], params)
     assert _same(after, local.generate(prompts, [3, 0, 2], params))
     assert not _same(after, HFEngine(model, pad_id=0, eos_id=2, mode="copy").generate(prompts, [3, 0, 2], params))
+
+
+def test_the_engine_process_leaves_out_scipy_and_reports_its_own_peak_memory(engines):
+    """transformers imports scipy when it is installed, for losses an engine never computes: the engine's process
+    loads it only if the policy's own code does. Its peak RSS is its own (VmHWM), not the trainer's at its start.
+    (Before test_a_child_that_dies_fails_the_waiting_and_later_calls, which kills the shared child.)"""
+    (pid,) = engines[0].engine_pids()
+    with open(f"/proc/{pid}/maps") as maps:
+        assert f"{os.sep}scipy{os.sep}" not in maps.read()
+    assert 0 < peak_rss_mb(pid) < peak_rss_mb()  # this process holds more (pytest, two engines' models, torch)
+    if importlib.util.find_spec("scipy") is not None:  # hidden while transformers loads, importable after
+        probe = CHILD_PROGRAM.replace("main()", "import scipy, transformers.utils as u; print(u.is_scipy_available())")
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == "False"
 
 
 def test_a_push_made_while_it_generates_lands_between_two_decode_steps(engines):
@@ -138,3 +156,4 @@ def test_an_engine_garbage_collected_ends_its_child(tiny_path):
     gc.collect()
     with pytest.raises(ProcessLookupError):  # ended and reaped
         os.kill(pid, 0)
+

@@ -17,9 +17,10 @@ class GrowingLayer(DynamicLayer):
     """A `DynamicLayer` whose `keys`/`values` are views of the first `length` positions of a buffer [B, H, cap, D].
 
     An update writes the new positions into the buffer. A full buffer is reallocated with as many spare positions
-    as it holds (at least `MIN_SPARE`, at most `room`, the positions still to come): a few copies in all, and never
-    more than twice what the rows hold reserved. Selecting rows (shared prefill, finished rows leaving the batch)
-    copies only the filled positions of the kept rows."""
+    as it holds (at least `MIN_SPARE`), but never past the positions the layer can hold in all (its first update's
+    plus `room`, the positions still to come): a few copies in all, never more than twice what the rows hold
+    reserved, and never more than the last position needs. Selecting rows (shared prefill, finished rows leaving
+    the batch) copies only the filled positions of the kept rows."""
 
     is_croppable = False
 
@@ -27,14 +28,17 @@ class GrowingLayer(DynamicLayer):
         super().__init__()
         self.room = room
         self.length = 0
+        self._limit: Optional[int] = None  # positions in all: set by the first update
         self._buffers: Optional[tuple[Tensor, Tensor]] = None
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         end = self.length + key_states.shape[-2]
         if not self.is_initialized:
             self.device, self.is_initialized = key_states.device, True
+        if self._limit is None:
+            self._limit = end + self.room
         if self._buffers is None or end > self._buffers[0].shape[-2]:
-            capacity = end + min(self.room, max(end, MIN_SPARE))
+            capacity = max(end, min(end + max(end, MIN_SPARE), self._limit))
             self._buffers = tuple(self._moved(states, capacity, fresh)
                                   for states, fresh in ((self.keys, key_states), (self.values, value_states)))
         keys, values = self._buffers
@@ -72,7 +76,7 @@ class GrowingLayer(DynamicLayer):
         self.batch_select_indices(beam_idx)
 
     def reset(self) -> None:
-        self.length, self._buffers = 0, None
+        self.length, self._buffers, self._limit = 0, None, None
         super().reset()
 
 
