@@ -12,9 +12,10 @@ completion is exactly `max_new_tokens` tokens (TRL: `min_new_tokens`), so each a
 - width: hidden size 64, 128, 256, 512 (4 layers, 4 heads; 64 tokens, G = 8): models initialised and trained for
   one warm-up step only (their cost does not depend on what they learned; the 256 one is not the long model).
 At each point the three trainers run in processes that take turns, one step at a time (`common.Baton`);
-`--warmup` steps are dropped and the median of `--steps` is reported with each process's peak RSS (ru_maxrss:
-the Python process with torch, transformers and the model included; a width's model is built beforehand in the
-parent process, so its warm-up is in no trainer's figure). C3PO keeps its shipped N = 4 weight samples.
+`--warmup` steps are dropped and the median of `--steps` is reported with each process's peak RSS (VmHWM, its
+own since it started: the Python process with torch, transformers and the model included; a width's model is
+built beforehand in the parent process, so its warm-up is in no trainer's figure). C3PO keeps its shipped N = 4
+weight samples.
 Growth is summarised by the log-log slope of step time over each axis (1: linear, 2: quadratic): `slopes` over
 all points of the axis, `slopes_top` between its last two (where fixed per-call costs weigh least).
 """

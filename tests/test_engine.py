@@ -274,16 +274,17 @@ def test_growing_cache_layer_equals_transformers_dynamic_layer():
 
     g = torch.Generator().manual_seed(0)
     ours, theirs = GrowingLayer(room=100), DynamicLayer()
+    tight = GrowingLayer(room=0)  # a room too small: it reallocates at each append, and stays right
     steps = [5] + [1] * 80  # a prefill, then one token at a time: the buffer grows (by 64, then doubling, up to 105)
     for i, new in enumerate(steps):
         k, v = torch.randn(4, 2, new, 3, generator=g), torch.randn(4, 2, new, 3, generator=g)
-        got, want = ours.update(k, v), theirs.update(k, v)
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        got, want, got_tight = ours.update(k, v), theirs.update(k, v), tight.update(k, v)
+        assert all(torch.equal(a, b) and torch.equal(c, b) for a, b, c in zip(got, want, got_tight))
         assert ours.get_seq_length() == theirs.get_seq_length() == sum(steps[: i + 1])
         assert ours._buffers[0].shape[-2] <= 2 * ours.length + 64  # reserves at most what it holds, + 64
         assert ours._buffers[0].shape[-2] <= 5 + 100  # and never past the last position: the prefill's + room
         if i == 2:
-            for layer in (ours, theirs):
+            for layer in (ours, theirs, tight):
                 layer.batch_select_indices(torch.tensor([3, 1, 1, 0]))
             # the selection runs before the next append, so the keys must still line up after it
             assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)

@@ -156,4 +156,3 @@ def test_an_engine_garbage_collected_ends_its_child(tiny_path):
     gc.collect()
     with pytest.raises(ProcessLookupError):  # ended and reaped
         os.kill(pid, 0)
-

@@ -14,13 +14,13 @@ from dataclasses import replace
 
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.utilities.seed import isolate_rng
 
+from lit_rlvr.cli import main as cli_main
 from lit_rlvr.config.config_check import check_config
 from lit_rlvr.entry import compose_checked
 from lit_rlvr.config.errors import ConfigError
@@ -248,9 +248,15 @@ def test_constructors_convert_through_the_one_helper():
 
 
 # -- the Lightning CLI: the same lines, in its key names -----------------------------------------------------------
-def test_the_cli_refuses_the_same_settings_with_its_key_names(tmp_path):
-    command = [sys.executable, "-c", "from lit_rlvr.cli import main; main()", "fit", "--config",
-               str(REPO / "conf" / "cli" / "tiny_grpo.yaml"), "--trainer.logger.init_args.save_dir", str(tmp_path)]
+def test_the_cli_refuses_the_same_settings_with_its_key_names(tmp_path, capsys, monkeypatch):
+    """In this process (the entry point's own process is tests/test_cli.py's): its exit code and stderr line. A
+    case that parses seeds the global RNGs and sets Lightning's seed variables: isolated from later tests."""
+    monkeypatch.chdir(REPO)
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):  # recorded, so that teardown restores them as they were
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    command = ["fit", "--config", str(REPO / "conf" / "cli" / "tiny_grpo.yaml"), "--trainer.logger.init_args.save_dir",
+               str(tmp_path)]
     cases = {
         "--model.init_args.model.lora={rank: 8, alpha: .inf}": "model.init_args.model.lora.alpha=inf is not valid: "
                                                                  "expected a finite number",
@@ -261,9 +267,11 @@ def test_the_cli_refuses_the_same_settings_with_its_key_names(tmp_path):
             "model.init_args.algorithm.rollout_correction.rollout_rs_threshold=0.5 for rollout_rs='token'",
     }
     for arg, expected in cases.items():
-        done = subprocess.run([*command, arg], cwd=REPO, capture_output=True, text=True, timeout=300)
-        lines = [line for line in done.stderr.splitlines() if line.startswith("config error: ")]
-        assert done.returncode == 2 and len(lines) == 1 and expected in lines[0], (arg, done.stderr[-2000:])
+        with pytest.raises(SystemExit) as done, isolate_rng():
+            cli_main([*command, arg])
+        stderr = capsys.readouterr().err
+        lines = [line for line in stderr.splitlines() if line.startswith("config error: ")]
+        assert done.value.code == 2 and len(lines) == 1 and expected in lines[0], (arg, stderr[-2000:])
 
 
 @pytest.mark.parametrize("override, line", [

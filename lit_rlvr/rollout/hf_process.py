@@ -52,10 +52,11 @@ from lit_rlvr.run.stop import STOP
 POLL_S = 0.2  # how often a waiting call looks at stop requests
 START_TIMEOUT_S = 600.0  # the child imports torch, unpickles the policy and copies it
 # The child's program. When scipy is installed, transformers imports it at start for its object-detection losses,
-# which an engine never computes: 36 MB of the child's RSS (a third of what transformers adds to torch). It is
-# marked absent only while lit-rlvr and transformers load, so a policy whose own code imports scipy still can.
-CHILD_PROGRAM = ("import sys; sys.modules['scipy'] = None; from lit_rlvr.rollout.hf_process import main; "
-                 "del sys.modules['scipy']; main()")
+# which an engine never computes: 36 MB of the child's RSS (a third of what transformers adds to torch). Unless
+# something loaded it already, it is marked absent only while lit-rlvr and transformers load: a policy's own
+# `import scipy` still works, but transformers' `is_scipy_available()` stays false in this process.
+CHILD_PROGRAM = ("import sys; hide = 'scipy' not in sys.modules; hide and sys.modules.update(scipy=None); "
+                 "from lit_rlvr.rollout.hf_process import main; hide and sys.modules.pop('scipy'); main()")
 # what the child's engine is, copied onto this proxy once it is built (the contract's capability attributes)
 CAPABILITIES = ("bucket_bytes", "weight_dtype", "lora_sync", "serves_lora", "adapter_base_by_name", "swaps_in_flight",
                 "max_lora_rank")

@@ -25,8 +25,8 @@ def pid_alive(pid: int) -> bool:
 def peak_rss_mb(pid: int | str = "self") -> float:
     """The peak resident memory (MB) of process `pid` since it started its program: `VmHWM` in /proc.
 
-    Not `ru_maxrss`: Linux carries a process's high-water mark across `exec`, so a process started by fork or vfork
-    and exec reports at least its parent's resident memory at that moment (a small engine process started by a 1 GB
+    Not `ru_maxrss`: Linux carries the high-water mark across `exec`, so a process started by vfork (or fork) and
+    exec reads its parent's peak (or resident) memory of that moment (a small engine process started by a 1 GB
     trainer reads 1 GB). Without /proc (other systems), this process's `ru_maxrss`."""
     try:
         with open(f"/proc/{pid}/status") as handle:
@@ -35,6 +35,6 @@ def peak_rss_mb(pid: int | str = "self") -> float:
                     return round(int(line.split()[1]) / 1024, 1)
     except OSError:
         pass
-    if pid != "self":
+    if pid not in ("self", os.getpid()):
         raise ProcessLookupError(f"no peak memory for process {pid}: it has ended, or this system has no /proc")
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
