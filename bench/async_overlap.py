@@ -27,6 +27,8 @@ Reported per round, then as the median and the spread over rounds:
 - `partial_over_async_s1` = step(async_s1_partial) / step(async_s1), and `partial_frac`: the share of trained
   completions that span two policy versions (`async/partial_frac`; 0 when every push meets no generation).
 - `trainer_wait_frac_s2`: `async/trainer_wait_frac` at S = 2; budget ≤ 0.10.
+- `buffer_peak_mb_s1`, `_s2`: the largest `async/buffer_mb` of the run (the scored batches held when a step takes
+  its batch) at S = 1 and 2.
 - `rss_async_over_sync`: peak RSS of async_s1's two processes together (the trainer's and the engine's, each its
   own peak) over sync_1core's; budget ≤ 1.5. The engine keeps its own copy of the weights in async mode. Each
   side's peak is reported too (`rss_sync_mb`, `rss_async_trainer_mb`, `rss_async_engine_mb`).
@@ -127,6 +129,8 @@ def summarise(runs: dict[str, tuple[list, tuple[float, float]]], warmup: int) ->
             "partial_frac": median_of("async/partial_frac", "async_s1_partial"),
             "trainer_wait_frac_s1": median_of("async/trainer_wait_frac", "async_s1"),
             "trainer_wait_frac_s2": median_of("async/trainer_wait_frac", "async_s2"),
+            "buffer_peak_mb_s1": max(r.get("async/buffer_mb", 0.0) for r in runs["async_s1"][0]),
+            "buffer_peak_mb_s2": max(r.get("async/buffer_mb", 0.0) for r in runs["async_s2"][0]),
             "rss_async_over_sync": sum(runs["async_s1"][1]) / runs["sync_1core"][1][0],
             "rss_sync_mb": runs["sync_1core"][1][0],
             "rss_async_trainer_mb": runs["async_s1"][1][0], "rss_async_engine_mb": runs["async_s1"][1][1],

@@ -131,6 +131,7 @@ def test_staleness_one_across_epochs_then_sigterm_and_resume_train_each_prompt_o
     staleness = [float(r["async/staleness_max"]) for r in rows(full_dir)]
     assert staleness == [0.0, 1.0, 1.0, 1.0, 1.0]  # the first batch was generated before any update
     assert all(float(r["async/in_flight"]) <= 1 for r in rows(full_dir))
+    assert all(float(r["async/buffer_mb"]) > 0 for r in rows(full_dir))  # the scored batches' bytes, each step
     expected = trained_prompts(full_dir)
     assert sorted(expected) == [0, 1, 2, 3, 4]  # the rows of metrics.csv
     # across the stop: the same prompts at every step, none twice, none skipped (the batch in flight was generated

@@ -133,8 +133,8 @@ def test_async_overlap_ratios_from_each_configurations_steps():
 
     # each run's peak RSS (MB): (its trainer's process, its engine's process or 0)
     runs = {"sync_1core": (timed(3.0), (100.0, 0.0)), "sync_2cores": (timed(2.5), (100.0, 0.0)),
-            "async_s1": (timed(2.4, **{"async/trainer_wait_frac": 0.3}), (80.0, 30.0)),
-            "async_s2": (timed(2.2, **{"async/trainer_wait_frac": 0.05}), (80.0, 30.0)),
+            "async_s1": (timed(2.4, **{"async/trainer_wait_frac": 0.3, "async/buffer_mb": 0.5}), (80.0, 30.0)),
+            "async_s2": (timed(2.2, **{"async/trainer_wait_frac": 0.05, "async/buffer_mb": 0.75}), (80.0, 30.0)),
             "async_s1_thread": (timed(2.6), (110.0, 0.0)),
             "async_s1_partial": (timed(1.8, **{"async/partial_frac": 0.5}), (80.0, 30.0))}
     figures = async_overlap.summarise(runs, warmup=1)
@@ -142,4 +142,5 @@ def test_async_overlap_ratios_from_each_configurations_steps():
     assert figures["trainer_wait_frac_s1"] == 0.3 and figures["trainer_wait_frac_s2"] == 0.05
     assert figures["async_over_ideal"] == 2.4 / 2.0 and figures["rss_async_over_sync"] == 1.1
     assert (figures["rss_sync_mb"], figures["rss_async_trainer_mb"], figures["rss_async_engine_mb"]) == (100, 80, 30)
+    assert (figures["buffer_peak_mb_s1"], figures["buffer_peak_mb_s2"]) == (0.5, 0.75)
     assert figures["thread_over_ideal"] == 2.6 / 2.0

@@ -11,14 +11,16 @@ from __future__ import annotations
 import random
 import threading
 import time
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.config.settings import RolloutConfig
 from lit_rlvr.rollout.batch import RolloutPlan
-from lit_rlvr.rollout.pipeline import RolloutPipeline
+from lit_rlvr.rollout.pipeline import RolloutPipeline, held_bytes
 
 
 class ScriptedDriver:
@@ -153,3 +155,43 @@ def test_lead():
     assert RolloutConfig().lead == 0  # sync
     assert RolloutConfig(mode="async", max_staleness=2).lead == 2
     assert RolloutConfig(mode="async", max_staleness=2, stale_strategy="drop").lead == 3
+
+
+@dataclass
+class Scored:
+    plan: RolloutPlan
+    logp: torch.Tensor
+
+
+def test_held_bytes_counts_each_storage_once():
+    big = torch.zeros(256)  # 1 KiB
+    value = [Scored(None, big), {"view": big[:10], "other": torch.zeros(8, dtype=torch.int64)}, None, "text", 3]
+    assert held_bytes(value) == 1024 + 64
+
+
+def test_buffer_metric_is_the_scored_batches_held():
+    """`async/buffer_mb`: the batch the step takes and those generated ahead of it (1 KiB each here), not those
+    still to generate."""
+    gate = threading.Event()
+
+    class ScoringDriver(ScriptedDriver):
+        def rollout(self, plan, **kwargs):
+            if plan.answers[0] == 2:  # batch 2 stays ungenerated until the test has read the buffer
+                assert gate.wait(timeout=60)
+            super().rollout(plan, **kwargs)
+            return Scored(plan, torch.zeros(256))
+
+    driver = ScoringDriver(0, max_s=0.0)
+    pipeline = RolloutPipeline(driver, max_staleness=2, lead=2, drop=False, seed=0)
+    try:
+        assert pipeline.exchange(batch(0), plan_of, version=0, step=0) is None
+        assert pipeline.exchange(batch(1), plan_of, version=0, step=0) is None
+        assert all(item.done.wait(timeout=60) for item in pipeline.in_flight)  # batches 0 and 1 generated
+        taken = pipeline.exchange(batch(2), plan_of, version=0, step=0)
+        assert taken.index == 0 and [i.index for i in pipeline.in_flight] == [1, 2]
+        assert pipeline.buffer_bytes == 2 * 1024  # batch 0 (taken) and 1 (ahead); 2 is not generated
+        rollouts = SimpleNamespace(policy_version=torch.zeros(2), token_version=None, num_samples=2)
+        assert float(pipeline.metrics(rollouts, version=0)["async/buffer_mb"]) == 2 * 1024 / 2**20
+    finally:
+        gate.set()
+        pipeline.close()

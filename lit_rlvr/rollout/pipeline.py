@@ -27,6 +27,7 @@ are.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -58,6 +59,30 @@ class InFlight:
     result: Optional[RolloutResult] = None
     error: Optional[BaseException] = None
     done: threading.Event = field(default_factory=threading.Event)
+
+
+def held_bytes(value: Any) -> int:
+    """Bytes of the tensors `value` holds: dataclasses, mappings and sequences walked, each storage counted once
+    (views of one tensor share it)."""
+    storages: dict[int, int] = {}
+    seen: set[int] = set()
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, Tensor):
+            storage = item.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+            continue
+        if id(item) in seen or item is None or isinstance(item, (str, bytes, int, float, bool)):
+            continue
+        seen.add(id(item))
+        if dataclasses.is_dataclass(item) and not isinstance(item, type):
+            stack.extend(getattr(item, f.name) for f in dataclasses.fields(item))
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return sum(storages.values())
 
 
 def completion_versions(token_version: Tensor, mask: Tensor, fallback: int) -> tuple[Tensor, Tensor]:
@@ -194,6 +219,7 @@ class RolloutPipeline:
         self.producer = Producer(driver, seed, version)
         self.dropped_groups = 0  # in the current step
         self.wait_s = 0.0  # seconds the current step waited for the producer's batch
+        self.buffer_bytes = 0  # what the batches in flight hold when the current step takes its batch
 
     def exchange(self, batch: Batch, plan_of: Callable[[Batch], RolloutPlan], *, version: int,
                  step: int) -> Optional[InFlight]:
@@ -218,6 +244,9 @@ class RolloutPipeline:
         if version - item.version > self.max_staleness:  # cannot happen: a batch past the bound never trains
             raise RuntimeError(f"rollout pipeline: batch {item.index} of version {item.version} would train the "
                                f"update of version {version}, past rollout.max_staleness={self.max_staleness}")
+        # the buffer of scored batches: the one taken and those generated ahead of it (3PO's weight snapshots for
+        # batches not yet generated are the plans' memory: docs/async.md)
+        self.buffer_bytes = held_bytes([i.result for i in (item, *self.in_flight)])
         return item
 
     def engine_access(self) -> AbstractContextManager:
@@ -257,6 +286,7 @@ class RolloutPipeline:
         return {"async/staleness_mean": staleness.mean(), "async/staleness_max": staleness.max(),
                 "async/dropped_groups": torch.tensor(float(self.dropped_groups)),
                 "async/in_flight": torch.tensor(float(len(self.in_flight))),
+                "async/buffer_mb": torch.tensor(self.buffer_bytes / 2**20),
                 "async/partial_frac": spans.float().mean()}
 
     def shares(self, timer: StepTimer, step_s: float) -> dict[str, Tensor]:
