@@ -39,6 +39,7 @@ only fill the pipeline.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import statistics
@@ -117,6 +118,9 @@ def summarise(runs: dict[str, tuple[list, tuple[float, float]]], warmup: int) ->
     def median_of(key: str, name: str) -> float:
         return common.median(r.get(key) for r in runs[name][0][warmup:])
 
+    def peak_of(key: str, name: str) -> float:  # over every step that logged it (NaN: none did)
+        return max((r[key] for r in runs[name][0] if key in r), default=math.nan)
+
     alone = med["sync_1core"]
     step = {name: m["median_step_s"] for name, m in med.items()}
     return {**{f"{name}_step_s": s for name, s in step.items()},
@@ -129,8 +133,8 @@ def summarise(runs: dict[str, tuple[list, tuple[float, float]]], warmup: int) ->
             "partial_frac": median_of("async/partial_frac", "async_s1_partial"),
             "trainer_wait_frac_s1": median_of("async/trainer_wait_frac", "async_s1"),
             "trainer_wait_frac_s2": median_of("async/trainer_wait_frac", "async_s2"),
-            "buffer_peak_mb_s1": max(r.get("async/buffer_mb", 0.0) for r in runs["async_s1"][0]),
-            "buffer_peak_mb_s2": max(r.get("async/buffer_mb", 0.0) for r in runs["async_s2"][0]),
+            "buffer_peak_mb_s1": peak_of("async/buffer_mb", "async_s1"),
+            "buffer_peak_mb_s2": peak_of("async/buffer_mb", "async_s2"),
             "rss_async_over_sync": sum(runs["async_s1"][1]) / runs["sync_1core"][1][0],
             "rss_sync_mb": runs["sync_1core"][1][0],
             "rss_async_trainer_mb": runs["async_s1"][1][0], "rss_async_engine_mb": runs["async_s1"][1][1],

@@ -53,7 +53,7 @@ METRICS = ("time/step_s", "time/gen_s", "time/reward_s", "time/train_s", "time/s
            "perf/tokens_per_s", "rollouts/per_step", "response/len_mean", "response/len_max", "micro/padding_frac",
            "v05/prior_present", "time/prior_setup_s", "time/prior_prefetch_s", "perf/mfu_gen", "perf/mfu_update",
            "perf/flops_per_s_gen", "perf/flops_per_s_update", "time/wait_s", "async/trainer_wait_frac",
-           "async/engine_idle_frac", "async/staleness_mean", "async/partial_frac")
+           "async/engine_idle_frac", "async/staleness_mean", "async/partial_frac", "async/buffer_mb")
 
 
 def quiet(threads: int = THREADS) -> None:
