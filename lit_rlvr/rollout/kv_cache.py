@@ -20,7 +20,7 @@ class GrowingLayer(DynamicLayer):
     as it holds (at least `MIN_SPARE`), but never past the positions the layer can hold in all (its first update's
     plus `room`, the positions still to come): a few copies in all, never more than twice what the rows hold
     reserved, and never more than the last position needs. Selecting rows (shared prefill, finished rows leaving
-    the batch) copies only the filled positions of the kept rows."""
+    the batch) copies the kept rows' buffers."""
 
     is_croppable = False
 
@@ -61,9 +61,9 @@ class GrowingLayer(DynamicLayer):
 
     def batch_select_indices(self, indices: Tensor) -> None:
         if self._buffers is not None:
-            capacity = self._buffers[0].shape[-2]
-            kept = [states.index_select(0, indices.to(states.device)) for states in (self.keys, self.values)]
-            self._buffers = tuple(self._moved(k, capacity, k) for k in kept)
+            # the kept rows' whole buffers in one copy: no temporary of the filled positions beside the old and
+            # the new buffers (the spare positions copied are never read)
+            self._buffers = tuple(b.index_select(0, indices.to(b.device)) for b in self._buffers)
             self.keys, self.values = (b[..., : self.length, :] for b in self._buffers)
 
     def crop(self, tokens_to_remove: int) -> None:
