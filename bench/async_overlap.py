@@ -75,17 +75,20 @@ def run_config(name: str, overrides: list[str], steps: int, results) -> None:
     common.quiet(threads)
     if trainer_cpus is not None:
         os.sched_setaffinity(0, trainer_cpus)  # this thread (the trainer's)
+    from lit_rlvr.rollout.hf_process import HFProcessEngine
+
+    def engine_process(engine) -> list[int]:  # the engine's own process, if it has one here
+        return engine.engine_pids() if isinstance(engine, HFProcessEngine) else []
+
     if engine_cpus is not None:
-        from lit_rlvr.rollout.hf_process import HFProcessEngine
         from lit_rlvr.rollout.pipeline import Producer
 
         run = Producer._run
 
         def pinned_run(self) -> None:
             os.sched_setaffinity(0, engine_cpus)  # the producer's thread
-            if isinstance(self.driver.engine, HFProcessEngine):  # and the engine's process
-                for pid in self.driver.engine.engine_pids():
-                    pin_process(pid, engine_cpus)
+            for pid in engine_process(self.driver.engine):  # and the engine's process
+                pin_process(pid, engine_cpus)
             run(self)
 
         Producer._run = pinned_run
@@ -94,8 +97,7 @@ def run_config(name: str, overrides: list[str], steps: int, results) -> None:
     trainer.fit(module, datamodule=datamodule)
     # the engine process's own peak, read before it ends (its ru_maxrss would start at this process's RSS when it
     # was started: see lit_rlvr.run.processes.peak_rss_mb)
-    engine_pids = getattr(module.engine, "engine_pids", lambda: [])()
-    engine_rss = sum(common.peak_rss_mb(pid) for pid in engine_pids)
+    engine_rss = sum(common.peak_rss_mb(pid) for pid in engine_process(module.engine))
     results.put((name, recorder.rows, (common.peak_rss_mb(), engine_rss)))
 
 
