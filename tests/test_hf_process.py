@@ -21,7 +21,8 @@ from lit_rlvr.models import load_policy
 from lit_rlvr.rollout import build_engine
 from lit_rlvr.rollout.engine import EngineError, SamplingParams
 from lit_rlvr.rollout.hf import HFEngine
-from lit_rlvr.rollout.hf_process import CHILD_PROGRAM, HFProcessEngine, pack_tensors, unpack_tensors
+from lit_rlvr.rollout.hf_process import (CHILD_PROGRAM, ENGINE_MALLOC, HFProcessEngine, child_environment,
+                                         pack_tensors, unpack_tensors)
 from lit_rlvr.run.processes import peak_rss_mb
 
 PROMPTS = ["12+34=", "5+5=", "71-18="]
@@ -61,11 +62,19 @@ def test_it_samples_what_the_in_process_copy_engine_samples_before_and_after_a_p
     assert not _same(after, HFEngine(model, pad_id=0, eos_id=2, mode="copy").generate(prompts, [3, 0, 2], params))
 
 
-def test_the_engine_process_leaves_out_scipy_and_reports_its_own_peak_memory(engines):
+def test_the_engine_process_leaves_out_scipy_sets_its_allocator_and_reports_its_own_peak_memory(engines):
     """transformers imports scipy when it is installed, for losses an engine never computes: the engine's process
-    loads it only if the policy's own code does. Its peak RSS is its own (VmHWM), not the trainer's at its start.
+    loads it only if the policy's own code does. Its allocator returns large blocks when freed, unless the user's
+    environment says otherwise. Its peak RSS is its own (VmHWM), not the trainer's at its start.
     (Before test_a_child_that_dies_fails_the_waiting_and_later_calls, which kills the shared child.)"""
     (pid,) = engines[0].engine_pids()
+    with open(f"/proc/{pid}/environ", "rb") as environ:
+        variables = dict(v.split(b"=", 1) for v in environ.read().split(b"\0") if b"=" in v)
+    (name, value), = ENGINE_MALLOC.items()
+    assert variables[name.encode()] == os.environ.get(name, value).encode()
+    assert child_environment({name: "65536", "HOME": "/h"}, ["/a", "", "/b"]) == {
+        name: "65536", "HOME": "/h", "PYTHONPATH": os.pathsep.join(["/a", "/b"])}
+    assert child_environment({}, [])[name] == value
     with open(f"/proc/{pid}/maps") as maps:
         assert f"{os.sep}scipy{os.sep}" not in maps.read()
     assert 0 < peak_rss_mb(pid) < peak_rss_mb()  # this process holds more (pytest, two engines' models, torch)
