@@ -14,6 +14,7 @@ import math
 import multiprocessing
 import os
 import queue
+import re
 import statistics
 import sys
 import time
@@ -236,7 +237,9 @@ def report(result: dict[str, Any], args: argparse.Namespace, script: str) -> Non
 
 
 def context() -> dict[str, Any]:
-    """What a reader needs beside the numbers: the machine's load and the threading settings."""
+    """What a reader needs beside the numbers: the machine's load, the threading settings, and what sets a CPU's
+    matmul speed (two machines' MFU differ by these): torch's kernel level (`cpu_capability`: AVX2, AVX512), its
+    BLAS, and how many physical cores this process's CPUs are (two hyperthreads of one core share its FMA units)."""
     import torch
 
     try:
@@ -245,8 +248,21 @@ def context() -> dict[str, Any]:
         load = "n/a"
     from lit_rlvr.run.perf import cpu_name
 
+    blas = re.search(r"BLAS_INFO=([^,\s]+)", torch.__config__.show())
+    cpus = sorted(os.sched_getaffinity(0))
     return {"loadavg": load, "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"), "cpu": cpu_name()}
+            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"), "cpu": cpu_name(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "blas": blas.group(1) if blas else None,
+            "logical_cpus": len(cpus), "physical_cores": physical_cores(cpus)}
+
+
+def physical_cores(cpus: Iterable[int], sysfs: Path = Path("/sys/devices/system/cpu")) -> Optional[int]:
+    """How many distinct cores (package, core id) the logical CPUs `cpus` are; None where sysfs does not say."""
+    try:
+        return len({tuple((sysfs / f"cpu{cpu}" / "topology" / name).read_text().strip()
+                          for name in ("physical_package_id", "core_id")) for cpu in cpus})
+    except OSError:
+        return None
 
 
 # -- the reference workload ----------------------------------------------------------------------------------------

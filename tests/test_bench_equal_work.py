@@ -4,6 +4,7 @@ FLOPs per step, and is flagged (`--strict`: refused) when they are more than the
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -144,3 +145,21 @@ def test_async_overlap_ratios_from_each_configurations_steps():
     assert (figures["rss_sync_mb"], figures["rss_async_trainer_mb"], figures["rss_async_engine_mb"]) == (100, 80, 30)
     assert (figures["buffer_peak_mb_s1"], figures["buffer_peak_mb_s2"]) == (0.5, 0.75)
     assert figures["thread_over_ideal"] == 2.6 / 2.0
+
+
+def test_the_context_names_what_sets_the_matmul_speed(tmp_path):
+    """Beside the load: torch's kernel level, its BLAS, and how many physical cores the logical CPUs are."""
+    import common
+    import torch
+
+    context = common.context()
+    assert context["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert context["logical_cpus"] == len(os.sched_getaffinity(0))
+    assert context["physical_cores"] is None or 1 <= context["physical_cores"] <= context["logical_cpus"]
+    for cpu, (package, core) in enumerate([(0, 0), (0, 0), (0, 1), (1, 0)]):  # two hyperthreads of one core
+        (tmp_path / f"cpu{cpu}" / "topology").mkdir(parents=True)
+        (tmp_path / f"cpu{cpu}" / "topology" / "physical_package_id").write_text(f"{package}\n")
+        (tmp_path / f"cpu{cpu}" / "topology" / "core_id").write_text(f"{core}\n")
+    assert common.physical_cores([0, 1], tmp_path) == 1
+    assert common.physical_cores([0, 1, 2, 3], tmp_path) == 3  # core 0 of package 1 is another core
+    assert common.physical_cores([0, 7], tmp_path) is None
