@@ -238,8 +238,8 @@ def report(result: dict[str, Any], args: argparse.Namespace, script: str) -> Non
 
 def context() -> dict[str, Any]:
     """What a reader needs beside the numbers: the machine's load, the threading settings, and what sets a CPU's
-    matmul speed (two machines' MFU differ by these): torch's kernel level (`cpu_capability`: AVX2, AVX512), its
-    BLAS, and how many physical cores this process's CPUs are (two hyperthreads of one core share its FMA units)."""
+    matmul speed (two machines' MFU may differ by these): torch's kernel level (`cpu_capability`: AVX2, AVX512), its
+    BLAS, and how many cores this process's CPUs are on (two hyperthreads of one core share its FMA units)."""
     import torch
 
     try:
@@ -249,7 +249,7 @@ def context() -> dict[str, Any]:
     from lit_rlvr.run.perf import cpu_name
 
     blas = re.search(r"BLAS_INFO=([^,\s]+)", torch.__config__.show())
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     return {"loadavg": load, "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"), "cpu": cpu_name(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "blas": blas.group(1) if blas else None,
@@ -257,10 +257,10 @@ def context() -> dict[str, Any]:
 
 
 def physical_cores(cpus: Iterable[int], sysfs: Path = Path("/sys/devices/system/cpu")) -> Optional[int]:
-    """How many distinct cores (package, core id) the logical CPUs `cpus` are; None where sysfs does not say."""
+    """How many cores the logical CPUs `cpus` are on, as the (guest's) sysfs describes them: CPUs that list the same
+    siblings share a core. None where sysfs does not say."""
     try:
-        return len({tuple((sysfs / f"cpu{cpu}" / "topology" / name).read_text().strip()
-                          for name in ("physical_package_id", "core_id")) for cpu in cpus})
+        return len({(sysfs / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text().strip() for cpu in cpus})
     except OSError:
         return None
 

