@@ -60,8 +60,7 @@ CHILD_PROGRAM = ("import sys; hide = 'scipy' not in sys.modules; hide and sys.mo
 # glibc's allocator in the child: blocks over 128 KiB are mapped, and returned to the system when freed. By default
 # its threshold rises to the largest mapped block freed so far (up to 32 MiB), after which each generation's KV
 # buffers are carved from the heap and fragment it: the engine's peak RSS on the long workload was 466 MB by default,
-# 413 MB with this (bench/async_overlap.py). A non-empty value in the user's environment wins (so does a
-# GLIBC_TUNABLES setting of the threshold, which glibc reads after this variable).
+# 413 MB with this (bench/async_overlap.py). A non-empty value in the user's environment wins.
 ENGINE_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 # what the child's engine is, copied onto this proxy once it is built (the contract's capability attributes)
 CAPABILITIES = ("bucket_bytes", "weight_dtype", "lora_sync", "serves_lora", "adapter_base_by_name", "swaps_in_flight",
