@@ -57,11 +57,13 @@ START_TIMEOUT_S = 600.0  # the child imports torch, unpickles the policy and cop
 # `import scipy` still works, but transformers' `is_scipy_available()` stays false in this process.
 CHILD_PROGRAM = ("import sys; hide = 'scipy' not in sys.modules; hide and sys.modules.update(scipy=None); "
                  "from lit_rlvr.rollout.hf_process import main; hide and sys.modules.pop('scipy'); main()")
-# glibc's allocator in the child: blocks over 128 KiB are mapped, and returned to the system when freed. By default
-# its threshold rises to the largest mapped block freed so far (up to 32 MiB), after which each generation's KV
-# buffers are carved from the heap and fragment it: the engine's peak RSS on the long workload was 466 MB by default,
-# 413 MB with this (bench/async_overlap.py). A non-empty value in the user's environment wins.
-ENGINE_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+# glibc's allocator in the child: blocks of 4 MiB or more are mapped, and returned to the system when freed. By
+# default its threshold rises to the largest mapped block freed so far (up to 32 MiB), after which each generation's
+# KV buffers (8.3 MB a layer's keys on the long workload) are carved from the heap and fragment it: the engine's peak
+# RSS was 461-485 MB by default, 427 MB with this (bench/async_overlap.py). 4 MiB stays above a decode step's
+# activations (64 rows of a 7B model's MLP: 2.8 MB), which a lower threshold would map and zero at every step: at
+# 128 KiB (413 MB) generation ran 8-17 % slower. A non-empty value in the user's environment wins.
+ENGINE_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(4 << 20)}
 # what the child's engine is, copied onto this proxy once it is built (the contract's capability attributes)
 CAPABILITIES = ("bucket_bytes", "weight_dtype", "lora_sync", "serves_lora", "adapter_base_by_name", "swaps_in_flight",
                 "max_lora_rank")
