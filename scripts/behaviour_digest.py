@@ -1,7 +1,7 @@
 """Digests of short runs, to check that a refactoring leaves behaviour bit for bit unchanged (issue 22).
 
 Runs `python train.py` for each named configuration of CONFIGS (grpo, dapo, dr_grpo, gspo, c3po, v05, c3po_v05,
-LoRA, `env=retry`, the rollout correction; 10 steps, seed 0, small batches) in a temporary folder and prints one
+LoRA, `env=retry`, the rollout correction, async rollouts at staleness 0 and 1; 10 steps, seed 0, small batches) in a temporary folder and prints one
 SHA-256 per run of `metrics.csv` and `summary.json`, with what differs between two runs of the same code removed:
   * metrics.csv: the columns `time/*` and `perf/*` (wall-clock timings and tokens per second);
   * summary.json: keys ending in `_s` or `_seconds` (wall-clock timings), `peak_rss_mb` (the process's peak
@@ -31,6 +31,8 @@ CONFIGS = {  # name -> train.py overrides
     "retry": ("algorithm=grpo", "env=retry"),
     "rollout_is": ("algorithm=grpo", "algorithm.rollout_correction.rollout_is=token",
                    "algorithm.rollout_correction.rollout_rs=sequence"),
+    "async_s0": ("algorithm=grpo", "rollout.mode=async", "rollout.max_staleness=0"),
+    "async_s1": ("algorithm=grpo", "rollout.mode=async", "rollout.max_staleness=1"),
 }
 OVERRIDES = ("seed=0", "trainer.max_steps=10", "data.batch_size=4", "data.num_test=4", "callbacks.progress=null",
              "checkpoint_every=100")
