@@ -144,6 +144,6 @@ def test_train_py_refuses_the_shipped_remote_config_without_a_url():
 def test_remote_reward_is_picklable_for_worker_processes():
     import pickle
 
-    reward = RemoteReward("http://127.0.0.1:1", probe=False)
+    reward = RemoteReward("http://127.0.0.1:1")  # no network until the first request
     reward.score_batch  # noqa: B018
     assert pickle.loads(pickle.dumps(reward)).url == "http://127.0.0.1:1/get_reward"
