@@ -12,6 +12,7 @@ be the program's output, so it is the run's `output_limit`.
 
 from __future__ import annotations
 
+import functools
 import time
 import urllib.parse
 from pathlib import Path
@@ -37,6 +38,13 @@ def run_code_url(url: str) -> str:
     return url if parts.path not in ("", "/") else urllib.parse.urlunsplit(parts._replace(path="/run_code"))
 
 
+@functools.lru_cache(maxsize=8)
+def _client(timeout_s: float, max_response_bytes: int, retries: int, backoff_s: float) -> HTTPClient:
+    """One client per setting (its connections kept alive across the runs of a reward)."""
+    return HTTPClient(timeout_s, max_response_bytes, retries, backoff_s,
+                      size_key="the bound from reward.options.max_output_bytes")
+
+
 def call_program(source: str, fn_name: str) -> str:
     """One program that runs the harness on `source` (the local sandbox copies the two files instead)."""
     return (f"open('solution.py', 'w').write({source!r})\nimport sys\nsys.argv = ['_harness.py', {fn_name!r}]\n"
@@ -49,8 +57,7 @@ def run_remote(url: str, source: str, stdin: str = "", *, limits: Any, fn_name: 
     code = call_program(source, fn_name) if fn_name else source
     body = {"code": code, "language": "python", "stdin": stdin, "run_timeout": limits.timeout_s,
             "memory_limit_MB": limits.memory_mb}
-    client = HTTPClient(limits.timeout_s + _HTTP_GRACE_S, answer_bound(limits.max_output_bytes), retries, backoff_s,
-                        size_key="the bound from reward.options.max_output_bytes")
+    client = _client(limits.timeout_s + _HTTP_GRACE_S, answer_bound(limits.max_output_bytes), retries, backoff_s)
     start = time.monotonic()
     try:
         answer = client.post_json(url, body)
