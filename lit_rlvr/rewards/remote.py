@@ -69,8 +69,8 @@ class RemoteReward:
 
     @classmethod
     def check_options(cls, options: dict[str, Any]) -> list[str]:
-        """Before any work: the settings, then (unless `probe` is false) one real request of the run's kind, whose
-        answer must be {score_key: [one number]} (one line naming the URL when it is not)."""
+        """Before any work: the settings, then one real request of the run's kind, whose answer must be
+        {score_key: [one number]} (one line naming the URL when it is not)."""
         if "url" not in options:
             return ["reward=remote needs reward.options.url, the reward server's URL (e.g. "
                     "http://127.0.0.1:5000/get_reward)"]
@@ -78,7 +78,7 @@ class RemoteReward:
             reward = cls(**{k: v for k, v in options.items() if k in OPTIONS})
         except RewardOptionError as err:
             return list(err.problems)
-        return [p for p in [reward.probe(options["url"])] if p] if options.get("probe", True) else []
+        return [p for p in [reward.probe(options["url"])] if p]
 
     def probe(self, given: str) -> Optional[str]:
         """The start check's request: None when the server answers it as the run needs, else the line why not

@@ -143,13 +143,23 @@ _current = threading.local()  # the deadline of the request this thread is makin
 
 
 class _Watched:
-    """A connection that hands its socket to the current request's deadline before it waits for the answer."""
+    """A connection that hands its socket to the current request's deadline: a new one as soon as TCP connects
+    (the TLS handshake is then under the deadline too), a kept-alive one before it waits for the answer."""
+
+    def _new_conn(self) -> Any:
+        sock = super()._new_conn()
+        _watch(sock)
+        return sock
 
     def getresponse(self, *args: Any, **kwargs: Any) -> Any:
-        deadline = getattr(_current, "deadline", None)
-        if deadline is not None and self.sock is not None:
-            deadline.attach(self.sock)
+        _watch(self.sock)
         return super().getresponse(*args, **kwargs)
+
+
+def _watch(sock: Any) -> None:
+    deadline = getattr(_current, "deadline", None)
+    if deadline is not None and sock is not None:
+        deadline.attach(sock)
 
 
 class _WatchedHTTPConnection(_Watched, HTTPConnection):
