@@ -1,6 +1,6 @@
 """The HTTP client of every lit-rlvr component that talks to a server: the reward server (rewards/remote.py), the
 code sandbox by URL (rewards/sandbox_remote.py), the LLM judge through the openai client (rewards/judge.py,
-`async_client`); the server-backed rollout engines use it too. One place for the rules (docs/rewards.md, "HTTP
+`async_client`); the rollout engines that talk to a server are to use it too. One place for the rules (docs/rewards.md, "HTTP
 clients"), so no client can forget one:
 
 - http:// and https:// only, and no redirect is followed: a 3xx answer is refused in one line naming both URLs.
@@ -75,7 +75,7 @@ def start_problem(key: str, url: str, err: Exception) -> str:
 
 
 def api_key(env: Optional[str], file: Optional[str], default: str = "EMPTY") -> str:
-    """The API key: the first line of `file` when one is named, else the environment variable `env`, else
+    """The API key: the content of `file` (stripped) when one is named, else the environment variable `env`, else
     `default`. Never a setting's value: settings are written to hparams.yaml, the Hydra folder and checkpoints."""
     if file:
         return Path(file).expanduser().read_text().strip()
