@@ -1,7 +1,7 @@
 """The HTTP client of every lit-rlvr component that talks to a server: the reward server (rewards/remote.py), the
 code sandbox by URL (rewards/sandbox_remote.py), the LLM judge through the openai client (rewards/judge.py,
-`async_client`); the rollout engines that talk to a server are to use it too. One place for the rules (docs/rewards.md, "HTTP
-clients"), so no client can forget one:
+`async_client`); the rollout engines that talk to a server are to use it too. One place for the rules
+(docs/rewards.md, "HTTP clients"), so no client can forget one:
 
 - http:// and https:// only, and no redirect is followed: a 3xx answer is refused in one line naming both URLs.
   (A reward server answering 302 would otherwise turn the POST into a GET to another host, whose numbers would be
