@@ -20,10 +20,11 @@ from hydra import compose, initialize_config_dir, initialize_config_module
 from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from lit_rlvr.config.config_check import check_config
 from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.config.problems import secret_problems
 from lit_rlvr.config.schemas import composition_problem
 from lit_rlvr.recipe import check_run_dir, evaluate, print_summary, train
 from lit_rlvr.run import quiet
@@ -83,7 +84,8 @@ def compose_checked(config_dir: Optional[str], overrides: Sequence[str], config_
 def check_command_line(config_dir: Optional[str] = None, argv: Optional[Sequence[str]] = None) -> None:
     """Before Hydra composes the command line's config: what the typed settings refuse is one line each (exit 2),
     as every other config error (`compose_checked`); what else Hydra refuses (an unknown config name) it reports
-    itself. Help, multirun sweeps and other config folders go to Hydra unchecked."""
+    itself. A setting named like a secret (an API key) is refused here, before Hydra records the command line in the
+run's folder. Help, multirun sweeps and other config folders go to Hydra unchecked."""
     args = get_args_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     if (args.help or args.hydra_help or args.info or args.shell_completion or args.multirun or args.config_path
             or args.experimental_rerun):
@@ -93,11 +95,13 @@ def check_command_line(config_dir: Optional[str] = None, argv: Optional[Sequence
         overrides.append(f"hydra.searchpath=[file://{Path(args.config_dir).absolute()}]")
     with one_line_errors():
         try:
-            compose_checked(config_dir, overrides, args.config_name or "config")
+            cfg = compose_checked(config_dir, overrides, args.config_name or "config")
         except ConfigError:
             raise
         except Exception:  # Hydra's own errors: it reports them when it composes
             return
+        # before Hydra writes the command line and the config into the run's folder
+        ConfigError.check(secret_problems(OmegaConf.to_container(cfg, resolve=False)))
 
 
 @hydra.main(config_path="pkg://lit_rlvr.conf", config_name="config", version_base="1.3")

@@ -121,9 +121,9 @@ def test_an_unreachable_server_stops_the_run_before_any_work_naming_the_url(monk
     ({}, "reward=remote needs reward.options.url"),
     ({"url": "???"}, "reward.options.url=??? is not valid"),
     ({"url": "localhost:5000"}, "reward.options.url='localhost:5000' is not valid"),
-    ({"url": "http://127.0.0.1:1", "probe": False, "batch_size": 0}, "reward.options.batch_size=0 is not valid"),
-    ({"url": "http://127.0.0.1:1", "probe": False, "retries": -1}, "reward.options.retries=-1 is not valid"),
-    ({"url": "http://127.0.0.1:1", "probe": False, "timeout_s": 0}, "reward.options.timeout_s=0 is not valid"),
+    ({"url": "http://127.0.0.1:1", "batch_size": 0}, "reward.options.batch_size=0 is not valid"),
+    ({"url": "http://127.0.0.1:1", "retries": -1}, "reward.options.retries=-1 is not valid"),
+    ({"url": "http://127.0.0.1:1", "timeout_s": 0}, "reward.options.timeout_s=0 is not valid"),
 ])
 def test_remote_settings_one_line_each(options, line):
     problems = reward_problems("remote", options)
@@ -144,6 +144,6 @@ def test_train_py_refuses_the_shipped_remote_config_without_a_url():
 def test_remote_reward_is_picklable_for_worker_processes():
     import pickle
 
-    reward = RemoteReward("http://127.0.0.1:1", probe=False)
+    reward = RemoteReward("http://127.0.0.1:1")  # no network until the first request
     reward.score_batch  # noqa: B018
     assert pickle.loads(pickle.dumps(reward)).url == "http://127.0.0.1:1/get_reward"

@@ -97,3 +97,20 @@ class RewardHangError(RuntimeError):
 
 class SandboxError(RuntimeError):
     """The sandbox itself failed (not the program): an infrastructure error, never a wrong answer."""
+
+
+class HTTPRefusal(RuntimeError):
+    """An answer lit-rlvr's HTTP client refuses (lit_rlvr/run/http.py), one line naming the URL with its credentials
+    redacted. `kind`: "scheme" (not http/https), "redirect", "size" (over the bound), "deadline", "status" (an error
+    status, `status`), "tls", "connection" (refused, dropped). `retry`: whether another try may succeed."""
+
+    def __init__(self, message: str, kind: str, status: Optional[int] = None):
+        super().__init__(message)
+        self.kind, self.status = kind, status
+
+    @property
+    def retry(self) -> bool:
+        return self.kind == "connection" or (self.kind == "status" and (self.status or 0) >= 500)
+
+    def __reduce__(self):
+        return type(self), (str(self), self.kind, self.status)

@@ -102,3 +102,23 @@ def checked_fields(cls: type, value: Any, section: str, also: Iterable[str] = ()
     given = dict(value or {})
     ConfigError.check(unknown_key_problems(section, [k for k in given if k not in also], names))
     return given
+
+
+SECRET_KEYS = ("api_key", "apikey", "password", "secret", "access_token", "auth_token", "bearer_token", "hf_token")
+
+
+def secret_problems(tree: Any, section: str = "") -> list[str]:
+    """One line per setting under `tree` (a plain mapping) named like a secret (`SECRET_KEYS`, or ending in one):
+    settings are written to hparams.yaml, the Hydra folder and the checkpoints, so a key never is one. The line
+    names the setting, never its value."""
+    problems = []
+    items = tree.items() if isinstance(tree, Mapping) else enumerate(tree) if isinstance(tree, list) else ()
+    for name, value in items:
+        where = f"{section}.{name}" if section else str(name)
+        if isinstance(name, str) and name.lower().endswith(SECRET_KEYS) and value is not None:
+            problems.append(f"{where} holds a secret, and settings are written to hparams.yaml, the Hydra folder "
+                            "and the checkpoints: give it through the environment or a file instead (reward=judge: "
+                            "OPENAI_API_KEY, reward.options.api_key_env=NAME or reward.options.api_key_file=PATH)")
+        else:
+            problems += secret_problems(value, where)
+    return problems

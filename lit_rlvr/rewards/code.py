@@ -68,9 +68,9 @@ from typing import Any, Sequence
 
 from lit_rlvr.config.errors import RewardOptionError, SandboxError
 from lit_rlvr.rewards.base import RewardResult
-from lit_rlvr.rewards.checks import is_int, problem_line
-from lit_rlvr.rewards.remote import url_problem
-from lit_rlvr.rewards.sandbox_remote import run_code_url, run_remote
+from lit_rlvr.rewards.checks import is_int, is_number, problem_line
+from lit_rlvr.rewards.sandbox_remote import probe_sandbox, run_code_url, run_remote
+from lit_rlvr.run.http import url_problem
 
 log = logging.getLogger(__name__)
 
@@ -478,12 +478,15 @@ def _failure(res: ExecResult, want: Any, fn_name: str | None) -> tuple[str, str]
 # The reward
 
 
-def sandbox_problems(url: Any, max_concurrent: Any) -> list[str]:
-    problems = [p for p in [url_problem(url, "reward.options.sandbox_url")] if p]
+def sandbox_problems(url: Any, max_concurrent: Any, probe_timeout_s: float | None = None) -> list[str]:
+    """The remote sandbox's settings; with `probe_timeout_s`, then one real run_code request (the start check)."""
+    problems = [p for p in [url_problem(url, "reward.options.sandbox_url", "http://127.0.0.1:8080")] if p]
     if max_concurrent is not None and not is_int(max_concurrent, 1):
         problems.append(problem_line("reward.options.max_concurrent", max_concurrent, "an integer >= 1 (programs "
                                      "sent to the sandbox server at a time) or null (reward.options.workers)"))
-    return problems
+    if problems or probe_timeout_s is None:
+        return problems
+    return [p for p in [probe_sandbox(url, probe_timeout_s)] if p]
 
 
 class CodeReward:
@@ -539,10 +542,12 @@ class CodeReward:
 
     @classmethod
     def check_options(cls, options: dict) -> list[str]:
-        """Before any work: the remote sandbox's settings and whether its server can be reached."""
+        """Before any work: the remote sandbox's settings and one real request to its server."""
         if options.get("sandbox_url") is None:
             return []
-        return sandbox_problems(options["sandbox_url"], options.get("max_concurrent"))
+        timeout_s = options.get("timeout_s", 4.0)
+        return sandbox_problems(options["sandbox_url"], options.get("max_concurrent"),
+                                float(timeout_s) if is_number(timeout_s) and timeout_s > 0 else 4.0)
 
     @property
     def enforced(self) -> dict:
