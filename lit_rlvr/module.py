@@ -47,7 +47,8 @@ from lit_rlvr.run.freeze import FreezeSetupObjects
 from lit_rlvr.run.one_line import config_phase
 from lit_rlvr.run.perf import StepFlops, recomputes_forward
 from lit_rlvr.run.rng import rng_states, seed_of, set_rng_states
-from lit_rlvr.run.step_log import StepTimer, step_row, write_step_metrics
+from lit_rlvr.run.step_log import step_row, write_step_metrics
+from lit_rlvr.run.step_timer import StepTimer
 from lit_rlvr.run.validation import ValidationMetrics
 from lit_rlvr.update import SEQUENCE_METRICS, TOKEN_METRICS, RolloutCorrector, Update
 

@@ -27,7 +27,7 @@ from lit_rlvr.rollout.lora import (
 )
 from lit_rlvr.rollout.weights import push_named
 from lit_rlvr.run.distributed import full_named_weights
-from lit_rlvr.run.step_log import StepTimer
+from lit_rlvr.run.step_timer import StepTimer
 
 
 @dataclass

@@ -25,7 +25,7 @@ from lit_rlvr.config.settings import LossConfig, UpdateConfig
 from lit_rlvr.models.lora import reference_model
 from lit_rlvr.rollout.batch import Rollouts
 from lit_rlvr.run import distributed as D
-from lit_rlvr.run.step_log import StepTimer
+from lit_rlvr.run.step_timer import StepTimer
 from lit_rlvr.update.correction import RolloutCorrector
 from lit_rlvr.update.forward import forward_logprobs
 from lit_rlvr.update.micro_batches import plan_micro_batches
