@@ -301,7 +301,7 @@ def model_path(cfg: Any) -> str:
     """The directory of the (warm-started, cached) model of `cfg`."""
     from omegaconf import OmegaConf
 
-    from lit_rlvr.models.warmup import resolve_model_path
+    from lit_rlvr.rollout.warmup import resolve_model_path
 
     return resolve_model_path(cfg.model.name_or_path, OmegaConf.to_container(cfg.model.options, resolve=True))
 
@@ -389,7 +389,7 @@ def build_run(cfg: Any, steps: int, recorder) -> tuple[Any, Any, Any]:
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    from lit_rlvr.recipe import build_module
+    from lit_rlvr.app.recipe import build_module
 
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     callbacks = [instantiate(node) for node in (cfg.algorithm.get("callbacks") or {}).values() if node is not None]

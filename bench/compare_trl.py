@@ -196,7 +196,7 @@ def run_ours(overrides: list[str], total: int, baton) -> dict:
 
 def run_trl(overrides: list[str], total: int, baton) -> dict:
     """TRL's side (a child process): step walls, completion lengths, TRL's version, peak RSS."""
-    from lit_rlvr.recipe import build_module
+    from lit_rlvr.app.recipe import build_module
 
     cfg = common.compose("grpo", overrides)
     algo = build_module(cfg).algorithm  # the settings our side runs with, as the module resolves them

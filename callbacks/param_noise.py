@@ -46,7 +46,7 @@ from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.models.lora import trainable_parameters
 from lit_rlvr.optim import IVON, PosteriorSnapshot, bf16_spacing_warning, sample_seed
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
-from lit_rlvr.rollout.weights import whole_stack
+from lit_rlvr.run.distributed import whole_stack
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl

@@ -29,7 +29,7 @@ from lit_rlvr.config.options import compile_problems
 from lit_rlvr.envs import build_environment, env_options
 from lit_rlvr.hooks import RLVRCallback, check_rl_callbacks
 from lit_rlvr.models.lora import apply_lora, model_problems, trainable_parameters
-from lit_rlvr.models.warmup import load_model
+from lit_rlvr.rollout.warmup import load_model
 from lit_rlvr.optim.build import check_optimizer_options, optimizer_and_schedule
 from lit_rlvr.rewards import build_reward_runner, reward_problems
 from lit_rlvr.rollout.batch import Rollouts
@@ -39,7 +39,7 @@ from lit_rlvr.rollout.engine import SamplingConfig, engine_hint
 from lit_rlvr.rollout.multi_turn import env_metrics
 from lit_rlvr.rollout.pipeline import RolloutPipeline, completion_versions
 from lit_rlvr.run import distributed as D
-from lit_rlvr.run.adapter_export import AdapterExport
+from lit_rlvr.models.adapter_export import AdapterExport
 from lit_rlvr.run.checkpoint_io import checkpoint_hint
 from lit_rlvr.run.close_pipeline import ClosePipeline
 from lit_rlvr.run.counters import RunCounters
@@ -47,7 +47,8 @@ from lit_rlvr.run.freeze import FreezeSetupObjects
 from lit_rlvr.run.one_line import config_phase
 from lit_rlvr.run.perf import StepFlops, recomputes_forward
 from lit_rlvr.run.rng import rng_states, seed_of, set_rng_states
-from lit_rlvr.run.step_log import StepTimer, step_row, write_step_metrics
+from lit_rlvr.run.step_log import step_row, write_step_metrics
+from lit_rlvr.run.step_timer import StepTimer
 from lit_rlvr.run.validation import ValidationMetrics
 from lit_rlvr.update import SEQUENCE_METRICS, TOKEN_METRICS, RolloutCorrector, Update
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from callbacks.dead_groups import any_correct  # noqa: E402
 from callbacks.param_noise import sample_from_posterior  # noqa: E402
 from lit_rlvr.models import load_policy  # noqa: E402
-from lit_rlvr.models.warmup import WARMUP_TASKS, dev_problems, resolve_model_path  # noqa: E402
+from lit_rlvr.rollout.warmup import WARMUP_TASKS, dev_problems, resolve_model_path  # noqa: E402
 from lit_rlvr.optim import IVON  # noqa: E402
 from lit_rlvr.rewards import build_reward_runner  # noqa: E402
 from lit_rlvr.rollout.batch import RolloutPlan  # noqa: E402

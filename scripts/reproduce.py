@@ -270,7 +270,7 @@ def relative_weight_change(run_dir: Path) -> float:
     import torch
     from safetensors.torch import load_file
 
-    from lit_rlvr.models.warmup import resolve_model_path
+    from lit_rlvr.rollout.warmup import resolve_model_path
     from weight_change import weight_change
 
     last = run_dir / "checkpoints" / "last.ckpt"

@@ -14,7 +14,7 @@ import lit_rlvr  # noqa: E402,F401  (before torch loads: it sets the OpenMP wait
 
 @pytest.fixture(scope="session")
 def tiny_path() -> str:
-    from lit_rlvr.models.warmup import resolve_model_path
+    from lit_rlvr.rollout.warmup import resolve_model_path
     from tiny_options import TINY
 
     return resolve_model_path("tiny", TINY)  # = conf/model/tiny.yaml: the e2e run reuses it

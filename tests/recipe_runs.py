@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
-from lit_rlvr.recipe import train
+from lit_rlvr.app.recipe import train
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

@@ -300,7 +300,7 @@ def test_a_step_that_keeps_refilling_says_so(caplog):
 def test_algorithm_configs_instantiate(name, options, tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from lit_rlvr.recipe import build_module
+    from lit_rlvr.app.recipe import build_module
 
     conf = Path(__file__).resolve().parents[1] / "conf"
     with initialize_config_dir(str(conf), version_base="1.3"):

@@ -134,7 +134,7 @@ def test_data_config_picks_its_reward_model_and_completion_budget():
 
 @pytest.mark.parametrize("algorithm", sorted(p.stem for p in (CONF / "algorithm").glob("*.yaml")))
 def test_every_algorithm_takes_the_task(algorithm):
-    from lit_rlvr.config.config_check import check_config
+    from lit_rlvr.app.config_check import check_config
 
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=["data=arithmetic_cot", f"algorithm={algorithm}"])

@@ -31,7 +31,7 @@ def fitted(tmp_path_factory) -> Path:
     """`lit-rlvr fit` as a user runs it: the console script in a subprocess, 2 steps."""
     run = tmp_path_factory.mktemp("cli") / "run"
     exe = shutil.which("lit-rlvr")
-    command = [exe] if exe else [sys.executable, "-m", "lit_rlvr.cli"]
+    command = [exe] if exe else [sys.executable, "-m", "lit_rlvr.app.cli"]
     env = {**os.environ, "LIT_RLVR_CACHE": os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr")}
     done = subprocess.run([*command, "fit", "--config", str(CONFIG), "--trainer.max_steps", "2",
                            "--trainer.logger.init_args.save_dir", str(run)],
@@ -50,7 +50,7 @@ def test_fit_writes_metrics_config_and_checkpoint(fitted):
 
 
 def test_fit_resumes_from_ckpt_path(fitted, tmp_path):
-    from lit_rlvr.cli import main
+    from lit_rlvr.app.cli import main
 
     main(["fit", "--config", str(CONFIG), "--trainer.max_steps", "3", "--trainer.logger.init_args.save_dir",
           str(tmp_path), "--ckpt_path", str(fitted / "checkpoints" / "last.ckpt")])
@@ -60,7 +60,7 @@ def test_fit_resumes_from_ckpt_path(fitted, tmp_path):
 
 
 def test_validate_with_ckpt_path(fitted, tmp_path):
-    from lit_rlvr.cli import main
+    from lit_rlvr.app.cli import main
 
     main(["validate", "--config", str(CONFIG), "--ckpt_path", str(fitted / "checkpoints" / "last.ckpt"),
           "--trainer.logger.init_args.save_dir", str(tmp_path)])
@@ -72,7 +72,7 @@ def test_validate_with_ckpt_path(fitted, tmp_path):
 def test_group_of_one_is_refused_before_training(tmp_path):
     """The Lightning CLI skips the Hydra recipe's config checks: the module refuses G = 1 itself, naming the key."""
     exe = shutil.which("lit-rlvr")
-    command = [exe] if exe else [sys.executable, "-m", "lit_rlvr.cli"]
+    command = [exe] if exe else [sys.executable, "-m", "lit_rlvr.app.cli"]
     env = {**os.environ, "LIT_RLVR_CACHE": os.environ.get("LIT_RLVR_CACHE", "~/.cache/lit_rlvr")}
     done = subprocess.run([*command, "fit", "--config", str(CONFIG), "--trainer.max_steps", "1",
                            "--model.init_args.algorithm.group_size", "1",
@@ -96,7 +96,7 @@ BAD_CLI = {  # argument -> what the line must say; raised by a constructor, at f
 
 def _cli(*args: str) -> subprocess.Popen:
     exe = shutil.which("lit-rlvr")
-    command = [exe] if exe else [sys.executable, "-m", "lit_rlvr.cli"]
+    command = [exe] if exe else [sys.executable, "-m", "lit_rlvr.app.cli"]
     return subprocess.Popen([*command, "fit", "--config", str(CONFIG), "--trainer.max_steps", "1", *args], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -118,7 +118,7 @@ def test_config_errors_are_one_line_from_the_cli_as_from_train_py(tmp_path):
     lines = {arg: _last_line(proc) for arg, proc in procs.items()}
     for arg, line in lines.items():
         assert BAD_CLI[arg] in line, (arg, line)
-    from lit_rlvr.cli import cli_keys
+    from lit_rlvr.app.cli import cli_keys
 
     train_line = _last_line(train)  # the same check, the same words; each entry names its own key
     assert cli_keys(train_line) == lines["--model.init_args.algorithm.group_size=0"], (train_line, lines)
@@ -159,6 +159,6 @@ NESTED_UNKNOWN = '''Parser key "model":
     ("unrecognized arguments: --trainer.max_stepz=3", "trainer.max_stepz is not an option"),
 ])
 def test_a_value_the_parser_refuses_is_one_line_naming_the_clis_key(message, line):
-    from lit_rlvr.cli import cli_keys, parse_error_line
+    from lit_rlvr.app.cli import cli_keys, parse_error_line
 
     assert cli_keys(parse_error_line(message)).startswith(line)

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from lit_rlvr.data.datamodule import RLVRDataModule
 from lit_rlvr.config.arguments import GROUPS, ModuleSettings, module_settings
-from lit_rlvr.recipe import module_arguments
+from lit_rlvr.app.recipe import module_arguments
 
 REPO = Path(__file__).resolve().parents[1]
 SHORTER = {"batch_size", "num_test"}  # data: a 5-step example on fewer prompts

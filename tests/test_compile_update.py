@@ -83,7 +83,7 @@ def test_train_py_refuses_compile_with_fsdp_before_any_work():
     """train.py's config check names it before the model loads (the module's setup check is for the CLI)."""
     from hydra import compose, initialize_config_dir
 
-    from lit_rlvr.config.config_check import check_config
+    from lit_rlvr.app.config_check import check_config
     from tiny_options import REPO
 
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):

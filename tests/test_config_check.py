@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lit_rlvr.config.config_check import check_config
-from lit_rlvr.entry import compose_checked
+from lit_rlvr.app.config_check import check_config
+from lit_rlvr.app.entry import compose_checked
 from lit_rlvr.config.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
-from lit_rlvr.recipe import build_module, build_trainer, check_run_dir, train
+from lit_rlvr.app.recipe import build_module, build_trainer, check_run_dir, train
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

@@ -207,7 +207,7 @@ def test_eval_fields_map_a_differently_shaped_eval_file(tmp_path):
 
 
 def test_model_configs_name_their_models_and_set_the_chat_template():
-    from lit_rlvr.recipe import build_module
+    from lit_rlvr.app.recipe import build_module
 
     assert _compose("model=qwen3_4b").model.name_or_path == "Qwen/Qwen3-4B-Instruct-2507"
     qmath = _compose("model=qwen25_math_7b").model

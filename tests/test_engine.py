@@ -9,7 +9,8 @@ from lit_rlvr.rollout.driver import stop_token_ids
 from lit_rlvr.rollout.engine import SamplingParams
 from lit_rlvr.rollout import hf
 from lit_rlvr.rollout.hf import HFEngine, decoding_rows, filter_logits
-from lit_rlvr.rollout.weights import buckets, full_named_weights, push_weights
+from lit_rlvr.rollout.weights import buckets, push_weights
+from lit_rlvr.run.distributed import full_named_weights
 from lit_rlvr.rollout.batch import RolloutPlan, rollouts_from_completions
 
 PROMPTS = ["12+34=", "5+5=", "71-18=", "3*4="]

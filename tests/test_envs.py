@@ -9,7 +9,7 @@ from lit_rlvr.envs import build_environment
 from lit_rlvr.envs.calculator import CalculatorEnv, demonstration, evaluate
 from lit_rlvr.envs.retry import RetryEnv
 from lit_rlvr.models.tiny import build_tokenizer
-from lit_rlvr.models.warmup import sft_batch
+from lit_rlvr.rollout.warmup import sft_batch
 
 
 def extras(answer, prompt="47*86=", max_turns=4):
@@ -73,7 +73,7 @@ def test_build_environment_reads_the_config_group():
 def test_env_configs_compose_and_none_is_the_default():
     from hydra import compose, initialize_config_dir
 
-    from lit_rlvr.recipe import env_arguments
+    from lit_rlvr.app.recipe import env_arguments
     from tiny_options import REPO
 
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
@@ -105,7 +105,7 @@ def test_warm_up_demonstrations_train_on_the_model_segments_only():
 
 
 def test_tool_warm_up_needs_the_chain_of_thought_task(tmp_path):
-    from lit_rlvr.models.warmup import warm_start_tiny
+    from lit_rlvr.rollout.warmup import warm_start_tiny
 
     with pytest.raises(ValueError, match="model.options.tool_frac"):
         warm_start_tiny(tmp_path, tool_frac=0.25, task="arithmetic")

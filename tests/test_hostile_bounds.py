@@ -18,7 +18,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from lit_rlvr.config.bounds import TINY_CONTEXT
-from lit_rlvr.config.config_check import check_config
+from lit_rlvr.app.config_check import check_config
 from lit_rlvr.config.errors import ConfigError, StopRequested
 from lit_rlvr.envs import Environment, TextEnv
 from lit_rlvr.models.tiny import build_tiny, save

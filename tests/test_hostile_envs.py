@@ -226,7 +226,7 @@ def test_an_environment_class_with_an_empty_stop_string_is_refused():
 def test_train_py_checks_the_same_rows(override, line):
     from hydra import compose, initialize_config_dir
 
-    from lit_rlvr.config.config_check import check_config
+    from lit_rlvr.app.config_check import check_config
 
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["env=retry", override])
@@ -237,7 +237,7 @@ def test_train_py_checks_the_same_rows(override, line):
 
 
 def test_the_lightning_cli_says_the_same_line_with_its_own_key(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "lit_rlvr.cli", "fit", "--config", "conf/cli/tiny_grpo.yaml",
+    out = subprocess.run([sys.executable, "-m", "lit_rlvr.app.cli", "fit", "--config", "conf/cli/tiny_grpo.yaml",
                           "--trainer.max_steps", "1", "--model.init_args.env.name", "retry",
                           "--model.init_args.env.stop", "['']", "--trainer.logger.init_args.save_dir",
                           str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -267,7 +267,7 @@ def test_env_skyrl_without_its_id_is_one_line_from_train_py(skyrl_gym, tmp_path)
 
 
 def test_a_value_left_missing_inside_hydra_instantiation_is_one_config_error():
-    from lit_rlvr.recipe import _instantiate
+    from lit_rlvr.app.recipe import _instantiate
 
     with pytest.raises(ConfigError, match=r"options\.id='\?\?\?'|options\.id=\?\?\?"):
         _instantiate({"_target_": "builtins.dict", "options": {"id": "???"}})
@@ -275,7 +275,7 @@ def test_a_value_left_missing_inside_hydra_instantiation_is_one_config_error():
 
 def test_a_check_raising_import_error_inside_hydra_instantiation_reaches_the_user_as_itself():
     from lit_rlvr.run.one_line import one_line
-    from lit_rlvr.recipe import _instantiate
+    from lit_rlvr.app.recipe import _instantiate
 
     with pytest.raises(ValueError, match="env='nope' is not valid") as err:
         _instantiate({"_target_": "lit_rlvr.envs.build_environment", "name": "nope"})
@@ -302,7 +302,7 @@ def test_a_built_in_environment_by_name_alone_runs(name, tokenizer):
 def test_hydra_and_python_build_the_same_environment():
     from hydra import compose, initialize_config_dir
 
-    from lit_rlvr.config.config_check import env_arguments
+    from lit_rlvr.app.config_check import env_arguments
 
     for name in ("retry", "calculator"):
         with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):

@@ -186,7 +186,7 @@ def test_valid_targets_pass():
 
 def test_the_module_refuses_a_misspelt_target_before_the_warm_up(monkeypatch):
     """GRPOModule (Python, the Lightning CLI): before the tiny model's warm-up or any load."""
-    import lit_rlvr.models.warmup as warmup
+    import lit_rlvr.rollout.warmup as warmup
     from lit_rlvr.module import GRPOModule
 
     monkeypatch.setattr(warmup, "warm_start_tiny", lambda *a, **k: pytest.fail("warm-up started"))
@@ -204,7 +204,7 @@ def test_the_module_refuses_it_for_a_model_directory_before_loading(tmp_path, mo
 
 
 def test_the_cli_names_its_own_key():
-    from lit_rlvr.cli import cli_keys
+    from lit_rlvr.app.cli import cli_keys
 
     (line,) = model_problems(LoraOptions(rank=4, target_modules=("v_prj",)), "tiny")
     assert cli_keys(line).startswith("model.init_args.model.lora.target_modules: 'v_prj' names no module")
@@ -213,7 +213,7 @@ def test_the_cli_names_its_own_key():
 def test_train_py_config_check_refuses_a_misspelt_target():
     from hydra import compose, initialize_config_dir
 
-    from lit_rlvr.config.config_check import check_config
+    from lit_rlvr.app.config_check import check_config
 
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["model.lora.rank=4", "model.lora.target_modules=[q_proj,v_prj]"])
@@ -228,8 +228,8 @@ def test_the_cli_writes_the_adapter_beside_its_checkpoint(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from lit_rlvr.cli import main
-    from lit_rlvr.run.adapter_export import adapter_state
+    from lit_rlvr.app.cli import main
+    from lit_rlvr.models.adapter_export import adapter_state
 
     base = save(*build_tiny(), tmp_path / "model")  # no warm-up: any HF directory serves
     run = tmp_path / "run"

@@ -20,9 +20,9 @@ import pytest
 import torch
 from lightning.pytorch.utilities.seed import isolate_rng
 
-from lit_rlvr.cli import main as cli_main
-from lit_rlvr.config.config_check import check_config
-from lit_rlvr.entry import compose_checked
+from lit_rlvr.app.cli import main as cli_main
+from lit_rlvr.app.config_check import check_config
+from lit_rlvr.app.entry import compose_checked
 from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.config.options import convert, range_problems
 from lit_rlvr.config.settings import LoraOptions

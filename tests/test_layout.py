@@ -26,21 +26,21 @@ PROBE = re.compile(r"\b(hasattr|getattr)\(\s*[\w.]*engine\b")
 # what a callback may use of the module it is given (`pl_module`): its public API
 MODULE_API = {"driver", "engine", "policy", "tokenizer", "global_step", "seed_key", "log_metrics", "device",
               "trainer", "global_rank", "group_size"}
-# low -> high: a module imports from its own layer or the layers below (docs/architecture.md §1); a module belongs
-# to the longest prefix that names it
+# low -> high: a module imports from its own layer or the layers below (docs/architecture.md §1). A module's layer is
+# its folder's (the name under lit_rlvr/: a folder, or a file directly under it; "" is lit_rlvr/__init__.py): the
+# table names folders only, never a file inside one
 LAYERS = (
-    ("lit_rlvr.functional",),
-    ("lit_rlvr.config",),
-    ("lit_rlvr.run",),
-    ("lit_rlvr.rewards", "lit_rlvr.data", "lit_rlvr.envs", "lit_rlvr.models", "lit_rlvr.value", "lit_rlvr.optim",
-     "lit_rlvr.strategies"),
-    ("lit_rlvr.rollout", "lit_rlvr.update", "lit_rlvr.models.warmup", "lit_rlvr.run.adapter_export"),
-    ("lit_rlvr.hooks", "lit_rlvr.module", "lit_rlvr.algorithms"),
-    ("lit_rlvr.callbacks",),
-    ("lit_rlvr", "lit_rlvr.recipe", "lit_rlvr.cli", "lit_rlvr.entry", "lit_rlvr.config.config_check",
-     "lit_rlvr.config.hydra_checks"),
+    ("functional",),
+    ("config",),
+    ("run",),
+    ("rewards", "data", "envs", "models", "value", "optim", "strategies"),
+    ("rollout", "update"),
+    ("hooks", "module", "algorithms"),
+    ("callbacks",),
+    ("app", ""),
 )
-TOP_LEVEL_FILES = 6  # .py files directly under lit_rlvr/ (issue 40: at most 10)
+MODULE_LINES = 350  # lit_rlvr/module.py: the step orchestrated, its parts elsewhere (docs/architecture.md §1)
+TOP_LEVEL_FILES = 3  # .py files directly under lit_rlvr/: __init__, module, hooks; the rest in folders
 # lit-rlvr modules imported inside a function: the engines over optional extras (imported when chosen)
 LAZY_EXTRAS = {("lit_rlvr/rollout/__init__.py", "lit_rlvr.rollout.sglang"),
                ("lit_rlvr/rollout/__init__.py", "lit_rlvr.rollout.vllm")}
@@ -136,7 +136,7 @@ def test_no_import_cycle_in_the_library_or_the_benchmarks():
 def test_engines_math_and_update_import_no_module_trainer_or_callback(layer):
     """The math, the engines and the update are usable without Lightning: they import no module, hook or
     callback."""
-    forbidden = ("lit_rlvr.module", "lit_rlvr.hooks", "lit_rlvr.callbacks", "lit_rlvr.recipe", "lit_rlvr.algorithms")
+    forbidden = ("lit_rlvr.module", "lit_rlvr.hooks", "lit_rlvr.callbacks", "lit_rlvr.app", "lit_rlvr.algorithms")
     for path in _py_files(layer.replace(".", "/")):
         text = path.read_text()
         bad = [n for n in _load_time_imports(path) if n.startswith(forbidden)]
@@ -159,17 +159,51 @@ def test_the_library_never_imports_the_callbacks_package():
         assert not [n for n in _load_time_imports(path) if n.startswith("lit_rlvr.callbacks")], path
 
 
+def _folder(module: str) -> str:
+    """The name under lit_rlvr/ that holds `module` (lit_rlvr.rollout.hf -> "rollout"; lit_rlvr -> "")."""
+    return module.split(".")[1] if "." in module else ""
+
+
 def _layer(module: str) -> int:
-    owners = [(len(prefix), i) for i, layer in enumerate(LAYERS) for prefix in layer
-              if module == prefix or module.startswith(prefix + ".")]
-    assert owners, f"{module} is in no layer of LAYERS (docs/architecture.md §1)"
-    return max(owners)[1]
+    owners = [i for i, layer in enumerate(LAYERS) if _folder(module) in layer]
+    assert owners, f"{module}: its folder {_folder(module)!r} is in no layer of LAYERS (docs/architecture.md §1)"
+    return owners[0]
+
+
+def test_every_folder_is_in_exactly_one_layer():
+    folders = {p.name for p in (ROOT / "lit_rlvr").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    folders |= {p.stem for p in (ROOT / "lit_rlvr").glob("*.py") if p.stem != "__init__"} | {"callbacks", ""}
+    listed = [name for layer in LAYERS for name in layer]
+    assert sorted(listed) == sorted(folders)
 
 
 def test_imports_point_down_the_layers():
+    """Read from the folders alone: no import, at load time, of a module in a higher layer than its own."""
     upward = [f"{module} -> {name}" for module, names in _graph(("lit_rlvr", "callbacks")).items()
               for name in sorted(names) if _layer(name) > _layer(module)]
     assert upward == []
+
+
+def test_the_rollout_and_the_update_load_no_lightning():
+    """Not directly (`test_engines_math_and_update_import_no_module_trainer_or_callback`) and not through a module
+    they import: the engines, the driver and the update run without Lightning installed in the process."""
+    code = """
+import importlib, pkgutil, sys
+import lit_rlvr.rollout, lit_rlvr.update
+for package in (lit_rlvr.rollout, lit_rlvr.update):
+    for found in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+        importlib.import_module(found.name)
+print(sorted(n for n in sys.modules if n.split(".")[0] == "lightning"))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", proc.stdout[-2000:]
+
+
+def test_the_module_is_thin():
+    """`GRPOModule` orchestrates the step; the step's parts live in their folders."""
+    lines = len((ROOT / "lit_rlvr/module.py").read_text().splitlines())
+    assert lines <= MODULE_LINES, f"lit_rlvr/module.py has {lines} lines; at most {MODULE_LINES}"
 
 
 def test_no_lit_rlvr_import_inside_a_function():

@@ -17,7 +17,7 @@ def loggers_of(name: str, run_dir: Path) -> list:
     """Instantiate conf/logger/<name>.yaml as train.py does, with the run dir in place of Hydra's."""
     from hydra import compose, initialize_config_dir
 
-    from lit_rlvr.recipe import _keyed
+    from lit_rlvr.app.recipe import _keyed
 
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=[f"logger={name}"])

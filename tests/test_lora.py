@@ -74,7 +74,7 @@ def test_config_check_refuses_bad_lora_before_any_work():
     from hydra import compose, initialize_config_dir
     from tiny_options import REPO
 
-    from lit_rlvr.config.config_check import check_config
+    from lit_rlvr.app.config_check import check_config
     from lit_rlvr.config.errors import ConfigError
 
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):

@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from lit_rlvr.recipe import build_module
+from lit_rlvr.app.recipe import build_module
 from tiny_options import REPO
 
 SMALL = ["data.batch_size=2", "algorithm.max_new_tokens=4", "data.num_test=4", "model.lora.rank=4"]

@@ -120,7 +120,7 @@ def test_a_bad_bandwidth_override_names_the_key(bad):
 def test_train_py_refuses_a_bad_bandwidth_before_any_work():
     from hydra import compose, initialize_config_dir
 
-    from lit_rlvr.config.config_check import check_config
+    from lit_rlvr.app.config_check import check_config
     from lit_rlvr.config.errors import ConfigError
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):

@@ -5,7 +5,8 @@ import torch
 
 from lit_rlvr.algorithms.filter_groups import DataStream
 from lit_rlvr.run.counters import RunCounters
-from lit_rlvr.run.step_log import StepTimer, step_row
+from lit_rlvr.run.step_log import step_row
+from lit_rlvr.run.step_timer import StepTimer
 
 
 class Datamodule:

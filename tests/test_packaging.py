@@ -37,7 +37,7 @@ def test_wheel_holds_configs_and_entry(wheel):
                  "data/jsonl.yaml", "logger/csv.yaml"):
         assert f"lit_rlvr/conf/{conf}" in names, conf
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "lit-rlvr-train = lit_rlvr.entry:console" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "lit-rlvr-train = lit_rlvr.app.entry:console" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
 def test_installed_wheel_trains_from_another_directory(wheel, tmp_path):

@@ -101,7 +101,7 @@ def test_a_bad_override_names_the_key(bad):
 def test_train_py_refuses_a_bad_peak_before_any_work():
     from hydra import compose, initialize_config_dir
 
-    from lit_rlvr.config.config_check import check_config
+    from lit_rlvr.app.config_check import check_config
     from lit_rlvr.config.errors import ConfigError
 
     conf = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "conf")

@@ -43,7 +43,7 @@ def test_python_defaults_are_the_default_runs_task_and_model():
     from omegaconf import OmegaConf
 
     from lit_rlvr.data.datamodule import RLVRDataModule
-    from lit_rlvr.models.warmup import warm_start_tiny
+    from lit_rlvr.rollout.warmup import warm_start_tiny
 
     data_cfg = OmegaConf.load(ROOT / "conf/data/arithmetic.yaml")
     model_cfg = OmegaConf.to_container(OmegaConf.load(ROOT / "conf/model/tiny.yaml").options, resolve=False)

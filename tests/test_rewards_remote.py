@@ -133,7 +133,7 @@ def test_remote_settings_one_line_each(options, line):
 def test_train_py_refuses_the_shipped_remote_config_without_a_url():
     from hydra import compose, initialize_config_module
 
-    from lit_rlvr.config.config_check import check_config
+    from lit_rlvr.app.config_check import check_config
 
     with initialize_config_module("lit_rlvr.conf", version_base="1.3"):
         cfg = compose("config", overrides=["reward=remote"])

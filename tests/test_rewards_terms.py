@@ -121,7 +121,7 @@ def test_the_module_checks_reward_settings_before_the_model_loads(monkeypatch):
 def test_train_py_checks_reward_settings_before_any_work():
     from hydra import compose, initialize_config_module
 
-    from lit_rlvr.config.config_check import check_config
+    from lit_rlvr.app.config_check import check_config
 
     with initialize_config_module("lit_rlvr.conf", version_base="1.3"):
         bad = compose("config", overrides=["reward=arithmetic_format", "reward.options.terms.format.weight=inf"])

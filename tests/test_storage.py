@@ -185,7 +185,7 @@ print(json.dumps({"message": message, "left": sorted(p.name for p in DISK.iterdi
 
 
 def _train(run_dir: Path, *overrides: str, tmpfs=None, read_only=(), fill=None, entry="train.py"):
-    command = [sys.executable, "train.py"] if entry == "train.py" else [sys.executable, "-m", "lit_rlvr.entry"]
+    command = [sys.executable, "train.py"] if entry == "train.py" else [sys.executable, "-m", "lit_rlvr.app.entry"]
     args = [*command, *SMALL, f"hydra.run.dir={run_dir}", *overrides]
     if tmpfs is None and not read_only:
         return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=900)
@@ -278,8 +278,8 @@ def test_unwritable_run_dirs_are_one_line_naming_hydra_run_dir(tmp_path):
 def test_cli_with_a_read_only_log_dir_is_one_line(tmp_path):
     (tmp_path / "ro").mkdir()
     config = str(REPO / "conf/cli/tiny_grpo.yaml")
-    done = full_disk.run([sys.executable, "-m", "lit_rlvr.cli", "fit", "--config", config, "--trainer.max_steps", "1",
-                          "--trainer.logger.init_args.save_dir", str(tmp_path / "ro")],
+    done = full_disk.run([sys.executable, "-m", "lit_rlvr.app.cli", "fit", "--config", config,
+                          "--trainer.max_steps", "1", "--trainer.logger.init_args.save_dir", str(tmp_path / "ro")],
                          read_only=[tmp_path / "ro"], cwd=REPO)
     line = _one_line(done)
     assert "Read-only file system" in line and str(tmp_path / "ro") in line, line

@@ -9,7 +9,7 @@ import torch
 from lit_rlvr.data.tasks.arithmetic import ArithmeticTask, arithmetic_reward
 from lit_rlvr.functional.ranking import binary_auroc
 from lit_rlvr.models import load_policy
-from lit_rlvr.models.warmup import resolve_model_path
+from lit_rlvr.rollout.warmup import resolve_model_path
 from lit_rlvr.rollout.engine import SamplingParams
 from lit_rlvr.rollout.hf import HFEngine
 from lit_rlvr.value import ContextBuffer, ValueModel

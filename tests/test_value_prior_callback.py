@@ -318,7 +318,7 @@ def test_trainer_run_v05_config_on_tiny_model(cache_dir, tmp_path):
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    from lit_rlvr.recipe import build_module
+    from lit_rlvr.app.recipe import build_module
 
     overrides = ["algorithm=v05", f"cache_dir={cache_dir}", "data.batch_size=8",
                  "algorithm.callbacks.value_prior.min_context=8", "algorithm.callbacks.value_prior.k_max=8",
@@ -353,7 +353,7 @@ def test_c3po_v05_spreads_osla_rounds_over_weight_samples(cache_dir):
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    from lit_rlvr.recipe import build_module
+    from lit_rlvr.app.recipe import build_module
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["algorithm=c3po_v05", f"cache_dir={cache_dir}",

@@ -1,4 +1,4 @@
-"""The tiny model's cached warm-up (lit_rlvr.models.warmup)."""
+"""The tiny model's cached warm-up (lit_rlvr.rollout.warmup)."""
 
 import json
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from lit_rlvr.data.tasks.arithmetic import ArithmeticTask
-from lit_rlvr.models import warmup
-from lit_rlvr.models.warmup import warm_start_tiny
+from lit_rlvr.rollout import warmup
+from lit_rlvr.rollout.warmup import warm_start_tiny
 
 QUICK = dict(max_steps=2, batch_size=4, eval_every=1, eval_problems=4, target=1.0)  # stops at the cap
 
@@ -29,7 +29,7 @@ def _warm_up_slowly(cache: str, marks: str) -> str:
     import time
     from pathlib import Path
 
-    from lit_rlvr.models import warmup
+    from lit_rlvr.rollout import warmup
 
     train = warmup._train
 
@@ -114,7 +114,7 @@ def test_dev_problems_are_neither_trained_on_nor_in_rls_held_out_split():
 
 
 def test_an_unknown_tiny_option_names_it_and_the_valid_ones(tmp_path):
-    from lit_rlvr.models.warmup import resolve_model_path
+    from lit_rlvr.rollout.warmup import resolve_model_path
 
     with pytest.raises(ValueError, match=r"model\.options\.steps is not an option.*valid: target, max_steps"):
         resolve_model_path("tiny", {"cache_dir": str(tmp_path), "steps": 800})

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from lit_rlvr.models import load_policy, warmup
-from lit_rlvr.models.warmup import resolve_model_path
+from lit_rlvr.models import load_policy
+from lit_rlvr.rollout import warmup
+from lit_rlvr.rollout.warmup import resolve_model_path
 from lit_rlvr.run import cache_entry
 from tests import full_disk
 from tests.test_faults import report
@@ -90,7 +91,7 @@ def test_read_only_cache_uses_a_complete_entry_and_refuses_a_corrupt_one_with_th
     shutil.copytree(built.parent, cache)
     script = f"""
 import json
-from lit_rlvr.models import warmup
+from lit_rlvr.rollout import warmup
 print(json.dumps({{"path": str(warmup.warm_start_tiny({str(cache)!r}, **{FAST!r}))}}))
 """
     done = full_disk.run([sys.executable, "-c", script], read_only=[cache], cwd=REPO)
@@ -147,7 +148,7 @@ def test_bad_lit_rlvr_cache_is_one_line_from_train_py(kind, tmp_path):
 
 
 def test_empty_lit_rlvr_cache_is_the_same_line_from_the_cli_and_python(tmp_path, monkeypatch):
-    cli = [sys.executable, "-m", "lit_rlvr.cli", "fit", "--config", str(REPO / "conf/cli/tiny_grpo.yaml"),
+    cli = [sys.executable, "-m", "lit_rlvr.app.cli", "fit", "--config", str(REPO / "conf/cli/tiny_grpo.yaml"),
            "--trainer.max_steps", "1", "--trainer.logger.init_args.save_dir", str(tmp_path / "cli")]
     line = _one_line(_entry("empty", cli, tmp_path))
     assert _cache_case("empty", tmp_path)[1] in line, line

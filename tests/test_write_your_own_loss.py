@@ -73,8 +73,8 @@ def test_doc_example_trains_two_steps(my_losses):
 def test_the_docs_algorithm_yaml_with_the_subclass_argument_composes(my_losses, tmp_path):
     """The doc's `conf/algorithm/reinforce.yaml` (a subclass's own key beside the settings) composes through train.py's
     check, and its key reaches the subclass; a misspelt key in such a file is still one line naming it."""
-    from lit_rlvr.entry import compose_checked
-    from lit_rlvr.recipe import module_arguments
+    from lit_rlvr.app.entry import compose_checked
+    from lit_rlvr.app.recipe import module_arguments
 
     recipe = re.search(r"```yaml\n(defaults:.*?)```", DOC.read_text(), flags=re.S).group(1)
     (tmp_path / "algorithm").mkdir()
@@ -83,7 +83,7 @@ def test_the_docs_algorithm_yaml_with_the_subclass_argument_composes(my_losses, 
     search = f"hydra.searchpath=[file://{tmp_path}]"
     args = module_arguments(compose_checked(None, [search, "algorithm=reinforce"]))
     assert args["_target_"] == "my_losses.ReinforceModule" and args["max_is_weight"] == 2.0
-    from lit_rlvr.config.config_check import check_config
+    from lit_rlvr.app.config_check import check_config
     from lit_rlvr.config.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"algorithm\.lrr is not an option \(did you mean algorithm\.lr\?\)"):

@@ -1,7 +1,7 @@
 """The valid ranges of the run's options, in one table that every entry point checks: the typed settings' fields
 carry their own (`lit_rlvr.config.settings`), the keys of mapping-valued sections and the top level are listed here.
 
-`train.py` checks the composed config against it before any work (`lit_rlvr.config.config_check`); the constructors
+`train.py` checks the composed config against it before any work (`lit_rlvr.app.config_check`); the constructors
 (`GRPOModule`, `RLVRDataModule`, `SamplingConfig`, `SamplingParams`) check their own arguments against the same
 rows, so the Lightning CLI and plain Python reject what `train.py` rejects, with the same line. Keys are the
 Hydra config paths; a constructor checks the rows of its section (`algorithm.`, `data.`).

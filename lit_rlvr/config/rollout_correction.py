@@ -1,8 +1,9 @@
 """`algorithm.rollout_correction`: verl's options for the training-inference mismatch, checked once.
 
 `GRPOModule`'s constructor builds a `RolloutCorrection` from its `rollout_correction` argument (a dict with verl's
-key names), so `train.py`, the Lightning CLI and Python share the checks and the defaults. The math is in
-`lit_rlvr.functional.rollout_correction`; what one update runs of it, `lit_rlvr.update.correction`;
+key names), so `train.py`, the Lightning CLI and Python share the checks and the defaults. It computes nothing:
+the math is in `lit_rlvr.functional.rollout_correction`; what one update runs of it (the IS weights, the
+rejection mask), `lit_rlvr.update.correction`;
 docs/rollout_correction.md is the user guide.
 """
 
@@ -11,8 +12,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
-
-from torch import Tensor
 
 from lit_rlvr.config.problems import checked_fields
 from lit_rlvr.functional import rollout_correction as RC
@@ -153,21 +152,3 @@ class RolloutCorrection:
             raise ValueError(f"{KEY}: rollout_is / rollout_rs weight each token's loss term, but {owner.__name__}."
                              "policy_loss does not apply rollouts.token_weights; set both to null (the mismatch/* "
                              "metrics are logged anyway)")
-
-    def weights(self, old_logp: Tensor, engine_logp: Tensor,
-                mask: Tensor) -> tuple[Optional[Tensor], dict[str, Tensor]]:
-        """Decoupled mode: the loss's token weights [N, T] (IS weights × rejection mask; None when both are off)
-        and the mismatch metrics, all from π_old/π_engine. old_logp, engine_logp, mask: [N, T]."""
-        _, metrics = RC.mismatch_metrics(old_logp, engine_logp, mask)
-        log_ratio = old_logp - engine_logp.to(old_logp.dtype)  # [N, T]
-        weights = None
-        if self.rollout_is is not None:
-            weights, is_metrics = RC.truncated_is_weights(log_ratio, mask, level=self.rollout_is,
-                                                          threshold=self.rollout_is_threshold)
-            metrics.update(is_metrics)
-        if self.rollout_rs is not None:
-            keep, rs_metrics = RC.rejection_mask(log_ratio, mask, modes=self.rollout_rs, threshold=self.rs_threshold)
-            metrics.update(rs_metrics)
-            keep = keep.to(old_logp.dtype)
-            weights = keep if weights is None else weights * keep
-        return weights, metrics

@@ -2,7 +2,7 @@
 
 conf/config.yaml puts each schema first at its group's package (`- schema/algorithm@algorithm`), so the group's
 YAMLs merge onto the class defaults: they hold only what differs, a wrong type or an unknown key is refused while
-Hydra composes (`lit_rlvr.entry` turns that into the one line), and the composed node converts back to the class
+Hydra composes (`lit_rlvr.app.entry` turns that into the one line), and the composed node converts back to the class
 (`OmegaConf.to_object(cfg.model)` is a `ModelConfig`). Registered when this module is imported (by
 `lit_rlvr.config.options`, which every part of the library imports; not by `lit_rlvr.config` itself, whose
 `problems` and `errors` reward workers import without torch).

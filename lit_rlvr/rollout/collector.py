@@ -22,7 +22,7 @@ from lit_rlvr.rollout.driver import RolloutDriver, RolloutResult
 from lit_rlvr.rollout.engine import engine_hint
 from lit_rlvr.run.counters import RunCounters
 from lit_rlvr.run.perf import StepFlops
-from lit_rlvr.run.step_log import StepTimer
+from lit_rlvr.run.step_timer import StepTimer
 
 Batch = dict[str, list]
 

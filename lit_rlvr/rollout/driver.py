@@ -30,7 +30,7 @@ from lit_rlvr.rollout.multi_turn import Episode, MultiTurn, score_episodes
 from lit_rlvr.rollout.weight_sync import PushResult, WeightSync
 from lit_rlvr.run import distributed as D
 from lit_rlvr.run.rng import seed_of
-from lit_rlvr.run.step_log import StepTimer
+from lit_rlvr.run.step_timer import StepTimer
 from lit_rlvr.run.stop import STOP
 
 

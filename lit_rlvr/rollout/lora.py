@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from lit_rlvr.config.options import convert
 from lit_rlvr.models.lora import ADAPTER_NAME, is_lora, lora_delta, lora_factor_names, lora_layers
 from lit_rlvr.rollout.engine import EngineError, RolloutEngine, SamplingParams
-from lit_rlvr.rollout.weights import full_named_weights
+from lit_rlvr.run.distributed import full_named_weights
 
 LORA_SYNC = ("adapter", "merged")
 ADAPTER_PREFIX = "lit_rlvr_v"

@@ -42,7 +42,7 @@ from torch import Tensor
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 from lit_rlvr.rollout.driver import RolloutDriver, RolloutResult
 from lit_rlvr.run import distributed as D
-from lit_rlvr.run.step_log import StepTimer
+from lit_rlvr.run.step_timer import StepTimer
 
 Batch = dict[str, list]
 log = logging.getLogger(__name__)

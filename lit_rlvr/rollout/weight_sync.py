@@ -25,8 +25,9 @@ from lit_rlvr.rollout.lora import (
     merged_named_weights,
     peft_file_name,
 )
-from lit_rlvr.rollout.weights import full_named_weights, push_named
-from lit_rlvr.run.step_log import StepTimer
+from lit_rlvr.rollout.weights import push_named
+from lit_rlvr.run.distributed import full_named_weights
+from lit_rlvr.run.step_timer import StepTimer
 
 
 @dataclass

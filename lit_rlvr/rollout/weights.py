@@ -1,39 +1,15 @@
-"""Streaming trainer weights to a rollout engine: full tensors (gathered from FSDP2 shards), cast, bucketed."""
+"""Streaming trainer weights to a rollout engine: full tensors (gathered from FSDP2 shards by
+`lit_rlvr.run.distributed.full_named_weights`), cast, bucketed."""
 
 from __future__ import annotations
 
 from typing import Iterator, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from lit_rlvr.rollout.engine import RolloutEngine
-
-
-def full_named_weights(model: nn.Module, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, Tensor]]:
-    """(HF name, full tensor) per parameter; a DTensor shard is gathered with `full_tensor()`."""
-    for name, param in model.named_parameters():
-        tensor = whole(param.detach())
-        yield name, tensor if dtype is None else tensor.to(dtype)
-
-
-def whole(tensor: Tensor) -> Tensor:
-    """`tensor` itself, or a DTensor's (FSDP2) full tensor gathered from every rank's shard: a collective."""
-    if not hasattr(tensor, "full_tensor"):  # not a torch.distributed.tensor.DTensor
-        return tensor
-    if tensor.device.type == "cpu" and torch.cuda.is_available() and dist.get_backend() == "nccl":
-        tensor = tensor.to(torch.device("cuda", torch.cuda.current_device()))  # CPU-offloaded shard
-    return tensor.full_tensor()
-
-
-def whole_stack(param: Tensor, stack: Tensor) -> Tensor:
-    """[S, *shape] from `stack`, S tensors of this rank's shard of `param` ([S, *local shape]): `stack` itself for
-    a plain parameter, else each gathered from every rank's shard as `param` is sharded (a collective)."""
-    if not hasattr(param, "full_tensor"):
-        return stack
-    return torch.stack([whole(type(param).from_local(local, param.device_mesh, param.placements, shape=param.shape,
-                                                     stride=param.stride())) for local in stack])
+from lit_rlvr.run.distributed import full_named_weights
 
 
 def buckets(named: Iterator[tuple[str, Tensor]], max_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:

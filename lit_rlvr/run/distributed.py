@@ -1,4 +1,6 @@
-"""The few collectives an RL step needs across data-parallel ranks (no-ops in a single process).
+"""The few collectives an RL step needs across data-parallel ranks (no-ops in a single process), and the gathers
+of FSDP2 shards into full tensors (`whole`, `full_named_weights`: for the engine's weights, the LoRA adapter's
+files and 3PO's weight samples).
 
 Every rank generates for its own prompts, so per-rank quantities (metrics, token counts, the number of
 micro-batches or rollout rounds) differ; these helpers make the ranks agree where FSDP needs them to run the
@@ -8,11 +10,11 @@ same collectives, and make logged metrics describe the global batch.
 from __future__ import annotations
 
 import zlib
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 SUMMED_METRICS = frozenset({"rollouts/per_step", "rollouts/total"})  # counts: the global batch is the sum
 MAX_METRICS = frozenset({"response/len_max", "mismatch/is_weight_max"})
@@ -33,6 +35,31 @@ def all_gather_object(obj: object) -> list:
     out: list = [None] * world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def full_named_weights(model: nn.Module, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, Tensor]]:
+    """(HF name, full tensor) per parameter; a DTensor shard is gathered with `full_tensor()`."""
+    for name, param in model.named_parameters():
+        tensor = whole(param.detach())
+        yield name, tensor if dtype is None else tensor.to(dtype)
+
+
+def whole(tensor: Tensor) -> Tensor:
+    """`tensor` itself, or a DTensor's (FSDP2) full tensor gathered from every rank's shard: a collective."""
+    if not hasattr(tensor, "full_tensor"):  # not a torch.distributed.tensor.DTensor
+        return tensor
+    if tensor.device.type == "cpu" and torch.cuda.is_available() and dist.get_backend() == "nccl":
+        tensor = tensor.to(torch.device("cuda", torch.cuda.current_device()))  # CPU-offloaded shard
+    return tensor.full_tensor()
+
+
+def whole_stack(param: Tensor, stack: Tensor) -> Tensor:
+    """[S, *shape] from `stack`, S tensors of this rank's shard of `param` ([S, *local shape]): `stack` itself for
+    a plain parameter, else each gathered from every rank's shard as `param` is sharded (a collective)."""
+    if not hasattr(param, "full_tensor"):
+        return stack
+    return torch.stack([whole(type(param).from_local(local, param.device_mesh, param.placements, shape=param.shape,
+                                                     stride=param.stride())) for local in stack])
 
 
 def _device(group: Optional[dist.ProcessGroup] = None) -> torch.device:

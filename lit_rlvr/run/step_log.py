@@ -1,44 +1,15 @@
-"""What one RL step records: its phase timings (`StepTimer`), its row of metrics (`step_row`) and where the row goes
-(`write_step_metrics`)."""
+"""What one RL step records: its row of metrics (`step_row`, with the phase timings of `run.step_timer.StepTimer`)
+and where the row goes (`write_step_metrics`: Lightning's loggers)."""
 
 from __future__ import annotations
 
-import time
-from contextlib import contextmanager
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-PHASES = ("gen_s", "reward_s", "train_s", "sync_s")
-
-
-class StepTimer:
-    """Seconds spent per phase of the current step (`time/gen_s`, …): `with timer("gen_s"): ...` adds to it."""
-
-    def __init__(self) -> None:
-        self.times: dict[str, float] = {}
-        self.start = time.perf_counter()
-
-    def reset(self, phases: tuple[str, ...] = PHASES) -> None:
-        self.times = dict.fromkeys(phases, 0.0)
-        self.start = time.perf_counter()
-
-    @contextmanager
-    def __call__(self, phase: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - t0
-
-    def add(self, phase: str, seconds: float) -> None:
-        """Add seconds measured elsewhere (e.g. by the rollout driver) to a phase."""
-        self.times[phase] = self.times.get(phase, 0.0) + seconds
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
+from lit_rlvr.run.step_timer import StepTimer
 
 
 def step_row(rollouts: Any, counters: Mapping[str, int], rollouts_at_start: int, timer: StepTimer, step_s: float,

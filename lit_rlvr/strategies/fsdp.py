@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+
+from lit_rlvr.run import distributed as D
 
 log = logging.getLogger(__name__)
 
@@ -119,9 +120,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         if not has_flat_state(optimizer):
             return super().optimizer_state(optimizer)
-        states: list[Any] = [None] * self.world_size
-        dist.all_gather_object(states, optimizer.state_dict())  # each rank's own shard of the state
-        return {FLAT_OPTIMIZER_STATES: states}
+        return {FLAT_OPTIMIZER_STATES: D.all_gather_object(optimizer.state_dict())}  # each rank's own shard
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         # kept beside the model state (not in the distributed-checkpoint tensors), in both checkpoint layouts

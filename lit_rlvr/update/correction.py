@@ -1,9 +1,10 @@
 """`RolloutCorrector`: what one update runs of verl's rollout correction (`algorithm.rollout_correction`).
 
-The settings and their checks are `lit_rlvr.config.rollout_correction.RolloutCorrection`; the math is
-`lit_rlvr.functional.rollout_correction`. The corrector keeps the one thing that lives across an update's loss passes
-(bypass mode: the first pass's forwards, for the `mismatch/*` metrics) and calls nothing back: the update hands it
-the recomputed π_old and each micro-batch's log-probs.
+The settings and their checks are `lit_rlvr.config.rollout_correction.RolloutCorrection` (which computes nothing);
+the math is `lit_rlvr.functional.rollout_correction`, composed here into the loss's token weights. The corrector
+keeps the one thing that lives across an update's loss passes (bypass mode: the first pass's forwards, for the
+`mismatch/*` metrics) and calls nothing back: the update hands it the recomputed π_old and each micro-batch's
+log-probs.
 """
 
 from __future__ import annotations
@@ -45,8 +46,28 @@ class RolloutCorrector:
         self._rows = None
         if old_logp is None:
             raise ValueError("decoupled rollout correction: before_update needs the recomputed old_logp")
-        weights, metrics = self.options.weights(old_logp, rollouts.old_logp, rollouts.response_mask)
+        weights, metrics = self.decoupled_weights(old_logp, rollouts.old_logp, rollouts.response_mask)
         return replace(rollouts, old_logp=old_logp, token_weights=weights), metrics
+
+    def decoupled_weights(self, old_logp: Tensor, engine_logp: Tensor,
+                          mask: Tensor) -> tuple[Optional[Tensor], dict[str, Tensor]]:
+        """Decoupled mode: the loss's token weights [N, T] (IS weights × rejection mask; None when both are off)
+        and the mismatch metrics, all from π_old/π_engine. old_logp, engine_logp, mask: [N, T]."""
+        options = self.options
+        _, metrics = RC.mismatch_metrics(old_logp, engine_logp, mask)
+        log_ratio = old_logp - engine_logp.to(old_logp.dtype)  # [N, T]
+        weights = None
+        if options.rollout_is is not None:
+            weights, is_metrics = RC.truncated_is_weights(log_ratio, mask, level=options.rollout_is,
+                                                          threshold=options.rollout_is_threshold)
+            metrics.update(is_metrics)
+        if options.rollout_rs is not None:
+            keep, rs_metrics = RC.rejection_mask(log_ratio, mask, modes=options.rollout_rs,
+                                                 threshold=options.rs_threshold)
+            metrics.update(rs_metrics)
+            keep = keep.to(old_logp.dtype)
+            weights = keep if weights is None else weights * keep
+        return weights, metrics
 
     def in_loss(self, rollouts: Rollouts, logp: Tensor, engine_logp: Tensor, mask: Tensor, *,
                 record: bool = True) -> Rollouts:

@@ -25,7 +25,7 @@ from lit_rlvr.config.settings import LossConfig, UpdateConfig
 from lit_rlvr.models.lora import reference_model
 from lit_rlvr.rollout.batch import Rollouts
 from lit_rlvr.run import distributed as D
-from lit_rlvr.run.step_log import StepTimer
+from lit_rlvr.run.step_timer import StepTimer
 from lit_rlvr.update.correction import RolloutCorrector
 from lit_rlvr.update.forward import forward_logprobs
 from lit_rlvr.update.micro_batches import plan_micro_batches
@@ -253,15 +253,14 @@ class Update:
         """The policy's gradient norm, over all shards under FSDP2."""
         grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.tensor(0.0)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
+        return D.whole(norm)  # FSDP2: a DTensor
 
     def _optimizer_step(self, sums: dict[str, Tensor], earlier_finite: bool, step: int) -> Tensor:
         """Clip, check finiteness (also of the loss passes before the last: `earlier_finite`), step; returns the
         gradient norm before clipping."""
         params = [p for p in self.policy.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip) if params else torch.tensor(0.0)
-        if hasattr(norm, "full_tensor"):  # FSDP2: the norm over all shards, as a DTensor
-            norm = norm.full_tensor()
+        norm = D.whole(norm)  # FSDP2: the norm over all shards, as a DTensor
         loss_ok = bool(torch.isfinite(sums.get("loss/policy", torch.tensor(0.0))))
         if not (loss_ok and earlier_finite and bool(torch.isfinite(norm))):
             self._skip_step("loss" if not loss_ok else "gradient", step)

@@ -23,7 +23,7 @@ from omegaconf.errors import MissingMandatoryValue
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_rlvr.config.arguments import build
-from lit_rlvr.config.config_check import env_arguments
+from lit_rlvr.app.config_check import env_arguments
 from lit_rlvr.config.errors import ConfigError, DataError, StopRequested
 from lit_rlvr.config.options import problem_line
 from lit_rlvr.config.settings import AlgorithmConfig, RolloutConfig

@@ -33,7 +33,7 @@ from lit_rlvr.envs import environment_spec
 from lit_rlvr.config.settings import FilterGroups, LoraOptions
 from lit_rlvr.models.lora import model_problems
 from lit_rlvr.module import GRPOModule
-from lit_rlvr.models.warmup import tiny_option_names
+from lit_rlvr.rollout.warmup import tiny_option_names
 from lit_rlvr.rewards import reward_problems
 
 
@@ -89,7 +89,7 @@ def _check_option_types(cfg: DictConfig) -> list[str]:
     sections: list[tuple[str, Any, dict[str, Any]]] = []
     if OmegaConf.select(cfg, "model.name_or_path") == "tiny":
         sections.append(("model.options", OmegaConf.select(cfg, "model.options"),
-                         _init_types("lit_rlvr.models.warmup.warm_start_tiny", function=True)))
+                         _init_types("lit_rlvr.rollout.warmup.warm_start_tiny", function=True)))
     sections.append(("perf", cfg.get("perf"), _init_types("lit_rlvr.run.perf.StepFlops")))
     engine = str(OmegaConf.select(cfg, "engine.name"))
     if engine in ENGINE_CLASSES:

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lit_rlvr.models.lora import is_lora
-from lit_rlvr.rollout.weights import full_named_weights
+from lit_rlvr.run.distributed import full_named_weights
 
 FOLDER = "adapter"
 

@@ -22,11 +22,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 
-from lit_rlvr.config.config_check import check_config
+from lit_rlvr.app.config_check import check_config
 from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.config.problems import secret_problems
 from lit_rlvr.config.schemas import composition_problem
-from lit_rlvr.recipe import check_run_dir, evaluate, print_summary, train
+from lit_rlvr.app.recipe import check_run_dir, evaluate, print_summary, train
 from lit_rlvr.run import quiet
 from lit_rlvr.run.distributed import shutdown
 from lit_rlvr.run.one_line import config_phase, one_line_errors
