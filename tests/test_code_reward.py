@@ -26,6 +26,7 @@ import pytest
 
 from lit_rlvr.config.errors import SandboxError
 from lit_rlvr.rewards import code
+from lit_rlvr.rewards.sandbox import local as sandbox
 from lit_rlvr.rewards.code import (
     CodeReward,
     Limits,
@@ -57,7 +58,7 @@ def sandbox_procs() -> dict[int, int]:
                 uid = os.stat(f"/proc/{p}").st_uid
             except OSError:
                 continue
-            if code._UID_BASE <= uid < code._UID_BASE + code._UID_SPAN:
+            if sandbox._UID_BASE <= uid < sandbox._UID_BASE + sandbox._UID_SPAN:
                 found[int(p)] = uid
     return found
 
@@ -195,7 +196,7 @@ def test_check_tests_details_and_pickling(tmp_path):
 def test_fallback_paths_still_bound_the_program(tmp_path, monkeypatch):
     """Without namespaces (as on machines that lack them): still a hard kill, and no daemon survives."""
     degraded = dict(CAPS, netns=False, pidns=False, mountns=False)
-    monkeypatch.setattr(code, "capabilities", lambda python=None: degraded)
+    monkeypatch.setattr(sandbox, "capabilities", lambda python=None: degraded)
     if CAPS["setuid"]:  # without a private mount the sandbox uid needs a path it may traverse
         with pytest.raises(SandboxError, match="not traversable"):
             run_program("print(1)", limits=Limits(tmp_root=str(tmp_path)))  # pytest's tmp dirs are 0700

@@ -150,7 +150,7 @@ def test_a_redirect_to_ftp_opens_no_ftp_session(serve, caplog):
 
 def test_the_sandbox_client_follows_no_redirect(serve):
     from lit_rlvr.rewards.code import Limits
-    from lit_rlvr.rewards.sandbox_remote import run_remote
+    from lit_rlvr.rewards.sandbox.remote import run_remote
 
     other = serve(lambda h, b: send_json(h, {"status": "Success", "run_result": {
         "status": "Finished", "return_code": 0, "stdout": "3\n", "stderr": ""}}))

@@ -1,5 +1,5 @@
 """The HTTP client of every lit-rlvr component that talks to a server: the reward server (rewards/remote.py), the
-code sandbox by URL (rewards/sandbox_remote.py), the LLM judge through the openai client (rewards/judge.py,
+code sandbox by URL (rewards/sandbox/remote.py), the LLM judge through the openai client (rewards/judge.py,
 `async_client`); the rollout engines that talk to a server are to use it too. One place for the rules
 (docs/rewards.md, "HTTP clients"), so no client can forget one:
 

@@ -1,5 +1,5 @@
-"""The code reward's sandbox launcher: a stdlib-only script run by path as `python -I -S sandbox_launcher.py MODE
-CONFIG` as the training process's user (`lit_rlvr.rewards.code` starts it; never imported). It is a fresh
+"""The code reward's sandbox launcher: a stdlib-only script run by path as `python -I -S launcher.py MODE
+CONFIG` as the training process's user (`lit_rlvr.rewards.sandbox.local` starts it; never imported). It is a fresh
 single-threaded interpreter, so forking, unsharing and dropping privileges are safe there (a `preexec_fn` in the
 multi-threaded trainer could deadlock)."""
 import ctypes

@@ -3,7 +3,7 @@
 to its `run_code` endpoint, answered `{status, run_result: {status, return_code, stdout, stderr, ...}}`.
 
 A call-based test (`fn_name`) is sent as one self-contained program: it writes the solution to `solution.py` and
-runs the local sandbox's harness (lit_rlvr/rewards/sandbox_harness.py) on it. What the server answers maps to
+runs the local sandbox's harness (lit_rlvr/rewards/sandbox/harness.py) on it. What the server answers maps to
 the local sandbox's statuses (`ExecResult`); a server that cannot be reached, fails or answers garbage is a
 `sandbox_error` (the completion is malformed and counted, never a wrong answer). The HTTP rules are
 lit_rlvr/run/http.py's (no redirect, a bounded answer, one deadline per request); an answer over the bound can only
@@ -21,7 +21,7 @@ from typing import Any, Optional
 from lit_rlvr.config.errors import HTTPRefusal
 from lit_rlvr.run.http import DEFAULT_MAX_RESPONSE_BYTES, HTTPClient, redact, start_problem
 
-HARNESS = Path(__file__).with_name("sandbox_harness.py")
+HARNESS = Path(__file__).with_name("harness.py")
 _HTTP_GRACE_S = 30.0  # the server's own overhead (queueing, container start) beyond the run's time limit
 _PROBE = {"code": "print(1)", "language": "python", "stdin": "", "run_timeout": 4.0, "memory_limit_MB": 512}
 
@@ -53,7 +53,7 @@ def call_program(source: str, fn_name: str) -> str:
 
 def run_remote(url: str, source: str, stdin: str = "", *, limits: Any, fn_name: Optional[str] = None,
                retries: int = 2, backoff_s: float = 0.5) -> tuple:
-    """`run_program`'s contract on the server at `url`: the fields of an `ExecResult` (lit_rlvr.rewards.code)."""
+    """`run_program`'s contract on the server at `url`: the fields of an `ExecResult` (sandbox/local.py)."""
     code = call_program(source, fn_name) if fn_name else source
     body = {"code": code, "language": "python", "stdin": stdin, "run_timeout": limits.timeout_s,
             "memory_limit_MB": limits.memory_mb}
