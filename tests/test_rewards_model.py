@@ -1,5 +1,11 @@
 """A reward model (issue 43): a sequence-classification model made in code (the tiny Qwen3 architecture with one
-label), saved as a local HF folder, scores prompt + completion in batches; its settings are checked up front."""
+label), saved as a local HF folder, scores prompt + completion in batches; its settings are checked up front, and so
+is what the folder holds (issue 61, class 6: a causal LM or a 2-label classifier is refused before any work)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,3 +62,59 @@ def test_reward_model_settings_one_line_each(reward_model, options, line):
     options = {k: str(reward_model[0]) if v == "PATH" else v for k, v in options.items()}
     problems = reward_problems("model", options)
     assert len(problems) == 1 and problems[0].startswith(line), problems
+
+
+@pytest.fixture(scope="module")
+def wrong_folders(tmp_path_factory):
+    """A causal LM, a 2-label classifier, and a causal LM's weights under a config that claims a 1-label head."""
+    from transformers import Qwen3ForCausalLM, Qwen3ForSequenceClassification
+
+    tokenizer = build_tokenizer()
+    config = tiny_config(len(tokenizer), hidden_size=32, layers=1)
+    two_labels = tiny_config(len(tokenizer), hidden_size=32, layers=1)
+    two_labels.num_labels = 2
+    folders = {}
+    for name, model in (("causal", Qwen3ForCausalLM(config)),
+                        ("two_labels", Qwen3ForSequenceClassification(two_labels)),
+                        ("no_head", Qwen3ForCausalLM(config))):
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        folders[name] = path
+    spec = json.loads((folders["no_head"] / "config.json").read_text())
+    spec.update(architectures=["Qwen3ForSequenceClassification"], id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    (folders["no_head"] / "config.json").write_text(json.dumps(spec))
+    return folders
+
+
+@pytest.mark.parametrize("name, found", [
+    ("causal", "holds Qwen3ForCausalLM (config.json architectures), not a sequence-classification model: its score "
+               "head would be initialised at random"),
+    ("two_labels", "holds Qwen3ForSequenceClassification with 2 labels (config.json id2label); a reward model has "
+                   "one label"),
+])
+def test_a_folder_that_is_not_a_one_label_reward_model_is_refused_naming_what_it_holds(wrong_folders, name, found):
+    path = str(wrong_folders[name])
+    assert reward_problems("model", {"path": path}) == [f"reward.options.path={path!r} {found}" + (
+        "; give a reward model saved from AutoModelForSequenceClassification with one label" if name == "causal"
+        else ", whose logit is the score")]
+    with pytest.raises(ValueError, match="holds Qwen3For"):
+        build_reward_runner("model", {"path": path})
+
+
+def test_weights_without_the_score_head_are_refused_when_they_load_not_scored_at_random(wrong_folders):
+    path = str(wrong_folders["no_head"])
+    runner = build_reward_runner("model", {"path": path, "device": "cpu"})  # the config alone looks right
+    with pytest.raises(ValueError, match=r"the weights hold no score\.weight \(the score head of "
+                                         r"Qwen3ForSequenceClassification\)"):
+        runner(["1+1="], ["2"], [2])
+    runner.close()
+
+
+def test_train_py_refuses_a_causal_lm_as_reward_model_before_any_work(wrong_folders, tmp_path):
+    path = wrong_folders["causal"]
+    done = subprocess.run([sys.executable, "train.py", "reward=model", f"reward.options.path={path}",
+                           f"hydra.run.dir={tmp_path}"], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "holds Qwen3ForCausalLM" in done.stderr + done.stdout, done.stderr[-2000:]
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.csv").exists()

@@ -9,6 +9,11 @@ tokenizer has one), truncated on the left to `max_length` tokens. `device`: `aut
 the trainer's device in a one-GPU run, else the CPU), or any torch device (`cpu`, `cuda:1`: a device of its own).
 The model loads on the first batch, in `dtype`, in eval mode; a reward model never says malformed. A batch that
 fails (out of memory, say) makes its completions malformed and counted, like any reward call.
+
+What the folder holds is checked before any work, from its config.json alone (no weights read): a causal LM (whose
+score head `AutoModelForSequenceClassification` would initialise at random, and train on noise) and a classifier
+with another number of labels (whose head cannot load into one label) are refused in one line naming the path and
+what was found. At load, a head missing from the weights (a config edited to say otherwise) is refused the same way.
 """
 
 from __future__ import annotations
@@ -21,6 +26,26 @@ from lit_rlvr.rewards.base import RewardResult
 from lit_rlvr.rewards.checks import is_int, problem_line
 
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+def model_problem(path: str) -> Optional[str]:
+    """A line when config.json in `path` is not a sequence classifier with one label, naming what it is."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as err:  # an unknown model_type, a broken file
+        return f"reward.options.path={path!r}: config.json is not a Hugging Face config ({type(err).__name__}: " \
+               f"{str(err)[:200]})"
+    found = list(getattr(config, "architectures", None) or [])
+    if not any(name.endswith("ForSequenceClassification") for name in found):
+        return (f"reward.options.path={path!r} holds {', '.join(found) or 'no architecture'} (config.json "
+                "architectures), not a sequence-classification model: its score head would be initialised at "
+                "random; give a reward model saved from AutoModelForSequenceClassification with one label")
+    if config.num_labels != 1:
+        return (f"reward.options.path={path!r} holds {found[0]} with {config.num_labels} labels (config.json "
+                "id2label); a reward model has one label, whose logit is the score")
+    return None
 
 
 class ModelReward:
@@ -40,6 +65,8 @@ class ModelReward:
             problems.append(problem_line("reward.options.dtype", dtype, f"one of {', '.join(DTYPES)}"))
         if not isinstance(device, str) or not device:
             problems.append(problem_line("reward.options.device", device, "auto, cpu or a torch device (cuda:1)"))
+        if not problems:
+            problems += [p for p in [model_problem(path)] if p]
         if problems:
             raise RewardOptionError(problems)
         self.path, self.batch_size, self.device, self.dtype = path, batch_size, device, dtype
@@ -66,8 +93,13 @@ class ModelReward:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         tokenizer = AutoTokenizer.from_pretrained(self.path)
         tokenizer.truncation_side = "left"  # keep the completion's end: where the answer is
-        model = AutoModelForSequenceClassification.from_pretrained(self.path, num_labels=1,
-                                                                   dtype=getattr(torch, self.dtype))
+        model, info = AutoModelForSequenceClassification.from_pretrained(self.path, num_labels=1,
+                                                                         dtype=getattr(torch, self.dtype),
+                                                                         output_loading_info=True)
+        if info["missing_keys"]:  # initialised at random: its scores would be noise
+            raise RewardOptionError([f"reward.options.path={self.path!r}: the weights hold no "
+                                     f"{', '.join(sorted(info['missing_keys'])[:3])} (the score head of "
+                                     f"{type(model).__name__}); give a reward model saved with its head"])
         if model.config.pad_token_id is None:  # the classifier reads the last non-pad token
             model.config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
                 else tokenizer.eos_token_id
