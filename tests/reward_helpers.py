@@ -38,6 +38,21 @@ def sleeping_reward(prompt: str, completion: str, answer: Any) -> Any:
     return arithmetic_reward(prompt, completion, answer)
 
 
+_blocking_calls = 0
+
+
+def blocking_reward(prompt: str, completion: str, answer: Any) -> Any:
+    """Blocks for an hour in C code (time.sleep: no thread can cut it) once it has been called more than
+    $HANG_AFTER times (default 0), touching the file $HANG_MARKER (when set) as it starts to block."""
+    global _blocking_calls
+    _blocking_calls += 1
+    if _blocking_calls > int(os.environ.get("HANG_AFTER", "0")):
+        if os.environ.get("HANG_MARKER"):
+            open(os.environ["HANG_MARKER"], "a").close()
+        time.sleep(3600)
+    return arithmetic_reward(prompt, completion, answer)
+
+
 def looping_reward(prompt: str, completion: str, answer: Any) -> Any:
     """Spins in Python code (can be cut) for completions starting with "loop"."""
     while completion.startswith("loop"):

@@ -7,12 +7,12 @@ import inspect
 import logging
 from typing import Any, Optional
 
-from lit_rlvr.rewards.base import (DEFAULT_SCORE_BOUND, DEFAULT_TIMEOUT_S, Failure, RewardBatch, RewardFn,
-                                   RewardResult, RewardRunner, copied, plain_result)
-
 from lit_rlvr.config.errors import RewardOptionError
-from lit_rlvr.rewards.async_runner import DEFAULT_MAX_CONCURRENT, AsyncRewardRunner, is_async
-from lit_rlvr.rewards.checks import is_int, is_number, problem_line
+from lit_rlvr.rewards.async_runner import AsyncRewardRunner, is_async
+from lit_rlvr.rewards.base import RewardBatch, RewardFn, RewardResult, RewardRunner, Runner
+from lit_rlvr.rewards.batch import BatchRewardRunner
+from lit_rlvr.rewards.checks import problem_line
+from lit_rlvr.rewards.options import PASSED_ON, RUNNER_KEYS, RunnerOptions
 from lit_rlvr.rewards.terms import SHARED_KEYS, build_terms, term_specs
 from lit_rlvr.rewards.workers import ProcessRewardRunner
 
@@ -58,34 +58,8 @@ def resolve_reward(name: str | RewardFn, options: Optional[dict[str, Any]] = Non
     unknown = sorted(set(options) - set(valid))
     if unknown and "kwargs" not in inspect.signature(obj).parameters:
         raise ValueError(f"reward={name!r}: reward.options {unknown} are not options of {obj.__name__}; valid: "
-                         f"{', '.join(valid)} (and isolation, timeout_s, score_bound, max_concurrent; with "
-                         "isolation=process: workers)")
+                         f"{', '.join(valid)} (and the runner's: {', '.join(RUNNER_KEYS)})")
     return obj(**options)
-
-
-class _BatchRewardRunner(RewardRunner):
-    """For rewards that score a whole batch themselves (the code sandbox runs its own worker pool)."""
-
-    def __call__(self, prompts, completions, answers) -> RewardBatch:
-        try:  # one copy per completion: scoring one cannot change what the next one (or a later step) sees
-            copies = [copied(args) for args in zip(prompts, completions, answers)]
-            columns = [[c[i] for c in copies] for i in range(3)]
-            results = list(self.fn.score_batch(*columns))
-            if len(results) != len(copies):
-                raise ValueError(f"score_batch returned {len(results)} results for {len(copies)} completions")
-        except BaseException as err:  # reward code is user code: every call of the batch fails, the run goes on
-            why = f"{type(err).__name__}: {str(err)[:500]}"
-            log.warning("reward score_batch failed: %s (the batch's %d completions scored as malformed)", why,
-                        len(prompts))
-            return self.contract.batch([self.contract.failed(why)] * len(prompts), len(prompts))
-        results = [plain_result(r) for r in results]
-        # a batch reward reports its own failures (sandbox errors, a server's) as results whose info says "error"
-        results = [self.contract.failed(r.info[5:].lstrip(": ")) if isinstance(r, RewardResult)
-                   and r.info.startswith("error") else r for r in results]
-        return self.contract.batch(results, sum(isinstance(r, Failure) for r in results))
-
-    def close(self) -> None:
-        getattr(self.fn, "close", lambda: None)()
 
 
 def reward_problems(name: Any, options: Optional[dict[str, Any]] = None, key: str = "reward") -> list[str]:
@@ -98,70 +72,82 @@ def reward_problems(name: Any, options: Optional[dict[str, Any]] = None, key: st
         shared = {k: options[k] for k in SHARED_KEYS if k in options}
         for term, reward, _, own in specs:
             where = f"{key}.options.terms.{term}"
+            common = {k: v for k, v in shared.items()  # a valid shared cap goes only where it means something
+                      if k != "max_concurrent" or RunnerOptions.problems({k: v}) or _takes_cap(reward, default=True)}
             problems += [p.replace(f"{key}.options.", f"{where}.options.", 1) if p.startswith(f"{key}.options.")
                          else p.replace(f"{key}=", f"{where}.reward=", 1)
-                         for p in reward_problems(reward, {**shared, **own}, key)]
+                         for p in reward_problems(reward, {**common, **own}, key)]
         return problems
-    problems = []
-    cap = options.get("max_concurrent")
-    if cap is not None and not is_int(cap, 1):
-        problems.append(problem_line(f"{key}.options.max_concurrent", cap, "an integer >= 1 (calls in flight)"))
-    timeout = options.get("timeout_s")
-    if timeout is not None and not (is_number(timeout) and 0 < timeout < float("inf")):
-        problems.append(problem_line(f"{key}.options.timeout_s", timeout, "a number of seconds > 0"))
+    problems = RunnerOptions.problems(options, f"{key}.options")
     try:
         obj = _load(name)
     except ValueError as err:
         return problems + [str(err)]
+    if not problems:
+        runner, _ = RunnerOptions.split(options)
+        takes = (lambda k: isinstance(obj, type) and k in inspect.signature(obj).parameters)
+        problems = [p.replace("reward.options.", f"{key}.options.", 1).replace("reward=", f"{key}=", 1)
+                    for p in _unused_runner_keys(name, obj, runner, options, takes)]
     check = getattr(obj, "check_options", None) if isinstance(obj, type) else None
     named = {line.split("=")[0] for line in problems}  # a class that checks the same key again adds no second line
     own = list(check(options)) if check is not None else []
     return problems + [line for line in own if line.split("=")[0] not in named]
 
 
-def _takes_cap(name: Any) -> bool:
-    """Whether `max_concurrent` means something to this reward: it is async, or a class that takes it."""
-    obj = _load(name)
+def _takes_cap(name: Any, default: bool = False) -> bool:
+    """Whether `max_concurrent` means something to this reward: it is async, or a class that takes it (`default`
+    for a name that cannot be loaded: its own line says so)."""
+    try:
+        obj = _load(name)
+    except ValueError:
+        return default
     return is_async(obj) or (isinstance(obj, type) and "max_concurrent" in inspect.signature(obj).parameters)
 
 
-def build_reward_runner(name: str | RewardFn, options: Optional[dict[str, Any]] = None) -> RewardRunner:
-    """`options`: `isolation` ("none" | "process"), `timeout_s` (every call's bound, in both modes; also given to
-    a reward class that takes it), `score_bound`, `workers` (process), `max_concurrent` (an async reward's calls
-    in flight; also given to a class that takes it); the rest go to a reward class. `name="terms"`: weighted
-    terms (lit_rlvr/rewards/terms.py), each built here."""
+def build_reward_runner(name: str | RewardFn, options: Optional[dict[str, Any]] = None) -> Runner:
+    """The runner of reward `name` with `reward.options` `options`: the runner's keys (`RunnerOptions`:
+    `isolation`, `timeout_s`, `score_bound`, `workers`, `max_concurrent`) choose and set up the runner, the rest
+    configure a reward class; a runner key that the class also takes as an argument (`PASSED_ON`) is given to it
+    too, except `timeout_s` and `workers` under isolation=process (the pool's own). `name="terms"`: weighted terms
+    (lit_rlvr/rewards/terms.py), each built here."""
     options = dict(options or {})
     if name == "terms":
         return build_terms(options, build_reward_runner, _takes_cap)
-    isolation = options.pop("isolation", "none")
-    if isolation not in ("none", "process"):
-        raise ValueError(f"reward.options.isolation={isolation!r} is not valid; valid: none, process")
-    score_bound = options.pop("score_bound", DEFAULT_SCORE_BOUND)
+    runner, own = RunnerOptions.split(options)
     obj = _load(name)
     takes = (lambda key: isinstance(obj, type) and key in inspect.signature(obj).parameters)
-    max_concurrent = options.get("max_concurrent") if takes("max_concurrent") else options.pop("max_concurrent", None)
-    if isolation == "process":  # the runner owns the time bound and the pool; the rest configure the reward
-        timeout_s, workers = options.pop("timeout_s", DEFAULT_TIMEOUT_S), options.pop("workers", 2)
-        fn = resolve_reward(name, options)
-        if is_async(fn):
-            raise RewardOptionError([problem_line("reward.options.isolation", isolation, "none for an async reward "
-                                                  "(its calls are awaited on an event loop in the training process)")])
-        return ProcessRewardRunner(fn, timeout_s=timeout_s, workers=workers, score_bound=score_bound)
-    timeout_s = options.get("timeout_s", DEFAULT_TIMEOUT_S)
-    if not takes("timeout_s"):
-        options.pop("timeout_s", None)  # the runner's bound only (e.g. a plain function takes no options)
-    fn = resolve_reward(name, options)  # e.g. the code sandbox takes timeout_s and workers itself
+    kept = ("max_concurrent",) if runner.isolation == "process" else PASSED_ON
+    own.update({k: options[k] for k in kept if k in options and takes(k)})
+    problems = _unused_runner_keys(name, obj, runner, options, takes)
+    if problems:
+        raise RewardOptionError(problems)
+    fn = resolve_reward(name, own)
+    if runner.isolation == "process":
+        return ProcessRewardRunner(fn, runner)
     if is_async(fn):
-        return AsyncRewardRunner(fn, timeout_s=timeout_s, score_bound=score_bound,
-                                 max_concurrent=DEFAULT_MAX_CONCURRENT if max_concurrent is None else max_concurrent)
-    if max_concurrent is not None and not takes("max_concurrent"):
-        raise RewardOptionError([f"reward.options.max_concurrent={max_concurrent!r} caps an async reward's calls in "
-                           f"flight, and reward={name!r} is not async; remove it (isolation=process with "
-                           "reward.options.workers runs sync calls side by side)"])
-    if hasattr(fn, "score_batch"):  # bounded by its own sandbox kills
-        return _BatchRewardRunner(fn, score_bound=score_bound)
-    return RewardRunner(fn, timeout_s=timeout_s, score_bound=score_bound)
+        return AsyncRewardRunner(fn, runner)
+    if hasattr(fn, "score_batch"):  # bounded by its own kills and timeouts
+        return BatchRewardRunner(fn, runner)
+    return RewardRunner(fn, runner)
 
 
-__all__ = ["REWARDS", "RewardBatch", "RewardFn", "RewardResult", "RewardRunner", "build_reward_runner",
-           "resolve_reward", "reward_problems"]
+def _unused_runner_keys(name: Any, obj: Any, runner: RunnerOptions, options: dict[str, Any], takes: Any) -> list[str]:
+    """Runner keys that would mean nothing for this reward (accepted and then ignored otherwise): one line each."""
+    problems = []
+    if runner.isolation == "process" and is_async(obj):
+        problems.append(problem_line("reward.options.isolation", "process", "none for an async reward (its calls "
+                                     "are awaited on an event loop in the training process)"))
+    cap = options.get("max_concurrent")
+    if cap is not None and not (is_async(obj) or takes("max_concurrent")):
+        problems.append(f"reward.options.max_concurrent={cap!r} caps an async reward's calls in flight, and "
+                        f"reward={name!r} is not async; remove it (isolation=process with reward.options.workers "
+                        "runs sync calls side by side)")
+    if "workers" in options and runner.isolation == "none" and not takes("workers"):
+        problems.append(f"reward.options.workers={options['workers']!r} sets the worker processes of "
+                        f"reward.options.isolation=process, and reward={name!r} runs in the training process "
+                        "(isolation=none); set isolation=process, or remove workers")
+    return problems
+
+
+__all__ = ["REWARDS", "RUNNER_KEYS", "RewardBatch", "RewardFn", "RewardResult", "RewardRunner", "Runner",
+           "RunnerOptions", "build_reward_runner", "resolve_reward", "reward_problems"]

@@ -16,14 +16,14 @@ import inspect
 import logging
 import math
 import threading
-from typing import Any, Optional, Sequence
+from concurrent import futures
+from typing import Any, Optional
 
-from lit_rlvr.rewards.base import (DEFAULT_SCORE_BOUND, DEFAULT_TIMEOUT_S, RewardBatch, RewardContract, RewardFn,
-                                   copied, plain_result)
+from lit_rlvr.rewards.base import CallError, RewardFn, Runner, copied, plain_result, wait_or_stop
+from lit_rlvr.rewards.options import RunnerOptions
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_CONCURRENT = 64  # reward.options.max_concurrent: async calls in flight at once
 _GRACE_S = 2.0  # beyond the batch's budget before the loop counts as blocked
 
 
@@ -32,42 +32,35 @@ def is_async(fn: Any) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
-class AsyncRewardRunner:
+class AsyncRewardRunner(Runner):
     """See the module docstring; `close()` stops the loop's thread."""
 
-    def __init__(self, fn: RewardFn, failure_score: float = -1.0, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 score_bound: float = DEFAULT_SCORE_BOUND, max_concurrent: int = DEFAULT_MAX_CONCURRENT):
-        if not timeout_s > 0:
-            raise ValueError(f"reward.options.timeout_s must be > 0, got {timeout_s!r}")
-        self.fn, self.timeout_s, self.max_concurrent = fn, float(timeout_s), int(max_concurrent)
-        self.contract = RewardContract(failure_score, score_bound)
-        self.failure_score = self.contract.failure_score
-        self.stop_reason: Optional[str] = None
+    def __init__(self, fn: RewardFn, options: Optional[RunnerOptions] = None, **settings: Any):
+        super().__init__(fn, options, **settings)
+        self.max_concurrent = self.options.cap
         self._loop: Optional[asyncio.AbstractEventLoop] = None
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], answers: Sequence[Any]) -> RewardBatch:
-        jobs = list(zip(prompts, completions, answers))
+    def _score(self, jobs: list[tuple]) -> list[Any]:
         loop = self._running_loop()
         future = asyncio.run_coroutine_threadsafe(self._score_all(jobs), loop)
         budget = self.timeout_s * math.ceil(len(jobs) / self.max_concurrent) + _GRACE_S
         try:
-            outcomes = future.result(budget)
-        except Exception as err:  # the loop is blocked in sync code (or broken): abandon it
-            future.cancel()
-            self._loop = None  # a daemon thread: never joined, never reused
-            loop.call_soon_threadsafe(loop.stop)
-            self.stop_reason = (f"the async reward's calls ran past reward.options.timeout_s={self.timeout_s:g} and "
-                                "could not be cancelled (a coroutine blocks the event loop in sync code: await "
-                                "asyncio.sleep, not time.sleep; or use a sync reward with isolation=process)")
-            outcomes = [(None, f"timeout, the event loop was blocked ({type(err).__name__})")] * len(jobs)
-        values, failures = [], 0
-        for value, error in outcomes:
-            if error is not None:
-                failures += 1
-                log.warning("reward call failed: %s (scored as malformed)", error)
-                value = self.contract.failed(error)
-            values.append(value)
-        return self.contract.batch(values, failures)
+            if wait_or_stop(lambda s: bool(futures.wait([future], s).done), budget) and future.exception() is None:
+                return future.result()
+        except BaseException:  # StopRequested: the loop's calls are abandoned with it
+            self._abandon(loop, future)
+            raise
+        why = type(future.exception()).__name__ if future.done() else "TimeoutError"
+        self._abandon(loop, future)  # blocked in sync code (or broken): never reused
+        self.stop_reason = (f"the async reward's calls ran past reward.options.timeout_s={self.timeout_s:g} and "
+                            "could not be cancelled (a coroutine blocks the event loop in sync code: await "
+                            "asyncio.sleep, not time.sleep; or use a sync reward with isolation=process)")
+        return [CallError("loop blocked", f"timeout, the event loop was blocked ({why})")] * len(jobs)
+
+    def _abandon(self, loop: asyncio.AbstractEventLoop, future: Any) -> None:
+        future.cancel()
+        self._loop = None  # a daemon thread: never joined, never reused
+        loop.call_soon_threadsafe(loop.stop)
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
@@ -76,23 +69,24 @@ class AsyncRewardRunner:
             self._loop = loop
         return self._loop
 
-    async def _score_all(self, jobs: list[tuple]) -> list[tuple[Any, Optional[str]]]:
+    async def _score_all(self, jobs: list[tuple]) -> list[Any]:
         gate = asyncio.Semaphore(self.max_concurrent)
         return list(await asyncio.gather(*(self._one(gate, args) for args in jobs)))
 
-    async def _one(self, gate: asyncio.Semaphore, args: tuple) -> tuple[Any, Optional[str]]:
+    async def _one(self, gate: asyncio.Semaphore, args: tuple) -> Any:
         async with gate:  # the time bound starts when the call does, not while it waits for a slot
             try:
                 args = copied(args)
             except Exception as err:
-                return None, f"its arguments cannot be copied ({type(err).__name__}: {err})"
+                return CallError("arguments not copied", f"its arguments cannot be copied ({type(err).__name__}: "
+                                                         f"{err})")
             try:
                 value = await asyncio.wait_for(self._call(args), self.timeout_s)
-                return plain_result(value), None
+                return plain_result(value)
             except asyncio.TimeoutError:
-                return None, f"timeout after {self.timeout_s:g}s (reward.options.timeout_s)"
+                return CallError("timeout", f"timeout after {self.timeout_s:g}s (reward.options.timeout_s)")
             except BaseException as err:  # SystemExit and the rest: the reward's failure, not the run's
-                return None, f"{type(err).__name__}: {str(err)[:500]}"
+                return CallError(f"raised {type(err).__name__}", f"{type(err).__name__}: {str(err)[:500]}")
 
     async def _call(self, args: tuple) -> Any:
         result = self.fn(*args)

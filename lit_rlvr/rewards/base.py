@@ -13,10 +13,14 @@ trainer never calls into a returned object.
 Every call gets its own deep copy of its arguments (in worker processes: its own unpickled copy), so a reward
 that changes its prompt or answer cannot change what a later call, step or evaluation sees.
 
-`RewardRunner` scores a batch in the training process, each call on a watchdog thread bounded by `timeout_s`:
-an overrunning call is cut (an exception raised in its thread) and counted; a call that cannot be cut (blocked
-in C code) is counted and sets `stop_reason`, on which the module saves a checkpoint and stops the run.
-`ProcessRewardRunner` (lit_rlvr/rewards/workers.py) runs the calls in worker processes that can always be killed.
+`Runner` is the base of every reward runner: the settings (`RunnerOptions`, lit_rlvr/rewards/options.py), the
+contract, the failure loop and its counts, waits that honour a stop request, `stop_reason`. Its subclasses say how
+calls run: `RewardRunner` here, in the training process, each call on a watchdog thread bounded by `timeout_s` (an
+overrunning call is cut, an exception raised in its thread, and counted; a call that cannot be cut, blocked in C
+code, is counted and sets `stop_reason`, on which the module saves a checkpoint and stops the run);
+`ProcessRewardRunner` (workers.py) in worker processes that can always be killed; `AsyncRewardRunner`
+(async_runner.py) on an event loop; `BatchRewardRunner` (batch.py) through a reward's own `score_batch`;
+`TermsRunner` (terms.py) as a weighted sum of other runners.
 """
 
 from __future__ import annotations
@@ -29,18 +33,20 @@ import math
 import numbers
 import queue
 import threading
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
 
 from lit_rlvr.config.problems import convert
+from lit_rlvr.rewards.options import DEFAULT_SCORE_BOUND, DEFAULT_TIMEOUT_S, RunnerOptions  # noqa: F401 (re-exported)
+from lit_rlvr.run.stop import STOP
 
 if TYPE_CHECKING:  # torch is imported only where tensors are built: reward worker processes never load it
     from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 5.0  # reward.options.timeout_s: seconds one call may take, in every isolation mode
-DEFAULT_SCORE_BOUND = 1e6  # reward.options.score_bound: |score| above it is malformed
+_STOP_POLL_S = 0.1  # how often a wait on a reward call looks at the stop request
 _CUT_GRACE_S = 1.0  # how long an overrunning in-process call may take to unwind after it is cut
 
 
@@ -214,55 +220,154 @@ def copied(args: tuple) -> tuple:
     return copy.deepcopy(args)
 
 
-class RewardRunner:
-    """Scores completions in-process; each call bounded by `timeout_s` (see the module docstring).
+class CallError(NamedTuple):
+    """A call that failed before it returned: `kind` says which way (warned once per kind), `why` the details."""
 
-    `stop_reason` is set (and stays set) once a call overran and could not be cut: its thread is abandoned,
-    still running, so the run should stop (the module saves a checkpoint first).
+    kind: str
+    why: str
+
+
+Outcome = Any  # what one call gave: a plain result, a `ContractBreach`, a `Failure`, or a `CallError`
+
+
+def wait_or_stop(ready: Callable[[float], bool], timeout_s: Optional[float]) -> bool:
+    """Whether `ready(seconds)` (a wait of at most that long) said yes within `timeout_s` (None: no bound); between
+    short waits, a stop request older than its grace raises `StopRequested` (lit_rlvr/run/stop.py), so no wait of the
+    trainer on a reward call defers a stop past `stop_grace_s`."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        STOP.check()
+        left = math.inf if deadline is None else deadline - time.monotonic()
+        if ready(max(0.0, min(left, _STOP_POLL_S))):
+            return True
+        if left <= _STOP_POLL_S:
+            return False
+
+
+class Runner:
+    """The base of every reward runner: `runner(prompts, completions, answers) -> RewardBatch`.
+
+    It owns what every runner shares: its settings (`RunnerOptions`), the contract (`RewardContract`: what a
+    reward may return), the failure loop (a call that raised, timed out or broke the contract is scored
+    `failure_score`, malformed, counted in `RewardBatch.failures`, and warned once per kind), the waits (each
+    honours a stop request: `wait_or_stop`) and `stop_reason` (set once a call ran past its bound and could not be
+    ended: the run saves and stops after the step). A subclass says how the calls run: `_score(jobs)` returns one
+    outcome per job, in order.
     """
 
-    def __init__(self, fn: RewardFn, failure_score: float = -1.0, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 score_bound: float = DEFAULT_SCORE_BOUND):
-        timeout_s = convert("reward.options.timeout_s", timeout_s, float)
-        if not timeout_s > 0:
-            raise ValueError(f"reward.options.timeout_s must be > 0, got {timeout_s!r}")
-        self.fn, self.timeout_s = fn, timeout_s
-        self.contract = RewardContract(failure_score, score_bound)
+    stop_reason: Optional[str] = None
+
+    def __init__(self, fn: Any, options: Optional[RunnerOptions] = None, *, failure_score: float = -1.0,
+                 **settings: Any):
+        options = options or RunnerOptions()
+        self.options = options.replace(**settings) if settings else options
+        self.fn, self.timeout_s = fn, self.options.timeout_s
+        self.contract = RewardContract(failure_score, self.options.score_bound)
         self.failure_score = self.contract.failure_score
-        self.stop_reason: Optional[str] = None
+        self._warned: set[str] = set()
+
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[str], answers: Sequence[Any]) -> RewardBatch:
+        jobs = list(zip(prompts, completions, answers))
+        outcomes = self._score(jobs) if jobs else []
+        values = [self._failed(o) if isinstance(o, CallError) else o for o in outcomes]
+        return self.contract.batch(values, sum(isinstance(v, Failure) for v in values))
+
+    def _score(self, jobs: list[tuple]) -> list[Outcome]:
+        raise NotImplementedError
+
+    def _failed(self, error: CallError) -> RewardResult:
+        if error.kind not in self._warned:
+            self._warned.add(error.kind)
+            log.warning("reward call failed: %s (scored as malformed and counted in reward_failures; later "
+                        "failures of this kind are counted, not logged)", error.why)
+        return self.contract.failed(error.why)
+
+    def close(self) -> None:
+        """Ends what the runner started (threads, processes, a loop); a later call starts them again."""
+
+    def __enter__(self) -> "Runner":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class RewardRunner(Runner):
+    """Scores completions in-process, one call after another on a watchdog thread, each bounded by `timeout_s`
+    (see the module docstring).
+
+    `stop_reason` is set (and stays set) once a call overran and could not be cut: its thread is abandoned, still
+    running, so the run should stop (the module saves a checkpoint first). From then on the calls left run side by
+    side, each on a fresh thread, under one shared deadline: a batch whose every call blocks costs one more
+    `timeout_s`, not one per call.
+    """
+
+    def __init__(self, fn: RewardFn, options: Optional[RunnerOptions] = None, **settings: Any):
+        super().__init__(fn, options, **settings)
         self._thread: Optional[_CallThread] = None
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], answers: Sequence[Any]) -> RewardBatch:
-        values, failures = [], 0
-        for args in zip(prompts, completions, answers):
-            value, error = self._call(args)
-            if error is not None:  # reward code is user code: count the failure, keep training
-                failures += 1
-                log.warning("reward call failed: %s (scored as malformed)", error)
-                value = self.contract.failed(error)
-            values.append(value)
-        return self.contract.batch(values, failures)
+    def _score(self, jobs: list[tuple]) -> list[Outcome]:
+        outcomes: list[Outcome] = []
+        for i, args in enumerate(jobs):
+            if self.stop_reason is not None:
+                return outcomes + self._side_by_side(jobs[i:])
+            outcomes.append(self._call(args))
+        return outcomes
 
-    def _call(self, args: tuple) -> tuple[Any, Optional[str]]:
-        """(value, None) or (None, why it failed)."""
+    def _call(self, args: tuple) -> Outcome:
         try:
             args = copied(args)
         except Exception as err:
-            return None, f"its arguments cannot be copied ({type(err).__name__}: {err})"
+            return CallError("arguments not copied", f"its arguments cannot be copied ({type(err).__name__}: {err})")
         if self._thread is None:
             self._thread = _CallThread()
         job = self._thread.submit(self.fn, args)
-        if job.done.wait(self.timeout_s):
-            return job.value, job.error
+        if wait_or_stop(job.done.wait, self.timeout_s):
+            return job.outcome
         thread, self._thread = self._thread, None  # never reused: a late cut could land in the next call
         thread.cut()
-        if job.done.wait(_CUT_GRACE_S):
-            return None, f"timeout after {self.timeout_s:g}s (reward.options.timeout_s)"
+        if wait_or_stop(job.done.wait, _CUT_GRACE_S):
+            return CallError("timeout", f"timeout after {self.timeout_s:g}s (reward.options.timeout_s)")
+        return self._not_cut()
+
+    def _side_by_side(self, jobs: list[tuple]) -> list[Outcome]:
+        """Each call on a thread of its own, all under one deadline; those still running then are cut."""
+        started: list[Any] = []
+        for args in jobs:
+            try:
+                args = copied(args)
+            except Exception as err:
+                started.append(CallError("arguments not copied", f"its arguments cannot be copied ({err!r:.200})"))
+                continue
+            started.append(_CallThread().submit(self.fn, args, last=True))
+        calls = [job for job in started if isinstance(job, _Job)]
+        deadline = time.monotonic() + self.timeout_s
+        for job in calls:
+            wait_or_stop(job.done.wait, max(0.0, deadline - time.monotonic()))
+        for job in calls:
+            if not job.done.is_set():
+                job.thread.cut()
+        deadline = time.monotonic() + _CUT_GRACE_S
+        for job in calls:
+            wait_or_stop(job.done.wait, max(0.0, deadline - time.monotonic()))
+        outcomes: list[Outcome] = []
+        for job in started:
+            if not isinstance(job, _Job):  # its arguments could not be copied
+                outcomes.append(job)
+            elif not job.done.is_set():
+                outcomes.append(self._not_cut())
+            elif job.cut:
+                outcomes.append(CallError("timeout", f"timeout after {self.timeout_s:g}s (reward.options.timeout_s)"))
+            else:
+                outcomes.append(job.outcome)
+        return outcomes
+
+    def _not_cut(self) -> CallError:
         self.stop_reason = (f"a reward call ran past reward.options.timeout_s={self.timeout_s:g} and could not be "
                             "cut in the training process (blocked outside Python code); run the reward with "
                             "reward.options.isolation=process (its workers can be killed), or raise "
                             "reward.options.timeout_s")
-        return None, f"timeout after {self.timeout_s:g}s, not cut: the run stops after this step"
+        return CallError("not cut", f"timeout after {self.timeout_s:g}s, not cut: the run stops after this step")
 
     def close(self) -> None:
         if self._thread is not None:
@@ -279,8 +384,14 @@ class _Job:
     fn: RewardFn
     args: tuple
     done: threading.Event
+    thread: "_CallThread"
     value: Any = None
     error: Optional[str] = None
+    cut: bool = False  # the cut landed in this job (it ended by the watchdog, not by itself)
+
+    @property
+    def outcome(self) -> Outcome:
+        return self.value if self.error is None else CallError("raised " + self.error.split(":", 1)[0], self.error)
 
 
 class _CallThread(threading.Thread):
@@ -292,9 +403,12 @@ class _CallThread(threading.Thread):
         self._retired = False
         self.start()
 
-    def submit(self, fn: RewardFn, args: tuple) -> _Job:
-        job = _Job(fn, args, threading.Event())
+    def submit(self, fn: RewardFn, args: tuple, last: bool = False) -> _Job:
+        """Queue one call; `last`: the thread ends after it."""
+        job = _Job(fn, args, threading.Event(), self)
         self._jobs.put(job)
+        if last:
+            self.retire()
         return job
 
     def retire(self) -> None:
@@ -307,7 +421,7 @@ class _CallThread(threading.Thread):
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.ident), ctypes.py_object(_CallTimeout))
 
     def run(self) -> None:
-        while not self._retired:
+        while True:
             job = None
             try:
                 job = self._jobs.get()
@@ -315,11 +429,13 @@ class _CallThread(threading.Thread):
                     return
                 try:
                     job.value = plain_result(job.fn(*job.args))  # in the call's time bound
+                except _CallTimeout:
+                    job.cut = True
                 except BaseException as err:  # SystemExit, KeyboardInterrupt too: the reward's, never the run's
                     job.error = f"{type(err).__name__}: {err}"
                 job.done.set()
             except _CallTimeout:  # a cut that landed just after the call returned
                 if job is not None:
+                    job.cut = True
                     job.done.set()
-
-
+                return

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from lit_rlvr.config.errors import RewardOptionError
-from lit_rlvr.rewards.base import DEFAULT_SCORE_BOUND, Failure, RewardBatch, RewardContract, RewardResult
-from lit_rlvr.rewards.checks import constructor_problems, is_int, is_number as _is_number, problem_line
+from lit_rlvr.rewards.base import RewardBatch, RewardResult, Runner
+from lit_rlvr.rewards.checks import constructor_problems, is_number as _is_number, problem_line
+from lit_rlvr.rewards.options import DEFAULT_SCORE_BOUND, RunnerOptions
 
 TERM_KEYS = ("reward", "weight", "options")
 # runner options given at the top of reward.options apply to every term that does not set its own
@@ -98,9 +99,7 @@ def build_terms(options: dict[str, Any], build: Any, takes_cap: Any = lambda rew
     if options:
         problems.append(f"reward.options.{sorted(options)[0]} is not an option of reward=terms; valid: terms, "
                         f"score_bound, {', '.join(SHARED_KEYS)} (a term's own options go in its options)")
-    cap = shared.get("max_concurrent")
-    if cap is not None and not is_int(cap, 1):
-        problems.append(problem_line("reward.options.max_concurrent", cap, "an integer >= 1 (calls in flight)"))
+    problems += RunnerOptions.problems({**shared, "score_bound": score_bound})
     if problems:
         raise RewardOptionError(problems)
     terms = []
@@ -114,25 +113,25 @@ def build_terms(options: dict[str, Any], build: Any, takes_cap: Any = lambda rew
         for term in terms:
             term.runner.close()
         raise
-    return TermsRunner(terms, score_bound=score_bound)
+    return TermsRunner(terms, RunnerOptions(score_bound=score_bound))
 
 
-class TermsRunner:
+class TermsRunner(Runner):
     """Scores a batch with every term and sums them by the rule in the module docstring."""
 
-    def __init__(self, terms: Sequence[Term], failure_score: float = -1.0, score_bound: float = DEFAULT_SCORE_BOUND):
+    def __init__(self, terms: Sequence[Term], options: Optional[RunnerOptions] = None, **settings: Any):
+        super().__init__(None, options, **settings)
         self.terms = list(terms)
-        self.contract = RewardContract(failure_score, score_bound)
-        self.failure_score = self.contract.failure_score
         self._sums: dict[str, list[float]] = {}  # name -> [score sum, scored, failures] since the last take
 
     @property
     def stop_reason(self) -> Optional[str]:
         return next((t.runner.stop_reason for t in self.terms if t.runner.stop_reason), None)
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], answers: Sequence[Any]) -> RewardBatch:
+    def _score(self, jobs: list[tuple]) -> list[Any]:
+        prompts, completions, answers = (list(column) for column in zip(*jobs))
         batches = [t.runner(prompts, completions, answers) for t in self.terms]
-        values = []
+        values: list[Any] = []
         for i in range(len(completions)):
             failed = [t.name for t, b in zip(self.terms, batches) if b.failed[i]]
             scored = [(t, b) for t, b in zip(self.terms, batches) if not (b.failed[i] or b.skipped[i])]
@@ -144,8 +143,7 @@ class TermsRunner:
                 total = sum(t.weight * float(b.scores[i]) for t, b in scored)
                 values.append(RewardResult(total, any(bool(b.malformed[i]) for _, b in scored)))
         self._tally(batches)
-        failures = sum(isinstance(v, Failure) for v in values)
-        return self.contract.batch(values, failures)
+        return values
 
     def _tally(self, batches: list[RewardBatch]) -> None:
         for term, batch in zip(self.terms, batches):

@@ -26,10 +26,11 @@ import sys
 import time
 from collections import deque
 from multiprocessing.connection import Connection, wait
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
-from lit_rlvr.config.problems import convert
-from lit_rlvr.rewards.base import DEFAULT_SCORE_BOUND, DEFAULT_TIMEOUT_S, RewardBatch, RewardContract, RewardFn
+from lit_rlvr.rewards.base import CallError, RewardFn, Runner
+from lit_rlvr.rewards.options import RunnerOptions
+from lit_rlvr.run.stop import STOP
 
 log = logging.getLogger(__name__)
 
@@ -178,25 +179,19 @@ class _Worker:
         self.outbox.close()
 
 
-class ProcessRewardRunner:
+class ProcessRewardRunner(Runner):
     """Scores completions in `workers` worker processes; each call is bounded by `timeout_s` seconds.
 
     A call still running `timeout_s` after it was sent to its worker, or whose worker died (e.g. `os._exit`,
     segfault, out of memory), is scored `failure_score`, malformed, and counted in `failures`; that worker
     is killed and replaced. Workers start on the first call and live until `close()` (or the end of a `with`
     block). `fn` must be picklable: a module-level function or an instance of a module-level class.
+    `stop_reason` is never set: an overrunning call's worker is killed, so the run goes on.
     """
 
-    stop_reason: Optional[str] = None  # never set: an overrunning call's worker is killed, so the run goes on
-
-    def __init__(self, fn: RewardFn, timeout_s: float = DEFAULT_TIMEOUT_S, workers: int = 2,
-                 failure_score: float = -1.0, score_bound: float = DEFAULT_SCORE_BOUND):
-        timeout_s = convert("reward.options.timeout_s", timeout_s, float)
-        workers = convert("reward.options.workers", workers, int)
-        if not timeout_s > 0:
-            raise ValueError(f"reward.options.timeout_s must be > 0, got {timeout_s}")
-        if workers < 1:
-            raise ValueError(f"reward.options.workers must be >= 1, got {workers}")
+    def __init__(self, fn: RewardFn, options: Optional[RunnerOptions] = None, **settings: Any):
+        super().__init__(fn, options, **settings)
+        self.workers = self.options.workers
         try:
             payload = pickle.dumps(fn)
         except Exception as err:
@@ -205,30 +200,27 @@ class ProcessRewardRunner:
         main = sys.modules.get("__main__")
         main_path = getattr(main, "__file__", None) if getattr(fn, "__module__", None) == "__main__" else None
         self._init = (list(sys.path), payload, main_path)
-        self.fn, self.timeout_s, self.workers = fn, timeout_s, workers
-        self.contract = RewardContract(failure_score, score_bound)
-        self.failure_score = self.contract.failure_score
         self._zygote: Optional[_Zygote] = None
         self._pool: list[_Worker] = []
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], answers: Sequence[Any]) -> RewardBatch:
-        jobs = list(zip(prompts, completions, answers))
+    def _score(self, jobs: list[tuple]) -> list[Any]:
         results: list[Any] = [None] * len(jobs)
-        todo, failures = deque(range(len(jobs))), 0
+        todo = deque(range(len(jobs)))
         try:
             while todo or any(w.index is not None for w in self._pool):
+                STOP.check()  # a stop request past its grace: the workers are killed below
                 while len(self._pool) < self.workers:
                     self._pool.append(self._fork())
                 for worker in list(self._pool):
                     if todo and worker.index is None:
-                        failures += self._start(worker, todo, jobs, results)
+                        self._start(worker, todo, jobs, results)
                 for conn in wait([w.outbox for w in self._pool], timeout=_POLL_S):
-                    failures += self._receive(next(w for w in self._pool if w.outbox is conn), results)
-                failures += self._check_deadlines(results)
-        except BaseException:  # e.g. KeyboardInterrupt: leave no call of this batch running
+                    self._receive(next(w for w in self._pool if w.outbox is conn), results)
+                self._check_deadlines(results)
+        except BaseException:  # e.g. KeyboardInterrupt, StopRequested: leave no call of this batch running
             self.close()
             raise
-        return self.contract.batch(results, failures)
+        return results
 
     def close(self) -> None:
         """Stops the workers (a later call starts new ones)."""
@@ -238,12 +230,6 @@ class ProcessRewardRunner:
         if self._zygote is not None:
             self._zygote.kill()
             self._zygote = None
-
-    def __enter__(self) -> "ProcessRewardRunner":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __del__(self) -> None:
         try:
@@ -266,8 +252,8 @@ class ProcessRewardRunner:
         raise RuntimeError("ProcessRewardRunner: the reward worker process keeps dying while starting; can the "
                            "reward's module be imported in a fresh process? (its error is above)")
 
-    def _start(self, worker: _Worker, todo: deque, jobs: list, results: list) -> int:
-        """Send the next call to `worker`; the number of calls that failed on the way (0 or 1)."""
+    def _start(self, worker: _Worker, todo: deque, jobs: list, results: list) -> None:
+        """Send the next call to `worker`."""
         index = todo.popleft()
         try:
             worker.run(index, jobs[index])
@@ -275,44 +261,32 @@ class ProcessRewardRunner:
             todo.appendleft(index)
             self._replace(worker)
         except Exception as err:  # arguments that cannot be pickled: nothing was sent, the worker stays idle
-            results[index] = self._failed(index, f"its arguments cannot be sent to a worker ({err!r:.200})")
-            return 1
-        return 0
+            results[index] = CallError("arguments not sent", f"its arguments cannot be sent to a worker ({err!r:.200})")
 
-    def _receive(self, worker: _Worker, results: list) -> int:
-        """Handle one message of `worker` (or its death); the number of failed calls (0 or 1)."""
+    def _receive(self, worker: _Worker, results: list) -> None:
+        """Handle one message of `worker` (or its death)."""
         try:
             kind, index, value = worker.outbox.recv()
         except Exception as err:  # died (EOFError, OSError), or wrote something that is not a result message
             index = worker.index
             self._replace(worker)
-            if index is None:
-                return 0
-            why = "worker crashed" if isinstance(err, (EOFError, OSError)) else f"unreadable result ({err!r:.200})"
-            results[index] = self._failed(index, why)
-            return 1
+            if index is not None:
+                crashed = isinstance(err, (EOFError, OSError))
+                results[index] = CallError("worker crashed", "worker crashed") if crashed else \
+                    CallError("unreadable result", f"unreadable result ({err!r:.200})")
+            return
         worker.index = None
-        if kind == "ok":
-            results[index] = value
-            return 0
-        results[index] = self._failed(index, value)
-        return 1
+        results[index] = value if kind == "ok" else CallError("raised " + str(value).split(":", 1)[0], str(value))
 
-    def _check_deadlines(self, results: list) -> int:
-        now, failures = time.monotonic(), 0
+    def _check_deadlines(self, results: list) -> None:
+        now = time.monotonic()
         for worker in list(self._pool):
             if worker.index is not None and now - worker.since > self.timeout_s:
-                results[worker.index] = self._failed(worker.index, f"timeout after {self.timeout_s:g}s "
-                                                                   "(reward.options.timeout_s)")
-                failures += 1
+                results[worker.index] = CallError("timeout", f"timeout after {self.timeout_s:g}s "
+                                                             "(reward.options.timeout_s)")
                 self._replace(worker)
-        return failures
 
     def _replace(self, worker: _Worker) -> None:
         """Kill one worker (the only way to stop a call stuck in C code) and fork its successor."""
         worker.kill()
         self._pool[self._pool.index(worker)] = self._fork()
-
-    def _failed(self, index: int, why: str) -> Any:
-        log.warning("reward call %d failed: %s (scored as malformed)", index, why)
-        return self.contract.failed(why)
