@@ -131,6 +131,8 @@ def test_hanging_reward_under_default_isolation_stops_with_a_checkpoint(runs):
     assert "reward.options.timeout_s=1" in log and "reward.options.isolation=process" in log
     assert "resume=" in log and "is intact" in log
     assert run.checkpoint()["global_step"] >= 1  # saved at the step of the hang: checkpoint_every=100
+    # issue 61, class 5: the step's other blocked calls did not each cost a timeout and a warning
+    assert log.count("reward call failed") == 1 and "not cut" in log, log[-3000:]
     report(fault="reward hangs, isolation none", bad_inputs=1, survived=False, stopped_cleanly=True, data_lost=0)
 
 

@@ -155,13 +155,23 @@ def test_a_stop_request_past_its_grace_ends_the_wait_on_a_blocked_call(make):
     assert runner.stop_reason is None  # a stop is not a hang: nothing to report beyond the stop itself
 
 
-def test_a_batch_reward_starts_no_batch_after_a_stop_past_its_grace(tmp_path):
-    runner = build_reward_runner("code", {"tmp_root": str(tmp_path)})
-    STOP.arm(0.0)
-    STOP.request("SIGTERM")
+def test_a_code_batch_does_not_defer_a_stop_for_its_programs(tmp_path):
+    """The code reward's programs are bounded by their own limits (60 s here); a stop past its grace ends the wait
+    for them, and a batch after it does not start."""
+    runner = build_reward_runner("code", {"tmp_root": str(tmp_path), "timeout_s": 60, "workers": 1})
+    program = "```python\nimport time\ntime.sleep(6)\n```"
+    STOP.arm(0.5)
+    timer = threading.Timer(1.0, STOP.request, ("SIGTERM",))
     try:
+        timer.start()
+        started = time.monotonic()
+        with pytest.raises(StopRequested):
+            runner(["p"] * 2, [program] * 2, [{"inputs": [""], "outputs": ["1"]}] * 2)
+        assert time.monotonic() - started < 5  # not the program's 6 s
         with pytest.raises(StopRequested):
             runner(["p"], ["```python\nprint(1)\n```"], [{"inputs": [""], "outputs": ["1"]}])
     finally:
+        timer.cancel()
         STOP.arm(None)
         runner.close()
+        time.sleep(max(0.0, started + 9 - time.monotonic()))  # the abandoned program ends at its own time

@@ -322,8 +322,12 @@ class RewardRunner(Runner):
         if self._thread is None:
             self._thread = _CallThread()
         job = self._thread.submit(self.fn, args)
-        if wait_or_stop(job.done.wait, self.timeout_s):
-            return job.outcome
+        try:
+            if wait_or_stop(job.done.wait, self.timeout_s):
+                return job.outcome
+        except BaseException:  # StopRequested: the call under way is left to its daemon thread
+            self.close()
+            raise
         thread, self._thread = self._thread, None  # never reused: a late cut could land in the next call
         thread.cut()
         if wait_or_stop(job.done.wait, _CUT_GRACE_S):

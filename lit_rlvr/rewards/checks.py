@@ -7,11 +7,7 @@ import inspect
 from typing import Any
 
 from lit_rlvr.config.errors import RewardOptionError
-
-
-def problem_line(key: str, value: Any, expected: str) -> str:
-    """`lit_rlvr.config.options.problem_line`'s shape (that module imports torch, which reward workers must not)."""
-    return f"{key}={'???' if value == '???' else repr(value)} is not valid: expected {expected}"
+from lit_rlvr.config.problems import problem_line  # noqa: F401 (the rewards' one-line shape, torch-free)
 
 
 def is_int(value: Any, low: int) -> bool:

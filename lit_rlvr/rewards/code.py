@@ -28,12 +28,12 @@ import json
 import logging
 import math
 import re
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict
 from typing import Any, Sequence
 
-from lit_rlvr.config.errors import RewardOptionError, SandboxError
-from lit_rlvr.rewards.base import RewardResult
+from lit_rlvr.config.errors import RewardOptionError, SandboxError, StopRequested
+from lit_rlvr.rewards.base import RewardResult, wait_or_stop
 from lit_rlvr.rewards.checks import is_int, is_number, problem_line
 from lit_rlvr.rewards.sandbox.local import ExecResult, Limits, capabilities, run_program
 from lit_rlvr.rewards.sandbox.remote import probe_sandbox, run_code_url, run_remote
@@ -330,11 +330,17 @@ class CodeReward:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="code-reward")
         futures = [self._pool.submit(self, p, c, a) for p, c, a in zip(prompts, completions, answers)]
-        return [self._collect(f) for f in futures]
-
-    def _collect(self, future) -> RewardResult:
         try:
-            return future.result()  # bounded: every run inside has a hard kill
+            return [self._collect(f) for f in futures]
+        except StopRequested:  # a stop past its grace: no new program starts; those running end at their limits
+            pool, self._pool = self._pool, None
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+
+    def _collect(self, future: Future) -> RewardResult:
+        wait_or_stop(lambda s: bool(wait([future], s).done), None)  # bounded: every run inside has a hard kill
+        try:
+            return future.result()
         except Exception as err:  # a sandbox error, a bad spec, a full disk: never the end of the run
             self.failures += 1
             log.warning("code reward failed (%s: %s); scored as malformed", type(err).__name__, err)

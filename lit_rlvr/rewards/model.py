@@ -24,6 +24,7 @@ from typing import Any, Optional, Sequence
 from lit_rlvr.config.errors import RewardOptionError
 from lit_rlvr.rewards.base import RewardResult
 from lit_rlvr.rewards.checks import is_int, problem_line
+from lit_rlvr.run.stop import STOP
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -126,6 +127,7 @@ class ModelReward:
         texts = [self._text(p, c) for p, c in zip(prompts, completions)]
         scores: list = []
         for start in range(0, len(texts), self.batch_size):
+            STOP.check()  # a stop past its grace does not wait for the batch's remaining forward passes
             chunk = texts[start:start + self.batch_size]
             try:
                 inputs = self._tokenizer(chunk, return_tensors="pt", padding=True, truncation=True,
