@@ -84,10 +84,14 @@ def wrong_folders(tmp_path_factory):
     spec = json.loads((folders["no_head"] / "config.json").read_text())
     spec.update(architectures=["Qwen3ForSequenceClassification"], id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     (folders["no_head"] / "config.json").write_text(json.dumps(spec))
+    folders["no_weights"] = tmp_path_factory.mktemp("no_weights")
+    (folders["no_weights"] / "config.json").write_text(json.dumps(spec))
     return folders
 
 
 @pytest.mark.parametrize("name, found", [
+    ("no_weights", "holds a config.json and no weights (no *.safetensors or *.bin); save the model with "
+                   "save_pretrained"),
     ("causal", "holds Qwen3ForCausalLM (config.json architectures), not a sequence-classification model: its score "
                "head would be initialised at random"),
     ("two_labels", "holds Qwen3ForSequenceClassification with 2 labels (config.json id2label); a reward model has "
@@ -97,8 +101,8 @@ def test_a_folder_that_is_not_a_one_label_reward_model_is_refused_naming_what_it
     path = str(wrong_folders[name])
     assert reward_problems("model", {"path": path}) == [f"reward.options.path={path!r} {found}" + (
         "; give a reward model saved from AutoModelForSequenceClassification with one label" if name == "causal"
-        else ", whose logit is the score")]
-    with pytest.raises(ValueError, match="holds Qwen3For"):
+        else ", whose logit is the score" if name == "two_labels" else "")]
+    with pytest.raises(ValueError, match="holds "):
         build_reward_runner("model", {"path": path})
 
 

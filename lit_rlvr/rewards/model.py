@@ -27,6 +27,7 @@ from lit_rlvr.rewards.checks import is_int, problem_line
 from lit_rlvr.run.stop import STOP
 
 DTYPES = ("float32", "bfloat16", "float16")
+WEIGHT_FILES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
 
 
 def model_problem(path: str) -> Optional[str]:
@@ -46,6 +47,9 @@ def model_problem(path: str) -> Optional[str]:
     if config.num_labels != 1:
         return (f"reward.options.path={path!r} holds {found[0]} with {config.num_labels} labels (config.json "
                 "id2label); a reward model has one label, whose logit is the score")
+    if not any(name.endswith(WEIGHT_FILES) for name in os.listdir(path)):
+        return (f"reward.options.path={path!r} holds a config.json and no weights (no *.safetensors or *.bin); "
+                "save the model with save_pretrained")
     return None
 
 
@@ -92,11 +96,15 @@ class ModelReward:
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        tokenizer = AutoTokenizer.from_pretrained(self.path)
+        try:  # a folder that cannot load stops the run in one line, rather than failing every batch
+            tokenizer = AutoTokenizer.from_pretrained(self.path)
+            model, info = AutoModelForSequenceClassification.from_pretrained(self.path, num_labels=1,
+                                                                             dtype=getattr(torch, self.dtype),
+                                                                             output_loading_info=True)
+        except (OSError, ValueError) as err:
+            raise RewardOptionError([f"reward.options.path={self.path!r}: the reward model cannot be loaded "
+                                     f"({type(err).__name__}: {str(err)[:300]})"]) from err
         tokenizer.truncation_side = "left"  # keep the completion's end: where the answer is
-        model, info = AutoModelForSequenceClassification.from_pretrained(self.path, num_labels=1,
-                                                                         dtype=getattr(torch, self.dtype),
-                                                                         output_loading_info=True)
         if info["missing_keys"]:  # initialised at random: its scores would be noise
             raise RewardOptionError([f"reward.options.path={self.path!r}: the weights hold no "
                                      f"{', '.join(sorted(info['missing_keys'])[:3])} (the score head of "
