@@ -147,3 +147,26 @@ def test_remote_reward_is_picklable_for_worker_processes():
     reward = RemoteReward("http://127.0.0.1:1")  # no network until the first request
     reward.score_batch  # noqa: B018
     assert pickle.loads(pickle.dumps(reward)).url == "http://127.0.0.1:1/get_reward"
+
+
+def test_a_stop_request_past_its_grace_does_not_wait_for_a_slow_server(server):
+    """Issue 61, class 4: a request may take its timeout_s (30 s here); a stop older than its grace ends the wait."""
+    import threading
+
+    from lit_rlvr.config.errors import StopRequested
+    from lit_rlvr.run.stop import STOP
+
+    _, url = server("--mode", "slow", "--delay-s", "20")
+    runner = _runner(url, timeout_s=30)
+    STOP.arm(0.5)
+    timer = threading.Timer(1.0, STOP.request, ("SIGTERM",))
+    try:
+        timer.start()
+        start = time.monotonic()
+        with pytest.raises(StopRequested):
+            runner(PROMPTS, ["2", "4", "6", "8"], ANSWERS)
+        assert time.monotonic() - start < 8  # not the server's 20 s
+    finally:
+        timer.cancel()
+        STOP.arm(None)
+        runner.close()

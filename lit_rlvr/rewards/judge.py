@@ -39,6 +39,7 @@ from lit_rlvr.config.extras import installed, message, require
 from lit_rlvr.config.problems import unknown_key_problems
 from lit_rlvr.rewards.base import DEFAULT_TIMEOUT_S, RewardResult
 from lit_rlvr.rewards.checks import is_int, is_number, problem_line
+from lit_rlvr.rewards.options import RUNNER_KEYS
 from lit_rlvr.run.http import DEFAULT_MAX_RESPONSE_BYTES, async_client, api_key, redact, start_problem, url_problem
 
 YES_NO_TEMPLATE = ("Question:\n{prompt}\n\nReference answer: {answer}\n\nResponse:\n{completion}\n\n"
@@ -109,7 +110,7 @@ class JudgeReward:
     @classmethod
     def check_options(cls, options: dict[str, Any]) -> list[str]:
         """Before any work: the settings, then one real request of the run's kind (`probe`)."""
-        runner_keys = ("timeout_s", "max_concurrent", "isolation", "score_bound")
+        runner_keys = RUNNER_KEYS  # the runner's (`RunnerOptions`), checked there
         own = list(inspect.signature(cls).parameters)
         if "api_key" in options:  # its value is never repeated: this line goes to the terminal and the logs
             return ["reward.options.api_key is not an option: a key in the settings would be written to "

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import logging
 import urllib.parse
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Optional, Sequence
 
-from lit_rlvr.config.errors import HTTPRefusal, RewardOptionError
-from lit_rlvr.rewards.base import RewardResult
+from lit_rlvr.config.errors import HTTPRefusal, RewardOptionError, StopRequested
+from lit_rlvr.rewards.base import RewardResult, wait_or_stop
 from lit_rlvr.rewards.checks import is_int, is_number, problem_line
 from lit_rlvr.run.http import DEFAULT_MAX_RESPONSE_BYTES, HTTPClient, redact, start_problem, url_problem
 
@@ -104,8 +104,14 @@ class RemoteReward:
         chunks = [(prompts[i:i + self.batch_size], completions[i:i + self.batch_size], answers[i:i + self.batch_size])
                   for i in starts]
         results: list = []
-        for chunk, future in zip(chunks, [self._pool.submit(self._score_chunk, *c) for c in chunks]):
-            results.extend(future.result())
+        try:
+            for future in [self._pool.submit(self._score_chunk, *c) for c in chunks]:
+                wait_or_stop(lambda s, f=future: bool(wait([f], s).done), None)  # each request has its deadline
+                results.extend(future.result())
+        except StopRequested:  # a stop past its grace: no request left waits for its server
+            pool, self._pool = self._pool, None
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
         return results
 
     def _score_chunk(self, prompts: Sequence[Any], completions: Sequence[str], answers: Sequence[Any]) -> list:
