@@ -58,7 +58,7 @@ def _as_number(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class RunnerOptions:
-    """The runner's settings (docs/rewards.md, "Time bounds and isolation").
+    """The runner's settings (docs/rewards.md, "The runner: time bounds, isolation, stops").
 
     isolation: `none` (calls in the training process, on a watchdog thread) or `process` (worker processes).
     timeout_s: every call's bound, in every isolation mode (a batch reward bounds its own calls).
