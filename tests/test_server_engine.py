@@ -199,3 +199,20 @@ def test_url_problems(urls, match):
     (line,) = url_problems(urls)
     assert match in line
     assert url_problems(["http://127.0.0.1:8101", "https://gpu-node:8000"]) == []
+
+
+def test_train_config_takes_server_engines_and_refuses_in_flight_pushes():
+    from lit_rlvr.config.arguments import ModuleSettings
+    from lit_rlvr.config.config_check import check_config
+    from lit_rlvr.config.settings import (AlgorithmConfig, EngineConfig, EnvConfig, ModelConfig, PerfConfig,
+                                          RewardConfig, RolloutConfig)
+    from lit_rlvr.entry import compose_checked
+
+    base = ["engine=vllm_server", "engine.options.urls=[http://127.0.0.1:8101,http://127.0.0.1:8102]"]
+    check_config(compose_checked(None, base))
+    with pytest.raises(ConfigError, match="engine.options.timeout_s"):
+        check_config(compose_checked(None, [*base, "engine.options.timeout_s=abc"]))
+    settings = ModuleSettings(ModelConfig(), AlgorithmConfig(), RewardConfig(),
+                              EngineConfig("sglang_server", {"sync_check_every": 0}), EnvConfig(), PerfConfig(),
+                              RolloutConfig(mode="async", partial_rollout=True, kv_at_swap="recompute"))
+    assert any("rollout.partial_rollout=true with engine=sglang_server" in p for p in settings.problems())

@@ -1,5 +1,5 @@
 """`lit-rlvr-serve`: start a rollout server, vLLM's or SGLang's own, with what a lit-rlvr run's weight updates need
-(docs/engines.md, "Engines as servers"), for `engine=vllm_server` / `engine=sglang_server`:
+(docs/scaling.md, "Rollout servers"), for `engine=vllm_server` / `engine=sglang_server`:
 
     lit-rlvr-serve --engine vllm --model tiny_cot --port 8101 [--host 127.0.0.1] [ENGINE FLAGS...]
 
@@ -35,9 +35,11 @@ VLLM_WORKER = "lit_rlvr.rollout.vllm_server_worker.ServerWorker"
 VLLM_FILE_BACKEND = "lit_rlvr_file"
 # on a CPU: no compilation, a KV cache of fixed size (vLLM would reserve most of the host's memory otherwise)
 VLLM_CPU = {"--enforce-eager": None, "--kv-cache-memory-bytes": str(256 << 20)}
-# SGLang on a CPU: the settings of conf/engine/sglang_cpu.yaml (docs/engines.md)
+# SGLang on a CPU: the settings of conf/engine/sglang_cpu.yaml (docs/scaling.md), but a static share of 0.6: sglang
+# checks it against the host memory still free after the model loads, which other processes move (0.2 was refused
+# on a shared machine); the KV pool itself is capped by --max-total-tokens
 SGLANG_CPU = {"--device": "cpu", "--attention-backend": "torch_native", "--sampling-backend": "pytorch",
-              "--disable-cuda-graph": None, "--mem-fraction-static": "0.2", "--max-total-tokens": "65536"}
+              "--disable-cuda-graph": None, "--mem-fraction-static": "0.6", "--max-total-tokens": "65536"}
 
 
 def preset_names() -> list[str]:

@@ -1,4 +1,4 @@
-"""Rollout engines as servers (docs/engines.md, "Engines as servers"): the part shared by `engine=vllm_server` and
+"""Rollout engines as servers (docs/scaling.md, "Rollout servers"): the part shared by `engine=vllm_server` and
 `engine=sglang_server`.
 
 A `ServerPool` spreads requests over one or many servers started outside the run (`lit-rlvr-serve`); a request
