@@ -216,3 +216,14 @@ def test_train_config_takes_server_engines_and_refuses_in_flight_pushes():
                               EngineConfig("sglang_server", {"sync_check_every": 0}), EnvConfig(), PerfConfig(),
                               RolloutConfig(mode="async", partial_rollout=True, kv_at_swap="recompute"))
     assert any("rollout.partial_rollout=true with engine=sglang_server" in p for p in settings.problems())
+
+
+def test_a_lora_policy_is_refused_in_one_line(servers):
+    from lit_rlvr.config.settings import LoraOptions
+    from lit_rlvr.models.lora import apply_lora
+
+    model, tokenizer = build_tiny(0, hidden_size=32, heads=2)
+    model.config._name_or_path = MODEL_PATH
+    with pytest.raises(ConfigError, match="model.lora with a vLLM server engine: not supported yet"):
+        VLLMServerEngine(apply_lora(model, LoraOptions(rank=4)), tokenizer, urls=[servers[0].url])
+    assert servers[0].calls == []

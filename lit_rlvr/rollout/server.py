@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.models.lora import is_lora
 from lit_rlvr.rollout.engine import Completion, EngineError, RolloutEngine, SamplingParams, save_policy_config
 
 T = TypeVar("T")
@@ -184,7 +185,7 @@ class ServerEngine(RolloutEngine):
             a shared one); None = a temporary directory.
         dtype: the servers' weight dtype, pushes are cast to it (None: the policy's).
         bucket_bytes: the trainer's bucket cap (the whole push is staged before any server takes it).
-        lora_sync: a LoRA policy reaches the servers as merged weights (adapter routes are not used).
+        lora_sync: merged, the only value (a LoRA policy is refused for now).
     """
 
     _KIND = "server"
@@ -209,6 +210,10 @@ class ServerEngine(RolloutEngine):
         if lora_sync != "merged":
             problems.append(f"engine.options.lora_sync={lora_sync!r} is not valid for a server engine; valid: merged "
                             "(a LoRA policy reaches the servers as merged weights)")
+        if is_lora(model):
+            problems.append(f"model.lora with a {self._KIND} server engine: not supported yet (the servers' adapter "
+                            "routes are not wired, and merged pushes of the adapted layers alone are untested); train "
+                            f"the LoRA policy with engine={self._KIND.lower()} or engine=hf")
         weight_dtype = getattr(torch, dtype, None) if dtype else next(model.parameters()).dtype
         if not isinstance(weight_dtype, torch.dtype):
             problems.append(f"engine.options.dtype={dtype!r} is not valid; allowed: a torch dtype (float32, bfloat16)")
