@@ -32,7 +32,8 @@ from lit_rlvr.models.lora import is_lora
 from lit_rlvr.rollout.engine import Completion, EngineError, RolloutEngine, SamplingParams, save_policy_config
 
 T = TypeVar("T")
-GONE = (requests.ConnectionError, requests.Timeout)  # a server that does not answer (a 4xx/5xx answer is not gone)
+# a server that does not answer, or breaks off its answer (a 4xx/5xx answer is not gone)
+GONE = (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError)
 
 
 def post(url: str, payload: Any = None, *, timeout: float, params: Optional[dict] = None,
