@@ -15,10 +15,12 @@ from lit_rlvr.rollout.engine import RolloutEngine
 from lit_rlvr.rollout.hf import HFEngine
 from lit_rlvr.rollout.hf_process import HFProcessEngine
 from lit_rlvr.rollout.sglang import SGLangEngine
+from lit_rlvr.rollout.sglang_server import SGLangServerEngine
 from lit_rlvr.rollout.vllm import VLLMEngine
+from lit_rlvr.rollout.vllm_server import VLLMServerEngine
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINES = (RolloutEngine, HFEngine, HFProcessEngine, SGLangEngine, VLLMEngine)
+ENGINES = (RolloutEngine, HFEngine, HFProcessEngine, SGLangEngine, VLLMEngine, VLLMServerEngine, SGLangServerEngine)
 
 
 def documented() -> tuple[set[str], dict[str, set[str]]]:

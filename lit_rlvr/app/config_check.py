@@ -77,7 +77,9 @@ def check_config(cfg: DictConfig) -> None:
 # the classes that take an option section's keys as arguments (train.py key -> "module.Class"), typed as the
 # `algorithm`/`data` groups are: engine.options by engine.name (the post-push check's two keys: `SyncCheck`)
 ENGINE_CLASSES = {"hf": "lit_rlvr.rollout.hf.HFEngine", "sglang": "lit_rlvr.rollout.sglang.SGLangEngine",
-                  "vllm": "lit_rlvr.rollout.vllm.VLLMEngine"}
+                  "vllm": "lit_rlvr.rollout.vllm.VLLMEngine",
+                  "vllm_server": "lit_rlvr.rollout.vllm_server.VLLMServerEngine",
+                  "sglang_server": "lit_rlvr.rollout.sglang_server.SGLangServerEngine"}
 SYNC_CHECK_TYPES = {"sync_check_tol": Optional[float], "sync_check_every": int}
 # keys `lit_rlvr.rollout.build_engine` reads itself, by engine.name: which class it builds
 BUILD_TYPES = {"hf": {"process": bool}}

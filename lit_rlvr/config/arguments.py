@@ -82,6 +82,10 @@ class ModuleSettings:
             problems.append(f"rollout.mode=async with engine.options.mode={self.engine.options['mode']!r}: the "
                             "producer generates while the trainer changes its weights, so the engine needs its own "
                             "copy; set engine.options.mode=copy (the default in async mode)")
+        if self.rollout.partial_rollout and self.engine.name.endswith("_server"):
+            problems.append(f"rollout.partial_rollout=true with engine={self.engine.name}: a server engine takes "
+                            "pushes between batches only (no push lands in a batch being generated yet); set "
+                            "rollout.partial_rollout=false")
         if self.rollout.partial_rollout and self.engine.name != "hf" and self.rollout.kv_at_swap != "recompute":
             problems.append(f"rollout.partial_rollout=true with engine={self.engine.name} and rollout.kv_at_swap="
                             f"{self.rollout.kv_at_swap}: an unfinished completion goes on as a new request, whose "

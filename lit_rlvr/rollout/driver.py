@@ -153,6 +153,7 @@ class RolloutDriver:
             round_index += 1
             counts = plan.budget_rule(rollouts) if plan.budget_rule is not None else None
         tally.metrics.update(self._reward_metrics())  # per reward term: reward/<name>/mean, .../failures
+        tally.metrics.update({k: torch.tensor(float(v)) for k, v in self.engine.take_metrics().items()})
         return RolloutResult(rollouts, rollouts.num_samples, rollouts.num_tokens(), failures,
                              self.reward_runner.stop_reason, tally.timer.times, tally.metrics)
 

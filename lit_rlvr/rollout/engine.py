@@ -176,6 +176,11 @@ class RolloutEngine:
     def shutdown(self) -> None:
         """End the engine's own processes, if any."""
 
+    def take_metrics(self) -> dict[str, float]:
+        """What the engine counted since the last call, as step metrics (server engines: `engine/servers_alive`,
+        `engine/requests_retried`); none by default."""
+        return {}
+
 
 class InFlightPushes:
     """The threads' side of `push_in_flight` for an engine that takes pushes while it generates (HFEngine between

@@ -1,0 +1,357 @@
+"""Rollout engines as servers (docs/scaling.md, "Rollout servers"): the part shared by `engine=vllm_server` and
+`engine=sglang_server`.
+
+A `ServerPool` spreads requests over one or many servers started outside the run (`lit-rlvr-serve`); a request
+whose server stops answering (connection refused or reset, or no answer within the timeout) marks that server
+gone for the rest of the run and goes to another one (`engine/requests_retried`); when none is left the run stops
+with an `EngineError` naming every URL and why it was given up. `ServerEngine` is the `RolloutEngine` over a pool:
+the trainer's weight buckets are kept (CPU copies) until the last one, then each server takes them through its
+engine's own update routes, paused around the update; the copies and files are dropped only after every server
+acknowledged. Every HTTP call has a timeout and never follows a redirect (`post`, `get`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
+from urllib.parse import urlsplit
+
+import requests
+import torch
+from torch import Tensor, nn
+
+from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.models.lora import is_lora
+from lit_rlvr.rollout.engine import Completion, EngineError, RolloutEngine, SamplingParams, save_policy_config
+
+T = TypeVar("T")
+# a server that does not answer, or breaks off its answer (a 4xx/5xx answer is not gone)
+GONE = (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError)
+
+
+def post(url: str, payload: Any = None, *, timeout: float, params: Optional[dict] = None,
+         session: Optional[requests.Session] = None) -> Any:
+    """POST `payload` as JSON to `url` and return the decoded JSON answer (None for an empty body). Raises
+    `requests.ConnectionError`/`Timeout` when the server does not answer, `RuntimeError` naming the URL, status and
+    the start of the body on any non-2xx answer (a redirect included: it is never followed)."""
+    caller = session or requests
+    answer = caller.post(url, json=payload, params=params, timeout=timeout, allow_redirects=False)
+    return _decoded(url, answer)
+
+
+def get(url: str, *, timeout: float, session: Optional[requests.Session] = None) -> Any:
+    """GET `url` (see `post`)."""
+    caller = session or requests
+    return _decoded(url, caller.get(url, timeout=timeout, allow_redirects=False))
+
+
+def _decoded(url: str, answer: requests.Response) -> Any:
+    if not 200 <= answer.status_code < 300:
+        raise RuntimeError(f"{url} answered HTTP {answer.status_code}: {answer.text[:300]!r}")
+    if not answer.content:
+        return None
+    try:
+        return answer.json()
+    except ValueError as err:
+        raise RuntimeError(f"{url} answered HTTP {answer.status_code} with a body that is not JSON: "
+                           f"{answer.text[:200]!r}") from err
+
+
+def url_problems(urls: Any) -> list[str]:
+    """`engine.options.urls`: a non-empty list of distinct http(s)://host:port URLs (no path: the routes are the
+    engine's own)."""
+    allowed = "a non-empty list of server URLs such as [http://127.0.0.1:8101,http://127.0.0.1:8102]"
+    if isinstance(urls, str) or not isinstance(urls, (list, tuple)) or not urls:
+        return [f"engine.options.urls={urls!r} is not valid; allowed: {allowed}"]
+    problems = []
+    for url in urls:
+        parts = urlsplit(url) if isinstance(url, str) else None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+            problems.append(f"engine.options.urls: {url!r} is not a server URL; allowed: http(s)://HOST:PORT, "
+                            "without a path")
+    if not problems and len({u.rstrip("/") for u in urls}) != len(urls):
+        problems.append(f"engine.options.urls={list(urls)!r} names a server twice; allowed: {allowed}")
+    return problems
+
+
+class ServerPool:
+    """The servers of a run and which of them still answer.
+
+    Args:
+        urls: the servers' base URLs.
+        timeout_s: bound on one request's answer (a generation, or one step of a weight update).
+        connect_timeout_s: bound on opening a connection.
+        max_inflight: requests in flight at once, over all servers (each server batches what it receives).
+    """
+
+    def __init__(self, urls: Sequence[str], *, timeout_s: float, connect_timeout_s: float, max_inflight: int):
+        self.urls = [u.rstrip("/") for u in urls]
+        self.timeout = (connect_timeout_s, timeout_s)
+        self.gone: dict[str, str] = {}  # url -> why it was given up
+        self.retried = 0  # requests sent again to another server after theirs stopped answering
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._rotation = 0  # which server takes the first group of a call: successive calls start elsewhere
+        self._executor = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="lit_rlvr_server")
+
+    def session(self) -> requests.Session:
+        """This thread's HTTP session (its connections are kept alive between requests)."""
+        if getattr(self._local, "session", None) is None:
+            self._local.session = requests.Session()
+        return self._local.session
+
+    def post(self, url: str, route: str, payload: Any = None, *, timeout: Optional[float] = None,
+             params: Optional[dict] = None) -> Any:
+        limit = self.timeout if timeout is None else (self.timeout[0], timeout)
+        return post(url + route, payload, timeout=limit, params=params, session=self.session())
+
+    def get(self, url: str, route: str, *, timeout: Optional[float] = None) -> Any:
+        limit = self.timeout if timeout is None else (self.timeout[0], timeout)
+        return get(url + route, timeout=limit, session=self.session())
+
+    def alive(self) -> list[str]:
+        with self._lock:
+            return [u for u in self.urls if u not in self.gone]
+
+    def give_up(self, url: str, err: BaseException) -> None:
+        with self._lock:
+            self.gone.setdefault(url, f"{type(err).__name__}: {str(err)[:160]}")
+
+    def _require_alive(self, doing: str) -> list[str]:
+        alive = self.alive()
+        if not alive:
+            reasons = "; ".join(f"{u} ({why})" for u, why in self.gone.items())
+            raise EngineError(f"every rollout server is gone while {doing}: {reasons}")
+        return alive
+
+    def run(self, jobs: Sequence[tuple[int, Callable[[str], T]]], doing: str) -> list[T]:
+        """`fn(url)` of each job `(key, fn)`, all in flight at once; the results in job order. Jobs with equal keys
+        go to one server (a group's samples share its prefix cache), keys are spread over the servers that answer.
+        A job whose server does not answer goes to another one; none left raises `EngineError`."""
+        with self._lock:
+            start, self._rotation = self._rotation, self._rotation + 1
+
+        def attempt(key: int, fn: Callable[[str], T]) -> T:
+            while True:
+                alive = self._require_alive(doing)
+                url = alive[(key + start) % len(alive)]
+                try:
+                    return fn(url)
+                except GONE as err:
+                    self.give_up(url, err)
+                    with self._lock:
+                        self.retried += 1
+
+        futures = [self._executor.submit(attempt, key, fn) for key, fn in jobs]
+        return [f.result() for f in futures]
+
+    def each(self, fn: Callable[[str], T], doing: str) -> dict[str, T]:
+        """`fn(url)` on every server that answers, at once; a server that stops answering is given up (the others
+        go on); none left raises `EngineError`. Any other failure is raised."""
+        urls = self._require_alive(doing)
+        futures = {url: self._executor.submit(fn, url) for url in urls}
+        results: dict[str, T] = {}
+        for url, future in futures.items():
+            try:
+                results[url] = future.result()
+            except GONE as err:
+                self.give_up(url, err)
+        self._require_alive(doing)
+        return results
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class ServerEngine(RolloutEngine):
+    """A `RolloutEngine` whose generation and weights live in servers (see the module docstring). Subclasses say
+    what a server of their kind is (`_identify`), how a batch of samples is asked for (`_sample`) and how the
+    staged weights reach one server (`_update`).
+
+    Args:
+        urls: the servers' base URLs (`engine.options.urls`).
+        weight_transfer: how weights reach the servers (the subclass's `_WEIGHT_TRANSFERS`).
+        timeout_s: bound on one generation request's answer.
+        push_timeout_s: bound on each call of a weight update (pause, load, resume).
+        connect_timeout_s: bound on opening a connection (a server that is gone is found out in this time).
+        max_inflight: requests in flight at once over all servers.
+        weight_dir: where staged weight files are written (on a filesystem the servers read: the same machine, or
+            a shared one); None = a temporary directory.
+        dtype: the servers' weight dtype, pushes are cast to it (None: the policy's).
+        bucket_bytes: the trainer's bucket cap (the whole push is staged before any server takes it).
+        lora_sync: merged, the only value (a LoRA policy is refused for now).
+    """
+
+    _KIND = "server"
+    _WEIGHT_TRANSFERS: tuple[str, ...] = ()
+    bucket_bytes = 256 << 20
+
+    def __init__(self, model: nn.Module, tokenizer, *, urls: Sequence[str], weight_transfer: str = "",
+                 timeout_s: float = 600.0, push_timeout_s: float = 300.0, connect_timeout_s: float = 10.0,
+                 max_inflight: int = 64, weight_dir: Optional[str] = None, dtype: Optional[str] = None,
+                 bucket_bytes: int = 256 << 20, lora_sync: str = "merged"):
+        problems = url_problems(list(urls) if not isinstance(urls, str) else urls)
+        weight_transfer = weight_transfer or self._WEIGHT_TRANSFERS[0]
+        if weight_transfer not in self._WEIGHT_TRANSFERS:
+            problems.append(f"engine.options.weight_transfer={weight_transfer!r} is not valid; valid: "
+                            f"{', '.join(self._WEIGHT_TRANSFERS)}")
+        for key, value in (("timeout_s", timeout_s), ("push_timeout_s", push_timeout_s),
+                           ("connect_timeout_s", connect_timeout_s)):
+            if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+                problems.append(f"engine.options.{key}={value!r} is not valid; allowed: a finite number of seconds > 0")
+        if not (isinstance(max_inflight, int) and max_inflight >= 1):
+            problems.append(f"engine.options.max_inflight={max_inflight!r} is not valid; allowed: an integer >= 1")
+        if lora_sync != "merged":
+            problems.append(f"engine.options.lora_sync={lora_sync!r} is not valid for a server engine; valid: merged "
+                            "(a LoRA policy reaches the servers as merged weights)")
+        if is_lora(model):
+            problems.append(f"model.lora with a {self._KIND} server engine: not supported yet (the servers' adapter "
+                            "routes are not wired, and merged pushes of the adapted layers alone are untested); train "
+                            f"the LoRA policy with engine={self._KIND.lower()} or engine=hf")
+        weight_dtype = getattr(torch, dtype, None) if dtype else next(model.parameters()).dtype
+        if not isinstance(weight_dtype, torch.dtype):
+            problems.append(f"engine.options.dtype={dtype!r} is not valid; allowed: a torch dtype (float32, bfloat16)")
+        ConfigError.check(problems)
+        self._weight_transfer, self.weight_dtype, self.lora_sync = weight_transfer, weight_dtype, lora_sync
+        self.bucket_bytes = int(bucket_bytes)
+        self._push_timeout_s = float(push_timeout_s)
+        self._eos_id = tokenizer.eos_token_id
+        self._staged: list[tuple[str, Tensor]] = []
+        self._weight_root = tempfile.mkdtemp(prefix="lit_rlvr_push_", dir=weight_dir)
+        self._config_files = policy_config_files(model)  # a pushed folder holds them beside the weights (SGLang)
+        self._pushes = 0
+        self._retried_reported = 0
+        self._pool = ServerPool(urls, timeout_s=float(timeout_s), connect_timeout_s=float(connect_timeout_s),
+                               max_inflight=max_inflight)
+        self._model_path = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
+        self._check_servers(model)
+
+    # -- what the servers are ------------------------------------------------------------------------------------
+    def _check_servers(self, model: nn.Module) -> None:
+        """Each URL answers as a server of this kind, serving this run's model: one line per URL otherwise, before
+        any work (a server that does not answer at all is refused too: the run starts with all its servers)."""
+        problems = []
+        for url in self._pool.urls:
+            try:
+                served = self._identify(url)
+            except (requests.RequestException, RuntimeError, ValueError, KeyError, TypeError) as err:
+                problems.append(f"engine.options.urls: {url} is not a {self._KIND} server that answers "
+                                f"({type(err).__name__}: {str(err)[:200]}); start one with lit-rlvr-serve --engine "
+                                f"{self._KIND.lower()} --model MODEL --port PORT")
+                continue
+            if not same_model(served, self._model_path):
+                problems.append(f"engine.options.urls: {url} serves model {served!r} but this run trains "
+                                f"{self._model_path or type(model).__name__!r}; start that server on the run's model")
+        ConfigError.check(problems)
+        for url in self._pool.urls:  # only once every server is the right one: nothing is asked of a wrong one
+            try:
+                self._prepare(url)
+            except (requests.RequestException, RuntimeError) as err:
+                problems.append(f"engine.options.urls: {url} cannot take weight updates ({str(err)[:200]}); start "
+                                f"it with lit-rlvr-serve --engine {self._KIND.lower()}")
+        ConfigError.check(problems)
+
+    def _identify(self, url: str) -> str:
+        """The model `url` serves (its path); raises when it is not a server of this kind."""
+        raise NotImplementedError
+
+    def _prepare(self, url: str) -> None:
+        """Set up what a server needs before the first push (nothing by default)."""
+
+    # -- sampling ------------------------------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int],
+                 params: SamplingParams) -> list[list[Completion]]:
+        if params.adapter is not None:
+            raise RuntimeError(f"{type(self).__name__} serves no adapters; asked for {params.adapter!r}")
+        if len(prompt_token_ids) != len(n_per_prompt):
+            raise ValueError(f"{len(prompt_token_ids)} prompts but {len(n_per_prompt)} sample counts")
+        return self._sample(prompt_token_ids, n_per_prompt, params)
+
+    def _sample(self, prompt_token_ids: Sequence[Sequence[int]], n_per_prompt: Sequence[int],
+                params: SamplingParams) -> list[list[Completion]]:
+        raise NotImplementedError
+
+    # -- weights -------------------------------------------------------------------------------------------------
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """One bucket: kept (a CPU copy) until `end_weight_update` sends the whole push."""
+        self._staged += [(name, t.detach().to("cpu", self.weight_dtype).contiguous().clone())
+                         for name, t in named_tensors]
+
+    def end_weight_update(self) -> None:
+        """Every server takes the staged weights (`_update`, paused around it); the staged copies and files are
+        dropped only once every server that answers has acknowledged."""
+        if not self._staged:
+            return
+        self._pushes += 1
+        folder = os.path.join(self._weight_root, f"push_{self._pushes}")
+        os.makedirs(folder)
+        try:
+            staged = self._stage(folder, self._staged)
+            self._pool.each(lambda url: self._update(url, staged), f"pushing weights (push {self._pushes})")
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        self._staged = []
+
+    def _stage(self, folder: str, named: list[tuple[str, Tensor]]) -> Any:
+        """What `_update` sends for this push (files written under `folder`, or the tensors themselves)."""
+        return named
+
+    def _update(self, url: str, staged: Any) -> None:
+        raise NotImplementedError
+
+    # -- metrics and lifetime ------------------------------------------------------------------------------------
+    def take_metrics(self) -> dict[str, float]:
+        """`engine/servers_alive` now and `engine/requests_retried` since the last take."""
+        retried = self._pool.retried - self._retried_reported
+        self._retried_reported = self._pool.retried
+        return {"engine/servers_alive": float(len(self._pool.alive())), "engine/requests_retried": float(retried)}
+
+    def generation_dtype(self) -> Optional[torch.dtype]:
+        return self.weight_dtype
+
+    def shutdown(self) -> None:
+        """Stop talking to the servers (they were started outside the run and keep running)."""
+        self._pool.close()
+        shutil.rmtree(self._weight_root, ignore_errors=True)
+
+
+def policy_config_files(model: nn.Module) -> dict[str, bytes]:
+    """The policy's HF config files (`save_policy_config`), by file name."""
+    with tempfile.TemporaryDirectory(prefix="lit_rlvr_config_") as folder:
+        save_policy_config(model, folder)
+        return {name: Path(folder, name).read_bytes() for name in os.listdir(folder)}
+
+
+def same_model(served: str, trained: str) -> bool:
+    """Whether a server's model path names the run's model: the same path, or a local folder with the same HF config
+    (a copy, or a checkpoint of the same architecture: the run's first push replaces every weight before any
+    rollout, and the post-push check compares values)."""
+    if not trained:
+        return True  # an in-memory model (a notebook): nothing to compare by name; the post-push check compares
+    if os.path.realpath(os.path.expanduser(served)) == os.path.realpath(os.path.expanduser(trained)):
+        return True
+    configs = [os.path.join(os.path.expanduser(p), "config.json") for p in (served, trained)]
+    return all(os.path.isfile(c) for c in configs) and _config(configs[0]) == _config(configs[1])
+
+
+def _config(path: str) -> dict:
+    with open(path) as handle:
+        config = json.load(handle)
+    return {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version")}
+
+
+def wait_until(deadline_s: float, ready: Callable[[], bool], every_s: float = 0.5) -> bool:
+    """Poll `ready()` until it is true or `deadline_s` seconds have passed; returns whether it became true."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if ready():
+            return True
+        time.sleep(every_s)
+    return ready()

@@ -1,0 +1,229 @@
+"""Server engines (lit_rlvr/rollout/server.py, vllm_server.py) against stand-in servers on 127.0.0.1 that answer
+vLLM's routes as the installed vLLM does (the real servers: tests/test_servers_live.py): requests spread over the
+servers with a group on one, a server that stops answering is given up and its requests go to the others, none
+left stops with every URL named, a server of another model or kind is refused before any work, and a push pauses,
+updates and resumes every server, in that order, with the weights the trainer holds."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.models.tiny import build_tiny
+from lit_rlvr.rollout.engine import EngineError, SamplingParams
+from lit_rlvr.rollout.server import url_problems
+from lit_rlvr.rollout.vllm_server import VLLMServerEngine
+from lit_rlvr.rollout.weights import push_weights
+
+MODEL_PATH = "/models/tiny"
+
+
+class FakeVLLM(ThreadingHTTPServer):
+    """Answers vLLM 0.32's routes; each sample's tokens are (seed % 7, 3) with log-prob -0.25 each."""
+
+    daemon_threads = True
+
+    def __init__(self, model_path: str = MODEL_PATH, owned_by: str = "vllm"):
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.model_path, self.owned_by = model_path, owned_by
+        self.calls: list[str] = []
+        self.generated: list[list[int]] = []  # the prompts it sampled
+        self.loaded: dict[str, torch.Tensor] = {}
+        self.fail_route: str = ""
+        self.thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def kill(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: FakeVLLM
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _answer(self, status: int, body) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        if self.path == "/v1/models":
+            return self._answer(200, {"data": [{"id": self.server.model_path, "root": self.server.model_path,
+                                                "owned_by": self.server.owned_by}]})
+        self._answer(404, {"detail": "Not Found"})
+
+    def do_POST(self) -> None:
+        route = urlsplit(self.path).path
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"null")
+        self.server.calls.append(route)
+        if route == self.server.fail_route:
+            return self._answer(500, {"error": "broken"})
+        if route == "/inference/v1/generate":
+            self.server.generated.append(body["token_ids"])
+            ids = [body["sampling_params"]["seed"] % 7, 3]
+            return self._answer(200, {"request_id": "r", "choices": [{
+                "index": 0, "token_ids": ids, "finish_reason": "stop",
+                "logprobs": {"content": [{"token_id": t, "logprob": -0.25} for t in ids]}}]})
+        if route == "/update_weights":
+            self.server.loaded = load_file(body["update_info"]["path"])
+        self._answer(200, {"message": "ok"})
+
+
+@pytest.fixture
+def policy():
+    model, tokenizer = build_tiny(0, hidden_size=32, heads=2)
+    model.config._name_or_path = MODEL_PATH
+    return model, tokenizer
+
+
+@pytest.fixture
+def servers():
+    made = [FakeVLLM(), FakeVLLM()]
+    yield made
+    for server in made:
+        if server.thread.is_alive():
+            server.kill()
+
+
+def _engine(policy, servers, **options) -> VLLMServerEngine:
+    model, tokenizer = policy
+    return VLLMServerEngine(model, tokenizer, urls=[s.url for s in servers], connect_timeout_s=2.0, **options)
+
+
+def test_samples_spread_over_servers_a_group_on_one(policy, servers):
+    engine = _engine(policy, servers)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    out = engine.generate(prompts, [2, 3, 1], SamplingParams(temperature=1.0, max_new_tokens=4, seed=1))
+    assert [len(c) for c in out] == [2, 3, 1]
+    assert all(c.token_ids[-1] == 3 and torch.allclose(c.logprobs, torch.full((2,), -0.25)) and
+               c.finish_reason == "stop" for per in out for c in per)
+    holders = [{i for i, s in enumerate(servers) if p in s.generated} for p in prompts]
+    assert all(len(h) == 1 for h in holders), holders  # each group on one server
+    assert set().union(*holders) == {0, 1}  # both servers busy
+    again = engine.generate(prompts, [2, 3, 1], SamplingParams(temperature=1.0, max_new_tokens=4, seed=1))
+    tokens = [[c.token_ids.tolist() for c in per] for per in out]
+    assert [[c.token_ids.tolist() for c in per] for per in again] == tokens  # seeds per sample, not per server
+    assert engine.take_metrics() == {"engine/servers_alive": 2.0, "engine/requests_retried": 0.0}
+    engine.shutdown()
+
+
+def test_a_server_gone_its_requests_go_to_the_others(policy, servers):
+    engine = _engine(policy, servers)
+    servers[1].kill()
+    out = engine.generate([[5, 6], [7, 8], [9, 10]], [2, 2, 2], SamplingParams(max_new_tokens=4, seed=2))
+    assert sum(len(c) for c in out) == 6
+    metrics = engine.take_metrics()
+    assert metrics["engine/servers_alive"] == 1.0 and metrics["engine/requests_retried"] >= 1
+    assert engine.take_metrics()["engine/requests_retried"] == 0.0  # counted since the last take
+    engine.shutdown()
+
+
+def test_every_server_gone_names_them_all(policy, servers):
+    engine = _engine(policy, servers)
+    for server in servers:
+        server.kill()
+    with pytest.raises(EngineError, match="every rollout server is gone") as info:
+        engine.generate([[5, 6]], [2], SamplingParams(max_new_tokens=4))
+    assert all(s.url in str(info.value) for s in servers)
+    engine.shutdown()
+
+
+def test_a_server_of_another_model_or_kind_is_refused_before_any_work(policy):
+    other, sglang_like = FakeVLLM(model_path="/models/other"), FakeVLLM(owned_by="sglang")
+    try:
+        with pytest.raises(ConfigError) as info:
+            _engine(policy, [other, sglang_like])
+        lines = info.value.problems
+        assert len(lines) == 2
+        assert other.url in lines[0] and "/models/other" in lines[0] and MODEL_PATH in lines[0]
+        assert sglang_like.url in lines[1] and "not a vLLM server" in lines[1]
+        assert other.calls == []  # nothing asked of it
+    finally:
+        other.kill()
+        sglang_like.kill()
+
+
+def test_a_url_nothing_listens_on_is_refused(policy):
+    server = FakeVLLM()
+    url = server.url
+    server.kill()
+    with pytest.raises(ConfigError, match=f"{url} is not a vLLM server that answers"):
+        VLLMServerEngine(*policy, urls=[url], connect_timeout_s=2.0)
+
+
+def test_a_push_pauses_updates_and_resumes_every_server(policy, servers):
+    model, _ = policy
+    engine = _engine(policy, servers)
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)
+    push_weights(engine, model, bucket_bytes=4096)  # several buckets: one update when the last one is in
+    for server in servers:
+        assert server.calls == ["/init_weight_transfer_engine", "/pause", "/start_weight_update", "/update_weights",
+                                "/finish_weight_update", "/reset_prefix_cache", "/resume"]
+        assert torch.equal(server.loaded["model.norm.weight"], model.model.norm.weight)
+        assert set(server.loaded) == {n for n, _ in model.named_parameters()}
+    engine.shutdown()
+
+
+def test_a_failed_update_still_resumes_the_server(policy, servers):
+    model, _ = policy
+    engine = _engine(policy, servers)
+    servers[0].fail_route = "/update_weights"
+    with pytest.raises(RuntimeError, match="HTTP 500"):
+        push_weights(engine, model)
+    assert servers[0].calls[-1] == "/resume" and "/finish_weight_update" not in servers[0].calls
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("urls, match", [
+    ([], "non-empty list"), ("http://127.0.0.1:1", "non-empty list"), (["127.0.0.1:8101"], "not a server URL"),
+    (["http://127.0.0.1:8101/v1"], "without a path"), (["http://h:1", "http://h:1/"], "names a server twice")])
+def test_url_problems(urls, match):
+    (line,) = url_problems(urls)
+    assert match in line
+    assert url_problems(["http://127.0.0.1:8101", "https://gpu-node:8000"]) == []
+
+
+def test_train_config_takes_server_engines_and_refuses_in_flight_pushes():
+    from lit_rlvr.config.arguments import ModuleSettings
+    from lit_rlvr.config.config_check import check_config
+    from lit_rlvr.config.settings import (AlgorithmConfig, EngineConfig, EnvConfig, ModelConfig, PerfConfig,
+                                          RewardConfig, RolloutConfig)
+    from lit_rlvr.entry import compose_checked
+
+    base = ["engine=vllm_server", "engine.options.urls=[http://127.0.0.1:8101,http://127.0.0.1:8102]"]
+    check_config(compose_checked(None, base))
+    with pytest.raises(ConfigError, match="engine.options.timeout_s"):
+        check_config(compose_checked(None, [*base, "engine.options.timeout_s=abc"]))
+    settings = ModuleSettings(ModelConfig(), AlgorithmConfig(), RewardConfig(),
+                              EngineConfig("sglang_server", {"sync_check_every": 0}), EnvConfig(), PerfConfig(),
+                              RolloutConfig(mode="async", partial_rollout=True, kv_at_swap="recompute"))
+    assert any("rollout.partial_rollout=true with engine=sglang_server" in p for p in settings.problems())
+
+
+def test_a_lora_policy_is_refused_in_one_line(servers):
+    from lit_rlvr.config.settings import LoraOptions
+    from lit_rlvr.models.lora import apply_lora
+
+    model, tokenizer = build_tiny(0, hidden_size=32, heads=2)
+    model.config._name_or_path = MODEL_PATH
+    with pytest.raises(ConfigError, match="model.lora with a vLLM server engine: not supported yet"):
+        VLLMServerEngine(apply_lora(model, LoraOptions(rank=4)), tokenizer, urls=[servers[0].url])
+    assert servers[0].calls == []
