@@ -37,13 +37,18 @@ kernels taken time: what removing the per-step overhead (compiling the step, fus
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+from lit_rlvr.functional.roofline import roofline_seconds  # noqa: E402
 
 CONFIGS = ("all_on", "no_row_cut", "concat_cache", "prefill_per_row")
 KERNEL_CEILING_BUDGET = 0.80  # all_on's MFU over what its kernels alone would reach, on the long workload
@@ -249,11 +254,165 @@ def kernel_ceiling(engine, prompts, group: int, params, completions, peak: float
             "kernel_other_share": (total - gemm - attention) / total}
 
 
+# engine name -> (engine_runner's engine, the environment variable naming its venv (None: this Python), device)
+ENGINES = {"hf": ("hf", None, None), "vllm_cpu": ("vllm", "VLLM_VENV", "cpu"),
+           "sglang_cpu": ("sglang", "SGLANG_VENV", "cpu"), "vllm": ("vllm", "VLLM_VENV", "cuda"),
+           "sglang": ("sglang", "SGLANG_VENV", "cuda")}
+VENV_SCRIPTS = {"VLLM_VENV": "scripts/vllm_cpu_env.sh", "SGLANG_VENV": "scripts/sglang_cpu_env.sh"}
+
+
+def engine_python(name: str) -> str:
+    """The Python that runs engine `name`: this one for hf, `$VLLM_VENV/bin/python` or `$SGLANG_VENV/bin/python`
+    for the others (their environments, as .ci/run names them); a one-line error saying how to build a missing one."""
+    variable = ENGINES[name][1]
+    if variable is None:
+        return sys.executable
+    venv = os.environ.get(variable)
+    python = Path(venv or "").expanduser() / "bin" / "python"
+    if not venv or not python.exists():
+        raise RuntimeError(f"{name}: {variable}={venv!r} has no bin/python; build it with bash "
+                           f"{VENV_SCRIPTS[variable]} VENV and export {variable}=VENV")
+    return str(python)
+
+
+def run_engine(name: str, args, prompts: list[list[int]]) -> dict:
+    """engine_runner.py's result for engine `name` (a process of its own, in the engine's environment)."""
+    engine, _, device = ENGINES[name]
+    shape = args.medium_shape
+    context = shape["prompt_tokens"] + shape["completion_tokens"] + 8
+    rows = len(prompts) * shape["group"]
+    spec = {"engine": engine, "model": args.medium_paths["model"], "prompts": prompts, "group": shape["group"],
+            "max_new_tokens": shape["completion_tokens"], "temperature": 1.0, "seed": 0, "dtype": args.dtype,
+            "device": device or args.device, "threads": args.threads, "warmup": args.warmup,
+            "repeats": args.repeats, "max_model_len": context, "max_total_tokens": 2 * rows * context,
+            # the batch's KV cache twice over (vLLM's CPU default reserves most of the host's memory)
+            "kv_cache_bytes": 2 * rows * context * 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * 4}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(common.ROOT)}
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
+        path = Path(tmp) / "spec.json"
+        path.write_text(json.dumps(spec))
+        out = Path(tmp) / "result.json"
+        proc = subprocess.run([engine_python(name), str(Path(__file__).with_name("engine_runner.py")), str(path),
+                               str(out)], capture_output=True, text=True, env=env, cwd=common.ROOT,
+                              timeout=args.engine_timeout)
+        if proc.returncode or not out.exists():
+            raise RuntimeError(f"{name}: engine_runner.py exited {proc.returncode}: {proc.stderr.strip()[-800:]}")
+        return json.loads(out.read_text())
+
+
+def engine_figures(raw: dict, prompts: list[list[int]], group: int, peak: float, bandwidth: float,
+                   dtype_bytes: int) -> dict:
+    """An engine's speed against the roofline of the work it did (lit_rlvr.functional.roofline): one prefill per
+    prompt (model FLOPs; an engine that prefills more does it by its own choice), then its completions' decode."""
+    import torch
+
+    from lit_rlvr import functional as F
+    from lit_rlvr.functional.flops import generation_bytes
+    from lit_rlvr.functional.roofline import decode_roofline
+
+    shape = common.medium.model_shape(raw["shape"])
+    prompt = torch.tensor([len(p) for p in prompts])  # [B]
+    rows = prompt.repeat_interleave(group)  # [B·G]
+    response = torch.tensor(raw["lengths"])  # [B·G]
+    parameters = common.medium.parameters(raw["shape"])
+    _, flops = F.generation_flops(prompt, rows, response, **shape)
+    moved, parts = generation_bytes(prompt, rows, response, torch.zeros_like(response), parameters=parameters,
+                                    dtype_bytes=dtype_bytes, layers=shape["layers"], kv_heads=shape["kv_heads"],
+                                    head_dim=shape["head_dim"])
+    decode_s, decode = decode_roofline(rows, response, parameters=parameters, dtype_bytes=dtype_bytes,
+                                       peak_flops=peak, peak_bandwidth=bandwidth, **shape)
+    prefill_flops = float(flops["prefill"])
+    prefill_bytes = float(parameters * dtype_bytes + parts["kv_write"])  # the weights once, the prompts' KV written
+    prefill_bound = roofline_seconds(prefill_flops, prefill_bytes, peak_flops=peak, peak_bandwidth=bandwidth)
+    first, full = common.median(raw["first_token_s"]), common.median(raw["full_s"])
+    decode_time = full - first
+    tokens = float(response.sum())
+    steps = max(int(response.max()) - 1, 1)
+    return {
+        "tokens": tokens, "tokens_per_s": tokens / full, "seconds": full,
+        "first_token_latency_s": first, "per_token_latency_s": decode_time / steps,
+        "of_roofline": (prefill_bound + decode_s) / full,
+        "prefill_of_roofline": prefill_bound / first, "decode_of_roofline": decode_s / decode_time,
+        "mfu": float(flops["prefill"] + flops["decode"]) / full / peak, "mbu": float(moved) / full / bandwidth,
+        "decode_mfu": decode["flops"] / decode_time / peak, "decode_mbu": decode["bytes"] / decode_time / bandwidth,
+        "roofline_s": prefill_bound + decode_s, "prefill_bound_s": prefill_bound, "decode_bound_s": decode_s,
+        "decode_memory_bound_steps": decode["memory_bound_steps"], "decode_steps": decode["steps"],
+        "prefill_flops": prefill_flops, "prefill_bytes": prefill_bytes, "decode_flops": decode["flops"],
+        "decode_bytes": decode["bytes"], "gen_flops": prefill_flops + float(flops["decode"]),
+        "peak_rss_mb": raw["peak_rss_mb"], "start_s": raw["start_s"], "version": raw["version"],
+        "spread_s": [round(t, 3) for t in raw["full_s"]],
+    }
+
+
+def run_engines(args) -> dict:
+    """The medium workload generated by each of `--engines`, each against its roofline (module docstring)."""
+    import torch
+
+    from lit_rlvr.run.perf import cpu_bandwidth, cpu_peak, published_bandwidth, published_peak
+
+    shape = args.medium_shape
+    prompts = common.medium.prompt_ids(shape)
+    dtype = getattr(torch, args.dtype)
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    names = [n.strip() for n in args.engines.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ENGINES]
+    if unknown or not names:
+        raise SystemExit(f"--engines {args.engines!r}: each one of {', '.join(ENGINES)}")
+    gpu = args.device == "cuda" or any(ENGINES[n][2] == "cuda" for n in names)
+    if gpu:
+        device = torch.cuda.get_device_name(0)
+        peak, bandwidth = published_peak(device, dtype), published_bandwidth(device)
+        if not peak or not bandwidth:
+            raise SystemExit(f"no published peak or bandwidth for {device!r} in {args.dtype} (lit_rlvr/run/perf.py)")
+    else:
+        peak = cpu_peak(dtype, cache_dir=common.cache_dir())
+        bandwidth = cpu_bandwidth(cache_dir=common.cache_dir())
+    result = {"workload": "medium", **common.medium.machine(shape, dtype_bytes), "dtype": args.dtype,
+              "device": "cuda" if gpu else "cpu", "peak_flops": peak, "peak_bandwidth": bandwidth,
+              "repeats": args.repeats, "warmup": args.warmup, "model": args.medium_paths["model"], "engines": {}}
+    for name in names:
+        try:
+            raw = run_engine(name, args, prompts)
+            result["engines"][name] = engine_figures({**raw, "shape": shape}, prompts, shape["group"], peak,
+                                                     bandwidth, dtype_bytes)
+        except (RuntimeError, subprocess.TimeoutExpired, ValueError) as err:
+            print(f"generation.py: {name}: {err}", file=sys.stderr, flush=True)
+            result["engines"][name] = {"error": str(err)[-800:]}
+    ran = {n: e for n, e in result["engines"].items() if "error" not in e}
+    if not ran:
+        raise SystemExit("generation.py: no engine ran (errors above)")
+    # every engine against the workload's own work: B·G completions of exactly completion_tokens tokens
+    expected = common.medium.workload_roofline(shape, peak_flops=peak, peak_bandwidth=bandwidth, update=False)
+    result["engines_work"] = common.equal_work(
+        {"workload": {"tokens": float(len(prompts) * shape["group"] * shape["completion_tokens"]),
+                      "gen_flops": expected["prefill_flops"] + expected["decode_flops"], "update_flops": 0.0},
+         **{n: {"tokens": e["tokens"], "gen_flops": e["gen_flops"], "update_flops": 0.0} for n, e in ran.items()}})
+    best = max(ran, key=lambda n: ran[n]["tokens_per_s"])
+    result["best_engine"] = best
+    for name in ran:
+        result[f"{name}_over_best_tokens_per_s"] = ran[name]["tokens_per_s"] / ran[best]["tokens_per_s"]
+    result.update(common.context())
+    return result
+
+
 def main(argv=None) -> None:
     parser = common.rounds_parser(__doc__.split("\n\n")[0], "timed rounds (each runs every configuration once)")
     parser.add_argument("--shrink", default="", help="comma-separated row-cut thresholds to time beside the "
                         "shipped 0.75, e.g. 0.875,0.9 (configurations shrink_<x>)")
+    parser.add_argument("--engines", default=None, help="--workload medium: engines to run side by side, from "
+                        f"{', '.join(ENGINES)} (default hf); vllm_* and sglang_* in $VLLM_VENV and $SGLANG_VENV")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where hf runs (medium)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the medium workload's weights and KV cache")
+    parser.add_argument("--engine-timeout", type=float, default=3600.0,
+                        help="seconds each engine's process may take (medium)")
     args = common.parse_bench_args(parser, argv)
+    if args.workload == "medium":
+        args.engines = args.engines or "hf"
+        common.report(run_engines(args), args, "generation.py")
+        return
+    if args.engines:
+        raise SystemExit("--engines: only with --workload medium")
     common.report(run(args), args, "generation.py")
 
 
