@@ -23,6 +23,12 @@ AdamW update, while the weights move by less than float32 resolves, so the lengt
 `ours_response_len_mean` and `trl_response_len_mean`
 (tokens per completion, EOS included) show it, and `ratio_work` states both sides' tokens and model FLOPs per step
 (bench/README.md "Equal work"; TRL's prefill per row makes its FLOPs differ by design).
+
+`--workload medium` (bench/medium.py: a 159M-parameter Qwen3 of random weights, 128-token prompts, completions of
+exactly 256 tokens) micro-batches both updates by 8 rows (TRL: gradient accumulation over 8 micro-batches, its
+generation still one batch of 64) and adds the step's roofline: `ours_of_roofline` = the least time this machine
+allows for the step's work / our step time (`ours_gen_of_roofline`, `ours_update_of_roofline` per phase), and
+`trl_of_roofline` = the same bound / TRL's step time.
 """
 
 from __future__ import annotations

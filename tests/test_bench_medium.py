@@ -79,3 +79,16 @@ def test_medium_roofline_of_a_step_is_the_sum_of_its_phases():
     # the update is compute-bound: its bound is its FLOPs over the peak
     assert bound["update_bound_s"] == pytest.approx(bound["update_flops"] / 1e11)
     assert compare_trl.roofline_result(Namespace(workload="tiny"), ours, {}, 1.0) == {}
+
+
+def test_roofline_figure_places_each_phase(tmp_path):
+    import plot_roofline
+
+    engine = {"seconds": 3.0, "first_token_latency_s": 1.0, "prefill_flops": 4e9, "prefill_bytes": 1e8,
+              "decode_flops": 2e9, "decode_bytes": 4e9, "prefill_of_roofline": 0.5, "decode_of_roofline": 0.25}
+    result = {"peak_flops": 1e10, "peak_bandwidth": 1e9, "engines": {"hf": engine, "vllm_cpu": {"error": "no venv"}}}
+    assert plot_roofline.points(result) == [("hf", "prefill", 40.0, 4e9), ("hf", "decode", 0.5, 1e9)]
+    source, figure = tmp_path / "result.json", tmp_path / "roofline.png"
+    source.write_text("a line an engine printed\n" + json.dumps(result) + "\n")
+    plot_roofline.main([str(source), "--out", str(figure)])
+    assert figure.stat().st_size > 10_000
