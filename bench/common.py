@@ -113,6 +113,16 @@ def rounds_parser(description: str, repeats_help: str) -> argparse.ArgumentParse
     return parser
 
 
+def workload_overrides(args: argparse.Namespace) -> list[str]:
+    """The Hydra overrides of `args.workload` on top of the reference workload; for the medium one, its model and
+    prompts (built once; `args.medium_shape` and `args.medium_paths` are set)."""
+    if args.workload != "medium":
+        return [f"{k}={v}" for k, v in WORKLOADS[args.workload].items()]
+    args.medium_shape = medium.parse_shape(args.medium)
+    args.medium_paths = medium.build(args.medium_shape, cache_dir())
+    return medium.overrides(args.medium_shape, args.medium_paths)
+
+
 def rotated(names: list[str], round_index: int) -> list[str]:
     """`names` starting at position `round_index`: each variant runs first in turn, so load swings hit all alike."""
     k = round_index % len(names)
@@ -125,12 +135,7 @@ def parse_bench_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Nam
     if args.medium and args.workload != "medium":
         raise SystemExit(f"--medium {args.medium[0]}: only with --workload medium")
     # the long workload is overrides on top of the reference one; the user's own --override come last and win
-    workload = [f"{k}={v}" for k, v in WORKLOADS[args.workload].items()]
-    if args.workload == "medium":
-        args.medium_shape = medium.parse_shape(args.medium)
-        args.medium_paths = medium.build(args.medium_shape, cache_dir())
-        workload = medium.overrides(args.medium_shape, args.medium_paths)
-    args.override = workload + args.override
+    args.override = workload_overrides(args) + args.override
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
     quiet(args.threads)

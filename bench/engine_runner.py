@@ -84,8 +84,8 @@ def run_sglang(spec: dict):
     rows = [ids for ids in spec["prompts"] for _ in range(spec["group"])]
 
     def generate(max_new_tokens: int) -> list[int]:
-        params = {"temperature": spec["temperature"], "max_new_tokens": max_new_tokens,
-                  "min_new_tokens": max_new_tokens, "ignore_eos": True}
+        # no min_new_tokens: sglang refuses it without a tokenizer; ignore_eos alone runs every row to the end
+        params = {"temperature": spec["temperature"], "max_new_tokens": max_new_tokens, "ignore_eos": True}
         out = engine.generate(input_ids=rows, sampling_params=params)
         return [len(o["output_ids"]) for o in out]
 
@@ -147,8 +147,11 @@ def main(argv=None) -> None:
         close()
     result = {"engine": spec["engine"], "version": version, "start_s": start_s, "first_token_s": first,
               "full_s": full, "lengths": lengths, "peak_rss_mb": memory}
-    with open(argv[1], "w") as f:  # a file, not stdout: the engines print their own lines there
+    # a file, not stdout (the engines print their own lines there), written aside and renamed: whole or absent,
+    # so the caller may stop waiting for an engine whose shutdown hangs once it is there (vLLM's CPU workers)
+    with open(f"{argv[1]}.tmp", "w") as f:
         json.dump(result, f)
+    os.replace(f"{argv[1]}.tmp", argv[1])
 
 
 if __name__ == "__main__":

@@ -50,12 +50,15 @@ checks every engine did the workload's work (its tokens and model FLOPs within 3
 from __future__ import annotations
 
 import json
+import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -303,13 +306,41 @@ def run_engine(name: str, args, prompts: list[list[int]]) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         path = Path(tmp) / "spec.json"
         path.write_text(json.dumps(spec))
-        out = Path(tmp) / "result.json"
-        proc = subprocess.run([engine_python(name), str(Path(__file__).with_name("engine_runner.py")), str(path),
-                               str(out)], capture_output=True, text=True, env=env, cwd=common.ROOT,
-                              timeout=args.engine_timeout)
-        if proc.returncode or not out.exists():
-            raise RuntimeError(f"{name}: engine_runner.py exited {proc.returncode}: {proc.stderr.strip()[-800:]}")
+        out, log = Path(tmp) / "result.json", Path(tmp) / "stderr.txt"
+        with open(log, "w") as stderr:
+            proc = subprocess.Popen([engine_python(name), str(Path(__file__).with_name("engine_runner.py")),
+                                     str(path), str(out)], stdout=subprocess.DEVNULL, stderr=stderr, env=env,
+                                    cwd=common.ROOT, start_new_session=True)
+            code = wait_for_runner(proc, out, args.engine_timeout)
+        if not out.exists():
+            raise RuntimeError(f"{name}: engine_runner.py exited {code}: {log.read_text().strip()[-800:]}")
         return json.loads(out.read_text())
+
+
+SHUTDOWN_GRACE_S = 60.0  # how long an engine that has written its result may take to shut down
+
+
+def wait_for_runner(proc: subprocess.Popen, out: Path, timeout: float) -> Optional[int]:
+    """Wait for the runner to exit; once its result is written, give its shutdown SHUTDOWN_GRACE_S (vLLM's CPU
+    workers outlived their grace period on a loaded machine, measured), then end its process group (it runs in a
+    session of its own). Past `timeout` it is ended too. Returns its exit status (None: ended by us)."""
+    start, written = time.monotonic(), None
+    try:
+        while proc.poll() is None:
+            now = time.monotonic()
+            if written is None and out.exists():
+                written = now
+            if now - start > timeout or (written is not None and now - written > SHUTDOWN_GRACE_S):
+                break
+            time.sleep(0.5)
+        else:
+            return proc.returncode
+    except BaseException:  # Ctrl-C, SIGTERM: the engine's processes go with us
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return None
 
 
 def engine_figures(raw: dict, prompts: list[list[int]], group: int, peak: float, bandwidth: float,
@@ -337,7 +368,7 @@ def engine_figures(raw: dict, prompts: list[list[int]], group: int, peak: float,
     prefill_bytes = float(parameters * dtype_bytes + parts["kv_write"])  # the weights once, the prompts' KV written
     prefill_bound = roofline_seconds(prefill_flops, prefill_bytes, peak_flops=peak, peak_bandwidth=bandwidth)
     first, full = common.median(raw["first_token_s"]), common.median(raw["full_s"])
-    decode_time = full - first
+    decode_time = full - first if full > first else math.nan  # a timing swing can invert them on tiny batches
     tokens = float(response.sum())
     steps = max(int(response.max()) - 1, 1)
     return {
@@ -387,7 +418,7 @@ def run_engines(args) -> dict:
             raw = run_engine(name, args, prompts)
             result["engines"][name] = engine_figures({**raw, "shape": shape}, prompts, shape["group"], peak,
                                                      bandwidth, dtype_bytes)
-        except (RuntimeError, subprocess.TimeoutExpired, ValueError) as err:
+        except (RuntimeError, ValueError) as err:
             print(f"generation.py: {name}: {err}", file=sys.stderr, flush=True)
             result["engines"][name] = {"error": str(err)[-800:]}
     ran = {n: e for n, e in result["engines"].items() if "error" not in e}

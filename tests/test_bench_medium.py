@@ -21,7 +21,7 @@ SMALL_ARGS = [arg for key, value in SMALL.items() for arg in ("--medium", f"{key
 
 def test_generation_medium_reports_each_engine_against_its_roofline(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "bench/generation.py"), "--workload", "medium", *SMALL_ARGS,
-                           "--engines", "hf", "--repeats", "1", "--warmup", "0", "--json"],
+                           "--engines", "hf", "--repeats", "1", "--warmup", "1", "--json"],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
