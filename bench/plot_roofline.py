@@ -49,7 +49,7 @@ def plot(result: dict, out: Path, title: str = "") -> None:
     for name, phase, x, y in marks:
         share = result["engines"][name][f"{phase}_of_roofline"]
         ax.loglog([x], [y], PHASE_MARKERS[phase], color=colours[name], ms=8,
-                  label=f"{name} {phase}: {share:.2f} of roofline")
+                  label=f"{name} {phase}: {share:.2g} of roofline")
     ax.set_xlabel("model FLOPs per byte read")
     ax.set_ylabel("FLOP/s reached")
     ax.set_title(title or f"medium workload, {result.get('cpu', '')}, {result.get('threads', '?')} threads",
