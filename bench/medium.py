@@ -36,9 +36,11 @@ import json
 import os
 import random
 import re
-import sys
+import shutil
 from pathlib import Path
 from typing import Any, Optional
+
+from lit_rlvr.run.cache_entry import default_cache_dir
 
 # the medium workload: model dims, lengths and batch; every key can be changed with --medium KEY=VALUE
 SHAPE: dict[str, int] = {
@@ -147,8 +149,6 @@ def build(shape: dict[str, int], cache_dir: str) -> dict[str, str]:
         try:
             os.replace(tmp, root)
         except OSError:  # built beside us by another process: theirs stays
-            import shutil
-
             shutil.rmtree(tmp, ignore_errors=True)
     return {"model": str(model_dir), "data": str(data)}
 
@@ -217,11 +217,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--medium", action="append", default=[], help="KEY=VALUE: change the workload's shape")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import common
-
     shape = parse_shape(args.medium)
-    print(json.dumps({**build(shape, common.cache_dir()), **machine(shape)}))
+    print(json.dumps({**build(shape, default_cache_dir()), **machine(shape)}))
 
 
 if __name__ == "__main__":
