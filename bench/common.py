@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import lit_rlvr  # noqa: E402,F401  (first: it sets the OpenMP wait settings before torch loads; see bench/README.md)
 
+import medium  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lit_rlvr.run.processes import peak_rss_mb  # noqa: E402,F401  (the benchmarks' peak RSS: common.peak_rss_mb)
 from typing_extensions import override  # noqa: E402
@@ -45,7 +46,9 @@ REFERENCE = {"data.batch_size": 8, "algorithm.group_size": 8, "algorithm.max_new
 LONG = {"data": "arithmetic_cot", "data.levels": "[1,3,5,7,8,9]", "algorithm.max_new_tokens": 224,
         "task_max_new_tokens": 256, "model.options.hidden_size": 256, "model.options.target": 0.05,
         "model.options.eval_problems": 64, "model.options.eval_samples": 2}
-WORKLOADS = {"tiny": {}, "long": LONG}  # overrides on top of REFERENCE
+# medium: a model of real shape and token-id prompts built in code (bench/medium.py); its overrides name the built
+# model folder and prompt file, so `parse_bench_args` fills them in
+WORKLOADS = {"tiny": {}, "long": LONG, "medium": {}}  # overrides on top of REFERENCE
 MFU_BUDGETS = {"mfu_gen": 0.35, "mfu_update": 0.50}  # the long workload's model FLOPs utilisation (docs/mfu.md)
 # a ratio of two configurations compares equal work when their generated tokens and model FLOPs per step are each
 # within 3 % of the other side's (bench/README.md "Equal work")
@@ -92,7 +95,11 @@ def bench_parser(description: str, *, steps_help: str, warmup_help: str, block_h
                         help="refuse (exit status 3) a ratio whose sides did unequal work (bench/README.md)")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny",
                         help="tiny: the default task, ~3-token answers; long: arithmetic_cot, 30-256 tokens, "
-                             "wider model")
+                             "wider model; medium: a 159M-parameter Qwen3 of random weights, 128-token prompts, "
+                             "256-token completions (bench/medium.py)")
+    parser.add_argument("--medium", action="append", default=[], metavar="KEY=VALUE",
+                        help="--workload medium: change its shape (bench/medium.py SHAPE: dims, lengths, batch), "
+                             "e.g. hidden=64 layers=2 for a smoke run")
     return parser
 
 
@@ -106,6 +113,16 @@ def rounds_parser(description: str, repeats_help: str) -> argparse.ArgumentParse
     return parser
 
 
+def workload_overrides(args: argparse.Namespace) -> list[str]:
+    """The Hydra overrides of `args.workload` on top of the reference workload; for the medium one, its model and
+    prompts (built once; `args.medium_shape` and `args.medium_paths` are set)."""
+    if args.workload != "medium":
+        return [f"{k}={v}" for k, v in WORKLOADS[args.workload].items()]
+    args.medium_shape = medium.parse_shape(args.medium)
+    args.medium_paths = medium.build(args.medium_shape, cache_dir())
+    return medium.overrides(args.medium_shape, args.medium_paths)
+
+
 def rotated(names: list[str], round_index: int) -> list[str]:
     """`names` starting at position `round_index`: each variant runs first in turn, so load swings hit all alike."""
     k = round_index % len(names)
@@ -115,8 +132,10 @@ def rotated(names: list[str], round_index: int) -> list[str]:
 def parse_bench_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     """Parse, check the step counts, and quiet the libraries."""
     args = parser.parse_args(argv)
+    if args.medium and args.workload != "medium":
+        raise SystemExit(f"--medium {args.medium[0]}: only with --workload medium")
     # the long workload is overrides on top of the reference one; the user's own --override come last and win
-    args.override = [f"{k}={v}" for k, v in WORKLOADS[args.workload].items()] + args.override
+    args.override = workload_overrides(args) + args.override
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
     quiet(args.threads)

@@ -23,6 +23,12 @@ AdamW update, while the weights move by less than float32 resolves, so the lengt
 `ours_response_len_mean` and `trl_response_len_mean`
 (tokens per completion, EOS included) show it, and `ratio_work` states both sides' tokens and model FLOPs per step
 (bench/README.md "Equal work"; TRL's prefill per row makes its FLOPs differ by design).
+
+`--workload medium` (bench/medium.py: a 159M-parameter Qwen3 of random weights, 128-token prompts, completions of
+exactly 256 tokens) micro-batches both updates by 8 rows (TRL: gradient accumulation over 8 micro-batches, its
+generation still one batch of 64) and adds the step's roofline: `ours_of_roofline` = the least time this machine
+allows for the step's work / our step time (`ours_gen_of_roofline`, `ours_update_of_roofline` per phase), and
+`trl_of_roofline` = the same bound / TRL's step time.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 
-BUDGETS = {"tiny": 0.5, "long": 0.45}  # our GRPO step / TRL's, per workload (docs/results/compare_trl.md)
+# our GRPO step / TRL's, per workload (docs/results/compare_trl.md; medium: issue 62)
+BUDGETS = {"tiny": 0.5, "long": 0.45, "medium": 0.6}
 
 
 class TRLUnavailable(RuntimeError):
@@ -83,9 +90,14 @@ def trl_config(algo, batch_size: int, seed: int, steps: int, output_dir: str):
         from trl import GRPOConfig
     except ImportError as err:
         raise TRLUnavailable(f"trl is not installed ({err}); pip install -e '.[bench]'") from err
+    rows = batch_size * algo.group_size
+    micro = min(algo.micro_batch_size, rows)  # TRL's forward/backward split as ours (`micro_batch_size` rows)
+    if rows % micro:
+        raise TRLUnavailable(f"algorithm.micro_batch_size={micro} does not divide the step's {rows} rows: TRL "
+                             f"accumulates gradients over equal micro-batches")
     wanted = dict(
         output_dir=output_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, seed=seed,
-        per_device_train_batch_size=batch_size * algo.group_size, gradient_accumulation_steps=1,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=rows // micro,
         num_generations=algo.group_size, num_iterations=1, max_completion_length=algo.max_new_tokens,
         temperature=algo.temperature, top_p=algo.top_p, top_k=algo.top_k, beta=0.0, epsilon=algo.eps_low,
         epsilon_high=algo.eps_high, loss_type="grpo", scale_rewards="group" if algo.scale_adv_by_std else "none",
@@ -191,7 +203,7 @@ def run_ours(overrides: list[str], total: int, baton) -> dict:
     module, datamodule, trainer = common.build_run(cfg, total, recorder)
     trainer.fit(module, datamodule=datamodule)
     return {"rows": recorder.rows, "lr": module.algorithm.lr, "peak_rss_mb": common.peak_rss_mb(),
-            "peak_flops": module.flops.peak}
+            "peak_flops": module.flops.peak, "peak_bandwidth": module.flops.bandwidth}
 
 
 def run_trl(overrides: list[str], total: int, baton) -> dict:
@@ -228,7 +240,27 @@ def run(args) -> dict:
     paired = [o["wall_s"] / t for o, t in zip(rows[args.warmup :], trl_walls)]
     ours_s, trl_s = ours_summary["median_step_s"], common.median(trl_walls)
     return {**run_result(args, ours, trl, ours_summary, paired, ours_s, trl_s),
-            **mfu_result(args, ours, trl, ours_summary, trl_s), "ratio_work": work(args, rows, trl)}
+            **mfu_result(args, ours, trl, ours_summary, trl_s), **roofline_result(args, ours, ours_summary, trl_s),
+            "ratio_work": work(args, rows, trl)}
+
+
+def roofline_result(args, ours: dict, summary: dict, trl_s: float) -> dict:
+    """The medium workload's step against its roofline (bench/medium.py, lit_rlvr.functional.roofline): the least
+    time this machine's peak and bandwidth allow for the step's work (one prefill per prompt, the decode step by
+    step, the update compute-bound), as a share of each side's time: `ours_of_roofline` (and per phase) and
+    `trl_of_roofline` (TRL's step against the same work's bound). Other workloads' lengths are sampled: none."""
+    if args.workload != "medium" or not ours["peak_flops"] or not ours["peak_bandwidth"]:
+        return {}
+    bound = common.medium.workload_roofline(args.medium_shape, peak_flops=ours["peak_flops"],
+                                            peak_bandwidth=ours["peak_bandwidth"])
+    gen_bound = bound["prefill_bound_s"] + bound["decode_bound_s"]
+    step_bound = gen_bound + bound["update_bound_s"]
+    return {"roofline_s": step_bound, "ours_of_roofline": step_bound / summary["median_step_s"],
+            "ours_gen_of_roofline": gen_bound / summary["gen_s"],
+            "ours_update_of_roofline": bound["update_bound_s"] / summary["train_s"],
+            "trl_of_roofline": step_bound / trl_s, "peak_bandwidth": ours["peak_bandwidth"],
+            **{k: bound[k] for k in ("prefill_bound_s", "decode_bound_s", "update_bound_s")},
+            **common.medium.machine(args.medium_shape)}
 
 
 # TRL's side cannot do our step's work exactly: it samples other tokens (its own generator), and its generation

@@ -100,7 +100,7 @@ def measure(model, repeats: int, threads: int) -> dict[str, float]:
 def run(args) -> dict:
     from lit_rlvr.models import load_policy
 
-    workload = [f"{k}={v}" for k, v in common.WORKLOADS[args.workload].items()]
+    workload = common.workload_overrides(args)
     small, _ = load_policy(common.model_path(common.compose("grpo", workload)), "float32")
     big = synthetic_model(args.mb)
     tiny_stats = measure(small, args.repeats * 10, args.threads)  # ≤ 13 MB: many more repeats cost little
@@ -149,7 +149,10 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=6,
                         help="--engine sglang or --workload long: GRPO steps per run for the sync share")
     parser.add_argument("--workload", choices=sorted(common.WORKLOADS), default="tiny",
-                        help="whose model is measured beside the synthetic one (long: and its step's sync share)")
+                        help="whose model is measured beside the synthetic one (long, medium: and its step's sync "
+                             "share)")
+    parser.add_argument("--medium", action="append", default=[], metavar="KEY=VALUE",
+                        help="--workload medium: change its shape (bench/medium.py)")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.mb <= 0 or args.steps < 2:
         raise SystemExit("--repeats must be >= 1, --mb > 0 and --steps >= 2")

@@ -1,5 +1,5 @@
 """Pure tensor math of the papers: advantages, policy losses, KL estimators, aggregation, V0.5 fusion and OSLA;
-and the model FLOPs of a step (flops.py).
+and the model FLOPs of a step (flops.py) and each phase's roofline bound (roofline.py).
 Functions take tensors plus keyword hyperparameters and return `(value, metrics)` where metrics are detached."""
 
 from lit_rlvr.functional.advantages import (
