@@ -51,6 +51,7 @@ from lit_rlvr.run.step_log import StepTimer, step_row, write_step_metrics
 from lit_rlvr.run.validation import ValidationMetrics
 from lit_rlvr.update import SEQUENCE_METRICS, TOKEN_METRICS, RolloutCorrector, Update
 
+
 class GRPOModule(pl.LightningModule):
     """GRPO with PPO-clip (Shao et al. 2024) and the usual knobs; docs/architecture.md §4 has the equations.
 
@@ -216,8 +217,7 @@ class GRPOModule(pl.LightningModule):
             self._data_stream = DataStream(None)
 
     def collect(self, batch: dict[str, list]) -> Optional[Rollouts]:
-        """The step's rollouts from the source, through a `StepCollector` of the module's parts as they are now
-        (`filter_groups`: refilled from the data stream); None when the source has none yet (async: the first)."""
+        """The step's rollouts from the source, collected with the module's parts as they are now (None: none yet)."""
         algo, trainer = self.algorithm, self._trainer
         collected = self.source.collect(
             batch, step=self.global_step, group_size=algo.group_size, flops=self.flops,
