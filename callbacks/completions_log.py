@@ -19,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.rollout.batch import Rollouts
+from lit_rlvr.run.step_count import rl_step
 from lit_rlvr.run.storage import append_text, writing
 
 COLUMNS = ["step", "prompt", "completion", "answer", "reward", "advantage", "length", "finish_reason", "malformed"]
@@ -35,7 +36,7 @@ class CompletionsLog(RLVRCallback):
         self.every_n_steps, self.samples, self.path, self.seed = every_n_steps, samples, path, seed
 
     def on_rl_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rollouts: Rollouts) -> None:
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped  # this RL step, as metrics.csv counts
+        step = rl_step(trainer)  # this RL step, as metrics.csv counts
         if self.every_n_steps and step % self.every_n_steps == 0:
             self._write(trainer, step, rows(rollouts, step, self.samples, self.seed))
 

@@ -141,7 +141,7 @@ class DeadGroupProbe(RLVRCallback):
             driver.sampling = replace(sampling, temperature=temperature)
         try:
             key = (*pl_module.seed_key(), "dead", arm, self.seed)
-            return driver.rollout(plan, step=pl_module.global_step, seed_key=key).rollouts
+            return driver.rollout(plan, step=pl_module.source.version, seed_key=key).rollouts  # the step's weights
         finally:
             driver.sampling = sampling
 

@@ -128,8 +128,8 @@ class OracleBaseline(RLVRCallback):
         """M extra rewards per prompt from the plan's weight sources, in one round of the module's rollout driver;
         returns rewards [B·M] and prompt ids [B·M]."""
         oracle = replace(plan, n_per_prompt=[self.num_samples] * plan.num_prompts, budget_rule=None, seed_stream=())
-        step = pl_module.global_step
-        result = pl_module.driver.rollout(oracle, step=step, seed_key=(*pl_module.seed_key(), "oracle", self.seed))
+        version = pl_module.source.version  # the weights the engine holds: no push between the step's and these
+        result = pl_module.driver.rollout(oracle, step=version, seed_key=(*pl_module.seed_key(), "oracle", self.seed))
         return result.rollouts.rewards.float(), result.rollouts.group
 
     @override

@@ -15,6 +15,7 @@ from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.config.options import group_size_problem
 from lit_rlvr.config.settings import AlgorithmConfig, RolloutConfig
 from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
+from lit_rlvr.rollout.source import async_refusals
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -52,16 +53,15 @@ class RLVRCallback(Callback):
 
 
 def check_rl_callbacks(callbacks: Iterable[Any], algorithm: AlgorithmConfig,
-                       rollout: RolloutConfig = RolloutConfig()) -> None:
+                       rollout: RolloutConfig = RolloutConfig(), *, ranks: int = 1, lora: bool = False) -> None:
     """Each `RLVRCallback`'s `check_algorithm(algorithm)`, then the module's own rules that need the callbacks
     (a group of one only where a callback sets the sample counts; async rollouts only with callbacks that allow
-    them)."""
+    them, and on `ranks` ranks, with `lora` adapters: `lit_rlvr.rollout.source.async_refusals`)."""
     rl = [cb for cb in callbacks if isinstance(cb, RLVRCallback)]
     for cb in rl:
         cb.check_algorithm(algorithm)
     counts_set_by = next((type(cb).__name__ for cb in rl if cb.sets_sample_counts), None)
-    problems = group_size_problem(algorithm.group_size, counts_set_by)
-    if rollout.mode == "async":
-        problems += [f"rollout.mode=async: {type(cb).__name__} {cb.async_refusal}; use rollout.mode=sync"
-                     for cb in rl if cb.async_refusal]
-    ConfigError.check(problems)
+    refused_by = {type(cb).__name__: cb.async_refusal for cb in rl if cb.async_refusal}
+    ConfigError.check(group_size_problem(algorithm.group_size, counts_set_by)
+                      + async_refusals(rollout, refused_by=refused_by, rounds_by=counts_set_by, ranks=ranks,
+                                       ivon_lora=algorithm.optimizer == "ivon" and lora))

@@ -1,16 +1,13 @@
 """`GRPOModule`: the LightningModule of one RL step (docs/architecture.md §3): plan → rollout and reward →
-advantages → update → engine weight sync. The step's rollouts are a `StepCollector`'s (lit_rlvr.rollout.collector,
-over the `RolloutDriver`), its optimizer steps an `Update`'s (lit_rlvr.update), both built from the module's parts
-for each step. Subclass points: `compute_advantages`, `policy_loss`, `configure_optimizers`. Methods that change
-the plan, the baseline or the weights the gradient is taken at are `RLVRCallback`s (lit_rlvr.hooks).
+advantages → update → engine weight sync. Rollouts come from the run's `RolloutSource` (lit_rlvr.rollout.source:
+sync or async generation, the pushes, the weights' version) through a per-step `StepCollector`; optimizer steps are
+an `Update`'s (lit_rlvr.update). Subclass points: `compute_advantages`, `policy_loss`, `configure_optimizers`.
+Methods that change the plan, the baseline or the weights the gradient is taken at are `RLVRCallback`s.
 """
-
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
-import logging
 from dataclasses import replace
 from typing import Any, Callable, Iterator, Optional, Union
 
@@ -22,7 +19,7 @@ from lit_rlvr import functional as F
 from lit_rlvr.algorithms.filter_groups import DataStream, GroupFilter
 from lit_rlvr.config.bounds import check_bounds, model_context, response_budget
 from lit_rlvr.config.arguments import module_settings
-from lit_rlvr.config.errors import CheckpointError, ConfigError, NonFiniteError, RewardHangError
+from lit_rlvr.config.errors import ConfigError, RewardHangError
 from lit_rlvr.config.settings import (AlgorithmConfig, EngineConfig, EnvConfig, ModelConfig, PerfConfig,
                                       RewardConfig, RolloutConfig)
 from lit_rlvr.config.options import compile_problems
@@ -33,11 +30,10 @@ from lit_rlvr.rollout.warmup import load_model
 from lit_rlvr.optim.build import check_optimizer_options, optimizer_and_schedule
 from lit_rlvr.rewards import build_reward_runner, reward_problems
 from lit_rlvr.rollout.batch import Rollouts
-from lit_rlvr.rollout.collector import StepCollector, plan_batch
 from lit_rlvr.rollout.driver import RolloutDriver, stop_token_ids
-from lit_rlvr.rollout.engine import SamplingConfig, engine_hint
+from lit_rlvr.rollout.engine import SamplingConfig
 from lit_rlvr.rollout.multi_turn import env_metrics
-from lit_rlvr.rollout.pipeline import RolloutPipeline, completion_versions
+from lit_rlvr.rollout.source import RolloutSource, build_source, engine_options
 from lit_rlvr.run import distributed as D
 from lit_rlvr.models.adapter_export import AdapterExport
 from lit_rlvr.run.checkpoint_io import checkpoint_hint
@@ -47,12 +43,11 @@ from lit_rlvr.run.freeze import FreezeSetupObjects
 from lit_rlvr.run.one_line import config_phase
 from lit_rlvr.run.perf import StepFlops, recomputes_forward
 from lit_rlvr.run.rng import rng_states, seed_of, set_rng_states
+from lit_rlvr.run.step_count import not_a_step
 from lit_rlvr.run.step_log import step_row, write_step_metrics
 from lit_rlvr.run.step_timer import StepTimer
 from lit_rlvr.run.validation import ValidationMetrics
 from lit_rlvr.update import SEQUENCE_METRICS, TOKEN_METRICS, RolloutCorrector, Update
-
-log = logging.getLogger(__name__)
 
 
 class GRPOModule(pl.LightningModule):
@@ -100,8 +95,8 @@ class GRPOModule(pl.LightningModule):
         # built in setup(): after the strategy has placed (and maybe sharded) the policy
         self.engine: Optional[Any] = None
         self.driver: Optional[RolloutDriver] = None
-        self.pipeline: Optional[RolloutPipeline] = None  # rollout.mode=async: built at the first training step
-        self._pipeline_state: dict[str, Any] = {}  # a resumed async run's batches in flight
+        self.source: Optional[RolloutSource] = None
+        self._restored: dict[str, Any] = {}  # a checkpoint's, for a source built after it was loaded
         self.val_metrics = ValidationMetrics(algo.eval_samples)
         self.counters = RunCounters()
         self.timer = StepTimer()
@@ -132,35 +127,21 @@ class GRPOModule(pl.LightningModule):
 
     # -- Lightning plumbing ----------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
-        check_rl_callbacks(self.rl_callbacks(), self.algorithm, self.settings.rollout)  # the CLI and Python: first
-        rollout = self.settings.rollout
-        ranks = self.trainer.world_size if rollout.mode == "async" and self._trainer is not None else 1
-        lora = self.settings.model.lora.enabled
-        if rollout.mode == "async" and ranks > 1 and self.algorithm.optimizer == "ivon" and lora:
-            raise ConfigError([f"rollout.mode=async with algorithm.optimizer=ivon (3PO) and model.lora on {ranks} "
-                               "ranks: the producer would gather the sharded base weights to push a sample's adapters, "
-                               "a collective off the trainer's thread; use rollout.mode=sync, one rank, or full "
-                               "fine-tuning"])
-        rounds_by = next((type(cb).__name__ for cb in self.rl_callbacks() if cb.sets_sample_counts), None)
-        if rollout.mode == "async" and ranks > 1 and rollout.lead > 1 and rounds_by:
-            # the producers agree on each round across ranks: with a plan queued behind the one a rank's trainer
-            # waits for, one rank's producer would wait in that agreement while its trainer waits in FSDP's
-            raise ConfigError([f"rollout.mode=async on {ranks} ranks with {rounds_by} (rounds agreed across ranks) "
-                               f"and rollout.max_staleness={rollout.max_staleness} "
-                               f"rollout.stale_strategy={rollout.stale_strategy}: more than one batch ahead is not "
-                               "built yet; use rollout.max_staleness=1 with stale_strategy=wait, or one rank"])
+        rollout, engine = self.settings.rollout, self.settings.engine
+        check_rl_callbacks(self.rl_callbacks(), self.algorithm, rollout, lora=self.settings.model.lora.enabled,
+                           ranks=self.trainer.world_size if self._trainer is not None else 1)  # CLI, Python: first
         if self.settings.model.compile:  # (setup may run without a trainer: tests, notebooks)
             ConfigError.check(compile_problems(True, sharded=hasattr(self.trainer.strategy, "parallelize")))
         if self.engine is None:
-            engine = self.settings.engine
-            options = engine.options
-            if self.settings.rollout.mode == "async" and engine.name == "hf" and not options.get("mode"):
-                options = {**options, "mode": "copy"}  # the producer generates while the trainer steps
             with config_phase():  # the engine's option checks are config errors (one line from every entry)
-                self.driver = RolloutDriver.build(engine.name, options,
+                self.driver = RolloutDriver.build(engine.name, engine_options(engine.name, engine.options, rollout),
                                                   self.policy, self.tokenizer, self.reward_runner, self.sampling,
                                                   environment=self.environment,
                                                   chat_template=self.settings.model.chat_template)
+                self.source = build_source(self.driver, rollout, tokenizer=self.tokenizer, seed=self.settings.seed,
+                                           chat_template=self.settings.model.chat_template, counters=self.counters,
+                                           timer=self.timer, engine_name=engine.name, hint=self._checkpoint_hint)
+            self.source.load_state_dict(self._restored)
             self.engine = self.driver.engine
 
     def configure_model(self) -> None:
@@ -184,18 +165,9 @@ class GRPOModule(pl.LightningModule):
             self.engine.to(self.device)
 
     def teardown(self, stage: str) -> None:
-        if stage == "fit":
-            self.close_pipeline()
-        if stage == "fit" and self.engine is not None:
+        if stage == "fit" and self.source is not None:  # (when fit fails: `ClosePipeline` closes the source)
+            self.source.close()
             self.engine.sleep()
-
-    def close_pipeline(self) -> None:
-        """Stop the async producer after its batch under way (at the end of fit, or when fit fails: `ClosePipeline`),
-        keeping the batches in flight for a later save."""
-        if self.pipeline is not None:
-            self._pipeline_state = self.pipeline.state()
-            self.pipeline.close()
-            self.pipeline = None
 
     def configure_optimizers(self):
         trainer, algo = self._trainer, self.algorithm  # no trainer outside a fit (tests, notebooks)
@@ -220,20 +192,17 @@ class GRPOModule(pl.LightningModule):
         self.step_metrics = {}
         self.step_rollouts_start = self.counters["rollouts_total"]
         rollouts = self.collect(batch)  # plan → callbacks edit it → generate and score (→ filter, refill)
-        if rollouts is None:  # async: the producer's first batches are not generated yet (no update, no row)
-            self.trainer.fit_loop.epoch_loop._batches_that_stepped -= 1  # Lightning adds it back: not a step
+        if rollouts is None:  # the source has no batch yet (async: the producer's first): no update, no row
+            not_a_step(self.trainer)
             return None
-        if self.pipeline is None:
-            self.engine.sleep()  # SGLang frees its KV cache and weights while the trainer needs the memory
         self.call_rl_hooks("on_before_advantages", rollouts)  # V0.5: the fused baselines
         rollouts.advantages, adv_metrics = self.compute_advantages(rollouts)
         self.log_metrics(adv_metrics)
         with self.timer("train_s"):
             self.update(rollouts)
-        self.sync_engine()
+        self.log_metrics(self.source.push())  # the engine takes the new weights: the next version
         self.call_rl_hooks("on_rl_step_end", rollouts)
         self._log_step(rollouts, self.timer.elapsed())
-        self.counters["rl_steps"] += 1
         return None
 
     def _training_step_reading_batches(self, dataloader_iter: Iterator) -> None:
@@ -246,64 +215,20 @@ class GRPOModule(pl.LightningModule):
             self._data_stream = DataStream(None)
 
     def collect(self, batch: dict[str, list]) -> Optional[Rollouts]:
-        """The step's rollouts, from its `StepCollector` (with `filter_groups`: refilled from the data stream); in
-        async mode the oldest batch the producer generated, this step's batch submitted (None: none ready yet)."""
-        collector = self.make_collector()
-        if self.settings.rollout.mode == "async":
-            with engine_hint(self.settings.engine.name, self._checkpoint_hint):
-                item = self.async_pipeline().exchange(batch, collector.plan, version=self.counters["rl_steps"],
-                                                      step=self.global_step)
-            self.timer.add("wait_s", self.pipeline.wait_s)
-            if item is None:
-                return None
-            rollouts, metrics = collector.count(item.result), collector.metrics
-            rollouts.policy_version = torch.full((rollouts.num_samples,), item.version, dtype=torch.long)  # [N]
-            if rollouts.token_version is not None:  # partial rollouts: each completion's oldest token's version
-                rollouts.policy_version = completion_versions(rollouts.token_version, rollouts.response_mask,
-                                                              item.version)[0]
-            rollouts.plan_notes = item.plan.notes  # the hooks of this step find what they kept at plan time
-            if item.plan.source_seeds is not None:  # 3PO: the weight sample that generated each completion
-                rollouts.sample_index = rollouts.source.clone()  # [N]
-                rollouts.sample_seed = torch.tensor(item.plan.source_seeds, dtype=torch.long)[rollouts.source]  # [N]
-            metrics = {**metrics, **self.pipeline.metrics(rollouts, version=self.counters["rl_steps"])}
-        else:
-            rollouts, metrics = collector.collect(batch)
+        """The step's rollouts from the source, collected with the module's parts as they are now (None: none yet)."""
+        algo, trainer = self.algorithm, self._trainer
+        collected = self.source.collect(
+            batch, step=self.global_step, group_size=algo.group_size, flops=self.flops,
+            plan_hooks=[functools.partial(cb.on_rollout_plan, trainer, self) for cb in self.rl_callbacks()],
+            group_filter=GroupFilter(algo.filter_groups, self.tokenizer.pad_token_id) if algo.filter_groups.enable
+            else None, next_batch=self._data_stream.next_batch)
+        if collected is None:
+            return None
+        rollouts, metrics, stop_reason = collected
         self.log_metrics(metrics)
-        if collector.stop_reason:  # a hung reward call is left running: finish the step, save, stop
+        if stop_reason:  # a hung reward call is left running: finish the step, save, stop
             self.trainer.should_stop = True
         return rollouts
-
-    def make_collector(self) -> StepCollector:
-        """This step's collector, built from the module's parts as they are now (like `make_update`)."""
-        algo, trainer = self.algorithm, self._trainer
-        hooks = [functools.partial(cb.on_rollout_plan, trainer, self) for cb in self.rl_callbacks()]
-        group_filter = (GroupFilter(algo.filter_groups, self.tokenizer.pad_token_id)
-                        if algo.filter_groups.enable else None)
-        return StepCollector(self.driver, self.tokenizer, algo.group_size, self.global_step, self.seed_key(),
-                             self.counters, self.timer, self.flops, chat_template=self.settings.model.chat_template,
-                             plan_hooks=hooks, group_filter=group_filter, next_batch=self._data_stream.next_batch,
-                             engine_name=self.settings.engine.name, hint=self._checkpoint_hint,
-                             version=self.counters["rl_steps"],
-                             ahead=self.settings.rollout.lead if self.settings.rollout.mode == "async" else None)
-
-    def async_pipeline(self) -> RolloutPipeline:
-        """The run's `RolloutPipeline`, built at its first step (after a resume has restored the weights, which the
-        engine receives first: the producer never pushes)."""
-        if self.pipeline is None:
-            saved = self._pipeline_state.get("ranks_saved")
-            if saved is not None:
-                raise CheckpointError(f"the checkpoint holds the batches in flight (rollout.mode=async) of {saved} "
-                                      f"rank(s), and this run has {D.world_size()}: resume on {saved}")
-            if not self.driver.weight_sync.holds(self.global_step):
-                self.sync_engine()
-            opts, state = self.settings.rollout, self._pipeline_state
-            self.pipeline = RolloutPipeline(self.driver, max_staleness=opts.max_staleness, lead=opts.lead,
-                                            drop=opts.stale_strategy == "drop", seed=self.settings.seed,
-                                            version=self.counters["rl_steps"],
-                                            next_index=state.get("next_index", self.counters["rl_steps"]),
-                                            pending=tuple(state.get("in_flight", ())),
-                                            partial=opts.partial_rollout, recompute_kv=opts.kv_at_swap == "recompute")
-        return self.pipeline
 
     def seed_key(self) -> tuple[int, int]:
         """(run seed, step): this step's seed key; the driver adds the round, weight source and plan's stream."""
@@ -312,31 +237,6 @@ class GRPOModule(pl.LightningModule):
     def _checkpoint_hint(self) -> str:
         """What the run keeps if it fails now (its last checkpoint) and what to do."""
         return checkpoint_hint(self._trainer)
-
-    def sync_engine(self) -> None:
-        """After the optimizer step: the engine must hold the new mean weights (version = global step). With partial
-        rollouts the push lands in the batch being generated, unless the post-push check is due: it samples with
-        the engine, so it waits for the batch to end."""
-        pipeline = self.pipeline
-        in_flight = pipeline is not None and pipeline.partial and not self.driver.weight_sync.check_due()
-        pushing = pipeline.pushing(self.counters["rl_steps"] + 1) if pipeline is not None else contextlib.nullcontext()
-        access = contextlib.nullcontext() if in_flight else self.engine_access()
-        with access, engine_hint(self.settings.engine.name, self._checkpoint_hint), pushing:
-            pushed = self.driver.push(step=self.global_step)
-        self.timer.add("sync_s", pushed.seconds)
-        self.log_metrics(pushed.metrics)
-
-    @contextlib.contextmanager
-    def engine_access(self) -> Iterator[None]:
-        """The engine to this thread alone: in async mode, between two of the producer's batches (the wait counts
-        as the trainer's, `time/wait_s`)."""
-        if self.pipeline is None:
-            yield
-            return
-        with contextlib.ExitStack() as stack:
-            with self.timer("wait_s"):
-                stack.enter_context(self.pipeline.engine_access())
-            yield
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         # after the callbacks' hook: RunCheckpoint has saved this step (the driver set should_stop)
@@ -375,10 +275,7 @@ class GRPOModule(pl.LightningModule):
     # -- the update -------------------------------------------------------------------------------------------
     def update(self, rollouts: Rollouts) -> None:
         """The step's optimizer steps (`lit_rlvr.update.Update`); its metrics go to this step's row."""
-        try:
-            self.log_metrics(self.make_update().run(rollouts, step=self.global_step))
-        except NonFiniteError as err:  # the same error, saying what the run keeps
-            raise NonFiniteError(f"{err}; {self._checkpoint_hint()}") from None
+        self.log_metrics(self.make_update().run(rollouts, step=self.global_step))
 
     def make_update(self, optimizer: Optional[Any] = None) -> Update:
         """The update, built for every step from the module's parts as they are now (a `module.algorithm` replaced
@@ -393,7 +290,8 @@ class GRPOModule(pl.LightningModule):
                       correction=RolloutCorrector(algorithm.rollout_correction), ref_policy=self.ref_policy,
                       loss_contexts=contexts, backward=self.manual_backward if fitting else None,
                       model=self.update_policy(), counters=self.counters, timer=self.timer, device=self.device,
-                      token_metrics=self.token_metrics, sequence_metrics=self.sequence_metrics)
+                      token_metrics=self.token_metrics, sequence_metrics=self.sequence_metrics,
+                      hint=self._checkpoint_hint)
 
     def update_policy(self) -> nn.Module:
         """The policy as the loss runs it: compiled once with `model.compile` (dynamic shapes: micro-batches of any
@@ -412,9 +310,8 @@ class GRPOModule(pl.LightningModule):
         flops = self.flops.metrics(rollouts, self.timer.times, passes=self.algorithm.ppo_epochs,
                                    reference=self.ref_policy is not None, recompute=recomputes_forward(self.policy),
                                    old_forward=not self.algorithm.rollout_correction.bypass)
-        shares = self.pipeline.shares(self.timer, step_s) if self.pipeline is not None else {}  # async/*_frac
         self.log_metrics(step_row(rollouts, self.counters, self.step_rollouts_start, self.timer, step_s,
-                                  {**flops, **env_metrics(rollouts), **shares}))  # env/*: multi-turn only
+                                  {**flops, **env_metrics(rollouts), **self.source.shares(step_s)}))
         self.step_metrics = D.reduce_metrics(self.step_metrics)  # the global batch's figures, on every rank
         write_step_metrics(self.trainer, self.step_metrics, progress_bar=("reward/mean", "reward/accuracy"))
 
@@ -423,12 +320,8 @@ class GRPOModule(pl.LightningModule):
         if self.engine is None:
             self.setup("validate")
         # the engine keys its seed per prompt: every evaluation draws the same samples
-        with engine_hint(self.settings.engine.name, self._checkpoint_hint), self.engine_access():
-            plan = plan_batch(batch, self.tokenizer, self.algorithm.group_size,
-                              chat_template=self.settings.model.chat_template)
-            correct = self.driver.evaluate(plan, self.algorithm.eval_samples, step=self.global_step,
-                                           seed=seed_of("eval", self.settings.seed))  # [B, n]
-        self.val_metrics.update(correct)
+        self.val_metrics.update(self.source.evaluate(batch, self.algorithm.eval_samples,
+                                                     seed=seed_of("eval", self.settings.seed)))  # [B, n]
 
     def on_validation_epoch_end(self) -> None:
         self.log_dict(self.val_metrics.compute(), on_epoch=True, prog_bar=True)
@@ -440,28 +333,16 @@ class GRPOModule(pl.LightningModule):
 
     # -- state -------------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # the run's totals (every rank saves, one file is written): a resume gives them to rank 0, 0 to the others
-        checkpoint["lit_rlvr"] = {"counters": self.counters.global_values(), "engine_version": self.global_step,
-                                  "model_path": self.model_path, "rng": rng_states()}
-        if self.settings.rollout.mode == "async":  # the batches in flight are generated again on resume
-            state = self.pipeline.state() if self.pipeline else self._pipeline_state
-            # each rank's own batches (its share of the data): every rank saves, one file is written
-            checkpoint["lit_rlvr"]["async"] = state if D.world_size() == 1 else {"ranks": D.all_gather_object(state)}
+        # the run's totals (every rank saves, one file is written; a resume gives them to rank 0, 0 to the others)
+        # with the source's version (`rl_steps`), and in async mode the batches in flight (generated again on resume)
+        checkpoint["lit_rlvr"] = {"counters": self.counters.global_values(), "model_path": self.model_path,
+                                  "rng": rng_states(), **(self.source.state_dict() if self.source else {})}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("lit_rlvr", {})
-        self.counters.restore(state.get("counters", {}), self.global_rank)
-        self._pipeline_state = state.get("async", {})
-        ranks = self._pipeline_state.get("ranks", [self._pipeline_state] if self._pipeline_state else [])
-        if ranks and (len(ranks) > 1 or D.world_size() > 1):  # each rank's own batches (an evaluation needs none)
-            self._pipeline_state = ranks[D.rank()] if len(ranks) == D.world_size() else {"ranks_saved": len(ranks)}
-        in_flight, rollout = len(self._pipeline_state.get("in_flight", ())), self.settings.rollout
-        if in_flight > rollout.lead:  # each step trains one batch and submits one: a longer queue never shrinks
-            raise CheckpointError(f"the checkpoint holds {in_flight} batches generated ahead (rollout.mode=async), "
-                                  f"more than rollout.mode={rollout.mode} rollout.max_staleness={rollout.max_staleness}"
-                                  f" rollout.stale_strategy={rollout.stale_strategy} keeps in flight; resume with the "
-                                  "rollout settings the run was started with")
+        self.counters.restore(state.get("counters", {}), self.global_rank)  # with the source's version
+        self._restored = state  # (`load_from_checkpoint` loads before `setup` builds the source)
+        if self.source is not None:  # the batches in flight; the engine takes the restored weights
+            self.source.load_state_dict(state)
         if "rng" in state:  # a resumed run draws the random numbers the uninterrupted run would have drawn
             set_rng_states(state["rng"])
-        if self.driver is not None:  # the engine must receive the restored weights before the next rollout
-            self.driver.weight_sync.forget()

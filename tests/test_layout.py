@@ -24,8 +24,8 @@ from lit_rlvr.rollout.engine import RolloutEngine
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = re.compile(r"\b(hasattr|getattr)\(\s*[\w.]*engine\b")
 # what a callback may use of the module it is given (`pl_module`): its public API
-MODULE_API = {"driver", "engine", "policy", "tokenizer", "global_step", "seed_key", "log_metrics", "device",
-              "trainer", "global_rank", "group_size"}
+MODULE_API = {"driver", "source", "engine", "policy", "tokenizer", "global_step", "seed_key", "log_metrics",
+              "device", "trainer", "global_rank", "group_size"}
 # low -> high: a module imports from its own layer or the layers below (docs/architecture.md §1). A module's layer is
 # its folder's (the name under lit_rlvr/: a folder, or a file directly under it; "" is lit_rlvr/__init__.py): the
 # table names folders only, never a file inside one

@@ -86,7 +86,8 @@ class StubRewards:
 
 
 class StubModule:
-    """What the oracle uses of a module: the rollout driver (a real one, over a stub engine), the seed key, the step."""
+    """What the oracle uses of a module: the rollout driver (a real one, over a stub engine), the seed key, the step
+    and the rollout source's version (the weights the engine holds)."""
 
     def __init__(self, p, seed=0):
         self.engine = StubEngine(p)
@@ -94,6 +95,7 @@ class StubModule:
                                     policy=torch.nn.Linear(1, 1))
         self.global_step, self.metrics, self.pushes, self.seed = 0, {}, [], seed
         self.counters = {"rollouts_total": 0}
+        self.source = SimpleNamespace(version=0)
         push = self.driver.push
 
         def recorded_push(*, step, holds_mean=True):

@@ -39,9 +39,10 @@ def plan_batch(batch: Batch, tokenizer: Any, group_size: int, *, chat_template: 
 
 @dataclass
 class StepCollector:
-    """Args: `driver` generates and scores; `tokenizer`, `group_size`, `chat_template` make the plan; `step` and
-    `seed_key` (run seed, step) key the engine's seeds; `version` (the updates so far) and `ahead` (async mode: the
-    batches planned ahead; None: synchronous) go on every plan; `counters` (the run's totals), `timer` (the step's phase
+    """Args: `driver` generates and scores; `tokenizer`, `group_size`, `chat_template` make the plan; `seed_key`
+    (run seed, optimizer step) keys the engine's seeds; `version` (the updates so far: the weights the engine is to
+    hold, `RolloutSource.version`) and `ahead` (async mode: the batches planned ahead; None: synchronous) go on every
+    plan; `counters` (the run's totals), `timer` (the step's phase
     seconds) and `flops` (the step's token counts) are added to; `plan_hooks` edit each plan before
     it is generated (the callbacks' `on_rollout_plan`); `group_filter` (a `GroupFilter`, or None) and `next_batch`
     (the data stream's next batch, or None when it ran out) for DAPO's dynamic sampling; `engine_name` and
@@ -51,7 +52,6 @@ class StepCollector:
     driver: RolloutDriver
     tokenizer: Any
     group_size: int
-    step: int
     seed_key: tuple
     counters: RunCounters
     timer: StepTimer
@@ -93,7 +93,7 @@ class StepCollector:
 
     def rollout(self, plan: RolloutPlan) -> Rollouts:
         """The plan's samples, generated and scored (`RolloutDriver.rollout`), counted into the run's totals."""
-        return self.count(self.driver.rollout(plan, step=self.step, seed_key=self.seed_key))
+        return self.count(self.driver.rollout(plan, step=self.version, seed_key=self.seed_key))
 
     def count(self, result: RolloutResult) -> Rollouts:
         """A driver call's rollouts, its costs added to the run's totals and the step's timer and token counts."""

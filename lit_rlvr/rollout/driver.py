@@ -120,12 +120,13 @@ class RolloutDriver:
                 push_policy: bool = True) -> RolloutResult:
         """Generate and score the plan's samples, round after round while its budget rule asks for more.
 
-        `step` is the optimizer step of the policy's weights (the engine's version after a push); the engine call
-        of round r and weight source s samples with `seed_of(*seed_key, r, s, *plan.seed_stream)`. `group`: the
-        process group of the ranks' agreement on rounds (None: the default; async rollouts' producer thread has
-        its own, `distributed.thread_group`). `push_policy=False`: the engine's weights are the caller's business,
-        and the policy is never pushed from here (async rollouts: the producer's thread must not read the
-        trainer's parameters; only weights drawn into the plan are pushed)."""
+        `step` is the version of the policy's weights (its updates so far, `RolloutSource.version`, which a push
+        makes the engine's); the engine call of round r and weight source s samples with
+        `seed_of(*seed_key, r, s, *plan.seed_stream)`. `group`: the process group of the ranks' agreement on rounds
+        (None: the default; async rollouts' producer thread has its own, `distributed.thread_group`).
+        `push_policy=False`: the engine's weights are the caller's business, and the policy is never pushed from here
+        (async rollouts: the producer's thread must not read the trainer's parameters; only weights drawn into the
+        plan are pushed)."""
         tally = _Tally()
         parts: list[Rollouts] = []
         counts: Optional[list[int]] = plan.n_per_prompt

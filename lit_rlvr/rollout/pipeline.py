@@ -194,7 +194,8 @@ class RolloutPipeline:
         lead: batches in flight ahead of the one trained (`RolloutConfig.lead`).
         drop: evict a batch past the bound and generate it again (False: the bound holds by construction).
         seed: the run's seed, the first part of every seed key.
-        version: the version of the weights the engine holds now (updates so far).
+        version: the version of the weights the engine holds now (updates so far, `RolloutSource.version`: the unit
+            of `WeightSync.version`, of the engine's tags and of each `pushing`).
         next_index: the position in the run of the next batch submitted (a resumed run's, or the global step).
         pending: (index, batch) of batches that were in flight when the checkpoint was written: submitted first.
         partial: pushes land while a batch is generated (the engine must `swaps_in_flight`).
@@ -207,10 +208,7 @@ class RolloutPipeline:
         self.max_staleness, self.lead, self.drop = max_staleness, lead, drop
         self.partial, self.recompute_kv = partial, recompute_kv
         self.engine = driver.engine if partial else None  # the pushes' engine, which lands them mid-batch
-        if partial:
-            if not self.engine.swaps_in_flight:
-                raise ValueError(f"rollout.partial_rollout=true: {type(self.engine).__name__} takes no push while it "
-                                 "generates")
+        if partial:  # (an engine that cannot: refused before any work, `lit_rlvr.rollout.source.async_refusals`)
             with self.engine.push_in_flight(version):  # no tensors: the engine's weights are tagged `version`
                 pass
         self.next_index = next_index

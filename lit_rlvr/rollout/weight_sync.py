@@ -1,10 +1,11 @@
 """`WeightSync`: the one owner of what a rollout engine holds of the policy, and of every push to it.
 
-The rollout driver owns one. It knows which weights the engine samples with (the optimizer step, the mean or a 3PO
-weight sample, whether the base weights a LoRA push builds on are there, the adapters' names), decides whether a
-rollout needs a push, and makes every push (full weights, LoRA adapters or merged weights: lit_rlvr.rollout.lora)
-through the engine's contract methods. An engine keeps only what it needs to serve, and says with `holds_weights`
-whether it still holds pushed weights (SGLang's and vLLM's sleep may free them); it never stores this bookkeeping.
+The rollout driver owns one. It knows which weights the engine samples with (their version: the policy's updates
+when they were pushed, `lit_rlvr.rollout.source.RolloutSource.version`; the mean or a 3PO weight sample; whether the
+base weights a LoRA push builds on are there; the adapters' names), decides whether a rollout needs a push, and
+makes every push (full weights, LoRA adapters or merged weights: lit_rlvr.rollout.lora) through the engine's contract
+methods. An engine keeps only what it needs to serve, and says with `holds_weights` whether it still holds pushed
+weights (SGLang's and vLLM's sleep may free them); it never stores this bookkeeping.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class WeightSync:
     def __init__(self, engine: RolloutEngine, policy: nn.Module, sync_check: Optional[SyncCheck] = None,
                  probe: Sequence[int] = ()):
         self.engine, self.policy, self.sync_check, self.probe = engine, policy, sync_check, list(probe)
-        self.version: Optional[int] = None  # optimizer step of the weights pushed last (None: none yet)
+        self.version: Optional[int] = None  # version (updates) of the weights pushed last (None: none yet)
         self.holds_mean = False  # those are the mean weights (False: a 3PO sample, or restored since)
         self.base_pushed = False  # the base a LoRA push builds on went out (merged: the unadapted layers too)
         self.adapter: Optional[str] = None  # LoRA `adapter` sync: the adapter pushed last, the engine's default
@@ -63,7 +64,7 @@ class WeightSync:
 
     # -- what the engine holds ---------------------------------------------------------------------------------
     def holds(self, step: int) -> bool:
-        """Whether the engine samples with the mean weights of `step` now (no push needed)."""
+        """Whether the engine samples with the mean weights of version `step` now (no push needed)."""
         return self.holds_mean and self.version == step and self.engine.holds_weights
 
     def forget(self) -> None:

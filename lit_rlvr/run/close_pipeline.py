@@ -1,4 +1,4 @@
-"""`ClosePipeline`: the async producer stopped when fit ends by an exception."""
+"""`ClosePipeline`: the rollout source's producer stopped when fit ends by an exception."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import lightning.pytorch as pl
 
 
 class ClosePipeline(pl.Callback):
-    """Calls the module's `close_pipeline` when fit ends by an exception (Lightning then skips the module's
-    `teardown`): the producer's thread must not be inside an engine call when the process exits.
-    `GRPOModule.configure_callbacks` adds it."""
+    """Closes the module's rollout source (`lit_rlvr.rollout.source`) when fit ends by an exception (Lightning then
+    skips the module's `teardown`): an async producer's thread must not be inside an engine call when the process
+    exits. `GRPOModule.configure_callbacks` adds it."""
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        pl_module.close_pipeline()
+        if pl_module.source is not None:
+            pl_module.source.close()

@@ -13,7 +13,8 @@ SUMMED = ("rollouts_total", "tokens_generated", "reward_failures")  # per rank; 
 
 class RunCounters(dict):
     """A dict of the run's counters (`rollouts_total`, `tokens_generated`, `skipped_steps`, `bad_steps_in_row`,
-    `reward_failures`, `rl_steps`); the rollout driver's results and the update add to it."""
+    `reward_failures`, `rl_steps`); the rollout driver's results and the update add to it. `rl_steps` is the policy's
+    version, which only the rollout source's push advances (`lit_rlvr.rollout.source`)."""
 
     def __init__(self) -> None:
         super().__init__(rollouts_total=0, tokens_generated=0, skipped_steps=0, bad_steps_in_row=0,

@@ -69,6 +69,7 @@ class Update:
         device: where the forwards run (None: where the policy's first parameter is).
         token_metrics, sequence_metrics: the loss metrics that average over tokens, and over sequences (those of
             `loss.policy_loss`'s `functional.SEQUENCE_METRICS` move to the latter).
+        hint: what the run keeps and what to do, asked when too many non-finite steps stop it (as the collector's).
     """
 
     def __init__(self, policy: nn.Module, optimizer: Optional[Any], scheduler: Optional[Any] = None, *,
@@ -79,7 +80,8 @@ class Update:
                  backward: Optional[Callable[[Tensor], None]] = None, model: Optional[nn.Module] = None,
                  counters: Optional[MutableMapping[str, int]] = None, timer: Optional[StepTimer] = None,
                  device: Optional[Union[str, torch.device]] = None,
-                 token_metrics: frozenset = TOKEN_METRICS, sequence_metrics: frozenset = SEQUENCE_METRICS):
+                 token_metrics: frozenset = TOKEN_METRICS, sequence_metrics: frozenset = SEQUENCE_METRICS,
+                 hint: Optional[Callable[[], str]] = None):
         self.policy, self.optimizer, self.scheduler = policy, optimizer, scheduler
         self.loss, self.settings = loss, update
         self.grad_clip = grad_clip if grad_clip and grad_clip > 0 else float("inf")
@@ -88,6 +90,7 @@ class Update:
         self.ref_policy, self.loss_contexts = ref_policy, loss_contexts
         self.backward = backward if backward is not None else _autograd_backward
         self.model = model if model is not None else policy
+        self.hint = hint
         self.counters = counters if counters is not None else {"skipped_steps": 0, "bad_steps_in_row": 0}
         self.timer = timer if timer is not None else StepTimer()
         self.device = device if device is not None else next(policy.parameters()).device
@@ -283,7 +286,7 @@ class Update:
         if self.counters["bad_steps_in_row"] >= self.settings.max_bad_steps:
             raise NonFiniteError(f"{self.counters['bad_steps_in_row']} non-finite steps in a row (algorithm."
                                  f"max_bad_steps={self.settings.max_bad_steps}); lower algorithm.lr or check the "
-                                 "reward")
+                                 "reward" + (f"; {self.hint()}" if self.hint is not None else ""))
 
 
 def loss_passes(rollouts: Rollouts, mini: Tensor) -> list[tuple[int, Tensor]]:

@@ -35,33 +35,34 @@ class PushProbe(RLVRCallback):
 
     def _wrap(self, pl_module) -> None:
         """Record every push: the driver (built in the module's setup) sends them all through `push`. The training
-        step's push (`sync_engine`) is answered once it has returned: with partial rollouts it is staged while the
-        producer generates, and lands in the engine's next generation (the probe's, if none comes first)."""
+        step's push (`RolloutSource.push`) is answered once it has returned: with partial rollouts it is staged while
+        the producer generates, and lands in the engine's next generation (the probe's, if none comes first)."""
         driver = pl_module.driver
         if getattr(driver.push, "probed", False):  # a run validates, fits, validates: wrap once
             return
-        original, sync_engine, pending = driver.push, pl_module.sync_engine, []
+        original, source_push, pending = driver.push, pl_module.source.push, []
 
         def probed_push(*, step: int, holds_mean: bool = True):
             seconds = original(step=step, holds_mean=holds_mean)
             record = self._record(pl_module, holds_mean)
-            if pending:  # inside sync_engine: answered after it
+            if pending:  # inside the source's push: answered after it
                 pending.append(record)
             else:
                 self._answer(pl_module, [record])
             return seconds
 
-        def probed_sync_engine():
+        def probed_source_push():
             pending.append(None)
             try:
-                sync_engine()
+                metrics = source_push()
             finally:
                 records = [r for r in pending if r is not None]
                 pending.clear()
             self._answer(pl_module, records)
+            return metrics
 
         probed_push.probed = True
-        driver.push, pl_module.sync_engine = probed_push, probed_sync_engine
+        driver.push, pl_module.source.push = probed_push, probed_source_push
 
     @torch.no_grad()
     def _record(self, pl_module, holds_mean: bool) -> dict:
@@ -77,7 +78,7 @@ class PushProbe(RLVRCallback):
         if not records:
             return
         prompt = pl_module.tokenizer(PROBE, add_special_tokens=False)["input_ids"]
-        with pl_module.engine_access():
+        with pl_module.source.engine_access():
             (probe,) = pl_module.engine.generate([prompt], [1], SamplingParams(temperature=0.0, max_new_tokens=8))[0]
         for record in records:
             record.update(probe_ids=probe.token_ids.tolist(), probe_logprobs=probe.logprobs.tolist())
