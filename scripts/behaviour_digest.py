@@ -3,7 +3,8 @@
 Runs `python train.py` for each named configuration of CONFIGS (grpo, dapo, dr_grpo, gspo, c3po, v05, c3po_v05,
 LoRA, `env=retry`, the rollout correction, async rollouts at staleness 0 and 1; 10 steps, seed 0, small batches) in a temporary folder and prints one
 SHA-256 per run of `metrics.csv` and `summary.json`, with what differs between two runs of the same code removed:
-  * metrics.csv: the columns `time/*` and `perf/*` (wall-clock timings and tokens per second);
+  * metrics.csv: the columns `time/*` and `perf/*` (wall-clock timings and tokens per second) and the async
+    shares computed from timings (`async/trainer_wait_frac`, `async/engine_idle_frac`);
   * summary.json: keys ending in `_s` or `_seconds` (wall-clock timings), `peak_rss_mb` (the process's peak
     memory, which varies from run to run), and `run_dir`, `checkpoint`, `paths`, `date`, `started`, `finished`
     (paths and dates) where present.
@@ -36,7 +37,8 @@ CONFIGS = {  # name -> train.py overrides
 }
 OVERRIDES = ("seed=0", "trainer.max_steps=10", "data.batch_size=4", "data.num_test=4", "callbacks.progress=null",
              "checkpoint_every=100")
-DROP_COLUMN_PREFIXES = ("time/", "perf/")
+# wall-clock timings, and the async shares computed from them
+DROP_COLUMN_PREFIXES = ("time/", "perf/", "async/trainer_wait_frac", "async/engine_idle_frac")
 DROP_KEYS = {"peak_rss_mb", "run_dir", "checkpoint", "paths", "date", "started", "finished"}
 
 
