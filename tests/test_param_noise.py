@@ -38,7 +38,9 @@ IVON_OPTIONS = {"ess": ESS, "hess_init": H0, "weight_decay": DELTA, "clip_radius
 def make_module(**overrides) -> GRPOModule:
     args = dict(model="tiny", model_options=TINY, group_size=4, max_new_tokens=4, lr=1.0, grad_clip=0.0,
                 optimizer="ivon", optimizer_options=IVON_OPTIONS, engine_options={"mode": "copy"}, seed=3,
-                seq_mask_tau=2.0)
+                seq_mask_tau=1e3)  # on, but wide: at σ ≈ 0.01 the warm-up of some CPUs (a sharper tiny model) puts
+    # every sequence's ratio between two samples outside τ = 2; these tests check which weights generate and take the
+    # loss, not the mask
     args.update(overrides)
     return GRPOModule(**args)
 
