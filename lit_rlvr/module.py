@@ -23,6 +23,7 @@ from lit_rlvr.config.errors import ConfigError, RewardHangError
 from lit_rlvr.config.settings import (AlgorithmConfig, EngineConfig, EnvConfig, ModelConfig, PerfConfig,
                                       RewardConfig, RolloutConfig)
 from lit_rlvr.config.options import compile_problems
+from lit_rlvr.config.problems import secret_problems
 from lit_rlvr.envs import build_environment, env_options
 from lit_rlvr.hooks import RLVRCallback, check_rl_callbacks
 from lit_rlvr.models.lora import apply_lora, model_problems, trainable_parameters
@@ -119,6 +120,7 @@ class GRPOModule(pl.LightningModule):
         """The settings' own rules (`ModuleSettings.problems`), the reward's, LoRA's on this model, the
         optimizer's and the correction's on this class, before the model loads."""
         cfg, algo = self.settings, self.settings.algorithm
+        ConfigError.check(secret_problems(cfg.as_dict()))  # before a request carries them, and before any file
         ConfigError.check(cfg.problems() + reward_problems(cfg.reward.name, cfg.reward.options)  # reaches a server
                           or model_problems(cfg.model.lora, cfg.model.name_or_path, cfg.model.options))
         check_optimizer_options(algo.optimizer, algo.optimizer_options, lr=algo.lr, grad_clip=algo.grad_clip,

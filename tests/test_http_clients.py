@@ -22,7 +22,10 @@ from pathlib import Path
 import pytest
 import torch  # noqa: F401  (the runners build tensors: loaded before a clock starts)
 
-from lit_rlvr.config.errors import HTTPRefusal
+from lit_rlvr.config.errors import ConfigError, HTTPRefusal
+from lit_rlvr.config.problems import secret_problems
+from lit_rlvr.config.settings import RewardConfig
+from lit_rlvr.module import GRPOModule
 from lit_rlvr.rewards import build_reward_runner, reward_problems
 from lit_rlvr.run.http import HTTPClient, redact
 
@@ -396,3 +399,30 @@ def test_train_py_with_the_judge_keeps_the_key_out_of_every_file(serve, tmp_path
     assert key not in given.stdout + given.stderr
     assert not (tmp_path / "r2").exists() or not [p for p in (tmp_path / "r2").rglob("*")
                                                    if p.is_file() and key.encode() in p.read_bytes()]
+
+
+def test_a_password_in_a_url_setting_is_refused_before_any_request(serve):
+    """A URL's login would reach hparams.yaml and last.ckpt with the settings: refused at construction, naming the
+    key and never the password, before the server hears of it."""
+    server = serve(_basic_auth("alice", "right", scores(1.0)))
+    url = server.url.replace("http://", "http://alice:hunter2@") + "/get_reward"
+    problems = secret_problems({"reward": {"name": "remote", "options": {"url": url}}})
+    assert len(problems) == 1 and problems[0].startswith("reward.options.url holds a password")
+    assert "hunter2" not in problems[0] and ".netrc" in problems[0]
+    assert secret_problems({"reward": {"options": {"url": server.url + "/get_reward"}}}) == []
+    with pytest.raises(ConfigError, match="reward.options.url holds a password") as err:
+        GRPOModule(model="tiny", reward=RewardConfig("remote", {"url": url}))
+    assert "hunter2" not in str(err.value) and server.hits == []
+
+
+def test_the_login_comes_from_netrc(serve, monkeypatch, tmp_path):
+    """The way in for a login the settings may not hold: the file $NETRC names (requests reads it per host)."""
+    server = serve(_basic_auth("alice", "right", scores(1.0)))
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine 127.0.0.1 login alice password right\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    runner = remote(server.url + "/get_reward")
+    batch = runner(PROMPTS, ["2", "4", "6", "8"], ANSWERS)
+    runner.close()
+    assert batch.failures == 0 and len(server.hits) == 1

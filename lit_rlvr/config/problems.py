@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 from typing import Any, Iterable, Mapping, Optional
 
 from lit_rlvr.config.errors import ConfigError
@@ -104,6 +105,7 @@ def checked_fields(cls: type, value: Any, section: str, also: Iterable[str] = ()
     return given
 
 
+_URL_PASSWORD = re.compile(r"(?i)\b[a-z][a-z0-9+.-]*://[^/\s@:]*:[^/\s@]*@")  # scheme://user:password@
 SECRET_KEYS = ("api_key", "apikey", "password", "secret", "access_token", "auth_token", "bearer_token", "hf_token")
 
 
@@ -119,6 +121,10 @@ def secret_problems(tree: Any, section: str = "") -> list[str]:
             problems.append(f"{where} holds a secret, and settings are written to hparams.yaml, the Hydra folder "
                             "and the checkpoints: give it through the environment or a file instead (reward=judge: "
                             "OPENAI_API_KEY, reward.options.api_key_env=NAME or reward.options.api_key_file=PATH)")
+        elif isinstance(value, str) and _URL_PASSWORD.search(value):
+            problems.append(f"{where} holds a password in its URL, and settings are written to hparams.yaml, the "
+                            "Hydra folder and the checkpoints: drop it from the URL and put the login in ~/.netrc (or "
+                            "the file $NETRC names), which the HTTP client reads for that host")
         else:
             problems += secret_problems(value, where)
     return problems
