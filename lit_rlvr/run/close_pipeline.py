@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 
+from lit_rlvr.config.errors import StopRequested
+from lit_rlvr.run.stop import STOP
+
 
 class ClosePipeline(pl.Callback):
     """Calls the module's `close_pipeline` when fit ends by an exception (Lightning then skips the module's
@@ -11,4 +14,6 @@ class ClosePipeline(pl.Callback):
     `GRPOModule.configure_callbacks` adds it."""
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        pl_module.close_pipeline()
+        pl_module.close_pipeline()  # after a stop request past its grace, the producer's waits give up too
+        if isinstance(exception, StopRequested):  # (`RunCheckpoint` left the flag raised for that)
+            STOP.arm(None)
