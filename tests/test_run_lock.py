@@ -99,3 +99,13 @@ def test_the_lightning_cli_refuses_a_held_directory_in_one_line(tmp_path):
     line = one_line(done)
     assert f"--trainer.logger.init_args.save_dir='{run_dir}' is in use by another run (pid {other.pid})" in line
     assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_FILE]  # nothing written
+
+
+def test_a_file_system_without_locks_runs_unguarded_and_says_so(tmp_path, monkeypatch, caplog):
+    def no_locks(fd, operation):
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(run_lock.fcntl, "flock", no_locks)
+    with caplog.at_level("WARNING"):
+        hold_run_dir(tmp_path / "nfs", "dir")
+    assert "cannot lock" in caplog.text and "would not be refused" in caplog.text

@@ -9,10 +9,13 @@ torchrun, SLURM or Lightning's launcher) takes it: its ranks share the directory
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 from pathlib import Path
 
 from lit_rlvr.config.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 LOCK_FILE = ".lit_rlvr.lock"
 RANK_VARIABLES = ("RANK", "SLURM_PROCID", "LOCAL_RANK")  # set by torchrun, SLURM, Lightning's launcher
@@ -46,6 +49,12 @@ def hold_run_dir(run_dir: Path, key: str) -> None:
         raise ConfigError([f"{key}={str(run_dir)!r} is in use by another run (pid {holder}); two runs in one "
                            "directory would overwrite each other's checkpoints and metrics: pass "
                            f"{key}=ANOTHER_DIR, or wait for that run to end"]) from None
+    except OSError as err:  # a file system without locks (some network mounts): run, unguarded, and say so
+        os.close(fd)
+        log.warning("%s=%s: cannot lock %s (%s); a second run started in this directory would not be refused",
+                    key, run_dir, path, err)
+        _held[run_dir] = -1
+        return
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _held[run_dir] = fd
