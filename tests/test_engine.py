@@ -1,5 +1,7 @@
 """HFEngine: behaviour log-probs match the training forward, cache on/off agree, copy mode, sampling options."""
 
+import copy
+
 import pytest
 import torch
 
@@ -304,3 +306,27 @@ def test_growing_cache_keeps_other_layer_types_and_bounds_what_it_reserves():
     keys = torch.zeros(3, 1, 5, 8)
     cache.layers[1].update(keys, keys)
     assert cache.layers[1]._buffers[0].shape[-2] == 5 + 64  # not 5 + 20000: room is reserved as the rows grow
+
+
+def test_shared_and_copy_engines_differ_only_by_the_weights_requires_grad(policy):
+    """Issue 61, class 14: why async S = 0 (a `copy` engine) is the default synchronous run (a `shared` engine) to
+    rounding only. The shared engine samples with the trainer's parameters, which require grad, and PyTorch's matmul
+    takes another kernel path for them; the same engine on the same weights without grad is the copy engine, bit for
+    bit, and both agree to rounding either way."""
+    model, tokenizer = policy
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    params = SamplingParams(temperature=1.0, max_new_tokens=24, seed=5)
+    trainer_weights = copy.deepcopy(model).requires_grad_(True)
+    shared = HFEngine(trainer_weights, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, mode="shared")
+    copied = HFEngine(trainer_weights, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, mode="copy")
+
+    def sample(engine):
+        return [c for per_prompt in engine.generate(ids, [4] * len(ids), params) for c in per_prompt]
+
+    with_grad, own = sample(shared), sample(copied)
+    trainer_weights.requires_grad_(False)
+    without_grad = sample(shared)
+    for a, b, c in zip(with_grad, own, without_grad):
+        assert torch.equal(a.token_ids, b.token_ids) and torch.equal(b.token_ids, c.token_ids)
+        assert torch.equal(b.logprobs, c.logprobs)  # one kernel path: bit for bit
+        assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)  # two paths: to rounding

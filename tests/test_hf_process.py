@@ -3,6 +3,7 @@ in-process `copy` engine samples, before and after a push; a push made while the
 decode steps (each token tagged with its weights' version); errors come back as themselves; a child that dies is
 an `EngineError` for the calls that wait on it, not a hang. (Runs: tests/test_async_runs.py.)"""
 
+import contextlib
 import gc
 import importlib.util
 import os
@@ -16,7 +17,7 @@ import time
 import pytest
 import torch
 
-from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.config.errors import ConfigError, StopRequested
 from lit_rlvr.models import load_policy
 from lit_rlvr.rollout import build_engine
 from lit_rlvr.rollout.engine import EngineError, SamplingParams
@@ -24,6 +25,7 @@ from lit_rlvr.rollout.hf import HFEngine
 from lit_rlvr.rollout.hf_process import (CHILD_PROGRAM, ENGINE_MALLOC, HFProcessEngine, child_environment,
                                          pack_tensors, unpack_tensors)
 from lit_rlvr.run.processes import peak_rss_mb
+from lit_rlvr.run.stop import STOP
 
 PROMPTS = ["12+34=", "5+5=", "71-18="]
 
@@ -163,5 +165,39 @@ def test_an_engine_garbage_collected_ends_its_child(tiny_path):
     (pid,) = engine.engine_pids()
     del engine
     gc.collect()
+    with pytest.raises(ProcessLookupError):  # ended and reaped
+        os.kill(pid, 0)
+
+
+def test_a_frozen_child_does_not_defer_a_stop_request_past_its_grace(tiny_path):
+    """Issue 61, class 4: a child that reads nothing (SIGSTOPped) fills the socket's buffer; a push larger than it
+    must not block its caller in the write, which keeps looking at stop requests, gives up past the grace and ends
+    the child (SIGKILL reaches a stopped process)."""
+    model, tokenizer = load_policy(tiny_path)
+    engine = build_engine("hf", model, tokenizer, {"process": True})
+    (pid,) = engine.engine_pids()
+    os.kill(pid, signal.SIGSTOP)
+    raised = []
+
+    def push():
+        try:
+            engine.load_weights([("big", torch.zeros(8 << 20))])  # 32 MB, far more than a socket's buffer
+        except BaseException as err:
+            raised.append(err)
+
+    STOP.arm(0.5)
+    try:
+        STOP.request("SIGTERM")
+        pushing = threading.Thread(target=push, daemon=True)
+        pushing.start()
+        pushing.join(timeout=10)  # (bounded: before the fix it waited in the write for ever)
+        assert not pushing.is_alive() and len(raised) == 1 and isinstance(raised[0], StopRequested)
+    finally:
+        STOP.arm(None)
+        with contextlib.suppress(ProcessLookupError):  # ended by the give-up
+            os.kill(pid, signal.SIGKILL)
+    with pytest.raises(EngineError, match="stop request"):
+        engine.load_weights([("small", torch.zeros(1))])
+    engine.shutdown()
     with pytest.raises(ProcessLookupError):  # ended and reaped
         os.kill(pid, 0)

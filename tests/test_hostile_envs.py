@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -334,3 +335,34 @@ def test_an_environment_module_that_raises_on_import_is_one_config_error(tmp_pat
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ConfigError, match=r"^env='boom_env:X': importing boom_env raised RuntimeError: boom at import"):
         environment_spec("boom_env:X", {})
+
+
+class SlowCloseEnv(OneStepEnv):
+    """A close() that takes far longer than env.timeout_s (or raises, with `value="raise"`)."""
+
+    def close(self):
+        if self.env_config["value"] == "raise":
+            raise OSError("socket already closed")
+        time.sleep(30)
+
+
+@pytest.mark.parametrize("how", ["hangs", "raises"])
+def test_a_slow_or_failing_close_is_counted_and_a_hung_one_is_waited_for_once(how, tokenizer, caplog):
+    """Issue 61 (minor): a close() that hangs cost env.timeout_s at every step, and nothing counted it."""
+    value = "raise" if how == "raises" else 1.0
+    env = Environment(make=lambda extras: SlowCloseEnv({"value": value}, extras), name="slow-close", timeout_s=0.5)
+    loop = MultiTurn(env, tokenizer)
+    ids = tokenizer(["p0"], add_special_tokens=False)["input_ids"]
+    took = []
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):  # three steps
+            t0 = time.monotonic()
+            episodes = loop.run(fake_generate(tokenizer), ids, ["p0"], [0], [2], SamplingParams())
+            took.append(time.monotonic() - t0)
+            failures = sum(e.transcript.close_error is not None for e in episodes)  # env/close_failures
+            assert failures == (2 if how == "raises" or len(took) == 1 else 0)
+    assert all(e.transcript.error is None for e in episodes)  # the rollouts themselves are kept
+    said = [r.getMessage() for r in caplog.records if "close()" in r.getMessage()]
+    assert len(said) == 1 and "env/close_failures" in said[0]
+    if how == "hangs":
+        assert took[0] >= 0.5 and max(took[1:]) < 0.5  # waited for once, not at every step

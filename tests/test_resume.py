@@ -72,7 +72,7 @@ def test_grpo_resume_into_same_dir_is_exact_and_keeps_earlier_rows(split_runs):
     assert sorted(full) == sorted(resumed) == list(range(6))  # steps 1-3 kept across the resume, 4-6 appended
     _assert_same_steps(full, resumed, range(6))
     state = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-    assert state["global_step"] == 6 and state["RLVRDataModule"] == {"epoch": 0, "batches": 6}
+    assert state["global_step"] == 6 and state["RLVRDataModule"] == {"epoch": 0, "prompts": 24}  # 6 steps of 4
     assert {"python", "numpy", "torch"} <= set(state["lit_rlvr"]["rng"])
     assert not (run_dir / "metrics.before_resume.csv").exists()
     _report("resume grpo into the same run dir")
@@ -111,8 +111,33 @@ def test_datamodule_position_survives_state_dict():
     first = RLVRDataModule(batch_size=2, num_train=20, num_test=2, seed=3)
     first.setup("fit")
     whole = batches(first, 5)
-    first._position = {"epoch": 0, "batches": 2}
+    first._position = {"epoch": 0, "prompts": 4}
     second = RLVRDataModule(batch_size=2, num_train=20, num_test=2, seed=3)
     second.setup("fit")
     second.load_state_dict(first.state_dict())
     assert batches(second, 3) == whole[2:5]
+
+
+def test_a_resume_with_another_batch_size_continues_after_the_prompts_trained_on():
+    """Issue 61, class 9: the position is kept in prompts, so `data.batch_size=4` resuming a run of 8 starts at the
+    17th prompt after two steps, not at the 9th (two batches of the new size)."""
+    from lit_rlvr.data.datamodule import RLVRDataModule
+
+    def prompts(dm, n):
+        it = iter(dm.train_dataloader())
+        return [p for _ in range(n) for p in next(it)["prompt"]]
+
+    first = RLVRDataModule(batch_size=8, num_train=40, num_test=2, seed=3)
+    first.setup("fit")
+    first.note_batches(1)
+    first.note_batches(1)
+    second = RLVRDataModule(batch_size=4, num_train=40, num_test=2, seed=3)
+    second.setup("fit")
+    second.load_state_dict(first.state_dict())
+    whole = RLVRDataModule(batch_size=4, num_train=40, num_test=2, seed=3)
+    whole.setup("fit")
+    assert prompts(second, 3) == prompts(whole, 7)[16:28]
+    old = RLVRDataModule(batch_size=4, num_train=40, num_test=2, seed=3)  # a checkpoint that counted batches
+    old.setup("fit")
+    old.load_state_dict({"epoch": 0, "batches": 2})
+    assert old.state_dict() == {"epoch": 0, "prompts": 8}

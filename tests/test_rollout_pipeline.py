@@ -17,10 +17,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.config.errors import ConfigError, StopRequested
 from lit_rlvr.config.settings import RolloutConfig
 from lit_rlvr.rollout.batch import RolloutPlan
-from lit_rlvr.rollout.pipeline import RolloutPipeline, held_bytes
+from lit_rlvr.rollout.pipeline import ABANDON_JOIN_S, RolloutPipeline, held_bytes
+from lit_rlvr.run.stop import STOP
 
 
 class ScriptedDriver:
@@ -195,3 +196,44 @@ def test_buffer_metric_is_the_scored_batches_held():
     finally:
         gate.set()
         pipeline.close()
+
+
+class HungDriver(ScriptedDriver):
+    """A generation that never ends by itself (a frozen engine, a call that cannot be cut) until `release` is set."""
+
+    def __init__(self):
+        super().__init__(0)
+        self.release, self.started = threading.Event(), threading.Event()
+
+    def rollout(self, plan, **kwargs):
+        self.started.set()
+        self.release.wait(30)
+        return SimpleNamespace(plan=plan)
+
+
+@pytest.mark.parametrize("wait", ["batch", "engine"], ids=["the batch", "the engine between batches"])
+def test_a_hung_producer_does_not_defer_a_stop_request_past_its_grace(wait):
+    """Issue 61, class 4: the trainer's waits for the producer (its batch, the engine for a push) give up once a stop
+    request is older than `stop_grace_s`, and `close` does not wait for the hung producer any longer after that."""
+    driver = HungDriver()
+    pipeline = RolloutPipeline(driver, max_staleness=1, lead=1, drop=False, seed=7)
+    STOP.arm(0.3)
+    try:
+        pipeline.exchange(batch(0), plan_of, version=0, step=0)  # the pipeline fills: no wait
+        assert driver.started.wait(10)
+        STOP.request("SIGTERM")
+        t0 = time.monotonic()
+        with pytest.raises(StopRequested):
+            if wait == "batch":
+                pipeline.exchange(batch(1), plan_of, version=0, step=0)
+            else:
+                with pipeline.engine_access():
+                    pass
+        assert 0.3 <= time.monotonic() - t0 < 3
+        assert pipeline.producer._held == 0  # a give-up leaves the engine to the producer
+        t0 = time.monotonic()
+        pipeline.close()
+        assert time.monotonic() - t0 < ABANDON_JOIN_S + 1
+    finally:
+        STOP.arm(None)
+        driver.release.set()

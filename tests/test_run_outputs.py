@@ -123,3 +123,22 @@ def test_progress_bar_counts_steps_not_epochs():
     bar._trainer = SimpleNamespace(max_epochs=-1, max_steps=250)
     assert "-2" not in bar._get_train_description(0) and "max_steps=250" in bar._get_train_description(0)
     assert "RLProgressBar" in (REPO / "conf" / "config.yaml").read_text()
+
+
+def test_progress_bar_counts_updates_not_the_calls_that_fill_the_async_pipeline():
+    """Issue 61 (minor): with S = 64 the bar read `66/2` at the second update; it shows 2/2."""
+    from lit_rlvr.run.progress import RLProgressBar
+
+    bar, shown = RLProgressBar(), []
+    loop = SimpleNamespace(_batches_that_stepped=0)
+    bar._trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=loop), is_global_zero=True)
+    bar._enabled, bar.train_progress_bar_id = False, 0  # nothing drawn: the values it would draw are recorded
+    bar._update = lambda bar_id, current, visible=True: shown.append(current)
+    bar._update_metrics = lambda trainer, module: None
+    bar.on_train_epoch_start(bar.trainer, None)
+    for batch_idx in range(66):
+        filling = batch_idx < 64
+        loop._batches_that_stepped -= filling  # as GRPOModule.training_step does for a call without an update
+        bar.on_train_batch_end(bar.trainer, None, None, None, batch_idx)
+        loop._batches_that_stepped += 1  # as Lightning does after the hook
+    assert shown[63] == 0 and shown[64:] == [1, 2]

@@ -27,6 +27,7 @@ from lit_rlvr.data.datamodule import RLVRDataModule
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.run.checkpoint_io import AtomicCheckpointIO
 from lit_rlvr.run.one_line import config_phase, one_line_errors, rename_keys, root_cause
+from lit_rlvr.run.run_lock import hold_run_dir
 from lit_rlvr.run.storage import check_writable_dir
 
 
@@ -106,8 +107,10 @@ class RLVRCLI(LightningCLI):
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         key = "--trainer.logger.init_args.save_dir" if trainer.loggers else "--trainer.default_root_dir"
+        run_dir = Path(trainer.log_dir or trainer.default_root_dir).absolute()
         with config_phase():  # before config.yaml, metrics and checkpoints go there: a read-only dir is one line
-            check_writable_dir(Path(trainer.log_dir or trainer.default_root_dir).absolute(), key)
+            check_writable_dir(run_dir, key)
+            hold_run_dir(run_dir, key)  # one run per directory (lit_rlvr/run/run_lock.py)
         return trainer
 
     def instantiate_classes(self) -> None:

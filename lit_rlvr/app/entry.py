@@ -20,6 +20,7 @@ from hydra import compose, initialize_config_dir, initialize_config_module
 from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from lit_rlvr.app.config_check import check_config
@@ -30,6 +31,7 @@ from lit_rlvr.app.recipe import check_run_dir, evaluate, print_summary, train
 from lit_rlvr.run import quiet
 from lit_rlvr.run.distributed import shutdown
 from lit_rlvr.run.one_line import config_phase, one_line_errors
+from lit_rlvr.run.run_lock import hold_run_dir
 
 
 def run(cfg: DictConfig) -> None:
@@ -43,6 +45,8 @@ def _run(cfg: DictConfig) -> None:
         check_config(cfg)
         check_run_dir(HydraConfig.get())
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    with config_phase():  # (held already where conf/config.yaml's `RunDirCheck` ran)
+        hold_run_dir(run_dir, "hydra.run.dir" if HydraConfig.get().mode == RunMode.RUN else "hydra.sweep.dir")
     quiet.install(run_dir, cfg.resume)
     if cfg.mode == "train":
         print_summary(train(cfg, run_dir), f"lit-rlvr {cfg.algorithm.name} run ({run_dir})")

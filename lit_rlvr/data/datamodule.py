@@ -195,7 +195,9 @@ class RLVRDataModule(pl.LightningDataModule):
         self.train_set: Optional[Dataset] = None
         self.eval_set: Optional[Dataset] = None
         self.load_stats: dict[str, Any] = {}
-        self._position = {"epoch": 0, "batches": 0}  # training batches consumed in the current epoch
+        # training prompts (all ranks) consumed in the current epoch: in prompts, not batches, so that a resume with
+        # another data.batch_size (resume_allow) continues after exactly the prompts trained on
+        self._position = {"epoch": 0, "prompts": 0}
         self._sampler: Optional[ResumableSampler] = None
 
     def _load(self, path: str, split: str, fields: Any) -> RecordDataset:
@@ -287,8 +289,8 @@ class RLVRDataModule(pl.LightningDataModule):
                             f"skipped), fewer than one step's data.batch_size={hp.batch_size}; check data.fields (the "
                             "prompt and answer columns) and data.split")
         self._sampler = ResumableSampler(len(self.train_set), hp.seed, rank, world)
-        if self._position["batches"]:  # resumed mid-epoch: continue after the batches already trained on
-            self._sampler.skip_next(self._position["epoch"], self._position["batches"] * hp.batch_size)
+        if self._position["prompts"]:  # resumed mid-epoch: continue after the prompts already trained on
+            self._sampler.skip_next(self._position["epoch"], self._position["prompts"])
         # own generator: the loader's base-seed draw must not advance the global RNG (restored on resume)
         return DataLoader(self.train_set, batch_size=hp.batch_size // world, sampler=self._sampler,
                           collate_fn=collate, drop_last=True, generator=torch.Generator().manual_seed(hp.seed))
@@ -300,18 +302,22 @@ class RLVRDataModule(pl.LightningDataModule):
         return batch
 
     def note_batches(self, count: int) -> None:
-        """`count` more training batches consumed (a module that reads the data iterator itself calls this)."""
+        """`count` more training batches (of `batch_size` prompts over all ranks) consumed (a module that reads the
+        data iterator itself calls this)."""
         epoch = self.trainer.current_epoch if self.trainer is not None else 0
         if epoch != self._position["epoch"]:
-            self._position = {"epoch": epoch, "batches": 0}
-        self._position["batches"] += count
+            self._position = {"epoch": epoch, "prompts": 0}
+        self._position["prompts"] += count * self.config.batch_size
 
     def state_dict(self) -> dict[str, Any]:
-        """The data position, saved in checkpoints by Lightning: resume continues with the next batch."""
+        """The data position, saved in checkpoints by Lightning: resume continues with the next prompt."""
         return dict(self._position)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._position = {"epoch": int(state_dict.get("epoch", 0)), "batches": int(state_dict.get("batches", 0))}
+        prompts = state_dict.get("prompts")
+        if prompts is None:  # a checkpoint that counted batches: of this batch size (a resume may not change it)
+            prompts = int(state_dict.get("batches", 0)) * self.config.batch_size
+        self._position = {"epoch": int(state_dict.get("epoch", 0)), "prompts": int(prompts)}
 
     def val_dataloader(self) -> DataLoader:
         rank, world = self._ranks()  # each rank scores its share; the metrics are reduced by torchmetrics

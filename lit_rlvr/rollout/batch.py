@@ -40,6 +40,7 @@ class Transcript:
     error: Optional[str] = None  # the environment raised or hung: malformed, nothing trained on
     cut: Optional[str] = None  # "max_turns" | "max_tokens": a limit ended it before the environment did
     reward_error: Optional[str] = None  # a step's reward broke the reward contract: malformed, counted
+    close_error: Optional[str] = None  # its environment's close() raised or hung (counted; the rollout is kept)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "turns": [{"role": r, "text": t} for r, t in self.turns]}

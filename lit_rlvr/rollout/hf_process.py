@@ -16,8 +16,9 @@ it over a socket, so that generation and the update really run at once (as SGLan
   the socket closes (the trainer's process ended, even by SIGKILL). When the child dies, each waiting and later
   call raises `EngineError`; an error raised in the child comes back as itself, with the child's traceback as a note.
 - A call waiting for the child honours a stop request past its grace (`STOP.check()`), as the decode loop does in
-  one process: the call is abandoned and the child is ended with it (it may hold a push half made), so any later
-  call raises `EngineError` rather than wait.
+  one process: the call is abandoned and the child is killed with it (it may hold a push half made, or be frozen), so
+  any later call raises `EngineError` rather than wait. Calls are written to the socket by a thread of their own: a
+  child that reads nothing blocks that thread's write, never a caller's wait.
 """
 
 from __future__ import annotations
@@ -47,9 +48,8 @@ from torch import Tensor, nn
 from lit_rlvr.config.errors import StopRequested
 from lit_rlvr.rollout.engine import Completion, EngineError, RolloutEngine, SamplingParams
 from lit_rlvr.rollout.hf import HFEngine
-from lit_rlvr.run.stop import STOP
+from lit_rlvr.run.stop import STOP, STOP_POLL_S
 
-POLL_S = 0.2  # how often a waiting call looks at stop requests
 START_TIMEOUT_S = 600.0  # the child imports torch, unpickles the policy and copies it
 # The child's program. When scipy is installed, transformers imports it at start for its object-detection losses,
 # which an engine never computes: 36 MB of the child's RSS (a third of what transformers adds to torch). Unless
@@ -146,10 +146,13 @@ class _Channel:
 
     def __init__(self, conn: Connection, process: subprocess.Popen):
         self.conn, self.process = conn, process
-        self.lock = threading.Lock()  # one sender at a time; the table of waiting calls
+        self.lock = threading.Lock()  # the order of the calls sent; the table of waiting calls
         self.waiting: dict[int, Future] = {}
         self.ids = itertools.count()
         self.exited: Optional[str] = None
+        # the calls to send, in order, written by `_send`: a child that does not read (frozen, SIGSTOPped) blocks that
+        # thread's write once the socket's buffer is full, never a caller, which keeps looking at stop requests
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
 
     def fail(self, reason: str) -> None:
         """The child is gone (or given up): every waiting and later call raises `EngineError(reason)`."""
@@ -158,6 +161,17 @@ class _Channel:
             waiting, self.waiting = self.waiting, {}
         for done in waiting.values():
             done.set_result((False, EngineError(self.exited), ""))
+
+
+def _send(channel: _Channel) -> None:
+    """Write the calls of `channel.outbox` to the socket, in order, until None; a write that fails (the child gone,
+    the socket shut) fails every waiting and later call."""
+    while (data := channel.outbox.get()) is not None:
+        try:
+            channel.conn.send_bytes(data)
+        except OSError as err:
+            channel.fail(f"the HF engine's process does not take calls ({err})")
+            return
 
 
 def _read(channel: _Channel) -> None:
@@ -208,9 +222,11 @@ class HFProcessEngine(RolloutEngine):
         self._thread_key = threading.local()  # a token per calling thread (thread ids are reused)
         self._keys = itertools.count()
         reader = threading.Thread(target=_read, args=(self._channel,), name="hf-engine-replies", daemon=True)
+        sender = threading.Thread(target=_send, args=(self._channel,), name="hf-engine-calls", daemon=True)
         reader.start()
+        sender.start()
         # at shutdown, garbage collection or the interpreter's exit: the child ends, no thread of ours outlives it
-        self._closer = weakref.finalize(self, _end, process, here, self._channel.conn, reader)
+        self._closer = weakref.finalize(self, _end, process, here, self._channel, reader, sender)
         try:
             built = self._call("start", payload, {"pad_id": pad_id, "eos_id": eos_id, **options, "mode": "copy"},
                                timeout_s=START_TIMEOUT_S)
@@ -273,28 +289,25 @@ class HFProcessEngine(RolloutEngine):
             if channel.exited is not None:
                 raise EngineError(channel.exited)
             call = next(channel.ids)
-            data = pickle.dumps((call, key, method, args), protocol=pickle.HIGHEST_PROTOCOL)
             channel.waiting[call] = done
-            try:
-                channel.conn.send_bytes(data)
-            except OSError as err:
-                del channel.waiting[call]
-                raise EngineError(f"the HF engine's process does not take calls ({err})") from err
+            channel.outbox.put(pickle.dumps((call, key, method, args), protocol=pickle.HIGHEST_PROTOCOL))
         waited = 0.0
         while True:
             try:
-                ok, value, trace = done.result(timeout=POLL_S)
+                ok, value, trace = done.result(timeout=STOP_POLL_S)
                 break
             except FutureTimeout:
-                waited += POLL_S
+                waited += STOP_POLL_S
                 try:
                     STOP.check()
-                except StopRequested:  # abandoned: the child may hold a push half made, so it ends here
+                except StopRequested:  # abandoned: the child may hold a push half made (or be frozen): it ends now
                     channel.fail(f"the HF engine's process was ended when a stop request abandoned its {method}")
+                    channel.process.kill()
                     self._closer()
                     raise
                 if timeout_s is not None and waited >= timeout_s:
                     channel.fail(f"the HF engine's process did not answer {method} within {timeout_s:g} s")
+                    channel.process.kill()
                     self._closer()
         if not ok:
             if trace and hasattr(value, "add_note"):  # (Python >= 3.11)
@@ -303,9 +316,11 @@ class HFProcessEngine(RolloutEngine):
         return value
 
 
-def _end(process: subprocess.Popen, sock: socket.socket, conn: Connection, reader: threading.Thread) -> None:
-    """Shut the socket both ways (the child reads its end and ends; the reply reader wakes up and ends), make sure
-    the child is gone, and wait for the reader before closing."""
+def _end(process: subprocess.Popen, sock: socket.socket, channel: _Channel, reader: threading.Thread,
+         sender: threading.Thread) -> None:
+    """Shut the socket both ways (the child reads its end and ends; the reply reader wakes up and ends; a write
+    under way fails), make sure the child is gone, and wait for both threads before closing."""
+    channel.outbox.put(None)
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:  # already shut
@@ -315,9 +330,10 @@ def _end(process: subprocess.Popen, sock: socket.socket, conn: Connection, reade
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
-    if reader is not threading.current_thread():
-        reader.join(timeout=10)
-    conn.close()
+    for thread in (reader, sender):
+        if thread is not threading.current_thread():
+            thread.join(timeout=10)
+    channel.conn.close()
     sock.close()
 
 

@@ -162,6 +162,7 @@ class MultiTurn:
                                     for s in environment.stop)
         self.env_seconds = 0.0  # time spent waiting for environments (construction, steps), since the last read
         self._warned: set[str] = set()
+        self._close_hung = False  # an environment's close() hung once: later closes are not waited for
         # a step's reward follows the reward functions' rule (finite, within the bound; else malformed, counted)
         self.contract = RewardContract(FAIL_REWARD, environment.score_bound)
         self.token_chars = longest_token(tokenizer)  # bounds an observation's text before it is tokenized
@@ -295,8 +296,26 @@ class MultiTurn:
         self.env_seconds += time.perf_counter() - started
 
     def _close(self, episodes: list[Episode]) -> None:
-        closing = [e.env for e in episodes if e.env is not None and e.transcript.error is None]
-        self._timed_calls([getattr(env, "close", lambda: None) for env in closing])
+        """Each environment's `close()`, counted when it raises or hangs (`env/close_failures`). Once one has hung,
+        later closes run without being waited for: a slow close would cost `env.timeout_s` at every step."""
+        closing = [e for e in episodes if e.env is not None and e.transcript.error is None]
+        calls = [getattr(e.env, "close", lambda: None) for e in closing]
+        if self._close_hung:
+            call_all(calls, 0.0)  # started in daemon threads, not waited for
+            return
+        for e, (status, err) in zip(closing, self._timed_calls(calls)):
+            if status == "ok":
+                continue
+            what = (f"hung (> env.timeout_s={self.environment.timeout_s:g}s)" if status == "timeout"
+                    else f"raised {type(err).__name__}: {err}")
+            e.transcript.close_error = what
+            self._close_hung = self._close_hung or status == "timeout"
+            if f"close:{status}" not in self._warned:
+                self._warned.add(f"close:{status}")
+                log.warning("env=%s close() %s: counted in env/close_failures (the rollout is kept)%s",
+                            self.environment.name, what,
+                            "; later closes are not waited for" if status == "timeout" else
+                            "; later failures of this kind are not logged")
 
     def _timed_calls(self, calls: list[Callable[[], Any]]) -> list[tuple[str, Any]]:
         if not calls:
@@ -377,6 +396,7 @@ def env_metrics(rollouts: Rollouts) -> dict[str, torch.Tensor]:
         "env/turns_mean": turns.mean(),
         "env/tool_calls_mean": torch.tensor([float(t.tool_calls) for t in transcripts]).mean(),
         "env/tool_errors": torch.tensor(float(sum(t.error is not None for t in transcripts))),
+        "env/close_failures": torch.tensor(float(sum(t.close_error is not None for t in transcripts))),
         "env/cut_frac": torch.tensor([t.cut is not None for t in transcripts], dtype=torch.float32).mean(),
         "env/obs_token_frac": observed.float() / present.clamp_min(1).float(),
     }

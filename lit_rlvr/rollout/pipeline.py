@@ -43,8 +43,10 @@ from lit_rlvr.rollout.batch import RolloutPlan, Rollouts
 from lit_rlvr.rollout.driver import RolloutDriver, RolloutResult
 from lit_rlvr.run import distributed as D
 from lit_rlvr.run.step_timer import StepTimer
+from lit_rlvr.run.stop import STOP, STOP_POLL_S
 
 Batch = dict[str, list]
+ABANDON_JOIN_S = 2.0  # a producer still busy when its run abandons a step: a daemon, left behind after this
 log = logging.getLogger(__name__)
 
 
@@ -154,8 +156,14 @@ class Producer:
         """The engine to the trainer alone (a push, an evaluation): waits for the plan under way to end."""
         with self._cond:
             self._held += 1
-            while self._busy:
-                self._cond.wait()
+            try:
+                while self._busy:
+                    self._cond.wait(STOP_POLL_S)
+                    STOP.check()  # a plan that does not end (a frozen engine, a hung call) must not defer a stop
+            except BaseException:
+                self._held -= 1
+                self._cond.notify_all()
+                raise
         try:
             yield
         finally:
@@ -175,11 +183,13 @@ class Producer:
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Stop after the plan under way (its result is dropped; a stop request past its grace ends it sooner);
-        queued plans are not generated."""
+        queued plans are not generated. After a step abandoned by a stop request, wait at most `ABANDON_JOIN_S`."""
         with self._cond:
             self._closed = True
             self._queue.clear()
             self._cond.notify_all()
+        if STOP.expired:
+            timeout_s = min(timeout_s, ABANDON_JOIN_S)
         self._thread.join(timeout_s)  # a daemon thread: an engine call that hangs does not keep the process
         if self._thread.is_alive():
             log.warning("the rollout producer's engine call did not end within %.0f s; going on without it", timeout_s)
@@ -266,7 +276,8 @@ class RolloutPipeline:
     def _wait(self, item: InFlight) -> None:
         """Until the producer is done with `item`; its error, raised here in the trainer's thread."""
         t0 = time.perf_counter()
-        item.done.wait()
+        while not item.done.wait(STOP_POLL_S):
+            STOP.check()  # a producer that does not finish (a frozen engine, a hung call) must not defer a stop
         self.wait_s += time.perf_counter() - t0
         if item.error is not None:
             raise item.error

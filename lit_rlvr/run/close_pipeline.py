@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 
+from lit_rlvr.config.errors import StopRequested
+from lit_rlvr.run.stop import STOP
+
 
 class ClosePipeline(pl.Callback):
     """Closes the module's rollout source (`lit_rlvr.rollout.source`) when fit ends by an exception (Lightning then
@@ -13,3 +16,5 @@ class ClosePipeline(pl.Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if pl_module.source is not None:
             pl_module.source.close()
+        if isinstance(exception, StopRequested):  # after a stop past its grace the producer's waits gave up too
+            STOP.arm(None)  # (`RunCheckpoint` left the flag raised for that)

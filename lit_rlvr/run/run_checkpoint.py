@@ -26,7 +26,7 @@ import lightning.pytorch as pl
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
-from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.config.errors import ConfigError, StopRequested
 from lit_rlvr.config.options import range_problems
 from lit_rlvr.run.checkpoint_io import AtomicCheckpointIO, sweep_temp_files
 from lit_rlvr.run.stop import STOP
@@ -79,10 +79,13 @@ class RunCheckpoint(pl.Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._restore_handlers()
+        # a step abandoned by a stop request: the flag stays raised, so the run's other threads (the async producer)
+        # give up their waits too; `ClosePipeline` lowers it once they have
+        self._restore_handlers(disarm=not isinstance(exception, StopRequested))
 
-    def _restore_handlers(self) -> None:
-        STOP.arm(None)
+    def _restore_handlers(self, disarm: bool = True) -> None:
+        if disarm:
+            STOP.arm(None)
         for signum, previous in ((signal.SIGINT, self._previous_sigint), (signal.SIGTERM, self._previous_sigterm)):
             if previous is not None:
                 signal.signal(signum, previous)

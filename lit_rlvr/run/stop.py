@@ -20,6 +20,9 @@ from typing import Iterator, Optional
 from lit_rlvr.config.errors import StopRequested
 
 
+STOP_POLL_S = 0.2  # how often a wait that cannot be interrupted looks at the flag
+
+
 class StopFlag:
     def __init__(self) -> None:
         self.since: Optional[float] = None  # monotonic time of the first request
@@ -38,9 +41,14 @@ class StopFlag:
     def requested(self) -> bool:
         return self.since is not None
 
+    @property
+    def expired(self) -> bool:
+        """A request older than the grace period: the step under way is (being) abandoned."""
+        return self.since is not None and self.grace_s is not None and time.monotonic() - self.since >= self.grace_s
+
     def check(self) -> None:
         """Raise `StopRequested` when a request has waited longer than the grace period."""
-        if self.since is not None and self.grace_s is not None and time.monotonic() - self.since >= self.grace_s:
+        if self.expired:
             waited = time.monotonic() - self.since
             raise StopRequested(self.name, f"{self.name} {waited:.0f}s ago, more than stop_grace_s={self.grace_s:g}: "
                                            "the step in progress is abandoned")

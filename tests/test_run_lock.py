@@ -1,0 +1,111 @@
+"""One run per run directory (issue 61, class 10; lit_rlvr/run/run_lock.py): a second run started in a directory
+another run holds is refused in one line naming it, from `train.py` and from the Lightning CLI, before it writes
+anything there, and the first run goes on untouched; a lock left by a process that died (even by SIGKILL) holds
+nothing; ranks other than the first take no lock."""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.run import run_lock
+from lit_rlvr.run.run_lock import LOCK_FILE, hold_run_dir
+
+REPO = Path(__file__).resolve().parents[1]
+HOLD = "import sys, time; from pathlib import Path; from lit_rlvr.run.run_lock import hold_run_dir; " \
+       "hold_run_dir(Path(sys.argv[1]), 'dir'); print('held', flush=True); time.sleep(600)"
+
+
+def holder(run_dir: Path) -> subprocess.Popen:
+    """Another process that holds `run_dir` until it is killed."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def one_line(proc: subprocess.Popen | subprocess.CompletedProcess) -> str:
+    out, err = (proc.stdout, proc.stderr) if isinstance(proc, subprocess.CompletedProcess) else proc.communicate(600)
+    assert proc.returncode == 2 and "Traceback" not in out + err, (out + err)[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[-1] == "(set LIT_RLVR_DEBUG=1 for the traceback)" and lines[-2].startswith("config error: "), lines
+    return lines[-2]
+
+
+def test_a_held_directory_is_refused_naming_it_and_a_dead_holders_lock_holds_nothing(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    other = holder(run_dir)
+    try:
+        with pytest.raises(ConfigError, match=f"dir='{run_dir}' is in use by another run \\(pid {other.pid}\\)"):
+            hold_run_dir(run_dir, "dir")
+    finally:
+        other.send_signal(signal.SIGKILL)
+        other.wait()
+    assert (run_dir / LOCK_FILE).exists()  # left behind by the killed process, and stale
+    hold_run_dir(run_dir, "dir")  # taken
+    hold_run_dir(run_dir, "dir")  # this process holds it already: a no-op
+    monkeypatch.setenv("RANK", "1")  # a rank of a multi-process run shares rank 0's directory
+    monkeypatch.setattr(run_lock, "_held", {})
+    hold_run_dir(run_dir, "dir")
+    assert run_lock._held == {}
+
+
+def test_a_second_train_py_in_the_same_run_dir_is_refused_and_the_first_goes_on(tmp_path):
+    run_dir = tmp_path / "run"
+    common = [sys.executable, "train.py", "eval_before=false", "data.num_test=4", "callbacks.progress=null",
+              "data.batch_size=4", "algorithm.group_size=4", f"hydra.run.dir={run_dir}"]
+    first = subprocess.Popen([*common, "trainer.max_steps=1000"], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)  # still running when the second is refused
+    deadline = time.monotonic() + 300
+    while not (run_dir / LOCK_FILE).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    hydra_files = sorted(p.name for p in (run_dir / ".hydra").iterdir()) if (run_dir / ".hydra").exists() else None
+    second = subprocess.run([*common, "trainer.max_steps=2", "seed=1"], cwd=REPO, capture_output=True, text=True,
+                            timeout=300)
+    line = one_line(second)
+    assert f"hydra.run.dir='{run_dir}' is in use by another run (pid {first.pid})" in line, line
+    assert first.poll() is None
+    first.send_signal(signal.SIGTERM)  # saves and stops
+    out, _ = first.communicate(timeout=600)
+    assert first.returncode == 0, out[-3000:]
+    with (run_dir / "metrics.csv").open() as handle:  # the first run's steps, in order, none of the second's
+        steps = [int(r["step"]) for r in csv.DictReader(handle) if r.get("loss/policy")]
+    assert steps == list(range(len(steps)))
+    assert "seed: 1" not in (run_dir / ".hydra" / "config.yaml").read_text()
+    assert hydra_files is None or hydra_files == sorted(p.name for p in (run_dir / ".hydra").iterdir())
+
+
+def test_the_lightning_cli_refuses_a_held_directory_in_one_line(tmp_path):
+    run_dir = tmp_path / "cli"
+    other = holder(run_dir)
+    exe = shutil.which("lit-rlvr")
+    command = [exe] if exe else [sys.executable, "-m", "lit_rlvr.cli"]
+    try:
+        done = subprocess.run([*command, "fit", "--config", str(REPO / "conf" / "cli" / "tiny_grpo.yaml"),
+                               "--trainer.max_steps", "1", "--trainer.logger.init_args.save_dir", str(run_dir)],
+                              cwd=REPO, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "LIT_RLVR_DEBUG": ""})
+    finally:
+        other.send_signal(signal.SIGKILL)
+        other.wait()
+    line = one_line(done)
+    assert f"--trainer.logger.init_args.save_dir='{run_dir}' is in use by another run (pid {other.pid})" in line
+    assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_FILE]  # nothing written
+
+
+def test_a_file_system_without_locks_runs_unguarded_and_says_so(tmp_path, monkeypatch, caplog):
+    def no_locks(fd, operation):
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(run_lock.fcntl, "flock", no_locks)
+    with caplog.at_level("WARNING"):
+        hold_run_dir(tmp_path / "nfs", "dir")
+    assert "cannot lock" in caplog.text and "would not be refused" in caplog.text
