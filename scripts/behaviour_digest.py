@@ -1,8 +1,9 @@
 """Digests of short runs, to check that a refactoring leaves behaviour bit for bit unchanged (issue 22).
 
 Runs `python train.py` for each named configuration of CONFIGS (grpo, dapo, dr_grpo, gspo, c3po, v05, c3po_v05,
-LoRA, `env=retry`, the rollout correction, async rollouts at staleness 0 and 1; 10 steps, seed 0, small batches) in a temporary folder and prints one
-SHA-256 per run of `metrics.csv` and `summary.json`, with what differs between two runs of the same code removed:
+LoRA, `env=retry`, the rollout correction, async rollouts at staleness 0 and 1; 10 steps, seed 0, small batches)
+in a temporary folder and prints one SHA-256 per run of `metrics.csv` and `summary.json`, with what differs between
+two runs of the same code removed:
   * metrics.csv: the columns `time/*` and `perf/*` (wall-clock timings and tokens per second) and the async
     shares computed from timings (`async/trainer_wait_frac`, `async/engine_idle_frac`);
   * summary.json: keys ending in `_s` or `_seconds` (wall-clock timings), `peak_rss_mb` (the process's peak
