@@ -46,6 +46,17 @@ TARGETS = (
     "callbacks/param_noise.py",
     "callbacks/value_prior.py",
     "lit_rlvr/rollout/batch.py",
+    "lit_rlvr/update/",
+    "lit_rlvr/rollout/pipeline.py",
+    "lit_rlvr/rollout/segments.py",
+    "lit_rlvr/rollout/weight_sync.py",
+    "lit_rlvr/rollout/weights.py",
+    "lit_rlvr/algorithms/filter_groups.py",
+    "lit_rlvr/rewards/terms.py",
+    "lit_rlvr/rewards/base.py",
+    "lit_rlvr/rewards/remote.py",
+    "lit_rlvr/config/settings.py",
+    "lit_rlvr/run/stop.py",
 )
 # The tests that may kill them (fast ones: unit tests of these files). Coverage picks, per mutated line, the
 # tests of this list that run it.
