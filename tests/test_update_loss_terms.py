@@ -133,6 +133,15 @@ def test_the_reported_loss_is_the_whole_batchs_whatever_the_micro_batching(aggre
     torch.testing.assert_close(metrics["loss/policy"], expected, rtol=1e-4, atol=1e-6)
 
 
+def test_metrics_are_means_over_the_loss_passes():
+    """Two epochs at lr 0 see the same batch twice: every pass metric is the one pass's value."""
+    rollouts = batch()
+    once = make(tiny_policy(0), lr=0.0).run(rollouts)
+    twice = make(tiny_policy(0), lr=0.0, update=UpdateConfig(ppo_epochs=2)).run(rollouts)
+    for key in ("loss/policy", "loss/entropy", "loss/pg_clipfrac"):
+        torch.testing.assert_close(twice[key], once[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
 def test_the_gradient_is_the_whole_batchs_whatever_the_micro_batching():
     """One plain SGD step: the weights moved by lr × the gradient of the full batch's loss."""
     rollouts = batch()

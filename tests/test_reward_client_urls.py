@@ -1,0 +1,188 @@
+"""The remote reward client's URL rules and its retries, against an in-process HTTP server on 127.0.0.1: only
+http(s) URLs with a host and a valid port pass; the start probe opens the port the URL means (80, 443 or the
+given one); a URL without a path gets /get_reward; 5xx answers and refused connections are retried with doubling
+back-off, a 4xx is not; an answer that is not one number per completion makes that chunk malformed; chunks of
+`batch_size` in order."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from lit_rlvr.config.errors import RewardOptionError
+from lit_rlvr.rewards import remote
+from lit_rlvr.rewards.remote import RemoteReward, endpoint, post_json, url_problem
+
+
+@pytest.mark.parametrize("url", ["ftp://127.0.0.1/x", "file:///etc/passwd", "gopher://h:70/", "http://", "https:///x",
+                                 "http://127.0.0.1:99999/", "http://h:port/", "127.0.0.1:5000", "", None, 5])
+def test_urls_that_are_not_http_with_a_host_are_refused(url):
+    line = url_problem(url, probe=False)
+    assert line is not None and line.startswith(f"reward.options.url={url!r}"), line
+    with pytest.raises(RewardOptionError):
+        RemoteReward(url, probe=False)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:1", "https://example.invalid/score", "http://h/", "HTTP://h:8/"])
+def test_http_and_https_urls_pass_without_a_probe(url):
+    assert url_problem(url, probe=False) is None
+
+
+@pytest.mark.parametrize("url, port", [("http://h.example/x", 80), ("https://h.example/x", 443),
+                                       ("http://h.example:8123", 8123), ("https://h.example:80/", 80)])
+def test_the_probe_opens_the_port_the_url_means(monkeypatch, url, port):
+    opened = []
+
+    class Connection:
+        def close(self):
+            opened.append("closed")
+
+    def connect(address, timeout):
+        opened.append((address, timeout))
+        return Connection()
+
+    monkeypatch.setattr(remote.socket, "create_connection", connect)
+    assert url_problem(url, key="judge.url") is None
+    assert opened == [(("h.example", port), 5.0), "closed"]
+
+
+def test_a_refused_probe_is_one_line_naming_the_key_and_url(monkeypatch):
+    def refuse(address, timeout):
+        raise ConnectionRefusedError("refused")
+
+    monkeypatch.setattr(remote.socket, "create_connection", refuse)
+    line = url_problem("http://h.example:1/x", key="k")
+    assert line.startswith("k='http://h.example:1/x': the server cannot be reached (ConnectionRefusedError")
+
+
+@pytest.mark.parametrize("url, expected", [("http://h:1", "http://h:1/get_reward"),
+                                           ("http://h:1/", "http://h:1/get_reward"),
+                                           ("http://h:1/score", "http://h:1/score"),
+                                           ("https://h/a/b?x=1", "https://h/a/b?x=1")])
+def test_a_url_without_a_path_gets_get_reward(url, expected):
+    assert endpoint(url) == expected
+
+
+class Server:
+    """Answers each POST from a script of (status, body) and records the bodies; the last entry repeats."""
+
+    def __init__(self, script):
+        self.script, self.requests = list(script), []
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                owner.requests.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+                status, body = owner.script.pop(0) if len(owner.script) > 1 else owner.script[0]
+                if callable(body):
+                    body = body(owner.requests[-1][1])
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def serve():
+    servers = []
+
+    def start(script):
+        servers.append(Server(script))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+def test_5xx_is_retried_with_doubling_back_off_and_4xx_is_not(serve, monkeypatch):
+    sleeps = []
+    monkeypatch.setattr(remote.time, "sleep", sleeps.append)
+    server = serve([(503, {}), (500, {}), (200, {"rewards": [1.0]})])
+    assert post_json(server.url + "/get_reward", b"{}", 5.0, 2, 0.25) == {"rewards": [1.0]}
+    assert len(server.requests) == 3 and sleeps == [0.25, 0.5]
+    failing = serve([(500, {})])
+    with pytest.raises(remote.urllib.error.HTTPError):
+        post_json(failing.url, b"{}", 5.0, 1, 0.0)
+    assert len(failing.requests) == 2  # one try and one retry
+    missing = serve([(404, {}), (200, {"rewards": [1.0]})])
+    with pytest.raises(remote.urllib.error.HTTPError):
+        post_json(missing.url, b"{}", 5.0, 3, 0.0)
+    assert len(missing.requests) == 1
+    ok = serve([(499, {}), (200, {})])
+    with pytest.raises(remote.urllib.error.HTTPError):
+        post_json(ok.url, b"{}", 5.0, 3, 0.0)
+
+
+def test_a_refused_connection_is_retried(monkeypatch):
+    import socket
+
+    sleeps = []
+    monkeypatch.setattr(remote.time, "sleep", sleeps.append)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/"
+    with pytest.raises(remote.urllib.error.URLError):
+        post_json(url, b"{}", 2.0, 2, 1.0)
+    assert sleeps == [1.0, 2.0]
+
+
+def test_chunks_of_batch_size_in_order_with_the_openrlhf_body(serve):
+    server = serve([(200, lambda body: {"rewards": [float(len(q)) for q in body["query"]]})])
+    reward = RemoteReward(server.url, batch_size=2, max_concurrent=1, probe=False)
+    try:
+        prompts = ["a", [{"content": "b"}, {"content": "c"}], "d", 7, "e"]
+        scores = reward.score_batch(prompts, ["x", "yy", "zzz", "w", ""], [1, 2, 3, 4, 5])
+    finally:
+        reward.close()
+    assert scores == [2.0, 4.0, 4.0, 2.0, 1.0]  # len(prompt text + completion)
+    assert [len(body["query"]) for _, body in server.requests] == [2, 2, 1]
+    assert {path for path, _ in server.requests} == {"/get_reward"}
+    first = server.requests[0][1]
+    assert first == {"query": ["ax", "bcyy"], "prompts": ["a", [{"content": "b"}, {"content": "c"}]],
+                     "labels": [1, 2]}
+
+
+@pytest.mark.parametrize("answer", [{"rewards": [1.0]}, {"rewards": [1.0, 2.0, 3.0]}, {"scores": [1.0, 2.0]},
+                                    [1.0, 2.0], {"rewards": "12"}])
+def test_an_answer_that_is_not_one_number_per_completion_is_malformed(serve, answer):
+    server = serve([(200, answer)])
+    reward = RemoteReward(server.url, batch_size=8, probe=False, retries=0)
+    try:
+        results = reward.score_batch(["p", "q"], ["a", "b"], [0, 0])
+    finally:
+        reward.close()
+    assert len(results) == 2 and all(r.malformed and r.info.startswith("error: reward server") for r in results)
+
+
+def test_another_score_key(serve):
+    server = serve([(200, lambda body: {"scores": [0.5, 0.25][:len(body["query"])]})])
+    reward = RemoteReward(server.url, score_key="scores", probe=False)
+    try:
+        assert reward.score_batch(["p", "q"], ["a", "b"], [0, 0]) == [0.5, 0.25]
+        assert reward("p", "a", 0) == 0.5
+    finally:
+        reward.close()
+
+
+@pytest.mark.parametrize("key, good, bad", [("batch_size", 1, 0), ("max_concurrent", 1, 0), ("timeout_s", 0.01, 0),
+                                            ("retries", 0, -1), ("backoff_s", 0.0, -0.01), ("score_key", "s", "")])
+def test_client_options_at_their_bounds(key, good, bad):
+    RemoteReward("http://127.0.0.1:1", probe=False, **{key: good})
+    with pytest.raises(RewardOptionError, match=rf"reward\.options\.{key}="):
+        RemoteReward("http://127.0.0.1:1", probe=False, **{key: bad})
