@@ -115,9 +115,10 @@ def test_the_entropy_metric_is_per_token_whatever_the_aggregation():
 
 # -- the loss of the whole batch, the steps taken ---------------------------------------------------------------------
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
-@pytest.mark.parametrize("micro", [1, 3, 8])
-def test_the_reported_loss_is_the_whole_batchs_whatever_the_micro_batching(aggregation, micro):
-    policy, rollouts = tiny_policy(0), batch()
+@pytest.mark.parametrize("micro, tokens, n", [(1, None, 8), (3, None, 8), (8, None, 8), (8, 30, 8), (8, None, 1)])
+def test_the_reported_loss_is_the_whole_batchs_whatever_the_micro_batching(aggregation, micro, tokens, n):
+    """Also with a token budget (trimmed micro-batches) and for a batch of one token (n=1)."""
+    policy, rollouts = tiny_policy(0), batch(n)
 
     def loss_fn(logp, old, adv, mask, r):
         return F.ppo_clip_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.2, aggregation=aggregation,
@@ -128,9 +129,16 @@ def test_the_reported_loss_is_the_whole_batchs_whatever_the_micro_batching(aggre
         logp = forward_logprobs(policy, rollouts, temperature=TEMPERATURE, device="cpu")[0]
         expected, _ = loss_fn(logp, rollouts.old_logp, rollouts.advantages, rollouts.response_mask, rollouts)
     update = make(policy, loss=LossConfig(loss_aggregation=aggregation),
-                  update=UpdateConfig(micro_batch_size=micro), policy_loss=loss_fn, lr=0.0)
+                  update=UpdateConfig(micro_batch_size=micro, micro_batch_tokens=tokens), policy_loss=loss_fn, lr=0.0)
     metrics = update.run(rollouts)
     torch.testing.assert_close(metrics["loss/policy"], expected, rtol=1e-4, atol=1e-6)
+
+
+def test_micro_batch_metrics_of_the_fixed_split():
+    """Fixed micro-batches run at the batch's full width (prompt 5 + response 6): padding = 1 - 70 / (8 × 11)."""
+    metrics = make(tiny_policy(0), update=UpdateConfig(micro_batch_size=3, ppo_epochs=2), lr=0.0).run(batch())
+    assert float(metrics["micro/count"]) == 3.0  # ceil(8 / 3), the mean over two passes
+    torch.testing.assert_close(metrics["micro/padding_frac"], torch.tensor(1 - 70 / 88), rtol=1e-5, atol=1e-6)
 
 
 def test_metrics_are_means_over_the_loss_passes():
@@ -290,8 +298,10 @@ def test_a_non_finite_loss_is_named_and_stops_the_run_at_max_bad_steps(caplog):
         update.run(rollouts, step=7)
     assert "non-finite loss at step 7" in caplog.text
     assert update.counters == {"skipped_steps": 1, "bad_steps_in_row": 1} and discarded == [1]
-    with pytest.raises(NonFiniteError, match="2 non-finite steps in a row"):
-        update.run(rollouts)
+    with caplog.at_level(logging.WARNING, logger="lit_rlvr.update.update"):
+        with pytest.raises(NonFiniteError, match="2 non-finite steps in a row"):
+            update.run(rollouts)  # no step given: 0
+    assert "non-finite loss at step 0" in caplog.text
 
 
 def test_a_non_finite_gradient_with_a_finite_loss_is_named(caplog):
