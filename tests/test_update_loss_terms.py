@@ -17,6 +17,7 @@ from lit_rlvr.config.rollout_correction import RolloutCorrection
 from lit_rlvr.config.settings import LossConfig, UpdateConfig
 from lit_rlvr.models.tiny import build_tiny
 from lit_rlvr.rollout.batch import Rollouts
+from lit_rlvr.run import distributed as D
 from lit_rlvr.update import Update
 from lit_rlvr.update.correction import RolloutCorrector
 from lit_rlvr.update.forward import forward_logprobs
@@ -391,3 +392,19 @@ def test_bypass_without_rejection_keeps_the_batch_as_it_is():
     corrector = RolloutCorrector(RolloutCorrection(bypass_mode=True))
     corrector.before_update(rollouts)
     assert corrector.in_loss(rollouts, torch.zeros(4, T), rollouts.old_logp, rollouts.response_mask) is rollouts
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_two_identical_ranks_report_the_loss_of_one(monkeypatch, aggregation):
+    """Data-parallel weighting: with a second rank holding the same batch (sums over ranks doubled), each rank's
+    loss and metrics are the single process's (its micro-batch weights × world size, then averaged by the ranks'
+    gradient mean)."""
+    rollouts = batch()
+    single = make(tiny_policy(0), loss=LossConfig(loss_aggregation=aggregation), lr=0.0,
+                  update=UpdateConfig(micro_batch_size=3)).run(rollouts)
+    monkeypatch.setattr(D, "world_size", lambda: 2)
+    monkeypatch.setattr(D, "all_reduce", lambda value, op="sum", group=None: value * 2 if op == "sum" else value)
+    double = make(tiny_policy(0), loss=LossConfig(loss_aggregation=aggregation), lr=0.0,
+                  update=UpdateConfig(micro_batch_size=3)).run(rollouts)
+    for key in ("loss/policy", "loss/entropy", "loss/pg_clipfrac"):
+        torch.testing.assert_close(double[key], single[key], rtol=1e-4, atol=1e-6, msg=key)
