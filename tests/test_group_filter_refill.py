@@ -19,6 +19,7 @@ REWARDS = {
     "same0": [0.0, 0.0], "same1": [1.0, 1.0], "same2": [-1.0, -1.0], "same3": [0.0, 0.0],
     "mixA": [1.0, 0.0], "mixB": [0.5, -1.0], "mixC": [2.0, 0.0], "mixD": [1.0, -0.5],
     "scoreOnly": [0.5, 1.0],  # both correct: constant under acc, differs under score
+    "single": [1.0],  # a group of one completion: never informative
 }
 
 
@@ -143,3 +144,9 @@ def test_the_data_stream_tells_the_datamodule_of_every_batch_it_hands_out():
     assert DataStream(None, datamodule).next_batch() is None
     plain = DataStream(iter([({"prompt": ["a"]}, 0, 0)]), object())  # a datamodule without the hook
     assert plain.first() == ({"prompt": ["a"]}, 0)
+
+
+def test_the_generated_metrics_of_a_single_completion():
+    out, metrics = collect(["single"], [])
+    assert out.prompts == ["single"]  # nothing informative, the data ran out: the batch as generated
+    assert values(metrics)["reward/accuracy_generated"] == 1.0 and values(metrics)["reward/mean_generated"] == 1.0
