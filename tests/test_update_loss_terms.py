@@ -408,3 +408,98 @@ def test_two_identical_ranks_report_the_loss_of_one(monkeypatch, aggregation):
                   update=UpdateConfig(micro_batch_size=3)).run(rollouts)
     for key in ("loss/policy", "loss/entropy", "loss/pg_clipfrac"):
         torch.testing.assert_close(double[key], single[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_bypass_rejection_bounds_the_engine_over_trainer_ratio():
+    """An asymmetric band [0.2, 2] on π_engine/π_trainer (verl >= 0.7): a ratio of 1/3 is kept, 3 rejected."""
+    rollouts = batch(4)
+    mask = rollouts.response_mask
+    engine = torch.full((4, T), -1.0)
+    logp = engine.clone()
+    logp[1] += torch.log(torch.tensor(3.0))  # row 1: π_engine/π_trainer = 1/3 (kept)
+    logp[2] -= torch.log(torch.tensor(3.0))  # row 2: π_engine/π_trainer = 3 (rejected)
+    corrector = RolloutCorrector(RolloutCorrection(rollout_rs="token", rollout_rs_threshold="0.2_2",
+                                                   bypass_mode=True))
+    corrector.before_update(rollouts)
+    out = corrector.in_loss(rollouts, logp, engine, mask)
+    kept = (out.token_weights * mask).sum(-1) / mask.sum(-1)
+    assert kept.tolist() == [1.0, 1.0, 0.0, 1.0]
+
+
+def test_bypass_metrics_of_micro_batches_of_different_widths_are_the_whole_batchs():
+    """The first pass's recorded forwards ([2, 3] and [2, 6] micro-batches) give the metrics of the batch as one."""
+    from lit_rlvr.functional import rollout_correction as RC
+
+    g = torch.Generator().manual_seed(1)
+    mask = torch.arange(T) < torch.tensor([2, 3, 6, 4])[:, None]
+    logp = -torch.rand(4, T, generator=g) * mask
+    engine = (logp + 0.3 * torch.randn(4, T, generator=g)) * mask
+    options = RolloutCorrection(rollout_rs="token", rollout_rs_threshold="0.8_1.25", bypass_mode=True)
+    corrector = RolloutCorrector(options)
+    rollouts = batch(4)
+    corrector.before_update(rollouts)
+    corrector.in_loss(rollouts.select(torch.tensor([0, 1])), logp[:2, :3], engine[:2, :3], mask[:2, :3])
+    corrector.in_loss(rollouts.select(torch.tensor([2, 3])), logp[2:], engine[2:], mask[2:])
+    corrector.in_loss(rollouts, logp * 0, engine, mask, record=False)  # a stand-in: not recorded
+    got = corrector.first_pass_metrics()
+    _, expected = RC.mismatch_metrics(logp, engine, mask)
+    _, rejected = RC.rejection_mask(logp - engine, mask, modes="token", threshold="0.8_1.25")
+    expected.update(rejected)
+    assert got.keys() == expected.keys() and any(k.startswith("mismatch/") for k in got)
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def manual_logprobs(model, ids, response_ids):
+    """The oracle: the model's own default positions on an unpadded sequence."""
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, -response_ids.shape[1] - 1:-1]
+    return torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, response_ids[..., None])[..., 0]
+
+
+def test_forward_logprobs_ignore_left_padding():
+    policy = tiny_policy(0).eval()
+    g = torch.Generator().manual_seed(3)
+    prompt, response = torch.randint(4, 90, (1, 4), generator=g), torch.randint(4, 90, (1, 3), generator=g)
+    expected = manual_logprobs(policy, torch.cat([prompt, response], 1), response)
+    padded = Rollouts(
+        prompt_ids=torch.cat([torch.zeros(1, 2, dtype=torch.long), prompt], 1),
+        prompt_mask=torch.tensor([[False, False, True, True, True, True]]), response_ids=response,
+        response_mask=torch.ones(1, 3, dtype=torch.bool), old_logp=torch.zeros(1, 3), group=torch.zeros(1).long(),
+        source=torch.zeros(1).long(), num_groups=1, prompts=["a"], answers=[0])
+    torch.testing.assert_close(logprobs(policy, padded), expected, rtol=1e-4, atol=1e-5)
+
+
+class StandIns:
+    """Another rank with one micro-batch more: this rank runs a zero-weight stand-in."""
+
+    @staticmethod
+    def global_max(value, group=None):
+        return value if value < 0 else value + 1
+
+
+def test_a_zero_weight_stand_in_micro_batch_changes_nothing(monkeypatch):
+    rollouts = batch()
+    plain_policy = tiny_policy(0)
+    plain = make(plain_policy, update=UpdateConfig(micro_batch_size=3)).run(rollouts)
+    monkeypatch.setattr(D, "global_max", StandIns.global_max)
+    padded_policy = tiny_policy(0)
+    padded = make(padded_policy, update=UpdateConfig(micro_batch_size=3)).run(rollouts)
+    for key in ("loss/policy", "loss/entropy", "grad/norm"):
+        torch.testing.assert_close(padded[key], plain[key], rtol=1e-5, atol=1e-7, msg=key)
+    for a, b in zip(plain_policy.parameters(), padded_policy.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_a_sequence_level_losss_clip_fraction_is_weighted_by_sequences():
+    """GSPO's clip fraction is a mean over sequences: micro-batched with token-mean weights it stays the whole
+    batch's fraction of sequences."""
+    rollouts = batch()
+
+    def loss_fn(logp, old, adv, mask, r):
+        loss, _ = ppo(logp, old, adv, mask, r)
+        return loss, {"loss/pg_clipfrac": (adv > 0).float().mean()}  # a per-sequence fraction
+
+    metrics = make(tiny_policy(0), loss=LossConfig(policy_loss="gspo", loss_aggregation="token-mean"),
+                   update=UpdateConfig(micro_batch_size=3), policy_loss=loss_fn, lr=0.0).run(rollouts)
+    torch.testing.assert_close(metrics["loss/pg_clipfrac"], (rollouts.advantages > 0).float().mean())
