@@ -210,6 +210,11 @@ def start_child(mutant: Optional[Mutant], tests: list[str]) -> int:
             path = REPO / mutant.file
             sys.meta_path.insert(0, _MutantFinder(module_names(mutant.file), path,
                                                   mutated_code(path, mutant.index)))
+            try:  # a mutant that breaks an import (a default refused at import time) is noticed there: killed
+                for module in ["conftest", *sorted({t.split("::")[0][:-3].replace("/", ".") for t in tests})]:
+                    importlib.import_module(module)
+            except Exception:  # noqa: BLE001 - pytest would report it as a usage error (exit 4), not a failure
+                os._exit(1)
         import pytest
 
         code = int(pytest.main(["-x", *PYTEST_ARGS, *tests]))
