@@ -1,5 +1,6 @@
-"""Mutation testing of the math, the optimizer, the two paper callbacks and the batch helpers: how much of what
-the tests claim to check would they notice if it broke?
+"""Mutation testing of the math, the optimizer, the two paper callbacks, the batch helpers and the training
+machinery around them (the update, the async pipeline, weight sync, DAPO's filter, rewards, settings, the stop
+request): how much of what the tests claim to check would they notice if it broke?
 
 A small AST mutator of our own (the mutants: scripts/mutants.py; why not mutmut or cosmic-ray, and how to use it:
 docs/mutation.md). Each mutant changes one operator, constant or condition of a target file; it is *killed* when a
@@ -80,6 +81,23 @@ TESTS = (
     "tests/test_value_prior_edges.py",
     "tests/test_param_noise_edges.py",
     "tests/test_batch_edges.py",
+    # the update, the async pipeline, weight sync, DAPO's filter, rewards, settings, the stop request (issue 61)
+    "tests/test_update.py",
+    "tests/test_update_loss_terms.py",
+    "tests/test_group_filter_refill.py",
+    "tests/test_rollout_pipeline.py",
+    "tests/test_pipeline_staleness.py",
+    "tests/test_segment_boundaries.py",
+    "tests/test_weight_sync.py",
+    "tests/test_weight_push_paths.py",
+    "tests/test_settings.py",
+    "tests/test_settings_ranges.py",
+    "tests/test_rewards_terms.py",
+    "tests/test_reward_terms_edges.py",
+    "tests/test_reward_contract_bounds.py",
+    "tests/test_rewards_remote.py",
+    "tests/test_reward_client_urls.py",
+    "tests/test_stop_request_grace.py",
 )
 EQUIVALENTS = REPO / "scripts" / "mutation_equivalents.toml"
 # every pytest run: quiet, no cache writes, the end-to-end runs left out (minutes each)
