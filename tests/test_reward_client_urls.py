@@ -186,3 +186,26 @@ def test_client_options_at_their_bounds(key, good, bad):
     RemoteReward("http://127.0.0.1:1", probe=False, **{key: good})
     with pytest.raises(RewardOptionError, match=rf"reward\.options\.{key}="):
         RemoteReward("http://127.0.0.1:1", probe=False, **{key: bad})
+
+
+def test_the_clients_defaults(serve, monkeypatch):
+    """64 completions a request, 3 retries of a 5xx from 0.5 s doubling, 30 s a request, the `rewards` key."""
+    sleeps, timeouts = [], []
+    monkeypatch.setattr(remote.time, "sleep", sleeps.append)
+    urlopen = remote.urllib.request.urlopen
+    monkeypatch.setattr(remote.urllib.request, "urlopen",
+                        lambda request, timeout: timeouts.append(timeout) or urlopen(request, timeout=timeout))
+    server = serve([(200, lambda body: {"rewards": [1.0] * len(body["query"])})])
+    reward = RemoteReward(server.url, probe=False)
+    try:
+        assert reward.score_batch(["p"] * 65, ["c"] * 65, [0] * 65) == [1.0] * 65
+    finally:
+        reward.close()
+    assert [len(body["query"]) for _, body in server.requests] == [64, 1] and set(timeouts) == {30.0}
+    failing = serve([(503, {})])
+    reward = RemoteReward(failing.url, probe=False)
+    try:
+        (result,) = reward.score_batch(["p"], ["c"], [0])
+    finally:
+        reward.close()
+    assert result.malformed and len(failing.requests) == 4 and sleeps == [0.5, 1.0, 2.0]
