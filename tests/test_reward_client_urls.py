@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -209,3 +210,25 @@ def test_the_clients_defaults(serve, monkeypatch):
     finally:
         reward.close()
     assert result.malformed and len(failing.requests) == 4 and sleeps == [0.5, 1.0, 2.0]
+
+
+def test_at_most_four_requests_in_flight_by_default():
+    lock, state = threading.Lock(), {"now": 0, "most": 0}
+
+    def slow(body):
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+        time.sleep(0.5)
+        with lock:
+            state["now"] -= 1
+        return {"rewards": [1.0] * len(body["query"])}
+
+    server = Server([(200, slow)])
+    reward = RemoteReward(server.url, batch_size=1, probe=False)
+    try:
+        assert reward.score_batch(["p"] * 6, ["c"] * 6, [0] * 6) == [1.0] * 6
+    finally:
+        reward.close()
+        server.close()
+    assert state["most"] == 4
