@@ -232,3 +232,13 @@ def test_at_most_four_requests_in_flight_by_default():
         reward.close()
         server.close()
     assert state["most"] == 4
+
+
+def test_the_client_probes_its_server_by_default():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/get_reward"
+    with pytest.raises(RewardOptionError, match="the server cannot be reached"):
+        RemoteReward(url)
