@@ -503,3 +503,29 @@ def test_a_sequence_level_losss_clip_fraction_is_weighted_by_sequences():
     metrics = make(tiny_policy(0), loss=LossConfig(policy_loss="gspo", loss_aggregation="token-mean"),
                    update=UpdateConfig(micro_batch_size=3), policy_loss=loss_fn, lr=0.0).run(rollouts)
     torch.testing.assert_close(metrics["loss/pg_clipfrac"], (rollouts.advantages > 0).float().mean())
+
+
+@pytest.mark.parametrize("is_level, rs", [("token", "token"), ("token", None), (None, "token"), ("sequence", "token")])
+def test_decoupled_is_weights_times_the_rejection_mask(is_level, rs):
+    """Decoupled mode: the loss's token weights are the truncated IS weights π_old/π_engine times the rejection
+    mask, both from the recomputed π_old (an IcePop band [0.5, 2] for IS, [0.4, 1.5] for rejection)."""
+    from lit_rlvr.functional import rollout_correction as RC
+
+    policy, rollouts = tiny_policy(0), batch()
+    old = logprobs(policy, rollouts)
+    g = torch.Generator().manual_seed(4)
+    rollouts.old_logp = (old + 0.6 * torch.randn(8, T, generator=g)) * rollouts.response_mask  # the engine's
+    options = RolloutCorrection(rollout_is=is_level, rollout_is_threshold="0.5_2", rollout_rs=rs,
+                                rollout_rs_threshold="0.4_1.5")
+    corrected, metrics = make(policy, correction=RolloutCorrector(options)).correct(rollouts)
+    ratio = old - rollouts.old_logp
+    expected = torch.ones(8, T)
+    if is_level is not None:
+        expected = RC.truncated_is_weights(ratio, rollouts.response_mask, level=is_level, threshold="0.5_2")[0]
+    if rs is not None:
+        keep = RC.rejection_mask(ratio, rollouts.response_mask, modes=rs, threshold="0.4_1.5")[0]
+        assert 0 < int(keep.sum()) < int(rollouts.response_mask.sum())  # some rejected, some kept
+        expected = expected * keep
+    mask = rollouts.response_mask
+    torch.testing.assert_close(corrected.token_weights * mask, expected * mask, rtol=1e-4, atol=1e-6)
+    assert ("mismatch/rs_masked_frac" in metrics) == (rs is not None)
