@@ -174,9 +174,10 @@ def test_idle_time_is_counted_while_the_engine_waits_and_reset_when_taken():
         item = SimpleNamespace(plan=plan_of(batch(0)), index=0, done=threading.Event(), result=None, error=None)
         producer.submit(item)
         assert started.wait(timeout=30)
-        time.sleep(0.1)
+        producer.take_idle()
+        time.sleep(0.5)
         busy = producer.take_idle()
-        assert 0.0 <= busy < 0.09  # generating: not idle
+        assert 0.0 <= busy < 0.4  # generating: not idle
         gate.set()
         assert item.done.wait(timeout=30)
         time.sleep(0.1)
@@ -328,11 +329,11 @@ def test_the_wait_for_a_batch_is_timed_per_step():
 
     pipeline = RolloutPipeline(Gated(), max_staleness=0, lead=0, drop=False, seed=0)
     try:
-        threading.Timer(0.3, gate.set).start()
+        threading.Timer(0.6, gate.set).start()
         pipeline.exchange(batch(0), plan_of, version=0, step=0)
-        assert 0.25 <= pipeline.wait_s < 30  # waited for the producer
+        assert 0.55 <= pipeline.wait_s < 30  # waited for the producer
         pipeline.exchange(batch(1), plan_of, version=0, step=1)
-        assert 0.0 <= pipeline.wait_s < 0.25  # the next step's own wait: not added to the last
+        assert 0.0 <= pipeline.wait_s < 0.5  # the next step's own wait: not added to the last
     finally:
         gate.set()
         pipeline.close()
