@@ -242,3 +242,51 @@ def test_the_client_probes_its_server_by_default():
         url = f"http://127.0.0.1:{sock.getsockname()[1]}/get_reward"
     with pytest.raises(RewardOptionError, match="the server cannot be reached"):
         RemoteReward(url)
+
+
+@pytest.mark.parametrize("length, shortened", [(120, False), (121, True)])
+def test_a_bad_answer_is_quoted_up_to_120_characters(serve, length, shortened):
+    answer = {"x": "a" * (length - 9)}  # repr: {'x': '...'} is `length` characters
+    assert len(repr(answer)) == length
+    server = serve([(200, answer)])
+    reward = RemoteReward(server.url, probe=False, retries=0)
+    try:
+        (result,) = reward.score_batch(["p"], ["c"], [0])
+    finally:
+        reward.close()
+    assert result.score == -1.0 and result.malformed  # the failure score
+    assert (repr(answer) in result.info) is not shortened
+    assert (repr(answer)[:100] + "..." in result.info) is shortened
+
+
+def test_close_cancels_the_queued_chunks_without_waiting():
+    def slow(body):
+        time.sleep(0.8)
+        return {"rewards": [1.0] * len(body["query"])}
+
+    server = Server([(200, slow)])
+    reward = RemoteReward(server.url, batch_size=1, max_concurrent=1, probe=False, retries=0)
+    outcome = []
+
+    def score():
+        try:
+            outcome.append(reward.score_batch(["p"] * 3, ["c"] * 3, [0] * 3))
+        except BaseException as err:  # noqa: BLE001 - the cancelled chunks' futures raise
+            outcome.append(type(err).__name__)
+
+    thread = threading.Thread(target=score)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.requests and time.monotonic() < deadline:
+            time.sleep(0.01)
+        started = time.monotonic()
+        reward.close()
+        assert time.monotonic() - started < 0.5  # no wait for the request in flight
+        thread.join(30)
+        time.sleep(1.0)
+        assert len(server.requests) == 1 and outcome == ["CancelledError"]  # the two queued never sent
+        reward.close()  # closing again (no pool): nothing to do
+        assert RemoteReward(server.url, probe=False).close() is None  # never used: no pool
+    finally:
+        server.close()
