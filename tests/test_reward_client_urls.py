@@ -290,3 +290,13 @@ def test_close_cancels_the_queued_chunks_without_waiting():
         assert RemoteReward(server.url, probe=False).close() is None  # never used: no pool
     finally:
         server.close()
+
+
+def test_check_options_before_any_work():
+    assert RemoteReward.check_options({})[0].startswith("reward=remote needs reward.options.url")
+    # runner keys (isolation, timeout of the runner) are not the client's: left out of its check
+    assert RemoteReward.check_options({"url": "http://127.0.0.1:1", "probe": False, "isolation": "thread"}) == []
+    (line,) = RemoteReward.check_options({"url": "http://127.0.0.1:1", "probe": False, "batch_size": 0})
+    assert line.startswith("reward.options.batch_size=0")
+    (line,) = RemoteReward.check_options({"url": "ftp://h/x", "probe": False})
+    assert line.startswith("reward.options.url='ftp://h/x'")
