@@ -161,16 +161,36 @@ def coverage_map(files: list[Path], data_file: Path) -> dict[str, dict[int, set[
 
 
 def tests_for(mutant: Mutant, covered: dict[int, set[str]], first_line: dict[int, int],
-              durations: dict[str, float], max_seconds: float) -> list[str]:
+              durations: dict[str, float], max_seconds: float, functions: set[str]) -> list[str]:
     """Tests that run the mutated statement (looked up on the node's line and its statement's first line); for a
-    line run at import only (constants, defaults, class bodies), every test that runs any line of the file.
-    Fastest first: with `-x` the first failure ends the run."""
+    node outside any function (constants, defaults, class bodies: run at import, where no test's context counts
+    it) also every test that runs any line of the file, since a lambda on the same line (a settings rule) may be
+    run by a few tests only. Fastest first: with `-x` the first failure ends the run."""
     lines = {mutant.line, first_line.get(mutant.line, mutant.line)}
     tests = set().union(*(covered.get(line, set()) for line in lines))
-    if not tests and any(line in covered for line in lines):  # run at import only
-        tests = set().union(*covered.values())
+    at_import = mutant.function not in functions
+    if at_import and any(line in covered for line in lines):
+        tests |= set().union(*covered.values())
     tests = {t for t in tests if durations.get(t, 0.0) <= max_seconds}  # whole-run tests: too slow per mutant
     return sorted(tests, key=lambda t: (durations.get(t, math.inf), t))
+
+
+def function_names(path: Path) -> set[str]:
+    """Qualified names of the functions (and methods) defined in `path`, as a mutant's `function` names them."""
+    names: set[str] = set()
+
+    def walk(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    names.add(name)
+                walk(child, name + ".")
+            else:
+                walk(child, prefix)
+
+    walk(ast.parse(path.read_text()), "")
+    return names
 
 
 def statement_first_lines(path: Path) -> dict[int, int]:
@@ -447,6 +467,7 @@ def main() -> None:
     timing = Path(f"{args.coverage}.durations")
     durations = json.loads(timing.read_text()) if timing.exists() else {}
     first_lines = {f: statement_first_lines(REPO / f) for f in {m.file for m in mutants}}
+    functions = {f: function_names(REPO / f) for f in {m.file for m in mutants}}
     for m in mutants:
         if m.status in ("killed", "timeout"):
             continue
@@ -454,7 +475,8 @@ def main() -> None:
         if m.key in equivalents:
             m.status, m.reason = "equivalent", equivalents[m.key]
             continue
-        m.tests = tests_for(m, covered.get(m.file, {}), first_lines[m.file], durations, args.max_test_seconds)
+        m.tests = tests_for(m, covered.get(m.file, {}), first_lines[m.file], durations, args.max_test_seconds,
+                            functions[m.file])
         if not m.tests:
             m.status = "no_tests"
     preload()
