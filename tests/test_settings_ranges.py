@@ -221,3 +221,7 @@ def test_lora_options_accepted_and_the_learning_rate():
     with pytest.raises(ValueError, match="model.lora"):
         LoraOptions.from_any({"ranks": 4})
     assert ModelConfig(lora={"rank": 2}).lora == LoraOptions(rank=2)
+
+
+def test_a_lora_rate_scale_below_one_is_allowed():
+    assert LoraOptions(rank=2, lr_scale=0.5).learning_rate(1.0) == 0.5
