@@ -529,3 +529,46 @@ def test_decoupled_is_weights_times_the_rejection_mask(is_level, rs):
     mask = rollouts.response_mask
     torch.testing.assert_close(corrected.token_weights * mask, expected * mask, rtol=1e-4, atol=1e-6)
     assert ("mismatch/rs_masked_frac" in metrics) == (rs is not None)
+
+
+def test_a_stand_in_micro_batch_changes_nothing_under_a_sequence_mean(monkeypatch):
+    loss = LossConfig(loss_aggregation="seq-mean-token-mean")
+    plain_policy, padded_policy = tiny_policy(0), tiny_policy(0)
+    plain = make(plain_policy, loss=loss, update=UpdateConfig(micro_batch_size=3)).run(batch())
+    monkeypatch.setattr(D, "global_max", StandIns.global_max)
+    padded = make(padded_policy, loss=loss, update=UpdateConfig(micro_batch_size=3)).run(batch())
+    torch.testing.assert_close(padded["loss/policy"], plain["loss/policy"], rtol=1e-5, atol=1e-7)
+    for a, b in zip(plain_policy.parameters(), padded_policy.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_bypass_metrics_of_an_update_are_its_first_passs_over_the_real_micro_batches(monkeypatch):
+    """Bypass mode: `mismatch/*` come from the first mini-batch's forwards, at the weights that sampled, over the
+    real micro-batches only (a stand-in is not recorded)."""
+    from lit_rlvr.functional import rollout_correction as RC
+
+    monkeypatch.setattr(D, "global_max", StandIns.global_max)
+    policy, rollouts = tiny_policy(0), batch()
+    current = logprobs(policy, rollouts)
+    g = torch.Generator().manual_seed(5)
+    rollouts.old_logp = (current + 0.5 * torch.randn(8, T, generator=g)) * rollouts.response_mask
+    options = RolloutCorrection(rollout_rs="token", rollout_rs_threshold="0.1_10", bypass_mode=True)
+    metrics = make(policy, correction=RolloutCorrector(options), update=UpdateConfig(micro_batch_size=3)).run(rollouts)
+    _, expected = RC.mismatch_metrics(current, rollouts.old_logp, rollouts.response_mask)
+    expected.update(RC.rejection_mask(current - rollouts.old_logp, rollouts.response_mask, modes="token",
+                                      threshold="0.1_10")[1])
+    for key, value in expected.items():
+        torch.testing.assert_close(metrics[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_loss_passes_without_an_optimizer():
+    """Built with optimizer=None: `backward_pass` accumulates gradients and metric sums; `run` is refused."""
+    policy, rollouts = tiny_policy(0), batch()
+    update = Update(policy, None, loss=LossConfig(loss_aggregation="token-mean"), update=UpdateConfig(),
+                    grad_clip=None, temperature=TEMPERATURE, norm_len=T, policy_loss=ppo)
+    sums: dict = {}
+    update.backward_pass(rollouts, 0, sums)
+    assert "loss/policy" in sums and float(sums["micro/count"]) == 1.0
+    assert any(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in policy.parameters())
+    with pytest.raises(ValueError, match="Update.run needs an optimizer"):
+        update.run(rollouts)
