@@ -346,3 +346,10 @@ def test_a_step_of_no_duration_has_a_bounded_share():
         assert float(shares["async/trainer_wait_frac"]) == pytest.approx(1.0)  # over at least 1 ns
     finally:
         pipeline.close()
+
+
+def test_padding_never_makes_a_completion_span_versions():
+    tokens = torch.tensor([[0, 0, 9], [3, 3, 0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]], dtype=torch.bool)
+    oldest, spans = completion_versions(tokens, mask, fallback=-1)
+    assert oldest.tolist() == [0, 3] and spans.tolist() == [False, False]

@@ -572,3 +572,15 @@ def test_loss_passes_without_an_optimizer():
     assert any(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in policy.parameters())
     with pytest.raises(ValueError, match="Update.run needs an optimizer"):
         update.run(rollouts)
+
+
+def test_the_entropy_metric_is_at_the_sampling_temperature():
+    policy, rollouts = tiny_policy(0), batch()
+    ids = torch.cat([rollouts.prompt_ids, rollouts.response_ids], 1)
+    with torch.no_grad():
+        logits = policy(input_ids=ids).logits[:, -T - 1:-1] / TEMPERATURE  # [n, T, V]
+    per_token = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    mask = rollouts.response_mask
+    expected = (per_token * mask).sum() / mask.sum()
+    metrics = make(policy, lr=0.0).run(rollouts)
+    torch.testing.assert_close(metrics["loss/entropy"], expected, rtol=1e-4, atol=1e-5)
