@@ -163,12 +163,13 @@ def coverage_map(files: list[Path], data_file: Path) -> dict[str, dict[int, set[
 def tests_for(mutant: Mutant, covered: dict[int, set[str]], first_line: dict[int, int],
               durations: dict[str, float], max_seconds: float, functions: set[str]) -> list[str]:
     """Tests that run the mutated statement (looked up on the node's line and its statement's first line); for a
-    node outside any function (constants, defaults, class bodies: run at import, where no test's context counts
-    it) also every test that runs any line of the file, since a lambda on the same line (a settings rule) may be
-    run by a few tests only. Fastest first: with `-x` the first failure ends the run."""
+    node outside any function (constants, class bodies: run at import, where no test's context counts it) also
+    every test that runs any line of the file, since a lambda on the same line (a settings rule) may be run by a
+    few tests only; likewise for a line that only import runs (a default argument). Fastest first: with `-x` the
+    first failure ends the run."""
     lines = {mutant.line, first_line.get(mutant.line, mutant.line)}
     tests = set().union(*(covered.get(line, set()) for line in lines))
-    at_import = mutant.function not in functions
+    at_import = mutant.function not in functions or not tests  # e.g. a default argument: run at def time
     if at_import and any(line in covered for line in lines):
         tests |= set().union(*covered.values())
     tests = {t for t in tests if durations.get(t, 0.0) <= max_seconds}  # whole-run tests: too slow per mutant
