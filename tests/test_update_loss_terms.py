@@ -584,3 +584,28 @@ def test_the_entropy_metric_is_at_the_sampling_temperature():
     expected = (per_token * mask).sum() / mask.sum()
     metrics = make(policy, lr=0.0).run(rollouts)
     torch.testing.assert_close(metrics["loss/entropy"], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_the_loss_contexts_see_each_pass_number():
+    seen = []
+    policy = tiny_policy(0)
+
+    def context(rollouts, loss_pass):
+        seen.append((loss_pass, rollouts.num_samples))
+        return torch.enable_grad()
+
+    make(policy, loss_contexts=[context]).run(batch())
+    assert seen == [(0, 8)]  # one pass, numbered 0
+    seen.clear()
+    make(policy, loss_contexts=[context]).run(two_pass_batch())
+    assert seen == [(0, 4), (1, 4)]
+
+
+def test_no_gradient_at_all_is_a_norm_of_zero():
+    policy = tiny_policy(0)
+    update = make(policy, backward=lambda loss: None)  # a backward that makes no gradient
+    assert float(update.grad_norm()) == 0.0
+    before = weights(policy)
+    metrics = update.run(batch())
+    assert float(metrics["grad/norm"]) == 0.0 and not moved(before, policy)
+    assert update.counters["skipped_steps"] == 0
