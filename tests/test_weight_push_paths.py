@@ -235,3 +235,33 @@ def test_no_post_push_check(plain, monkeypatch, check, shares):
     assert sync.push(step=0).metrics == {}
     sync.push_named([("a", torch.ones(1))], step=1) if not shares else None
     assert not sync.check_due()
+
+
+def test_given_adapter_values_are_cast_to_the_engines_dtype(lora):
+    engine = Recorder(serves_lora=True, lora_sync="adapter", adapter_base_by_name=False, weight_dtype=torch.float16)
+    given = {n: torch.full_like(p, 0.5) for n, p in lora.named_parameters() if p.requires_grad}
+    WeightSync(engine, lora).push_named(given.items(), step=1)
+    (_, tensors, _), = engine.adapters
+    assert {t.dtype for t in tensors.values()} == {torch.float16}
+
+
+def test_a_sharded_policy_does_not_stack_adapters(lora):
+    import copy
+
+    sharded = copy.deepcopy(lora)
+    next(p for p in sharded.parameters() if p.requires_grad).full_tensor = lambda: None  # as a DTensor shard
+    engine = Recorder(serves_lora=True, lora_sync="adapter", serves_many_adapters=True, can_generate_stacked=True)
+    assert WeightSync(engine, lora).can_stack_sources()
+    assert not WeightSync(engine, sharded).can_stack_sources()
+
+
+def test_a_named_push_moves_the_check_cadence(plain, monkeypatch):
+    checked = []
+    monkeypatch.setattr(weight_sync_module, "check_engine_sync",
+                        lambda engine, policy, probe, *, check, version: checked.append(version) or torch.tensor(0.0))
+    sync = WeightSync(Recorder(), plain, SyncCheck(every=3))
+    sync.push(step=0)  # 1st push: checked
+    sync.push_named([("a", torch.ones(1))], step=1)  # 2nd
+    sync.push(step=2)  # 3rd
+    sync.push(step=3)  # 4th: checked
+    assert checked == [0, 3]
