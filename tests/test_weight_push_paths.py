@@ -265,3 +265,14 @@ def test_a_named_push_moves_the_check_cadence(plain, monkeypatch):
     sync.push(step=2)  # 3rd
     sync.push(step=3)  # 4th: checked
     assert checked == [0, 3]
+
+
+def test_a_check_every_push(plain, monkeypatch):
+    checked = []
+    monkeypatch.setattr(weight_sync_module, "check_engine_sync",
+                        lambda engine, policy, probe, *, check, version: checked.append(version) or torch.tensor(0.0))
+    sync = WeightSync(Recorder(), plain, SyncCheck(every=1))
+    for step in range(3):
+        assert sync.check_due()
+        sync.push(step=step)
+    assert checked == [0, 1, 2]
