@@ -1,5 +1,6 @@
-"""Mutation testing of the math, the optimizer, the two paper callbacks and the batch helpers: how much of what
-the tests claim to check would they notice if it broke?
+"""Mutation testing of the math, the optimizer, the two paper callbacks, the batch helpers and the training
+machinery around them (the update, the async pipeline, weight sync, DAPO's filter, rewards, settings, the stop
+request): how much of what the tests claim to check would they notice if it broke?
 
 A small AST mutator of our own (the mutants: scripts/mutants.py; why not mutmut or cosmic-ray, and how to use it:
 docs/mutation.md). Each mutant changes one operator, constant or condition of a target file; it is *killed* when a
@@ -46,6 +47,17 @@ TARGETS = (
     "callbacks/param_noise.py",
     "callbacks/value_prior.py",
     "lit_rlvr/rollout/batch.py",
+    "lit_rlvr/update/",
+    "lit_rlvr/rollout/pipeline.py",
+    "lit_rlvr/rollout/segments.py",
+    "lit_rlvr/rollout/weight_sync.py",
+    "lit_rlvr/rollout/weights.py",
+    "lit_rlvr/algorithms/filter_groups.py",
+    "lit_rlvr/rewards/terms.py",
+    "lit_rlvr/rewards/base.py",
+    "lit_rlvr/rewards/remote.py",
+    "lit_rlvr/config/settings.py",
+    "lit_rlvr/run/stop.py",
 )
 # The tests that may kill them (fast ones: unit tests of these files). Coverage picks, per mutated line, the
 # tests of this list that run it.
@@ -69,6 +81,23 @@ TESTS = (
     "tests/test_value_prior_edges.py",
     "tests/test_param_noise_edges.py",
     "tests/test_batch_edges.py",
+    # the update, the async pipeline, weight sync, DAPO's filter, rewards, settings, the stop request (issue 61)
+    "tests/test_update.py",
+    "tests/test_update_loss_terms.py",
+    "tests/test_group_filter_refill.py",
+    "tests/test_rollout_pipeline.py",
+    "tests/test_pipeline_staleness.py",
+    "tests/test_segment_boundaries.py",
+    "tests/test_weight_sync.py",
+    "tests/test_weight_push_paths.py",
+    "tests/test_settings.py",
+    "tests/test_settings_ranges.py",
+    "tests/test_rewards_terms.py",
+    "tests/test_reward_terms_edges.py",
+    "tests/test_reward_contract_bounds.py",
+    "tests/test_rewards_remote.py",
+    "tests/test_reward_client_urls.py",
+    "tests/test_stop_request_grace.py",
 )
 EQUIVALENTS = REPO / "scripts" / "mutation_equivalents.toml"
 # every pytest run: quiet, no cache writes, the end-to-end runs left out (minutes each)
@@ -132,16 +161,37 @@ def coverage_map(files: list[Path], data_file: Path) -> dict[str, dict[int, set[
 
 
 def tests_for(mutant: Mutant, covered: dict[int, set[str]], first_line: dict[int, int],
-              durations: dict[str, float], max_seconds: float) -> list[str]:
+              durations: dict[str, float], max_seconds: float, functions: set[str]) -> list[str]:
     """Tests that run the mutated statement (looked up on the node's line and its statement's first line); for a
-    line run at import only (constants, defaults, class bodies), every test that runs any line of the file.
-    Fastest first: with `-x` the first failure ends the run."""
+    node outside any function (constants, class bodies: run at import, where no test's context counts it) also
+    every test that runs any line of the file, since a lambda on the same line (a settings rule) may be run by a
+    few tests only; likewise for a line that only import runs (a default argument). Fastest first: with `-x` the
+    first failure ends the run."""
     lines = {mutant.line, first_line.get(mutant.line, mutant.line)}
     tests = set().union(*(covered.get(line, set()) for line in lines))
-    if not tests and any(line in covered for line in lines):  # run at import only
-        tests = set().union(*covered.values())
+    at_import = mutant.function not in functions or not tests  # e.g. a default argument: run at def time
+    if at_import and any(line in covered for line in lines):
+        tests |= set().union(*covered.values())
     tests = {t for t in tests if durations.get(t, 0.0) <= max_seconds}  # whole-run tests: too slow per mutant
     return sorted(tests, key=lambda t: (durations.get(t, math.inf), t))
+
+
+def function_names(path: Path) -> set[str]:
+    """Qualified names of the functions (and methods) defined in `path`, as a mutant's `function` names them."""
+    names: set[str] = set()
+
+    def walk(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    names.add(name)
+                walk(child, name + ".")
+            else:
+                walk(child, prefix)
+
+    walk(ast.parse(path.read_text()), "")
+    return names
 
 
 def statement_first_lines(path: Path) -> dict[int, int]:
@@ -199,6 +249,11 @@ def start_child(mutant: Optional[Mutant], tests: list[str]) -> int:
             path = REPO / mutant.file
             sys.meta_path.insert(0, _MutantFinder(module_names(mutant.file), path,
                                                   mutated_code(path, mutant.index)))
+            try:  # a mutant that breaks an import (a default refused at import time) is noticed there: killed
+                for module in ["conftest", *sorted({t.split("::")[0][:-3].replace("/", ".") for t in tests})]:
+                    importlib.import_module(module)
+            except Exception:  # noqa: BLE001 - pytest would report it as a usage error (exit 4), not a failure
+                os._exit(1)
         import pytest
 
         code = int(pytest.main(["-x", *PYTEST_ARGS, *tests]))
@@ -413,6 +468,7 @@ def main() -> None:
     timing = Path(f"{args.coverage}.durations")
     durations = json.loads(timing.read_text()) if timing.exists() else {}
     first_lines = {f: statement_first_lines(REPO / f) for f in {m.file for m in mutants}}
+    functions = {f: function_names(REPO / f) for f in {m.file for m in mutants}}
     for m in mutants:
         if m.status in ("killed", "timeout"):
             continue
@@ -420,7 +476,8 @@ def main() -> None:
         if m.key in equivalents:
             m.status, m.reason = "equivalent", equivalents[m.key]
             continue
-        m.tests = tests_for(m, covered.get(m.file, {}), first_lines[m.file], durations, args.max_test_seconds)
+        m.tests = tests_for(m, covered.get(m.file, {}), first_lines[m.file], durations, args.max_test_seconds,
+                            functions[m.file])
         if not m.tests:
             m.status = "no_tests"
     preload()

@@ -1,0 +1,127 @@
+"""The reward contract at its bounds: a score exactly at ±score_bound passes and one past it is malformed and counted;
+what counts as a number and as a malformed flag; None as a skip only for a term; one warning per kind; the failure
+count of a batch; the in-process runner's failures, time bound and argument copies."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from lit_rlvr.rewards.base import Failure, RewardContract, RewardResult, RewardRunner, plain_result
+
+
+@pytest.mark.parametrize("score, ok", [(10.0, True), (-10.0, True), (10.000001, False), (-10.5, False), (0.0, True)])
+def test_the_score_bound_is_inclusive(score, ok):
+    contract = RewardContract(failure_score=-2.0, score_bound=10.0)
+    result, broken = contract.check(score)
+    assert broken is (not ok)
+    assert (result.score, result.malformed) == ((score, False) if ok else (-2.0, True))
+
+
+@pytest.mark.parametrize("bound", [0.0, -1.0])
+def test_a_bound_that_is_not_positive_is_refused(bound):
+    with pytest.raises(ValueError, match="reward.options.score_bound"):
+        RewardContract(score_bound=bound)
+    RewardContract(score_bound=1e-9)
+
+
+@pytest.mark.parametrize("value, score", [(True, 1.0), (3, 3.0), (np.float32(0.5), 0.5), (np.array(2.0), 2.0),
+                                          (torch.tensor(-1.5), -1.5), (torch.tensor(True), 1.0)])
+def test_numbers_are_scores(value, score):
+    result = plain_result(value)
+    assert isinstance(result, RewardResult) and result.score == score and result.malformed is False
+
+
+@pytest.mark.parametrize("value, kind", [(np.array([1.0]), "with a dimension"), (torch.ones(2), "with a dimension"),
+                                         ("1", "returned str"), (None, "returned NoneType"),
+                                         (10 ** 400, "score not a finite float"), (np.array(1 + 2j), "of complex")])
+def test_anything_else_breaks_the_contract(value, kind):
+    result = plain_result(value)
+    assert not isinstance(result, RewardResult) and kind in result.kind
+
+
+@pytest.mark.parametrize("flag, ok", [(True, True), (False, True), (0, True), (1, True), (np.bool_(True), True),
+                                      (2, False), (-1, False), (0.0, False), ("no", False)])
+def test_the_malformed_flag(flag, ok):
+    result = plain_result(RewardResult(1.0, flag))
+    assert isinstance(result, RewardResult) is ok
+    if ok:
+        assert result.malformed is bool(flag)
+
+
+def test_info_is_kept_up_to_a_thousand_characters():
+    assert plain_result(RewardResult(1.0, False, "x" * 1000)).info == "x" * 1000
+    assert plain_result(RewardResult(1.0, False, "y" * 1001)).info == "y" * 1000
+    assert plain_result(RewardResult(1.0, False, 12)).info == "12"
+
+
+def test_none_is_a_skip_only_for_a_term():
+    contract = RewardContract()
+    _, broken = contract.check(None)
+    assert broken
+    contract.none_skips = True
+    result, broken = contract.check(None)
+    assert not broken and result.score == 0.0 and not result.malformed
+    _, broken = contract.check("x")  # other breaches still count
+    assert broken
+
+
+def test_a_batch_counts_failures_and_breaches_and_warns_once_per_kind(caplog):
+    contract = RewardContract(failure_score=-3.0)
+    failure = contract.failed("raised")
+    with caplog.at_level(logging.WARNING):
+        batch = contract.batch([1.0, "a", "b", failure, float("nan"), RewardResult(0.5, True), None], failures=1)
+    assert batch.scores.tolist() == [1.0, -3.0, -3.0, -3.0, -3.0, 0.5, -3.0]
+    assert batch.malformed.tolist() == [False, True, True, True, True, True, True]
+    assert batch.failed.tolist() == [False, True, True, True, True, False, True]
+    assert batch.skipped.tolist() == [False] * 7
+    assert batch.failures == 1 + 4  # the runner's one, and the four breaches ("a", "b", nan, None)
+    warnings = [r.getMessage() for r in caplog.records if "warned once" in r.getMessage()]
+    assert len(warnings) == 3  # str, non-finite, None: one each
+    assert isinstance(failure, Failure) and contract.check(failure) == (failure, False)
+
+
+def test_the_runner_counts_raising_calls_and_copies_arguments():
+    seen = []
+
+    def reward(prompt, completion, answer):
+        answer.append("changed")
+        seen.append(list(answer))
+        if completion == "boom":
+            raise RuntimeError("boom")
+        return 1.0
+
+    answer = ["a"]
+    runner = RewardRunner(reward, failure_score=-5.0, timeout_s=5)
+    try:
+        batch = runner(["p", "p", "p"], ["ok", "boom", "ok"], [answer] * 3)
+    finally:
+        runner.close()
+    assert batch.scores.tolist() == [1.0, -5.0, 1.0] and batch.failures == 1
+    assert batch.failed.tolist() == [False, True, False]
+    assert answer == ["a"] and seen == [["a", "changed"]] * 3  # each call its own copy
+
+
+def test_the_runner_cuts_a_call_past_its_time_bound():
+    def slow(prompt, completion, answer):
+        if completion == "slow":
+            for _ in range(200):
+                time.sleep(0.01)
+        return 1.0
+
+    runner = RewardRunner(slow, timeout_s=0.2)
+    try:
+        batch = runner(["p", "p"], ["slow", "fast"], [None, None])
+    finally:
+        runner.close()
+    assert batch.scores.tolist() == [-1.0, 1.0] and batch.failures == 1 and runner.stop_reason is None
+
+
+@pytest.mark.parametrize("timeout", [0, -1])
+def test_the_runner_refuses_a_time_bound_that_is_not_positive(timeout):
+    with pytest.raises(ValueError, match="reward.options.timeout_s"):
+        RewardRunner(lambda p, c, a: 1.0, timeout_s=timeout)
