@@ -12,6 +12,9 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
+
+from lit_rlvr.config.settings import RolloutConfig
+from lit_rlvr.rollout.source import async_refusals
 import torch
 
 from lit_rlvr.rollout.batch import RolloutPlan
@@ -290,10 +293,14 @@ def test_partial_rollouts_push_in_flight_and_tag_the_engine_at_start():
 
 
 def test_an_engine_that_cannot_swap_in_flight_is_refused():
-    driver = Driver()
-    driver.engine = SimpleNamespace(swaps_in_flight=False)
-    with pytest.raises(ValueError, match="partial_rollout=true: SimpleNamespace takes no push"):
-        RolloutPipeline(driver, max_staleness=1, lead=1, drop=False, seed=0, partial=True)
+    """The refusal lives with the rollout source's (`async_refusals`), asked once the engine is built."""
+    rollout = RolloutConfig(mode="async", max_staleness=1, partial_rollout=True)
+    cannot, can = SimpleNamespace(swaps_in_flight=False), SimpleNamespace(swaps_in_flight=True)
+    assert async_refusals(rollout, engine=cannot) == [
+        "rollout.partial_rollout=true: SimpleNamespace takes no push while it generates; "
+        "set rollout.partial_rollout=false"]
+    assert async_refusals(rollout, engine=can) == []
+    assert async_refusals(RolloutConfig(mode="async", max_staleness=1), engine=cannot) == []
 
 
 def test_held_bytes_walks_nested_values_once():
