@@ -13,6 +13,8 @@ SLURM: `scripts/slurm_train.sh --dry-run` under fake SLURM variables prints what
 from __future__ import annotations
 
 import csv
+import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -97,3 +99,68 @@ def test_two_nodes_write_their_outputs_once(runs):
     for name in ("completions.jsonl", "train.log"):
         lines = [len((run / name).read_text().splitlines()) for run in runs]
         assert lines[0] == lines[1], name
+
+
+# ---- scripts/slurm_train.sh, as a dry run under fake SLURM variables ----------------------------------------
+
+def _slurm(tmp_path: Path, nodelist: str, *train_args: str, scontrol: list[str] | None = None,
+           flag: bool = True, **settings: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(SLURM_JOB_NODELIST=nodelist, SLURM_JOB_ID="4242", SLURM_SUBMIT_DIR=str(REPO), **settings)
+    if scontrol is not None:  # a stand-in scontrol on PATH: `scontrol show hostnames LIST` prints these hosts
+        fake = tmp_path / "bin"
+        fake.mkdir(exist_ok=True)
+        (fake / "scontrol").write_text("#!/bin/sh\n" + "".join(f"echo {host}\n" for host in scontrol))
+        (fake / "scontrol").chmod(0o755)
+        env["PATH"] = f"{fake}{os.pathsep}{env['PATH']}"
+    else:
+        env["DRY_RUN"] = "1"
+    args = ["--dry-run"] if flag else []
+    return subprocess.run(["bash", str(REPO / "scripts" / "slurm_train.sh"), *args, *train_args], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=60)
+
+
+def _commands(done: subprocess.CompletedProcess) -> list[list[str]]:
+    assert done.returncode == 0, done.stderr
+    return [shlex.split(line) for line in done.stdout.splitlines()]
+
+
+def test_slurm_script_serves_on_engine_nodes_and_trains_on_the_others(tmp_path):
+    done = _slurm(tmp_path, "gpu[01-03]", "data=dapo_math", "algorithm=c3po", scontrol=["gpu01", "gpu02", "gpu03"],
+                  MODEL="/shared/Qwen3-4B", TRAIN_NODES="2", GPUS_PER_NODE="8", SERVE_ARGS="--tensor-parallel-size 8")
+    serve, train = _commands(done)
+    assert serve == ["srun", "--nodes=1", "--ntasks=1", "--nodelist=gpu03", "lit-rlvr-serve", "--engine", "vllm",
+                     "--model", "/shared/Qwen3-4B", "--host", "0.0.0.0", "--port", "8101",
+                     "--tensor-parallel-size", "8"]
+    run_dir = REPO / "runs" / "slurm-4242"
+    assert train == ["srun", "--nodes=2", "--ntasks-per-node=8", "--nodelist=gpu01,gpu02", "python", "train.py",
+                     "trainer=fsdp", "trainer.num_nodes=2", "trainer.devices=8", "engine=vllm_server",
+                     "engine.options.urls=[http://gpu03:8101]", f"engine.options.weight_dir={run_dir}/weights",
+                     "model.name_or_path=/shared/Qwen3-4B", f"hydra.run.dir={run_dir}",
+                     "data=dapo_math", "algorithm=c3po"]
+
+
+def test_slurm_script_gives_every_engine_node_a_server_and_the_trainer_every_url(tmp_path):
+    """A plain comma list (no scontrol needed), SGLang, a preset model, DRY_RUN=1 instead of the flag."""
+    done = _slurm(tmp_path, "a,b,c,d", flag=False, MODEL="tiny_cot", ENGINE="sglang", TRAIN_NODES="2",
+                  GPUS_PER_NODE="4", PORT="9000", RUN_DIR=str(tmp_path / "run"))
+    *serves, train = _commands(done)
+    assert [(s[3], s[s.index("--engine") + 1], s[s.index("--port") + 1]) for s in serves] == [
+        ("--nodelist=c", "sglang", "9000"), ("--nodelist=d", "sglang", "9000")]
+    assert train[:4] == ["srun", "--nodes=2", "--ntasks-per-node=4", "--nodelist=a,b"]
+    assert {"trainer.num_nodes=2", "trainer.devices=4", "engine=sglang_server", "model=tiny_cot",
+            "engine.options.urls=[http://c:9000,http://d:9000]", f"hydra.run.dir={tmp_path / 'run'}"} <= set(train)
+    assert not (tmp_path / "run").exists()  # a dry run creates nothing
+
+
+@pytest.mark.parametrize("nodelist, settings, message", [
+    ("a", {"MODEL": "m"}, "has 1 node(s)"),
+    ("a,b", {"MODEL": "m", "TRAIN_NODES": "2"}, "TRAIN_NODES=2: allowed: 1-1"),
+    ("a,b", {}, "MODEL is not set"),
+    ("a,b", {"MODEL": "m", "ENGINE": "hf"}, "ENGINE=hf: allowed: vllm, sglang"),
+    ("a,b", {"MODEL": "m", "GPUS_PER_NODE": "0"}, "GPUS_PER_NODE=0"),
+])
+def test_slurm_script_refuses_a_bad_layout_in_one_line(tmp_path, nodelist, settings, message):
+    done = _slurm(tmp_path, nodelist, **settings)
+    assert done.returncode == 2 and done.stdout == ""
+    assert len(done.stderr.splitlines()) == 1 and message in done.stderr, done.stderr
