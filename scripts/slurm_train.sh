@@ -19,6 +19,7 @@
 # --dry-run (or DRY_RUN=1) prints the commands it would launch, one a line, and launches nothing.
 # The servers listen on all of their node's interfaces (--host 0.0.0.0): the trainer nodes reach them by hostname.
 # A router in front of the servers (e.g. SGLang's Model Gateway) is not needed: lit-rlvr spreads the requests itself.
+# Tested as a dry run only; several trainer ranks with server engines are not run live yet (docs/scaling.md).
 #SBATCH --nodes=3
 #SBATCH --exclusive
 #SBATCH --gpus-per-node=8
