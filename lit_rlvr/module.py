@@ -26,7 +26,7 @@ from lit_rlvr.config.errors import CheckpointError, ConfigError, NonFiniteError,
 from lit_rlvr.config.settings import (AlgorithmConfig, EngineConfig, EnvConfig, ModelConfig, PerfConfig,
                                       RewardConfig, RolloutConfig)
 from lit_rlvr.config.options import compile_problems
-from lit_rlvr.envs import build_environment, env_options
+from lit_rlvr.envs import build_environment, env_options, environment_spec
 from lit_rlvr.hooks import RLVRCallback, check_rl_callbacks
 from lit_rlvr.models.lora import apply_lora, model_problems, trainable_parameters
 from lit_rlvr.models.warmup import load_model
@@ -83,10 +83,11 @@ class GRPOModule(pl.LightningModule):
         cfg, algo = self.settings, self.settings.algorithm
         # perf/*: model FLOPs, MFU and MBU of each step
         self.flops = StepFlops(cfg.perf.peak_flops, cfg.perf.cache_dir, cfg.perf.peak_bandwidth)
-        self.environment = build_environment(cfg.env.name, env_options(cfg.env), reward=cfg.reward.name,
-                                             reward_options=cfg.reward.options)  # None with env=none
+        environment_spec(cfg.env.name, env_options(cfg.env))  # checked before the model loads
         self.policy, self.tokenizer, self.model_path = load_model(model, tokenizer, cfg.model)
         self.context = model_context(self.policy, self.tokenizer)  # the positions every rollout must fit
+        self.environment = build_environment(cfg.env.name, env_options(cfg.env), reward=cfg.reward.name,
+                                             reward_options=cfg.reward.options, context=self.context)  # None: none
         env_tokens = self.environment.max_tokens if self.environment is not None else None
         check_bounds(self.context, max_new_tokens=algo.max_new_tokens, env_max_tokens=env_tokens)  # before any work
         self.response_budget = response_budget(algo.max_new_tokens, env_tokens)  # (tokens, key): the data check's

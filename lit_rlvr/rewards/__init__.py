@@ -11,12 +11,16 @@ from lit_rlvr.rewards.base import (DEFAULT_SCORE_BOUND, DEFAULT_TIMEOUT_S, Failu
                                    RewardResult, RewardRunner, copied, plain_result)
 
 from lit_rlvr.config.errors import RewardOptionError
+from lit_rlvr.config.problems import unknown_key_problems
 from lit_rlvr.rewards.async_runner import DEFAULT_MAX_CONCURRENT, AsyncRewardRunner, is_async
 from lit_rlvr.rewards.checks import is_int, is_number, problem_line
 from lit_rlvr.rewards.terms import SHARED_KEYS, build_terms, term_specs
 from lit_rlvr.rewards.workers import ProcessRewardRunner
 
 log = logging.getLogger(__name__)
+
+# the runner's options (`build_reward_runner`), besides the reward's own
+RUNNER_KEYS = ("isolation", "timeout_s", "score_bound", "workers", "max_concurrent")
 
 # name -> "module:attribute"; a class is instantiated with the reward options, a function used as is
 REWARDS = {
@@ -98,7 +102,7 @@ def reward_problems(name: Any, options: Optional[dict[str, Any]] = None, key: st
         shared = {k: options[k] for k in SHARED_KEYS if k in options}
         for term, reward, _, own in specs:
             where = f"{key}.options.terms.{term}"
-            problems += [p.replace(f"{key}.options.", f"{where}.options.", 1) if p.startswith(f"{key}.options.")
+            problems += [p.replace(f"{key}.options.", f"{where}.options.") if p.startswith(f"{key}.options.")
                          else p.replace(f"{key}=", f"{where}.reward=", 1)
                          for p in reward_problems(reward, {**shared, **own}, key)]
         return problems
@@ -114,9 +118,29 @@ def reward_problems(name: Any, options: Optional[dict[str, Any]] = None, key: st
     except ValueError as err:
         return problems + [str(err)]
     check = getattr(obj, "check_options", None) if isinstance(obj, type) else None
-    named = {line.split("=")[0] for line in problems}  # a class that checks the same key again adds no second line
     own = list(check(options)) if check is not None else []
-    return problems + [line for line in own if line.split("=")[0] not in named]
+    own += [line for line in unknown_option_problems(obj, name, options, key) if _key(line) not in map(_key, own)]
+    named = {_key(line) for line in problems}  # a class that checks the same key again adds no second line
+    return problems + [line for line in own if _key(line) not in named]
+
+
+def _key(line: str) -> str:
+    return line.split(" ", 1)[0].split("=", 1)[0]
+
+
+def unknown_option_problems(obj: Any, name: Any, options: dict[str, Any], key: str = "reward") -> list[str]:
+    """The reward options that the reward `obj` (loaded from `name`) would be given and does not take, one line each
+    naming the key, before any work (`resolve_reward` refuses them again when it builds the reward)."""
+    given = sorted(k for k in options if k not in RUNNER_KEYS)
+    if not given:
+        return []
+    if not isinstance(obj, type):
+        return [f"{key}.options.{k} is not an option: reward={name!r} is a function and takes none" for k in given]
+    params = inspect.signature(obj).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return []
+    return unknown_key_problems(f"{key}.options", given, [*(p for p in params if p not in ("self", "args")),
+                                                          *RUNNER_KEYS])
 
 
 def _takes_cap(name: Any) -> bool:
