@@ -322,7 +322,8 @@ class LoraOptions:
                 raise ConfigError([problem_line(f"{LORA_KEY}.target_modules", list(targets), expected)])
             object.__setattr__(self, "target_modules", tuple(targets))
         # an option without a rank would be ignored: LoRA is off (full fine-tuning) until rank is set
-        inert = [f"{LORA_KEY}.{f.name}" for f in fields(self) if f.name != "rank" and getattr(self, f.name) != f.default]
+        inert = [f"{LORA_KEY}.{f.name}" for f in fields(self)
+                 if f.name != "rank" and getattr(self, f.name) != f.default]
         if self.rank is None and inert:
             raise ConfigError([f"{', '.join(inert)} set without {LORA_KEY}.rank: LoRA is off (all weights train) "
                                f"until {LORA_KEY}.rank=R is set (e.g. 16); set it, or leave {LORA_KEY} unset"])
