@@ -17,12 +17,15 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
+from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.config.problems import convert, problem_line
 from lit_rlvr.hooks import RLVRCallback
 from lit_rlvr.rollout.batch import Rollouts
 from lit_rlvr.run.step_count import rl_step
 from lit_rlvr.run.storage import append_text, writing
 
 COLUMNS = ["step", "prompt", "completion", "answer", "reward", "advantage", "length", "finish_reason", "malformed"]
+KEY = "callbacks.completions"  # its key in conf/config.yaml
 
 
 class CompletionsLog(RLVRCallback):
@@ -30,9 +33,10 @@ class CompletionsLog(RLVRCallback):
     step's rollouts on rank 0; `path` defaults to `<trainer.default_root_dir>/completions.jsonl`."""
 
     def __init__(self, every_n_steps: int = 10, samples: int = 8, path: Optional[str] = None, seed: int = 0):
-        if every_n_steps < 0 or samples < 1:
-            raise ValueError(f"callbacks.completions: every_n_steps must be >= 0 and samples >= 1, got "
-                             f"{every_n_steps}, {samples}")
+        every_n_steps, samples = convert(f"{KEY}.every_n_steps", every_n_steps, int), convert(f"{KEY}.samples",
+                                                                                               samples, int)
+        ConfigError.check([problem_line(f"{KEY}.{name}", value, f"an integer >= {low}") for name, value, low in
+                           (("every_n_steps", every_n_steps, 0), ("samples", samples, 1)) if value < low])
         self.every_n_steps, self.samples, self.path, self.seed = every_n_steps, samples, path, seed
 
     def on_rl_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rollouts: Rollouts) -> None:

@@ -159,6 +159,8 @@ class ValuePrior(RLVRCallback):
                              f"{precompute_batch}")
         if not 0.0 <= bandwidth_refit <= 1.0:
             raise ValueError(f"{KEY}.bandwidth_refit must be in [0, 1], got {bandwidth_refit}")
+        if not max_length >= 1:  # the backbone's tokens per prompt: 0 would embed nothing
+            raise ValueError(f"{KEY}.max_length={max_length} must be >= 1 (prompt tokens the backbone reads)")
         self.precompute, self.precompute_max, self.precompute_batch = precompute, precompute_max, precompute_batch
         self.k_init, self.k_max, self.cost = k_init, k_max, cost  # k_init None: the module's group_size
         self._k_init_given = k_init is not None

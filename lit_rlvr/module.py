@@ -24,7 +24,7 @@ from lit_rlvr.config.settings import (AlgorithmConfig, EngineConfig, EnvConfig, 
                                       RewardConfig, RolloutConfig)
 from lit_rlvr.config.options import compile_problems
 from lit_rlvr.config.problems import secret_problems
-from lit_rlvr.envs import build_environment, env_options
+from lit_rlvr.envs import build_environment, env_options, environment_spec
 from lit_rlvr.hooks import RLVRCallback, check_rl_callbacks
 from lit_rlvr.models.lora import apply_lora, model_problems, trainable_parameters
 from lit_rlvr.rollout.warmup import load_model
@@ -80,10 +80,11 @@ class GRPOModule(pl.LightningModule):
         cfg, algo = self.settings, self.settings.algorithm
         # perf/*: model FLOPs, MFU and MBU of each step
         self.flops = StepFlops(cfg.perf.peak_flops, cfg.perf.cache_dir, cfg.perf.peak_bandwidth)
-        self.environment = build_environment(cfg.env.name, env_options(cfg.env), reward=cfg.reward.name,
-                                             reward_options=cfg.reward.options)  # None with env=none
+        environment_spec(cfg.env.name, env_options(cfg.env))  # checked before the model loads
         self.policy, self.tokenizer, self.model_path = load_model(model, tokenizer, cfg.model)
         self.context = model_context(self.policy, self.tokenizer)  # the positions every rollout must fit
+        self.environment = build_environment(cfg.env.name, env_options(cfg.env), reward=cfg.reward.name,
+                                             reward_options=cfg.reward.options, context=self.context)  # None: none
         env_tokens = self.environment.max_tokens if self.environment is not None else None
         check_bounds(self.context, max_new_tokens=algo.max_new_tokens, env_max_tokens=env_tokens)  # before any work
         self.response_budget = response_budget(algo.max_new_tokens, env_tokens)  # (tokens, key): the data check's
@@ -120,8 +121,8 @@ class GRPOModule(pl.LightningModule):
         """The settings' own rules (`ModuleSettings.problems`), the reward's, LoRA's on this model, the
         optimizer's and the correction's on this class, before the model loads."""
         cfg, algo = self.settings, self.settings.algorithm
-        ConfigError.check(secret_problems(cfg.as_dict()))  # before a request carries them, and before any file
-        ConfigError.check(cfg.problems() + reward_problems(cfg.reward.name, cfg.reward.options)  # reaches a server
+        ConfigError.check(secret_problems(cfg.as_dict())  # first: before a request carries them or a file holds them
+                          or cfg.problems() + reward_problems(cfg.reward.name, cfg.reward.options)  # reaches a server
                           or model_problems(cfg.model.lora, cfg.model.name_or_path, cfg.model.options))
         check_optimizer_options(algo.optimizer, algo.optimizer_options, lr=algo.lr, grad_clip=algo.grad_clip,
                                 weight_decay=algo.weight_decay, dtype=cfg.model.dtype)

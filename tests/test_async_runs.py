@@ -26,7 +26,7 @@ SMALL = ["callbacks.progress=null", "data.batch_size=4",
          "algorithm.group_size=4", "checkpoint_every=1", "callbacks.completions.every_n_steps=1",
          "callbacks.completions.samples=16"]  # every completion of every step: the prompts each update trained on
 EPOCHS = ["data=jsonl", f"data.path={REPO}/tests/fixtures/eight_rows.jsonl", "data.eval_limit=4",
-          "reward=arithmetic"]  # 8 rows, 4 a step: an epoch ends every 2 steps
+          "reward=arithmetic", "algorithm.max_new_tokens=8"]  # 8 rows, 4 a step: an epoch ends every 2 steps
 ASYNC = ["rollout.mode=async"]
 PROCESS = ["engine.options.process=true"]  # the HF engine in a process of its own
 TASK = ["data.num_test=4"]  # the built-in task's held-out set, small
@@ -81,7 +81,7 @@ def runs(tmp_path_factory):
         "c3po_async0": [*NO_EVAL, *C3PO, *TASK, *ASYNC, "rollout.max_staleness=0", "trainer.max_steps=2"],
         "v05_sync": [*NO_EVAL, *V05, *TASK, "engine.options.mode=copy", "trainer.max_steps=2"],
         "v05_async0": [*NO_EVAL, *V05, *TASK, *ASYNC, "rollout.max_staleness=0", "trainer.max_steps=2"],
-        "drop": [*NO_EVAL, *TASK, *ASYNC, "rollout.max_staleness=0", "rollout.stale_strategy=drop",
+        "drop": [*NO_EVAL, *TASK, *ASYNC, "rollout.max_staleness=1", "rollout.stale_strategy=drop",
                  "trainer.max_steps=3"],
     }
     procs = {name: (start(root / name, *spec), root / name, spec) for name, spec in specs.items()}
@@ -149,13 +149,14 @@ def test_staleness_one_across_epochs_then_sigterm_and_resume_train_each_prompt_o
     assert trained_prompts(stopped_dir) == expected
 
 
-def test_drop_evicts_the_stale_batch_and_trains_its_fresh_copy(runs):
+def test_drop_keeps_the_bound_and_trains_each_prompt_once(runs):
+    """S = 1 (drop at S = 0 is refused: every batch would be generated twice): generation runs S + 1 batches ahead,
+    a batch past the bound is generated again (how many are depends on when the pushes land; the pipeline's own
+    tests count them, tests/test_rollout_pipeline.py), and nothing older than S reaches a loss."""
     (drop, drop_dir, _), (sync, sync_dir, _) = runs["drop"], runs["sync"]
     finish(drop, drop_dir), finish(sync, sync_dir)
     got = rows(drop_dir)
-    assert [float(r["async/staleness_max"]) for r in got] == [0.0, 0.0, 0.0]
-    # generation runs one batch ahead: from the second update on, each batch was a version old and generated again
-    assert [float(r["async/dropped_groups"]) for r in got][1:] == [4.0, 4.0]
+    assert len(got) == 3 and all(float(r["async/staleness_max"]) <= 1.0 for r in got)
     assert trained_prompts(drop_dir) == trained_prompts(sync_dir)  # each prompt trained once, in the sync order
 
 

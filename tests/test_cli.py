@@ -89,7 +89,8 @@ BAD_CLI = {  # argument -> what the line must say; raised by a constructor, at f
                                                 "integer >= 2",
     "--model.init_args.algorithm.lr=-1": "model.init_args.algorithm.lr=-1.0 is not valid: expected a number > 0",
     "--model.init_args.algorithm.betas=[2.0, 0.999]": "model.init_args.algorithm.betas=(2.0, 0.999) is not valid",
-    "--data.batch_size=0": "data.batch_size must be >= 1, got 0",
+    "--data.batch_size=0": "data.batch_size=0 is not valid: expected an integer >= 1 (prompts per RL step, all "
+                           "ranks together)",
     "--model.init_args.engine.options={mode: bad}": "model.init_args.engine.options.mode='bad' is not valid",
 }
 

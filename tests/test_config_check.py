@@ -26,7 +26,9 @@ def test_shipped_algorithms_pass(algorithm):
 
 @pytest.mark.parametrize("data", ["arithmetic", "arithmetic_cot", "jsonl", "parquet", "math500"])
 def test_shipped_data_pass(data):
-    check_config(_compose(f"data={data}", *(["data.path=x.jsonl"] if not data.startswith("arithmetic") else [])))
+    """A file preset with a model its completion budget fits (on the tiny model's 256 positions it is refused)."""
+    files = ["data.path=x.jsonl", "model=qwen3_4b"] if not data.startswith("arithmetic") else []
+    check_config(_compose(f"data={data}", *files))
 
 
 @pytest.mark.parametrize("group", ["trainer", "model", "engine", "reward", "logger"])
@@ -134,10 +136,11 @@ def test_vllm_lora_rank_limit_is_checked_before_the_model_loads():
     merged pushes (`engine.options.lora_sync=merged`) carry any rank."""
     line = ("model.lora.rank=600: engine=vllm serves LoRA adapters up to rank 512 (engine.options.lora_sync=adapter); "
             "lower model.lora.rank, or set engine.options.lora_sync=merged")
+    wide = "+model.options.hidden_size=1024"  # a model wider than the rank (the tiny one's 64 would refuse it)
     with pytest.raises(ConfigError) as err:
-        check_config(_compose("engine=vllm", "model.lora.rank=600"))
+        check_config(_compose("engine=vllm", "model.lora.rank=600", wide))
     assert err.value.problems == [line]
-    check_config(_compose("engine=vllm", "model.lora.rank=600", "engine.options.lora_sync=merged"))
-    check_config(_compose("engine=vllm", "model.lora.rank=512"))
-    check_config(_compose("engine=sglang", "model.lora.rank=600"))  # no limit declared
+    check_config(_compose("engine=vllm", "model.lora.rank=600", "engine.options.lora_sync=merged", wide))
+    check_config(_compose("engine=vllm", "model.lora.rank=512", wide))
+    check_config(_compose("engine=sglang", "model.lora.rank=600", wide))  # no limit declared
     # train.py runs this check before any work and prints its lines: test_train_py_prints_one_line_before_any_work

@@ -7,6 +7,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
+from lit_rlvr.callbacks.param_noise import ParamNoise
 from lit_rlvr.app.recipe import build_module, build_trainer, check_run_dir, train
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -109,6 +110,7 @@ def test_c3po_paper_matches_the_released_run():
     assert algorithm.loss_aggregation == "token-mean"
     assert (algorithm.warmup_steps, algorithm.warmup_from_zero) == (34, True)
     assert algorithm.dual_clip == 3.0 and algorithm.kl_coef == 0.0 and algorithm.temperature == 1.0
-    assert (algorithm.group_size, algorithm.callbacks.param_noise.num_samples) == (16, 4)
+    noise = algorithm.callbacks.param_noise
+    assert (algorithm.group_size, ParamNoise(noise.variant, noise.num_samples).num_samples) == (16, 4)
     assert (algorithm.ppo_epochs, algorithm.mini_batches) == (1, 1)
     assert (algorithm.lr, algorithm.optimizer_options.ess, algorithm.optimizer_options.clip_radius) == (1.0, 1e9, 1e-3)

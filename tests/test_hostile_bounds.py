@@ -46,7 +46,7 @@ def _compose(*overrides: str):
      f"env.max_tokens=100000 is not valid: expected an integer < {TINY_CONTEXT} (the model has {TINY_CONTEXT} "
      "positions, and a prompt needs at least one)"),
     (["algorithm.max_new_tokens=100000"], "algorithm.max_new_tokens=100000 is not valid: expected an integer < 256"),
-    (["data=jsonl", "data.path=x.jsonl", "data.max_prompt_tokens=250"],
+    (["data=jsonl", "data.path=x.jsonl", "data.max_prompt_tokens=250", "algorithm.max_new_tokens=8"],
      "data.max_prompt_tokens=250 is not valid: expected an integer <= 248 (the model's 256 positions minus "
      "algorithm.max_new_tokens=8), or null"),
     (["env=calculator", "+data.max_prompt_tokens=100"],

@@ -206,7 +206,8 @@ def test_unknown_keys_are_refused_with_a_close_match(override, start, suggestion
 
 
 @pytest.mark.parametrize("overrides", [["algorithm=dapo"], ["data=arithmetic_cot"], ["env=calculator"],
-                                       ["algorithm=c3po_v05"], ["engine=vllm"], ["data=jsonl", "data.path=x.jsonl"]])
+                                       ["algorithm=c3po_v05"], ["engine=vllm"],
+                                       ["data=jsonl", "data.path=x.jsonl", "algorithm.max_new_tokens=8"]])  # (tiny)
 def test_keys_that_hydra_and_the_shipped_configs_add_pass(overrides):
     check_config(_compose(*overrides))
 

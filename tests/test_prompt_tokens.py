@@ -75,6 +75,7 @@ def test_long_rows_are_skipped_and_counted_with_on_bad_row_skip(tmp_path):
 def test_train_py_refuses_a_10mb_prompt_naming_the_row(tmp_path):
     path = _jsonl(tmp_path / "big.jsonl", ["1 + 1 ="] * 4 + ["9 + " * 2_500_000] + ["2 + 2 ="] * 3)
     proc = subprocess.run([sys.executable, "train.py", "data=jsonl", f"data.path={path}", "reward=arithmetic",
+                           "algorithm.max_new_tokens=8",
                            "data.batch_size=4", "algorithm.group_size=2", "callbacks.progress=null",
                            f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True,
                           timeout=300, env=dict(os.environ))

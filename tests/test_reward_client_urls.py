@@ -1,62 +1,78 @@
-"""The remote reward client's URL rules and its retries, against an in-process HTTP server on 127.0.0.1: only
-http(s) URLs with a host and a valid port pass; the start probe opens the port the URL means (80, 443 or the
-given one); a URL without a path gets /get_reward; 5xx answers and refused connections are retried with doubling
-back-off, a 4xx is not; an answer that is not one number per completion makes that chunk malformed; chunks of
-`batch_size` in order."""
+"""The remote reward client's URL rules and its retries (lit_rlvr/rewards/remote.py over lit_rlvr/run/http.py),
+against an in-process HTTP server on 127.0.0.1: only http(s) URLs with a host and a valid port pass; the start check
+contacts the port the URL means (80, 443 or the given one); a refused start check is one line naming the key and the
+URL; a URL without a path gets /get_reward; 5xx answers and refused connections are retried with doubling back-off,
+a 4xx is not; an answer that is not one number per completion makes that chunk malformed; chunks of `batch_size`.
+(Redirects, size bounds, deadlines and credentials: tests/test_http_clients.py; the runner end to end:
+tests/test_rewards_remote.py.)"""
 
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
+import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import urllib3.util.connection
 
 from lit_rlvr.config.errors import RewardOptionError
-from lit_rlvr.rewards import remote
-from lit_rlvr.rewards.remote import RemoteReward, endpoint, post_json, url_problem
+from lit_rlvr.rewards.remote import PROBE, RemoteReward, endpoint
+from lit_rlvr.run import http
+from lit_rlvr.run.http import url_problem
+
+KEY, EXAMPLE = "reward.options.url", "http://127.0.0.1:5000/get_reward"
+
+
+@pytest.fixture(autouse=True)
+def no_proxy(monkeypatch):
+    """requests honours *_PROXY: the tests' requests go straight to 127.0.0.1 (or the patched connect)."""
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def sleeps(monkeypatch):
+    """The client's back-off sleeps, recorded instead of slept (only http.py's own `time`: servers sleep for real)."""
+    slept: list = []
+    monkeypatch.setattr(http, "time", types.SimpleNamespace(sleep=slept.append, monotonic=time.monotonic))
+    return slept
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that nobody listens on (a connection to it is refused)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# -- the URL rules (no network) -------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("url", ["ftp://127.0.0.1/x", "file:///etc/passwd", "gopher://h:70/", "http://", "https:///x",
-                                 "http://127.0.0.1:99999/", "http://h:port/", "127.0.0.1:5000", "", None, 5])
+                                 "http://127.0.0.1:99999/", "http://h:65536/", "http://h:port/", "127.0.0.1:5000",
+                                 "", None, 5])
 def test_urls_that_are_not_http_with_a_host_are_refused(url):
-    line = url_problem(url, probe=False)
-    assert line is not None and line.startswith(f"reward.options.url={url!r}"), line
-    with pytest.raises(RewardOptionError):
-        RemoteReward(url, probe=False)
+    line = url_problem(url, KEY, EXAMPLE)
+    assert line is not None and line.startswith(f"{KEY}={url!r} is not valid"), line
+    assert "\n" not in line and EXAMPLE in line
+    with pytest.raises(RewardOptionError) as err:
+        RemoteReward(url)
+    assert len(err.value.problems) == 1 and err.value.problems[0].startswith(f"{KEY}={url!r}")
+    assert RemoteReward.check_options({"url": url}) == [line]  # refused before any request
 
 
-@pytest.mark.parametrize("url", ["http://127.0.0.1:1", "https://example.invalid/score", "http://h/", "HTTP://h:8/"])
-def test_http_and_https_urls_pass_without_a_probe(url):
-    assert url_problem(url, probe=False) is None
+def test_an_unset_url_is_refused():
+    assert url_problem("???", KEY, EXAMPLE).startswith(f"{KEY}=??? is not valid")
 
 
-@pytest.mark.parametrize("url, port", [("http://h.example/x", 80), ("https://h.example/x", 443),
-                                       ("http://h.example:8123", 8123), ("https://h.example:80/", 80)])
-def test_the_probe_opens_the_port_the_url_means(monkeypatch, url, port):
-    opened = []
-
-    class Connection:
-        def close(self):
-            opened.append("closed")
-
-    def connect(address, timeout):
-        opened.append((address, timeout))
-        return Connection()
-
-    monkeypatch.setattr(remote.socket, "create_connection", connect)
-    assert url_problem(url, key="judge.url") is None
-    assert opened == [(("h.example", port), 5.0), "closed"]
-
-
-def test_a_refused_probe_is_one_line_naming_the_key_and_url(monkeypatch):
-    def refuse(address, timeout):
-        raise ConnectionRefusedError("refused")
-
-    monkeypatch.setattr(remote.socket, "create_connection", refuse)
-    line = url_problem("http://h.example:1/x", key="k")
-    assert line.startswith("k='http://h.example:1/x': the server cannot be reached (ConnectionRefusedError")
+@pytest.mark.parametrize("url", ["http://127.0.0.1:1", "https://example.invalid/score", "http://h/", "HTTP://h:8/",
+                                 "http://h:65535/x"])
+def test_http_and_https_urls_with_a_host_pass_without_any_request(url):
+    assert url_problem(url, KEY, EXAMPLE) is None
+    RemoteReward(url).close()  # building the client sends nothing: only check_options does
 
 
 @pytest.mark.parametrize("url, expected", [("http://h:1", "http://h:1/get_reward"),
@@ -65,22 +81,31 @@ def test_a_refused_probe_is_one_line_naming_the_key_and_url(monkeypatch):
                                            ("https://h/a/b?x=1", "https://h/a/b?x=1")])
 def test_a_url_without_a_path_gets_get_reward(url, expected):
     assert endpoint(url) == expected
+    reward = RemoteReward(url)
+    assert reward.url == expected
+    reward.close()
+
+
+# -- a server on 127.0.0.1 -------------------------------------------------------------------------------------
 
 
 class Server:
-    """Answers each POST from a script of (status, body) and records the bodies; the last entry repeats."""
+    """Answers each POST from a script of (status, body) and records (path, decoded body); the last entry repeats.
+    A callable body is called with the request's body; bytes are sent as they are, anything else as JSON."""
 
     def __init__(self, script):
         self.script, self.requests = list(script), []
-        owner = self
+        owner, lock = self, threading.Lock()
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                owner.requests.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
-                status, body = owner.script.pop(0) if len(owner.script) > 1 else owner.script[0]
+            def do_POST(self):  # noqa: N802
+                sent = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with lock:
+                    owner.requests.append((self.path, sent))
+                    status, body = owner.script.pop(0) if len(owner.script) > 1 else owner.script[0]
                 if callable(body):
-                    body = body(owner.requests[-1][1])
-                data = json.dumps(body).encode()
+                    body = body(sent)
+                data = body if isinstance(body, bytes) else json.dumps(body).encode()
                 self.send_response(status)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -90,8 +115,9 @@ class Server:
                 pass
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.url = f"http://127.0.0.1:{self.port}"
 
     def close(self):
         self.httpd.shutdown()
@@ -111,69 +137,137 @@ def serve():
         s.close()
 
 
-def test_5xx_is_retried_with_doubling_back_off_and_4xx_is_not(serve, monkeypatch):
-    sleeps = []
-    monkeypatch.setattr(remote.time, "sleep", sleeps.append)
-    server = serve([(503, {}), (500, {}), (200, {"rewards": [1.0]})])
-    assert post_json(server.url + "/get_reward", b"{}", 5.0, 2, 0.25) == {"rewards": [1.0]}
+def ones(body):
+    return {"rewards": [1.0] * len(body["query"])}
+
+
+def score_one(url, **options):
+    reward = RemoteReward(url, **options)
+    try:
+        (result,) = reward.score_batch(["p"], ["c"], [0])
+    finally:
+        reward.close()
+    return result
+
+
+# -- the start check -------------------------------------------------------------------------------------------
+
+
+def test_the_start_check_sends_one_request_of_the_runs_kind_to_the_given_port(serve):
+    server = serve([(200, ones)])
+    assert RemoteReward.check_options({"url": server.url}) == []
+    assert server.requests == [("/get_reward", PROBE)]
+    assert RemoteReward.check_options({"url": server.url + "/score"}) == []
+    assert server.requests[1] == ("/score", PROBE)
+
+
+@pytest.mark.parametrize("url, port", [("http://h.example/x", 80), ("https://h.example/x", 443),
+                                       ("http://h.example:8123", 8123), ("https://h.example:80/", 80),
+                                       ("http://h.example:443/", 443)])
+def test_the_start_check_contacts_the_port_the_url_means(serve, monkeypatch, url, port):
+    """The connect of urllib3 (under requests) is sent to the test's server, recording the address it was asked."""
+    server, asked = serve([(200, ones)]), []
+
+    def connect(address, *args, **kwargs):
+        asked.append(address)
+        return socket.create_connection(("127.0.0.1", server.port), 5.0)
+
+    monkeypatch.setattr(urllib3.util.connection, "create_connection", connect)
+    problems = RemoteReward.check_options({"url": url, "retries": 0})
+    assert asked == [("h.example", port)]
+    if url.startswith("http://"):  # the plain server answered the start check
+        assert problems == [] and len(server.requests) == 1
+    else:  # https:// to the plain server: the TLS handshake fails, after the connect to the port
+        assert len(problems) == 1 and "TLS handshake failed" in problems[0]
+
+
+@pytest.mark.parametrize("path", ["", "/get_reward"])
+def test_a_refused_start_check_is_one_line_naming_the_key_and_the_url(sleeps, path):
+    url = f"http://127.0.0.1:{free_port()}{path}"
+    (line,) = RemoteReward.check_options({"url": url, "retries": 1, "backoff_s": 0.25})
+    assert line.startswith(f"{KEY}={url!r}: the server cannot be reached ("), line  # the URL as given
+    assert "\n" not in line and "start it first" in line
+    assert sleeps == [0.25]  # the start check's request is retried as the run's are
+
+
+def test_check_options_before_any_work(serve):
+    assert RemoteReward.check_options({})[0].startswith("reward=remote needs reward.options.url")
+    server = serve([(200, ones)])
+    # runner keys (isolation, timeout of the runner) are not the client's: left out of its check
+    assert RemoteReward.check_options({"url": server.url, "isolation": "thread", "timeout_s": 5}) == []
+    (line,) = RemoteReward.check_options({"url": server.url, "batch_size": 0})
+    assert line.startswith("reward.options.batch_size=0")
+    assert len(server.requests) == 1  # a bad setting: no request
+
+
+# -- retries ----------------------------------------------------------------------------------------------------
+
+
+def test_5xx_is_retried_with_doubling_back_off(serve, sleeps):
+    server = serve([(503, {}), (500, {}), (200, ones)])
+    reward = RemoteReward(server.url, retries=2, backoff_s=0.25)
+    try:
+        assert reward.score_batch(["p"], ["c"], [0]) == [1.0]
+    finally:
+        reward.close()
     assert len(server.requests) == 3 and sleeps == [0.25, 0.5]
     failing = serve([(500, {})])
-    with pytest.raises(remote.urllib.error.HTTPError):
-        post_json(failing.url, b"{}", 5.0, 1, 0.0)
+    result = score_one(failing.url, retries=1, backoff_s=0.0)
+    assert result.malformed and "HTTP 500" in result.info
     assert len(failing.requests) == 2  # one try and one retry
-    missing = serve([(404, {}), (200, {"rewards": [1.0]})])
-    with pytest.raises(remote.urllib.error.HTTPError):
-        post_json(missing.url, b"{}", 5.0, 3, 0.0)
-    assert len(missing.requests) == 1
-    ok = serve([(499, {}), (200, {})])
-    with pytest.raises(remote.urllib.error.HTTPError):
-        post_json(ok.url, b"{}", 5.0, 3, 0.0)
 
 
-def test_a_refused_connection_is_retried(monkeypatch):
-    import socket
+@pytest.mark.parametrize("status", [404, 499])
+def test_a_4xx_is_not_retried(serve, sleeps, status):
+    server = serve([(status, {}), (200, ones)])
+    result = score_one(server.url, retries=3, backoff_s=0.0)
+    assert result.malformed and f"HTTP {status}" in result.info
+    assert len(server.requests) == 1 and sleeps == []
 
-    sleeps = []
-    monkeypatch.setattr(remote.time, "sleep", sleeps.append)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}/"
-    with pytest.raises(remote.urllib.error.URLError):
-        post_json(url, b"{}", 2.0, 2, 1.0)
+
+def test_a_refused_connection_is_retried_with_doubling_back_off(sleeps):
+    url = f"http://127.0.0.1:{free_port()}/"
+    result = score_one(url, retries=2, backoff_s=1.0)
+    assert result.malformed and result.info.startswith("error: reward server")
     assert sleeps == [1.0, 2.0]
 
 
-def test_chunks_of_batch_size_in_order_with_the_openrlhf_body(serve):
+# -- chunks and answers -----------------------------------------------------------------------------------------
+
+
+def test_chunks_of_batch_size_with_the_openrlhf_body(serve):
     server = serve([(200, lambda body: {"rewards": [float(len(q)) for q in body["query"]]})])
-    reward = RemoteReward(server.url, batch_size=2, max_concurrent=1, probe=False)
+    reward = RemoteReward(server.url, batch_size=2, max_concurrent=3)
     try:
         prompts = ["a", [{"content": "b"}, {"content": "c"}], "d", 7, "e"]
         scores = reward.score_batch(prompts, ["x", "yy", "zzz", "w", ""], [1, 2, 3, 4, 5])
     finally:
         reward.close()
-    assert scores == [2.0, 4.0, 4.0, 2.0, 1.0]  # len(prompt text + completion)
-    assert [len(body["query"]) for _, body in server.requests] == [2, 2, 1]
+    assert scores == [2.0, 4.0, 4.0, 2.0, 1.0]  # len(prompt text + completion), in the batch's order
     assert {path for path, _ in server.requests} == {"/get_reward"}
-    first = server.requests[0][1]
-    assert first == {"query": ["ax", "bcyy"], "prompts": ["a", [{"content": "b"}, {"content": "c"}]],
-                     "labels": [1, 2]}
+    bodies = sorted((body for _, body in server.requests), key=lambda body: body["labels"])  # chunks run at once
+    assert bodies == [{"query": ["ax", "bcyy"], "prompts": ["a", [{"content": "b"}, {"content": "c"}]],
+                       "labels": [1, 2]},
+                      {"query": ["dzzz", "7w"], "prompts": ["d", 7], "labels": [3, 4]},
+                      {"query": ["e"], "prompts": ["e"], "labels": [5]}]
 
 
 @pytest.mark.parametrize("answer", [{"rewards": [1.0]}, {"rewards": [1.0, 2.0, 3.0]}, {"scores": [1.0, 2.0]},
-                                    [1.0, 2.0], {"rewards": "12"}])
+                                    [1.0, 2.0], {"rewards": "12"}, b"not json"])
 def test_an_answer_that_is_not_one_number_per_completion_is_malformed(serve, answer):
-    server = serve([(200, answer)])
-    reward = RemoteReward(server.url, batch_size=8, probe=False, retries=0)
+    server = serve([(200, lambda body: ones(body) if len(body["query"]) == 1 else answer)])
+    reward = RemoteReward(server.url, batch_size=2, retries=0)
     try:
-        results = reward.score_batch(["p", "q"], ["a", "b"], [0, 0])
+        results = reward.score_batch(["p", "q", "r"], ["a", "b", "c"], [0, 0, 0])
     finally:
         reward.close()
-    assert len(results) == 2 and all(r.malformed and r.info.startswith("error: reward server") for r in results)
+    assert len(results) == 3 and results[2] == 1.0  # only the bad chunk's completions
+    assert all(r.malformed and r.score == -1.0 and r.info.startswith("error: reward server") for r in results[:2])
 
 
 def test_another_score_key(serve):
     server = serve([(200, lambda body: {"scores": [0.5, 0.25][:len(body["query"])]})])
-    reward = RemoteReward(server.url, score_key="scores", probe=False)
+    reward = RemoteReward(server.url, score_key="scores")
     try:
         assert reward.score_batch(["p", "q"], ["a", "b"], [0, 0]) == [0.5, 0.25]
         assert reward("p", "a", 0) == 0.5
@@ -181,91 +275,73 @@ def test_another_score_key(serve):
         reward.close()
 
 
+@pytest.mark.parametrize("length, shortened", [(120, False), (121, True)])
+def test_a_bad_answer_is_quoted_up_to_120_characters(serve, length, shortened):
+    answer = {"x": "a" * (length - 9)}  # repr: {'x': '...'} is `length` characters
+    assert len(repr(answer)) == length
+    server = serve([(200, answer)])
+    result = score_one(server.url, retries=0)
+    assert result.score == -1.0 and result.malformed  # the failure score
+    assert (repr(answer) in result.info) is not shortened
+    assert (repr(answer)[:100] + "..." in result.info) is shortened
+
+
+# -- options and defaults ---------------------------------------------------------------------------------------
+
+
 @pytest.mark.parametrize("key, good, bad", [("batch_size", 1, 0), ("max_concurrent", 1, 0), ("timeout_s", 0.01, 0),
-                                            ("retries", 0, -1), ("backoff_s", 0.0, -0.01), ("score_key", "s", "")])
+                                            ("retries", 0, -1), ("backoff_s", 0.0, -0.01), ("score_key", "s", ""),
+                                            ("max_response_bytes", 1, 0)])
 def test_client_options_at_their_bounds(key, good, bad):
-    RemoteReward("http://127.0.0.1:1", probe=False, **{key: good})
+    RemoteReward("http://127.0.0.1:1", **{key: good}).close()
     with pytest.raises(RewardOptionError, match=rf"reward\.options\.{key}="):
-        RemoteReward("http://127.0.0.1:1", probe=False, **{key: bad})
+        RemoteReward("http://127.0.0.1:1", **{key: bad})
 
 
-def test_the_clients_defaults(serve, monkeypatch):
+def test_the_clients_defaults(serve, sleeps):
     """64 completions a request, 3 retries of a 5xx from 0.5 s doubling, 30 s a request, the `rewards` key."""
-    sleeps, timeouts = [], []
-    monkeypatch.setattr(remote.time, "sleep", sleeps.append)
-    urlopen = remote.urllib.request.urlopen
-    monkeypatch.setattr(remote.urllib.request, "urlopen",
-                        lambda request, timeout: timeouts.append(timeout) or urlopen(request, timeout=timeout))
-    server = serve([(200, lambda body: {"rewards": [1.0] * len(body["query"])})])
-    reward = RemoteReward(server.url, probe=False)
+    server = serve([(200, ones)])
+    reward = RemoteReward(server.url)
     try:
         assert reward.score_batch(["p"] * 65, ["c"] * 65, [0] * 65) == [1.0] * 65
     finally:
         reward.close()
-    assert sorted(len(body["query"]) for _, body in server.requests) == [1, 64] and set(timeouts) == {30.0}
+    assert sorted(len(body["query"]) for _, body in server.requests) == [1, 64]
+    assert reward.timeout_s == reward.client.timeout_s == 30.0 and reward.score_key == "rewards"
+    assert reward.client.max_response_bytes == http.DEFAULT_MAX_RESPONSE_BYTES
     failing = serve([(503, {})])
-    reward = RemoteReward(failing.url, probe=False)
-    try:
-        (result,) = reward.score_batch(["p"], ["c"], [0])
-    finally:
-        reward.close()
+    result = score_one(failing.url)
     assert result.malformed and len(failing.requests) == 4 and sleeps == [0.5, 1.0, 2.0]
 
 
-def test_at_most_four_requests_in_flight_by_default():
+def test_at_most_four_requests_in_flight_by_default(serve):
     lock, state = threading.Lock(), {"now": 0, "most": 0}
 
     def slow(body):
         with lock:
             state["now"] += 1
             state["most"] = max(state["most"], state["now"])
-        time.sleep(0.5)
+        time.sleep(0.4)
         with lock:
             state["now"] -= 1
-        return {"rewards": [1.0] * len(body["query"])}
+        return ones(body)
 
-    server = Server([(200, slow)])
-    reward = RemoteReward(server.url, batch_size=1, probe=False)
+    server = serve([(200, slow)])
+    reward = RemoteReward(server.url, batch_size=1)
     try:
         assert reward.score_batch(["p"] * 6, ["c"] * 6, [0] * 6) == [1.0] * 6
     finally:
         reward.close()
-        server.close()
     assert state["most"] == 4
 
 
-def test_the_client_probes_its_server_by_default():
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}/get_reward"
-    with pytest.raises(RewardOptionError, match="the server cannot be reached"):
-        RemoteReward(url)
-
-
-@pytest.mark.parametrize("length, shortened", [(120, False), (121, True)])
-def test_a_bad_answer_is_quoted_up_to_120_characters(serve, length, shortened):
-    answer = {"x": "a" * (length - 9)}  # repr: {'x': '...'} is `length` characters
-    assert len(repr(answer)) == length
-    server = serve([(200, answer)])
-    reward = RemoteReward(server.url, probe=False, retries=0)
-    try:
-        (result,) = reward.score_batch(["p"], ["c"], [0])
-    finally:
-        reward.close()
-    assert result.score == -1.0 and result.malformed  # the failure score
-    assert (repr(answer) in result.info) is not shortened
-    assert (repr(answer)[:100] + "..." in result.info) is shortened
-
-
-def test_close_cancels_the_queued_chunks_without_waiting():
+def test_close_cancels_the_queued_chunks_without_waiting(serve):
     def slow(body):
         time.sleep(0.8)
-        return {"rewards": [1.0] * len(body["query"])}
+        return ones(body)
 
-    server = Server([(200, slow)])
-    reward = RemoteReward(server.url, batch_size=1, max_concurrent=1, probe=False, retries=0)
+    server = serve([(200, slow)])
+    reward = RemoteReward(server.url, batch_size=1, max_concurrent=1, retries=0)
     outcome = []
 
     def score():
@@ -276,27 +352,14 @@ def test_close_cancels_the_queued_chunks_without_waiting():
 
     thread = threading.Thread(target=score)
     thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.requests and time.monotonic() < deadline:
-            time.sleep(0.01)
-        started = time.monotonic()
-        reward.close()
-        assert time.monotonic() - started < 0.5  # no wait for the request in flight
-        thread.join(30)
-        time.sleep(1.0)
-        assert len(server.requests) == 1 and outcome == ["CancelledError"]  # the two queued never sent
-        reward.close()  # closing again (no pool): nothing to do
-        assert RemoteReward(server.url, probe=False).close() is None  # never used: no pool
-    finally:
-        server.close()
-
-
-def test_check_options_before_any_work():
-    assert RemoteReward.check_options({})[0].startswith("reward=remote needs reward.options.url")
-    # runner keys (isolation, timeout of the runner) are not the client's: left out of its check
-    assert RemoteReward.check_options({"url": "http://127.0.0.1:1", "probe": False, "isolation": "thread"}) == []
-    (line,) = RemoteReward.check_options({"url": "http://127.0.0.1:1", "probe": False, "batch_size": 0})
-    assert line.startswith("reward.options.batch_size=0")
-    (line,) = RemoteReward.check_options({"url": "ftp://h/x", "probe": False})
-    assert line.startswith("reward.options.url='ftp://h/x'")
+    deadline = time.monotonic() + 30
+    while not server.requests and time.monotonic() < deadline:
+        time.sleep(0.01)
+    started = time.monotonic()
+    reward.close()
+    assert time.monotonic() - started < 0.5  # no wait for the request in flight
+    thread.join(30)
+    time.sleep(1.0)
+    assert len(server.requests) == 1 and outcome == ["CancelledError"]  # the two queued never sent
+    reward.close()  # closing again (no pool): nothing to do
+    assert RemoteReward(server.url).close() is None  # never used: no pool

@@ -123,6 +123,7 @@ def test_train_py_with_a_hostile_reward_survives_and_its_data_stays_pristine(tmp
                            f"model.name_or_path={tiny_path}", "model.dtype=float32", "model.chat_template=false",
                            "reward.name=tests.hostile_rewards:hostile", "data=jsonl", f"data.path={data}",
                            f"data.eval_path={data}", "data.batch_size=4", "algorithm.group_size=4",
+                           "algorithm.max_new_tokens=8",
                            "callbacks.progress=null", "callbacks.completions.every_n_steps=1"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -21,7 +21,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lit_rlvr.config import extras
-from lit_rlvr.config.bounds import bound_problems, declared_context
+from lit_rlvr.config.bounds import answer_budget_problems, bound_problems, declared_context
 from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.config.settings import AlgorithmConfig
 from lit_rlvr.config.options import (RANGES, compile_problems, consistency_problems, finite_problems,
@@ -33,7 +33,7 @@ from lit_rlvr.envs import environment_spec
 from lit_rlvr.config.settings import FilterGroups, LoraOptions
 from lit_rlvr.models.lora import model_problems
 from lit_rlvr.module import GRPOModule
-from lit_rlvr.rollout.warmup import tiny_option_names
+from lit_rlvr.rollout.warmup import tiny_option_names, warmup_option_problems
 from lit_rlvr.rewards import reward_problems
 
 
@@ -67,8 +67,8 @@ def check_config(cfg: DictConfig) -> None:
     problems = _check_keys(cfg) + problems + _check_option_types(cfg)
     problems = problems or _check_finite(cfg)  # before the ranges: a nan is one line, not one per check
     if not problems:
-        problems = (_check_ranges(cfg) + _check_lora(cfg) + _check_extras(cfg) + _check_rollout_correction(cfg)
-                    + _check_filter_groups(cfg) + _check_consistency(cfg)
+        problems = (_check_ranges(cfg) + _check_typed(cfg) + _check_lora(cfg) + _check_extras(cfg)
+                    + _check_rollout_correction(cfg) + _check_filter_groups(cfg) + _check_consistency(cfg)
                     + _check_compile(cfg) + _check_env(cfg) + _check_context(cfg) + _check_reward(cfg))
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)))  # a value two checks refuse is one line
@@ -284,6 +284,23 @@ def _check_ranges(cfg: DictConfig) -> list[str]:
     return problems
 
 
+def _check_typed(cfg: DictConfig) -> list[str]:
+    """Each typed group built as its settings class, as the recipe builds it: the class's own rules between its fields
+    (e.g. `RolloutConfig`'s), and the tiny model's warm-up settings by the warm-up's rules, before any work."""
+    options = OmegaConf.select(cfg, "model.options")
+    tiny = OmegaConf.select(cfg, "model.name_or_path") == "tiny" and isinstance(options, DictConfig)
+    problems = warmup_option_problems(OmegaConf.to_container(options, resolve=True)) if tiny else []
+    for section in SCHEMAS:
+        if isinstance(cfg.get(section), DictConfig) and section != "model":  # model.lora: `_check_lora`'s lines
+            try:
+                OmegaConf.to_object(cfg[section])
+            except ConfigError as err:
+                problems += err.problems
+            except Exception:  # noqa: BLE001 - an unknown nested key, a bad interpolation: another check's line
+                continue
+    return problems
+
+
 def _check_lora(cfg: DictConfig) -> list[str]:
     """`model.lora.*` through the class that owns it (`LoraOptions`), before the model loads."""
     node = OmegaConf.select(cfg, "model.lora")
@@ -407,16 +424,19 @@ def _check_filter_groups(cfg: DictConfig) -> list[str]:
 
 def _check_context(cfg: DictConfig) -> list[str]:
     """Every bound of a rollout against the model's positions, when the model declares them without loading
-    (lit_rlvr.config.bounds; else the module checks right after it loads)."""
+    (lit_rlvr.config.bounds; else the module checks right after it loads), and the budget against the data's needs
+    (`data.answer_tokens`)."""
     context = declared_context(OmegaConf.select(cfg, "model.name_or_path"))
-    if context is None:
-        return []
     args = env_arguments(cfg)
     try:  # the environment's own limits, its class's defaults filled in (a bad env config is _check_env's line)
-        spec = environment_spec(args.get("env"), args.get("env_options"))
+        spec = environment_spec(args.get("env"), args.get("env_options"), context=context)
     except ValueError:
         spec = None
     env_tokens = spec.limits["max_tokens"] if spec is not None else None
-    return bound_problems(context, max_new_tokens=OmegaConf.select(cfg, "algorithm.max_new_tokens"),
-                          env_max_tokens=env_tokens,
-                          max_prompt_tokens=OmegaConf.select(cfg, "data.max_prompt_tokens", default=None))
+    max_new_tokens = OmegaConf.select(cfg, "algorithm.max_new_tokens")
+    budget = (env_tokens, "env.max_tokens") if env_tokens is not None else (max_new_tokens, "algorithm.max_new_tokens")
+    problems = answer_budget_problems(*budget, OmegaConf.select(cfg, "data.answer_tokens", default=None))
+    if context is None:
+        return problems
+    return problems + bound_problems(context, max_new_tokens=max_new_tokens, env_max_tokens=env_tokens,
+                                     max_prompt_tokens=OmegaConf.select(cfg, "data.max_prompt_tokens", default=None))

@@ -7,6 +7,9 @@ positions, and a prompt limit (`data.max_prompt_tokens`) plus the budget must fi
 does not fail: it decodes on with meaningless positions, and memory and time grow with the budget (100000
 tokens of the 256-position tiny model ran 15 minutes and 4 GB without ending a step).
 
+The data may declare the tokens its completions need (`data.answer_tokens`): a smaller budget is refused
+(`answer_budget_problems`), by train.py before any work and by the datamodule's setup on every entry point.
+
 Checked where the context is first known: by train.py before any work when the model declares it without being
 loaded (the built-in model, a local directory's config.json), else by the module's constructor right after the
 model loads (every entry point), before engines, data or warm-up work. The data's prompt check
@@ -81,6 +84,17 @@ def bound_problems(context: int, *, max_new_tokens: Any, env_max_tokens: Any = N
                                          f"an integer <= {context - budget} (the model's {context} positions minus "
                                          f"{key}={budget}), or null"))
     return problems
+
+
+def answer_budget_problems(budget: Any, budget_key: str, answer_tokens: Any) -> list[str]:
+    """A response budget (`budget_key`: algorithm.max_new_tokens, or env.max_tokens with an environment) below the
+    tokens the data says its completions need (`data.answer_tokens`): they would be cut before their answer and
+    score malformed. One line; values of a wrong type are the range checks' business."""
+    if not (_integer(budget) and _integer(answer_tokens)) or budget >= answer_tokens:
+        return []
+    return [problem_line(budget_key, budget, f"an integer >= {answer_tokens} (data.answer_tokens: this data's "
+                                             "completions need about that many tokens, and shorter ones are cut "
+                                             "before their answer)")]
 
 
 def check_bounds(context: Optional[int], **bounds: Any) -> None:

@@ -14,14 +14,15 @@ from typing import Any, Mapping, Optional
 from lit_rlvr.config.problems import (INFINITE_OK, check_finite, convert, finite_problem, finite_problems, problem_line,
                                       unknown_key_problems)
 from lit_rlvr.config.schemas import SCHEMAS
-from lit_rlvr.config.settings import Rule, at_least, rows
+from lit_rlvr.config.settings import DataConfig, Rule, at_least, rows
 
 __all__ = ["RANGES", "INFINITE_OK", "check_finite", "convert", "finite_problem", "finite_problems",
            "problem_line", "range_problems", "unknown_key_problems"]
 
 # the typed settings' rows (`setting(default, rule)` of lit_rlvr.config.settings), then the keys no dataclass has
 RANGES: dict[str, Rule] = {key: rule for section, cls in SCHEMAS.items() for key, rule in rows(cls, section)}
-RANGES.update({
+RANGES.update(rows(DataConfig, "data"))  # the data group's (RLVRDataModule's arguments; no Hydra schema: its
+RANGES.update({                          # `_target_` may be a datamodule of the user's own)
     # the in-process engine's batch cap and the post-push check (lit_rlvr.rollout.hf, lit_rlvr.rollout.lora)
     "engine.options.max_batch": at_least(1),
     "engine.options.sync_check_every": (lambda v: v >= 0, "an integer >= 0 (pushes between checks; 0 = off)"),
@@ -30,9 +31,6 @@ RANGES.update({
     # SGLang's and vLLM's in-flight pushes (lit_rlvr.rollout.segments)
     "engine.options.segment_tokens": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
                                       "an integer >= 1 (new tokens per request between two chances for a push)"),
-    "data.batch_size": (lambda v: v >= 1, "an integer >= 1 (prompts per RL step)"),
-    "data.eval_batch_size": at_least(1),
-    "data.eval_limit": (lambda v: v is None or v >= 1, "an integer >= 1 or null"),
     "trainer.max_steps": (lambda v: v >= 1 or v == -1, "an integer >= 1 (optimizer steps), or -1"),
     "checkpoint_every": at_least(1),
     "stop_grace_s": (lambda v: not isinstance(v, bool) and v >= 0, "a number of seconds >= 0 (how long a step may "

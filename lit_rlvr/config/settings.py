@@ -18,7 +18,7 @@ import dataclasses
 import math
 import numbers
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Callable, Iterator, Mapping, Optional, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.config.rollout_correction import RolloutCorrection
@@ -37,15 +37,25 @@ def _real(value: Any) -> bool:
 
 
 def at_least(low: int, what: str = "an integer") -> Rule:
-    return (lambda v: v >= low, f"{what} >= {low}")
+    """An integer >= `low` (a bool, a float or a string is not one, whatever its value)."""
+    return (lambda v: _integer(v) and v >= low, f"{what} >= {low}")
+
+
+def optional(rule: Rule) -> Rule:
+    """`rule`, or null."""
+    return (lambda v: v is None or rule[0](v), f"{rule[1]}, or null")
 
 
 def one_of(names: Any) -> Rule:
     return (lambda v: v in names, f"one of {', '.join(names)}")
 
 
-POSITIVE: Rule = (lambda v: v > 0, "a number > 0")
-NON_NEGATIVE: Rule = (lambda v: v >= 0, "a number >= 0")
+POSITIVE: Rule = (lambda v: _real(v) and v > 0, "a number > 0")
+NON_NEGATIVE: Rule = (lambda v: _real(v) and v >= 0, "a number >= 0")
+TEXT: Rule = (lambda v: isinstance(v, str) and bool(v), "a non-empty string")
+BOOL: Rule = (lambda v: isinstance(v, bool), "true or false")
+NUMBER: Rule = (_real, "a number")
+MAPPING: Rule = (lambda v: isinstance(v, Mapping), "a mapping")
 
 
 def setting(default: Any = MISSING, rule: Optional[Rule] = None, *, on_resume: bool = False,
@@ -128,9 +138,10 @@ class OptimConfig:
                                                         "two numbers in [0, 1) (Adam's β1, β2)"))
     weight_decay: float = setting(0.0, NON_NEGATIVE)
     warmup_steps: int = setting(0, at_least(0))
-    warmup_from_zero: bool = False
-    grad_clip: Optional[float] = setting(1.0, (lambda v: v is None or v >= 0, "a number >= 0 (0 = off) or null"))
-    optimizer_options: dict[str, Any] = setting(factory=dict)
+    warmup_from_zero: bool = setting(False, BOOL)
+    grad_clip: Optional[float] = setting(1.0, (lambda v: v is None or _real(v) and v >= 0, "a number >= 0 (0 = off) "
+                                                                                          "or null"))
+    optimizer_options: dict[str, Any] = setting(rule=MAPPING, factory=dict)
 
 
 @dataclass(frozen=True)
@@ -145,22 +156,24 @@ class LossConfig:
 
     policy_loss: str = setting("ppo_clip", one_of(POLICY_LOSSES))
     advantages: str = setting("grpo", one_of(ADVANTAGES))
-    eps_low: float = setting(0.2, (lambda v: 0 <= v < 1, "a number in [0, 1)"))
+    eps_low: float = setting(0.2, (lambda v: _real(v) and 0 <= v < 1, "a number in [0, 1)"))
     eps_high: float = setting(0.2, NON_NEGATIVE)
-    dual_clip: Optional[float] = setting(None, (lambda v: v is None or v > 1, "a number > 1 (the dual-clip bound c; "
-                                                                              "verl: 3.0) or null (off)"))
-    seq_mask_tau: Optional[float] = setting(None, (lambda v: v is None or v > 1, "a number > 1 (the importance mask "
-                                                   "keeps ratios in [1/τ, τ]; 3PO's paper: 2) or null (off)"))
+    dual_clip: Optional[float] = setting(None, (lambda v: v is None or _real(v) and v > 1,
+                                                "a number > 1 (the dual-clip bound c; verl: 3.0) or null (off)"))
+    seq_mask_tau: Optional[float] = setting(None, (lambda v: v is None or _real(v) and v > 1,
+                                                   "a number > 1 (the importance mask keeps ratios in [1/τ, τ]; 3PO's "
+                                                   "paper: 2) or null (off)"))
     loss_aggregation: str = setting("seq-mean-token-mean", one_of(AGGREGATIONS))
-    scale_adv_by_std: bool = True
+    scale_adv_by_std: bool = setting(True, BOOL)
     kl_coef: float = setting(0.0, NON_NEGATIVE)
     kl_estimator: str = setting("k3", one_of(KL_ESTIMATORS))
-    kl_k3_cap: Optional[float] = setting(None, (lambda v: v is None or v > 0, "a number > 0 (verl: 10) or null "
-                                                                              "(no cap)"))
-    entropy_coef: float = 0.0
+    kl_k3_cap: Optional[float] = setting(None, (lambda v: v is None or _real(v) and v > 0,
+                                                "a number > 0 (verl: 10) or null (no cap)"))
+    entropy_coef: float = setting(0.0, NUMBER)
     overlong_cache_len: int = setting(0, at_least(0))
-    overlong_penalty_factor: float = setting(1.0, (lambda v: v >= 0, "a number >= 0 (the largest length penalty; a "
-                                                                     "negative one would reward length)"))
+    overlong_penalty_factor: float = setting(1.0, (lambda v: _real(v) and v >= 0,
+                                                   "a number >= 0 (the largest length penalty; a negative one would "
+                                                   "reward length)"))
 
 
 @dataclass(frozen=True)
@@ -173,7 +186,8 @@ class UpdateConfig:
     ppo_epochs: int = setting(1, at_least(1))
     mini_batches: int = setting(1, at_least(1))
     micro_batch_size: int = setting(64, at_least(1), on_resume=True)  # memory only: the same sums
-    micro_batch_tokens: Optional[int] = setting(None, (lambda v: v is None or v >= 1, "an integer >= 1 or null (off)"))
+    micro_batch_tokens: Optional[int] = setting(None, (lambda v: v is None or _integer(v) and v >= 1,
+                                                       "an integer >= 1 or null (off)"))
     max_bad_steps: int = setting(5, at_least(1), on_resume=True)
 
 
@@ -184,13 +198,15 @@ class SamplingOptions:
     0). `ignore_eos` (benchmarks only): training completions run to `max_new_tokens` (vLLM's and SGLang's
     ignore_eos). `eval_samples` n: held-out mean@n and pass@n at `eval_temperature`."""
 
-    temperature: float = setting(1.0, (lambda v: v > 0, "a number > 0 (0 would make every completion of a prompt "
-                                       "the same greedy one; use algorithm.eval_temperature=0 for greedy evaluation)"))
-    top_p: float = setting(1.0, (lambda v: 0 < v <= 1, "a number in (0, 1]"))
-    top_k: int = setting(0, (lambda v: v >= 0, "an integer >= 0 (0 = off)"))
+    temperature: float = setting(1.0, (lambda v: _real(v) and v > 0,
+                                       "a number > 0 (0 would make every completion of a prompt the same greedy one; "
+                                       "use algorithm.eval_temperature=0 for greedy evaluation)"))
+    top_p: float = setting(1.0, (lambda v: _real(v) and 0 < v <= 1, "a number in (0, 1]"))
+    top_k: int = setting(0, (lambda v: _integer(v) and v >= 0, "an integer >= 0 (0 = off)"))
     max_new_tokens: int = setting(8, at_least(1))
-    ignore_eos: bool = False
-    eval_temperature: float = setting(1.0, (lambda v: v >= 0, "a number >= 0 (0 = greedy)"), on_resume=True)
+    ignore_eos: bool = setting(False, BOOL)
+    eval_temperature: float = setting(1.0, (lambda v: _real(v) and v >= 0, "a number >= 0 (0 = greedy)"),
+                                      on_resume=True)
     eval_samples: int = setting(4, at_least(1), on_resume=True)
 
 
@@ -297,14 +313,20 @@ class LoraOptions:
             raise ValueError(f"{LORA_KEY}.dropout={self.dropout!r} must be in [0, 1)")
         if not self.lr_scale > 0:
             raise ValueError(f"{LORA_KEY}.lr_scale={self.lr_scale!r} must be > 0 (LoRA lr = algorithm.lr x lr_scale)")
-        targets = self.target_modules
-        if isinstance(targets, str) and targets != "all-linear":
-            raise ValueError(f"{LORA_KEY}.target_modules={targets!r}: 'all-linear' or a list of module names, e.g. "
-                             "[q_proj,k_proj,v_proj,o_proj]")
-        if not isinstance(targets, str):
-            object.__setattr__(self, "target_modules", tuple(str(t) for t in targets))
-            if not self.target_modules:
-                raise ValueError(f"{LORA_KEY}.target_modules is empty: 'all-linear' or a list of module names")
+        targets, expected = self.target_modules, "'all-linear' or a list of module names, e.g. [q_proj,k_proj]"
+        listed = isinstance(targets, Sequence) and not isinstance(targets, str)
+        if isinstance(targets, str) and targets != "all-linear" or not isinstance(targets, str) and not listed:
+            raise ConfigError([problem_line(f"{LORA_KEY}.target_modules", targets, expected)])
+        if listed:
+            if not targets or not all(isinstance(t, str) and t for t in targets):
+                raise ConfigError([problem_line(f"{LORA_KEY}.target_modules", list(targets), expected)])
+            object.__setattr__(self, "target_modules", tuple(targets))
+        # an option without a rank would be ignored: LoRA is off (full fine-tuning) until rank is set
+        inert = [f"{LORA_KEY}.{f.name}" for f in fields(self)
+                 if f.name != "rank" and getattr(self, f.name) != f.default]
+        if self.rank is None and inert:
+            raise ConfigError([f"{', '.join(inert)} set without {LORA_KEY}.rank: LoRA is off (all weights train) "
+                               f"until {LORA_KEY}.rank=R is set (e.g. 16); set it, or leave {LORA_KEY} unset"])
 
     @property
     def enabled(self) -> bool:
@@ -326,6 +348,9 @@ class LoraOptions:
         return out
 
 
+MODEL_DTYPES = ("float32", "bfloat16", "float16")  # the trained weights' (lit_rlvr.models.load_policy)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The `model` group: `name_or_path` an HF path or hub name, or "tiny" (the built-in model, warm-started and
@@ -334,11 +359,11 @@ class ModelConfig:
     `torch.compile` (docs/mfu.md); `lora`: LoRA adapters instead of full fine-tuning (`LoraOptions`)."""
 
     name_or_path: str = setting("tiny", (lambda v: isinstance(v, str) and bool(v), "an HF path or hub name, or tiny"))
-    dtype: str = "float32"
-    chat_template: bool = False
+    dtype: str = setting("float32", one_of(MODEL_DTYPES))
+    chat_template: bool = setting(False, BOOL)
     # the same update through compiled kernels (float order only): a resume may change it
     compile: bool = setting(False, (lambda v: isinstance(v, bool), "true or false"), on_resume=True)
-    options: dict[str, Any] = setting(factory=dict)
+    options: dict[str, Any] = setting(rule=MAPPING, factory=dict)
     lora: LoraOptions = setting(factory=LoraOptions)
 
     def __post_init__(self) -> None:
@@ -351,8 +376,12 @@ class RewardConfig:
     """The `reward` group: `name` a built-in reward (`lit_rlvr.rewards.REWARDS`) or "package.module:function";
     `options` the reward's and its runner's settings (docs/rewards.md)."""
 
-    name: str = "arithmetic"
-    options: dict[str, Any] = setting(factory=dict)
+    name: str = setting("arithmetic", (lambda v: isinstance(v, str) and bool(v) or callable(v),
+                                       "a built-in reward's name, 'package.module:function', or a callable"))
+    options: dict[str, Any] = setting(rule=MAPPING, factory=dict)
+
+    def __post_init__(self) -> None:
+        check_fields(self, "reward")
 
 
 @dataclass(frozen=True)
@@ -361,7 +390,7 @@ class EngineConfig:
     (docs/engines.md)."""
 
     name: str = setting("hf", one_of(("hf", "sglang", "vllm", "vllm_server", "sglang_server")))
-    options: dict[str, Any] = setting(factory=dict)
+    options: dict[str, Any] = setting(rule=MAPPING, factory=dict)
 
     def __post_init__(self) -> None:
         check_fields(self, "engine")
@@ -392,6 +421,11 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "rollout")
+        if self.mode == "async" and self.stale_strategy == "drop" and self.max_staleness == 0:
+            raise ConfigError(["rollout.stale_strategy=drop with rollout.max_staleness=0: drop runs one batch ahead, "
+                               "so every batch would arrive one version too stale and be generated twice; use "
+                               "rollout.stale_strategy=wait (S = 0 then trains each batch as the synchronous run "
+                               "does) or rollout.max_staleness >= 1"])
 
     @property
     def lead(self) -> int:
@@ -407,7 +441,8 @@ class EnvConfig:
     null limits take the environment class's defaults (docs/environments.md). `stop`: more strings that end a model
     turn, besides the environment class's own. `options`: the environment's (`reward`: null = the run's reward)."""
 
-    name: str = "none"
+    name: str = setting("none", (lambda v: isinstance(v, (str, type)) and bool(v),
+                                 "none, a built-in environment's name, or 'package.module:Class'"))
     max_turns: Optional[int] = setting(None, (lambda v: v is None or _integer(v) and v >= 1,
                                                "an integer >= 1 (model turns per rollout)"))
     max_tokens: Optional[int] = setting(None, (lambda v: v is None or _integer(v) and v >= 1,
@@ -426,6 +461,56 @@ class EnvConfig:
         check_fields(self, "env")
 
 
+DATA_FORMATS = ("auto", "jsonl", "parquet", "hf")  # file formats of data.path (lit_rlvr.data.formats.load_records)
+BAD_ROWS = ("error", "skip")
+OPTIONAL_TEXT: Rule = optional(TEXT)
+FIELDS: Rule = (lambda v: v is None or isinstance(v, (str, Mapping)), "a field preset's name or a mapping "
+                "{prompt: COLUMN, answer: COLUMN}, or null")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The `data` group: `RLVRDataModule`'s arguments (lit_rlvr.data.datamodule; its constructor's defaults are
+    these, and its docstring says what each means). The defaults are the built-in task's, `python train.py`'s
+    (conf/data/arithmetic.yaml). `answer_tokens`: about how many tokens a completion of this data needs (its
+    working and its answer), when its config declares it: `algorithm.max_new_tokens` below it is refused before
+    any work (`lit_rlvr.config.bounds.answer_budget_problems`), since completions cut short have no answer."""
+
+    task: Optional[str] = setting("arithmetic", optional((lambda v: isinstance(v, str) and bool(v),
+                                                          "a built-in task's name (or data.path for files)")))
+    batch_size: int = setting(64, (lambda v: _integer(v) and v >= 1, "an integer >= 1 (prompts per RL step, all "
+                                                                     "ranks together)"))
+    eval_batch_size: int = setting(128, at_least(1), on_resume=True)
+    seed: int = setting(0, (_integer, "an integer"))
+    split_seed: int = setting(0, at_least(0))
+    levels: tuple[int, ...] = setting((2, 3, 4), (lambda v: isinstance(v, Sequence) and not isinstance(v, str)
+                                                  and bool(v) and all(_integer(x) for x in v),
+                                                  "a non-empty list of the task's levels (integers)"))
+    num_train: int = setting(100_000, at_least(1))
+    num_test: int = setting(256, at_least(1), on_resume=True)
+    path: Optional[str] = setting(None, OPTIONAL_TEXT)
+    eval_path: Optional[str] = setting(None, OPTIONAL_TEXT, on_resume=True)
+    format: str = setting("auto", one_of(DATA_FORMATS))
+    split: str = setting("train", TEXT)
+    eval_split: str = setting("test", TEXT, on_resume=True)
+    fields: Optional[Any] = setting(None, FIELDS)
+    eval_fields: Optional[Any] = setting(None, FIELDS, on_resume=True)
+    max_prompt_chars: Optional[int] = setting(None, optional(at_least(1)))
+    max_prompt_tokens: Optional[int] = setting(None, optional(at_least(1)))
+    on_bad_row: str = setting("error", one_of(BAD_ROWS))
+    eval_limit: Optional[int] = setting(None, optional(at_least(1)), on_resume=True)
+    instruction: Optional[str] = setting(None, optional((lambda v: isinstance(v, str), "a string")))
+    system_prompt: Optional[str] = setting(None, optional((lambda v: isinstance(v, str), "a string")))
+    answer_tokens: Optional[int] = setting(None, (lambda v: v is None or _integer(v) and v >= 1,
+                                                  "an integer >= 1 (tokens a completion needs), or null"))
+
+    def __post_init__(self) -> None:
+        check_fields(self, "data")
+        object.__setattr__(self, "levels", tuple(self.levels))
+        if self.task is None and self.path is None:
+            raise ConfigError(["data: set data.task (a built-in task) or data.path (a prompt file)"])
+
+
 @dataclass(frozen=True)
 class PerfConfig:
     """`perf`: `peak_flops` the device's peak FLOP/s that `perf/mfu_*` divide by, `peak_bandwidth` its memory
@@ -435,7 +520,7 @@ class PerfConfig:
     peak_flops: Optional[float] = setting(None, (lambda v: v is None or _real(v) and v > 0,
                                                  "the device's peak FLOP/s, a number > 0 (e.g. 989.4e12: an H100 in "
                                                  "bf16), or null (a CPU's measured, a GPU's published; docs/mfu.md)"))
-    cache_dir: Optional[str] = None
+    cache_dir: Optional[str] = setting(None, optional(TEXT))
     peak_bandwidth: Optional[float] = setting(None, (lambda v: v is None or _real(v) and v > 0,
                                                      "the device's memory bandwidth in bytes/s, a number > 0 (e.g. "
                                                      "3.35e12: an H100 SXM), or null (a CPU's measured, a GPU's "

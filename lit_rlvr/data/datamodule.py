@@ -6,16 +6,17 @@ rendering and tokenization happen in the module, which owns the tokenizer.
 
 from __future__ import annotations
 
-import logging
 import dataclasses
-from dataclasses import dataclass
+import logging
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from lit_rlvr.config.errors import DataError
+from lit_rlvr.config.bounds import answer_budget_problems
+from lit_rlvr.config.errors import ConfigError, DataError
+from lit_rlvr.config.settings import DataConfig
 from lit_rlvr.data.formats import as_messages, load_records
 from lit_rlvr.data.lengths import long_rows, token_limit
 from lit_rlvr.data.tasks.arithmetic import ArithmeticTask
@@ -114,32 +115,8 @@ def collate(rows: list[dict[str, Any]]) -> dict[str, list]:
     return {"prompt": [r["prompt"] for r in rows], "answer": [r["answer"] for r in rows]}
 
 
-@dataclass(frozen=True)
-class DataConfig:
-    """The `data` group's settings as the datamodule holds them: its constructor's arguments, typed (their
-    defaults and meanings are the constructor's)."""
-
-    task: Optional[str]
-    batch_size: int
-    eval_batch_size: int
-    seed: int
-    split_seed: int
-    levels: tuple[int, ...]
-    num_train: int
-    num_test: int
-    path: Optional[str]
-    eval_path: Optional[str]
-    format: str
-    split: str
-    eval_split: str
-    fields: Optional[Any]
-    eval_fields: Optional[Any]
-    max_prompt_chars: Optional[int]
-    max_prompt_tokens: Optional[int]
-    on_bad_row: str
-    eval_limit: Optional[int]
-    instruction: Optional[str]
-    system_prompt: Optional[str]
+# the data settings' defaults (lit_rlvr.config.settings.DataConfig): the constructor's, the Lightning CLI's and Python's
+DEFAULT = DataConfig()
 
 
 class RLVRDataModule(pl.LightningDataModule):
@@ -154,43 +131,45 @@ class RLVRDataModule(pl.LightningDataModule):
     minus `max_new_tokens`; checked by `check_prompt_tokens`); `on_bad_row` "error" | "skip"; `eval_limit` first N
     evaluation prompts; `instruction` text appended to every prompt's last user turn (e.g.
     `formats.MATH_INSTRUCTION`) and `system_prompt` a system message added to prompts without one (both for
-    training and evaluation).
+    training and evaluation); `answer_tokens` about how many tokens a completion of this data needs (a smaller
+    `algorithm.max_new_tokens` is refused). The defaults and ranges are `DataConfig`'s (one per setting).
     """
 
     def __init__(
         self,
-        task: Optional[str] = "arithmetic",
-        batch_size: int = 8,
-        eval_batch_size: int = 64,
-        seed: int = 0,
-        split_seed: int = 0,
-        levels: tuple[int, ...] = ArithmeticTask.levels,
-        num_train: int = 100_000,
-        num_test: int = 256,
-        path: Optional[str] = None,
-        eval_path: Optional[str] = None,
-        format: str = "auto",
-        split: str = "train",
-        eval_split: str = "test",
-        fields: Optional[Any] = None,
-        eval_fields: Optional[Any] = None,
-        max_prompt_chars: Optional[int] = None,
-        max_prompt_tokens: Optional[int] = None,
-        on_bad_row: str = "error",
-        eval_limit: Optional[int] = None,
-        instruction: Optional[str] = None,
-        system_prompt: Optional[str] = None,
+        task: Optional[str] = DEFAULT.task,
+        batch_size: int = DEFAULT.batch_size,
+        eval_batch_size: int = DEFAULT.eval_batch_size,
+        seed: int = DEFAULT.seed,
+        split_seed: int = DEFAULT.split_seed,
+        levels: tuple[int, ...] = DEFAULT.levels,
+        num_train: int = DEFAULT.num_train,
+        num_test: int = DEFAULT.num_test,
+        path: Optional[str] = DEFAULT.path,
+        eval_path: Optional[str] = DEFAULT.eval_path,
+        format: str = DEFAULT.format,
+        split: str = DEFAULT.split,
+        eval_split: str = DEFAULT.eval_split,
+        fields: Optional[Any] = DEFAULT.fields,
+        eval_fields: Optional[Any] = DEFAULT.eval_fields,
+        max_prompt_chars: Optional[int] = DEFAULT.max_prompt_chars,
+        max_prompt_tokens: Optional[int] = DEFAULT.max_prompt_tokens,
+        on_bad_row: str = DEFAULT.on_bad_row,
+        eval_limit: Optional[int] = DEFAULT.eval_limit,
+        instruction: Optional[str] = DEFAULT.instruction,
+        system_prompt: Optional[str] = DEFAULT.system_prompt,
+        answer_tokens: Optional[int] = DEFAULT.answer_tokens,
     ):
         super().__init__()
         self.save_hyperparameters()  # Lightning's copy, for the loggers
         # the arguments, typed (the Lightning CLI adds keys of its own to hparams)
+        # (each value checked against its rule: one line naming the key, before any work)
         self.config = DataConfig(**{f.name: self.hparams[f.name] for f in dataclasses.fields(DataConfig)})
-        if task is None and path is None:
-            raise ValueError("data: set data.task (built-in task) or data.path (a prompt file)")
         if task is not None and task not in TASKS:
-            raise ValueError(f"data.task={task!r} is not valid; valid: {', '.join(TASKS)} (or data.path for files)")
-        if batch_size < 1:
-            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+            raise ConfigError([f"data.task={task!r} is not valid; valid: {', '.join(TASKS)} (or data.path for "
+                               "files)"])
+        if task is not None and path is None:
+            TASKS[task](levels=self.config.levels, seed=self.config.split_seed)  # its levels: named now, not at setup
         self._sources: tuple[Dataset, ...] = ()  # (train, eval) as loaded, before `_wrap`
         self.train_set: Optional[Dataset] = None
         self.eval_set: Optional[Dataset] = None
@@ -210,6 +189,7 @@ class RLVRDataModule(pl.LightningDataModule):
 
     def setup(self, stage: Optional[str] = None) -> None:
         hp = self.config
+        self._check_budget()
         if self.train_set is not None:
             return
         if hp.path is not None:
@@ -224,6 +204,14 @@ class RLVRDataModule(pl.LightningDataModule):
             self._sources = (ArithmeticDataset(task, hp.num_train, "train"),
                              ArithmeticDataset(task, hp.num_test, "test"))
         self._wrap()
+
+    def _check_budget(self) -> None:
+        """The module's response budget against the tokens this data's completions need (`answer_tokens`), one line
+        before any step: the trainer holds both whatever the entry point (train.py checks it before any work too)."""
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        budget = getattr(module, "response_budget", None)  # (tokens, the key that sets them)
+        if budget is not None:
+            ConfigError.check(answer_budget_problems(*budget, self.config.answer_tokens))
 
     def _wrap(self) -> None:
         """train_set / eval_set: the loaded sources with instruction, system prompt and eval_limit applied."""

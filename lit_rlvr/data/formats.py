@@ -19,6 +19,7 @@ from typing import Any, Iterator, Optional
 
 from lit_rlvr.config.errors import DataError
 from lit_rlvr.config.extras import require
+from lit_rlvr.config.settings import DATA_FORMATS
 from lit_rlvr.rewards.math import last_boxed
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ PRESETS: dict[str, dict[str, str]] = {
     "math": {"prompt": "problem", "answer": "solution|boxed"},  # hendrycks MATH
     "gsm8k": {"prompt": "question", "answer": "answer|after_hashes"},
 }
-FORMATS = ("auto", "jsonl", "parquet", "hf")
+FORMATS = DATA_FORMATS
 _SUFFIX_FORMAT = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 _HF_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 

@@ -92,10 +92,20 @@ def env_options(config: Any) -> dict[str, Any]:
     return {key: getattr(config, key) for key in ENV_KEYS}
 
 
-def environment_spec(name: Any, env_options: Optional[dict[str, Any]] = None) -> Optional[EnvSpec]:
+def default_max_tokens(context: Optional[int]) -> int:
+    """`env.max_tokens` where neither the config nor the environment class sets it: `Environment`'s 256, or half the
+    model's `context` positions when that is less (the prompt needs the rest: 256 response tokens cannot fit the
+    built-in model's 256 positions)."""
+    default = Environment.__dataclass_fields__["max_tokens"].default
+    return default if context is None else max(1, min(default, context // 2))
+
+
+def environment_spec(name: Any, env_options: Optional[dict[str, Any]] = None,
+                     context: Optional[int] = None) -> Optional[EnvSpec]:
     """The checked config of `env=name` (None for `none`): raises `ConfigError`, one line per problem, before any
-    work. A null value takes the default: the class's `defaults`, else `Environment`'s. train.py's config check,
-    the module's constructor (the Lightning CLI, Python) and `build_environment` all come here."""
+    work. A null value takes the default: the class's `defaults`, else `Environment`'s (`max_tokens`: derived from
+    the model's `context` positions when known, `default_max_tokens`). train.py's config check, the module's
+    constructor (the Lightning CLI, Python) and `build_environment` all come here."""
     if name in NO_ENV:
         return None
     if env_options is not None and not isinstance(env_options, Mapping):
@@ -116,7 +126,9 @@ def environment_spec(name: Any, env_options: Optional[dict[str, Any]] = None) ->
                                       if v is not None or k not in (declared or {})}}
     own_stop = tuple(getattr(cls, "stop", ()) or ()) if cls is not None else ()
     stop = tuple(dict.fromkeys((*own_stop, *given.get("stop", ()))))
-    limits = {k: given.get(k, defaults.get(k, Environment.__dataclass_fields__[k].default)) for k in LIMITS}
+    fallback = {**{k: Environment.__dataclass_fields__[k].default for k in LIMITS},
+                "max_tokens": default_max_tokens(context)}
+    limits = {k: given.get(k, defaults.get(k, fallback[k])) for k in LIMITS}
     problems = range_problems({**limits, "stop": stop}, "env")  # the class's own defaults and stop strings too
     extra = sorted(set(options) - set(declared)) if declared else []
     if extra:
@@ -138,12 +150,14 @@ def environment_spec(name: Any, env_options: Optional[dict[str, Any]] = None) ->
 
 
 def build_environment(name: Any, env_options: Optional[dict[str, Any]] = None, *, reward: Any = None,
-                      reward_options: Optional[dict[str, Any]] = None) -> Optional[Environment]:
+                      reward_options: Optional[dict[str, Any]] = None,
+                      context: Optional[int] = None) -> Optional[Environment]:
     """The `Environment` of `env=name` (None for `none`; a class is used as it is). `env_options`: `max_turns`,
     `max_tokens`, `timeout_s`, `stop` (more stop strings) and `options`, which go to the class as SkyRL's
     `env_config`; an `options.reward` of None becomes `reward` (the run's reward with its `reward_options`, resolved
-    once: `lit_rlvr.rewards`). Checked by `environment_spec`."""
-    spec = environment_spec(name, env_options)
+    once: `lit_rlvr.rewards`); `context`: the model's positions, which a default `max_tokens` fits. Checked by
+    `environment_spec`."""
+    spec = environment_spec(name, env_options, context)
     if spec is None:
         return None
     options = dict(spec.options)

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D  # GPT-2's linear layer (weight [in, out]); peft adapts it as Linear
 
 from lit_rlvr.config.extras import require
+from lit_rlvr.config.problems import problem_line
 from lit_rlvr.config.settings import LORA_KEY as KEY  # config path, for error messages
 from lit_rlvr.config.settings import LoraOptions
 from lit_rlvr.models import model_skeleton
@@ -62,13 +63,29 @@ def target_problems(options: LoraOptions, model: Optional[nn.Module]) -> list[st
     return problems
 
 
+def rank_problems(options: LoraOptions, model: Optional[nn.Module]) -> list[str]:
+    """A rank above the model's width (its config's `hidden_size`): B A of rank r on a layer of width d has rank at
+    most d, so a larger r only adds parameters (and memory: rank 1e9 asks for terabytes). `model` may be a skeleton;
+    None or a config without `hidden_size`: nothing to say."""
+    width = getattr(getattr(model, "config", None), "hidden_size", None)
+    if not options.enabled or not isinstance(width, int) or options.rank <= width:
+        return []
+    return [problem_line(f"{KEY}.rank", options.rank, f"an integer <= {width}, the model's width (hidden_size): a "
+                                                      "higher rank adds parameters, not expressiveness")]
+
+
+def lora_problems(options: LoraOptions, model: Optional[nn.Module]) -> list[str]:
+    """`rank_problems` and `target_problems` of `options` on `model`."""
+    return rank_problems(options, model) + target_problems(options, model)
+
+
 def model_problems(options: LoraOptions, name_or_path: str, model_options: Optional[dict[str, Any]] = None
                    ) -> list[str]:
-    """`target_problems` before the model loads (no warm-up, engine or data yet): against the module tree its
-    config builds on the meta device, when the config is at hand."""
-    if not options.enabled or isinstance(options.target_modules, str):
+    """`lora_problems` before the model loads (no warm-up, engine or data yet): against the module tree its config
+    builds on the meta device, when the config is at hand."""
+    if not options.enabled:
         return []
-    return target_problems(options, model_skeleton(name_or_path, model_options))
+    return lora_problems(options, model_skeleton(name_or_path, model_options))
 
 
 def apply_lora(model: nn.Module, options: LoraOptions, seed: int = 0) -> nn.Module:
@@ -80,7 +97,7 @@ def apply_lora(model: nn.Module, options: LoraOptions, seed: int = 0) -> nn.Modu
 
     peft = require("peft")
     LoraConfig, get_peft_model = peft.LoraConfig, peft.get_peft_model
-    problems = target_problems(options, model)
+    problems = lora_problems(options, model)
     if problems:
         raise ValueError(problems[0])
     targets = options.target_modules if isinstance(options.target_modules, str) else list(options.target_modules)

@@ -8,6 +8,7 @@ import logging
 from typing import Any, Optional
 
 from lit_rlvr.config.errors import RewardOptionError
+from lit_rlvr.config.problems import unknown_key_problems
 from lit_rlvr.rewards.async_runner import AsyncRewardRunner, is_async
 from lit_rlvr.rewards.base import RewardBatch, RewardFn, RewardResult, RewardRunner, Runner
 from lit_rlvr.rewards.batch import BatchRewardRunner
@@ -89,9 +90,29 @@ def reward_problems(name: Any, options: Optional[dict[str, Any]] = None, key: st
         problems = [p.replace("reward.options.", f"{key}.options.", 1).replace("reward=", f"{key}=", 1)
                     for p in _unused_runner_keys(name, obj, runner, options, takes)]
     check = getattr(obj, "check_options", None) if isinstance(obj, type) else None
-    named = {line.split("=")[0] for line in problems}  # a class that checks the same key again adds no second line
     own = list(check(options)) if check is not None else []
-    return problems + [line for line in own if line.split("=")[0] not in named]
+    own += [line for line in unknown_option_problems(obj, name, options, key) if _key(line) not in map(_key, own)]
+    named = {_key(line) for line in problems}  # a class that checks the same key again adds no second line
+    return problems + [line for line in own if _key(line) not in named]
+
+
+def _key(line: str) -> str:
+    return line.split(" ", 1)[0].split("=", 1)[0]
+
+
+def unknown_option_problems(obj: Any, name: Any, options: dict[str, Any], key: str = "reward") -> list[str]:
+    """The reward options that the reward `obj` (loaded from `name`) would be given and does not take, one line each
+    naming the key, before any work (`resolve_reward` refuses them again when it builds the reward)."""
+    given = sorted(k for k in options if k not in RUNNER_KEYS)
+    if not given:
+        return []
+    if not isinstance(obj, type):
+        return [f"{key}.options.{k} is not an option: reward={name!r} is a function and takes none" for k in given]
+    params = inspect.signature(obj).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return []
+    return unknown_key_problems(f"{key}.options", given, [*(p for p in params if p not in ("self", "args")),
+                                                          *RUNNER_KEYS])
 
 
 def _takes_cap(name: Any, default: bool = False) -> bool:

@@ -12,7 +12,9 @@ import torch
 from torch import Tensor, nn
 
 from lit_rlvr.config.options import range_problems
-from lit_rlvr.config.settings import AlgorithmConfig
+from lit_rlvr.config.settings import AlgorithmConfig, SamplingOptions
+
+DEFAULT = SamplingOptions()  # the sampling settings' defaults: one per setting (lit_rlvr.config.settings)
 
 
 class EngineError(RuntimeError):
@@ -34,13 +36,14 @@ class SamplingParams:
     """The sampling options of one engine call. Temperature 0 is greedy, and its behaviour log-probs are those of
     softmax(logits) (temperature 1) in every engine; training samples at a temperature > 0 (`SamplingConfig`)."""
 
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    max_new_tokens: int = 24
+    temperature: float = DEFAULT.temperature  # 0 = greedy
+    top_p: float = DEFAULT.top_p
+    top_k: int = DEFAULT.top_k  # 0 = off
+    max_new_tokens: int = DEFAULT.max_new_tokens
     stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's eos
     seed: int = 0
-    ignore_eos: bool = False  # benchmarks: nothing stops a completion before max_new_tokens (eos, stop_token_ids)
+    # benchmarks: nothing stops a completion before max_new_tokens (eos, stop_token_ids)
+    ignore_eos: bool = DEFAULT.ignore_eos
     adapter: Optional[str] = None  # LoRA: the loaded adapter to sample with (None: the one pushed last)
     # token sequences that end a completion once sampled (an environment's stop strings, tokenized): HFEngine stops
     # on them; other engines run on, and the multi-turn loop cuts the turn at the stop string either way
@@ -55,19 +58,20 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """A run's sampling options, for training rollouts and for evaluation: `params(seed)` gives one call's.
+    """A run's sampling options, for training rollouts and for evaluation: `params(seed)` gives one call's. The
+    defaults are `SamplingOptions`' (the `algorithm` group's), which `of(algorithm)` reads.
 
     `temperature` (training) must be > 0: at 0 every completion of a prompt is the same greedy one, so no
     advantage is ever nonzero; evaluation may be greedy (`eval_temperature` 0). `ignore_eos` applies to training
     only (benchmarks that need fixed lengths); evaluation always stops at eos."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 24
+    temperature: float = DEFAULT.temperature
+    top_p: float = DEFAULT.top_p
+    top_k: int = DEFAULT.top_k
+    max_new_tokens: int = DEFAULT.max_new_tokens
     stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    eval_temperature: float = 0.0
+    ignore_eos: bool = DEFAULT.ignore_eos
+    eval_temperature: float = DEFAULT.eval_temperature
 
     def __post_init__(self) -> None:
         problems = range_problems({"temperature": self.temperature, "eval_temperature": self.eval_temperature,

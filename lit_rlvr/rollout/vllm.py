@@ -172,7 +172,7 @@ class VLLMEngine(SegmentedPushes, RolloutEngine):
     def __init__(self, model: nn.Module, tokenizer, *, kv_cache_memory_bytes: Optional[int] = None,
                  gpu_memory_utilization: float = 0.5, bucket_bytes: int = 256 << 20, seed: int = 0,
                  dtype: Optional[str] = None, model_path: Optional[str] = None, max_model_len: Optional[int] = None,
-                 enforce_eager: bool = False, sleep_level: int = 0, llm_args: Optional[dict] = None,
+                 enforce_eager: bool = False, sleep_level: int = 2, llm_args: Optional[dict] = None,
                  lora_sync: str = "adapter", max_loras: int = 8, segment_tokens: int = 32):
         self._init_segments(segment_tokens, tokenizer.eos_token_id)
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":

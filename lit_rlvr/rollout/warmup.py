@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from lit_rlvr.config.errors import ConfigError
-from lit_rlvr.config.settings import ModelConfig
+from lit_rlvr.config.options import range_problems
+from lit_rlvr.config.settings import POSITIVE, ModelConfig, at_least
 
 from lit_rlvr.data.tasks.arithmetic import ArithmeticTask, arithmetic_reward
 from lit_rlvr.data.tasks.arithmetic_cot import ArithmeticCoTTask, arithmetic_cot_reward
@@ -66,6 +67,29 @@ def sft_batch(tokenizer, examples: list[dict]) -> tuple[torch.Tensor, torch.Tens
     return ids, mask, labels
 
 
+# the warm-up's numeric settings (`model.options` of model=tiny) and their ranges, checked with train.py's config and
+# when the warm-up starts (every entry point), one line each; the head width is hidden_size / 4 (`tiny.tiny_config`)
+WARMUP_RANGES = {f"model.options.{key}": rule for key, rule in {
+    "max_steps": at_least(1), "eval_every": at_least(1), "eval_problems": at_least(1), "eval_samples": at_least(1),
+    "batch_size": at_least(1), "lr": POSITIVE, "warmup_steps": at_least(0), "layers": at_least(1),
+    "split_seed": at_least(0), "max_new_tokens": at_least(1),
+    "hidden_size": ((lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 8 and v % 8 == 0),
+                    "a multiple of 8, >= 8 (4 attention heads of an even width)")}.items()}
+
+
+def warmup_option_problems(options: dict[str, Any]) -> list[str]:
+    """One line per `model.options` value of model=tiny that the warm-up cannot run with (its levels by its task)."""
+    problems = range_problems({k: v for k, v in options.items() if k != "cache_dir"}, "model.options", WARMUP_RANGES)
+    task, levels = options.get("task", "arithmetic"), options.get("levels")
+    if not problems and levels is not None and task in WARMUP_TASKS:
+        try:
+            WARMUP_TASKS[task][0](levels=tuple(levels))
+        except (TypeError, ValueError) as err:  # the task's own line, under this key
+            problems.append(f"model.options.levels={list(levels)!r} is not valid"
+                            f"{str(err).split(' is not valid', 1)[-1]}")
+    return problems
+
+
 def warm_start_tiny(
     cache_dir: str | Path,
     *,
@@ -105,6 +129,10 @@ def warm_start_tiny(
     warning naming it); where the lock is unavailable, e.g. across hosts on some network filesystems, the
     first rename wins.
     """
+    ConfigError.check(warmup_option_problems(dict(
+        max_steps=max_steps, eval_every=eval_every, eval_problems=eval_problems, eval_samples=eval_samples,
+        batch_size=batch_size, lr=lr, warmup_steps=warmup_steps, levels=levels, hidden_size=hidden_size, layers=layers,
+        split_seed=split_seed, task=task, max_new_tokens=max_new_tokens)))
     if not 0.0 < target <= 1.0:
         raise ValueError(f"model.options.target={target} must be in (0, 1]: the held-out sampled accuracy to stop at")
     if task not in WARMUP_TASKS:
