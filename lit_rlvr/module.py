@@ -78,8 +78,7 @@ class GRPOModule(pl.LightningModule):
         self.save_hyperparameters(self.settings.as_dict())
         self._check_settings()
         cfg, algo = self.settings, self.settings.algorithm
-        # perf/*: model FLOPs, MFU and MBU of each step
-        self.flops = StepFlops(cfg.perf.peak_flops, cfg.perf.cache_dir, cfg.perf.peak_bandwidth)
+        self.flops = StepFlops(cfg.perf.peak_flops, cfg.perf.cache_dir, cfg.perf.peak_bandwidth)  # perf/*: MFU, MBU
         environment_spec(cfg.env.name, env_options(cfg.env))  # checked before the model loads
         self.policy, self.tokenizer, self.model_path = load_model(model, tokenizer, cfg.model)
         self.context = model_context(self.policy, self.tokenizer)  # the positions every rollout must fit
