@@ -335,9 +335,6 @@ def test_at_most_four_requests_in_flight_by_default(serve):
     assert state["most"] == 4
 
 
-@pytest.mark.xfail(strict=True, reason="remote.py: score_batch waits on each future with concurrent.futures.wait, "
-                   "which never counts a future that close() cancelled (state CANCELLED, not CANCELLED_AND_NOTIFIED) "
-                   "as done: the call hangs for ever instead of raising CancelledError")
 def test_close_cancels_the_queued_chunks_without_waiting(serve):
     def slow(body):
         time.sleep(0.8)

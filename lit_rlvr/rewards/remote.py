@@ -106,7 +106,8 @@ class RemoteReward:
         results: list = []
         try:
             for future in [self._pool.submit(self._score_chunk, *c) for c in chunks]:
-                wait_or_stop(lambda s, f=future: bool(wait([f], s).done), None)  # each request has its deadline
+                # each request has its deadline; a chunk that close() cancelled is never 'done' to wait()
+                wait_or_stop(lambda s, f=future: f.cancelled() or bool(wait([f], s).done), None)
                 results.extend(future.result())
         except StopRequested:  # a stop past its grace: no request left waits for its server
             pool, self._pool = self._pool, None
