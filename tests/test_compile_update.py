@@ -94,6 +94,7 @@ def test_train_py_refuses_compile_with_fsdp_before_any_work():
 
 def test_compile_is_refused_with_a_sharding_strategy():
     module = compiled_module()
-    module._trainer = SimpleNamespace(strategy=SimpleNamespace(parallelize=lambda m: None), callbacks=[])
+    module._trainer = SimpleNamespace(strategy=SimpleNamespace(parallelize=lambda m: None), callbacks=[],
+                                      world_size=1)
     with pytest.raises(ConfigError, match=r"model.compile=True is not valid: expected false with a sharding"):
         module.setup("fit")

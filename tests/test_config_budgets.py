@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from hydra import compose, initialize_config_dir
 
-from lit_rlvr.config.config_check import check_config
+from lit_rlvr.app.config_check import check_config
 from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.data.datamodule import RLVRDataModule
 

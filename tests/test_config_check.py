@@ -35,14 +35,14 @@ def test_shipped_data_pass(data):
 def test_shipped_options_pass(group):
     for option in sorted(p.stem for p in (REPO / "conf" / group).glob("*.yaml")):
         if option in NEEDS_A_VALUE.get(group, ()):  # e.g. the reward server's URL: named, before any work
-            with pytest.raises(ConfigError, match=r"^reward.options.\w+=\?\?\? is not valid"):
+            with pytest.raises(ConfigError, match=rf"^{group}.options.\w+=\?\?\? is not valid"):
                 check_config(_compose(f"{group}={option}"))
             continue
         check_config(_compose(f"{group}={option}"))
 
 
 # shipped options with a required value (???): tests/test_rewards_*.py check them with one
-NEEDS_A_VALUE = {"reward": {"judge", "model", "remote", "terms"}}
+NEEDS_A_VALUE = {"reward": {"judge", "model", "remote", "terms"}, "engine": {"vllm_server", "sglang_server"}}
 
 
 def test_missing_path_is_named():

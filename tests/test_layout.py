@@ -40,6 +40,8 @@ LAYERS = (
     ("app", ""),
 )
 MODULE_LINES = 350  # lit_rlvr/module.py: the step orchestrated, its parts elsewhere (docs/architecture.md §1)
+# modules that only the engines' own servers load, over their packages (vllm): not importable without them
+SERVER_SIDE = {"lit_rlvr.rollout.vllm_server_worker"}
 TOP_LEVEL_FILES = 3  # .py files directly under lit_rlvr/: __init__, module, hooks; the rest in folders
 # lit-rlvr modules imported inside a function: the engines over optional extras (imported when chosen)
 LAZY_EXTRAS = {("lit_rlvr/rollout/__init__.py", "lit_rlvr.rollout.sglang"),
@@ -187,12 +189,14 @@ def test_imports_point_down_the_layers():
 def test_the_rollout_and_the_update_load_no_lightning():
     """Not directly (`test_engines_math_and_update_import_no_module_trainer_or_callback`) and not through a module
     they import: the engines, the driver and the update run without Lightning installed in the process."""
-    code = """
+    code = f"""
+SERVER_SIDE = {sorted(SERVER_SIDE)!r}
 import importlib, pkgutil, sys
 import lit_rlvr.rollout, lit_rlvr.update
 for package in (lit_rlvr.rollout, lit_rlvr.update):
     for found in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
-        importlib.import_module(found.name)
+        if found.name not in SERVER_SIDE:
+            importlib.import_module(found.name)
 print(sorted(n for n in sys.modules if n.split(".")[0] == "lightning"))
 """
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)

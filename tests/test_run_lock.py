@@ -87,7 +87,7 @@ def test_the_lightning_cli_refuses_a_held_directory_in_one_line(tmp_path):
     run_dir = tmp_path / "cli"
     other = holder(run_dir)
     exe = shutil.which("lit-rlvr")
-    command = [exe] if exe else [sys.executable, "-m", "lit_rlvr.cli"]
+    command = [exe] if exe else [sys.executable, "-m", "lit_rlvr.app.cli"]
     try:
         done = subprocess.run([*command, "fit", "--config", str(REPO / "conf" / "cli" / "tiny_grpo.yaml"),
                                "--trainer.max_steps", "1", "--trainer.logger.init_args.save_dir", str(run_dir)],

@@ -203,10 +203,10 @@ def test_url_problems(urls, match):
 
 def test_train_config_takes_server_engines_and_refuses_in_flight_pushes():
     from lit_rlvr.config.arguments import ModuleSettings
-    from lit_rlvr.config.config_check import check_config
+    from lit_rlvr.app.config_check import check_config
     from lit_rlvr.config.settings import (AlgorithmConfig, EngineConfig, EnvConfig, ModelConfig, PerfConfig,
                                           RewardConfig, RolloutConfig)
-    from lit_rlvr.entry import compose_checked
+    from lit_rlvr.app.entry import compose_checked
 
     base = ["engine=vllm_server", "engine.options.urls=[http://127.0.0.1:8101,http://127.0.0.1:8102]"]
     check_config(compose_checked(None, base))

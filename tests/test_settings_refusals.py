@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from lit_rlvr.config.config_check import check_config
+from lit_rlvr.app.config_check import check_config
 from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.config.settings import (AlgorithmConfig, DataConfig, EngineConfig, EnvConfig, LoraOptions, ModelConfig,
                                       PerfConfig, RewardConfig, RolloutConfig)

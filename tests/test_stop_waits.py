@@ -92,7 +92,7 @@ def test_sigterm_with_a_frozen_engine_process_exits_naming_the_intact_checkpoint
     assert rc == 0, log[-3000:]
     assert time.monotonic() - t0 >= GRACE_S
     assert f"more than stop_grace_s={GRACE_S}" in log and f"continue with resume={saved}" in log, log[-3000:]
-    stamp = re.search(r"\[([\d-]+ [\d:]+,\d+)\]\[lit_rlvr.recipe\]\[WARNING\] - stopped: ", log).group(1)
+    stamp = re.search(r"\[([\d-]+ [\d:]+,\d+)\]\[lit_rlvr.app.recipe\]\[WARNING\] - stopped: ", log).group(1)
     abandoned_s = (datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f") - sent).total_seconds()
     assert GRACE_S <= abandoned_s < GRACE_S + ABANDON_S, log[-3000:]
     assert torch.load(saved, map_location="cpu", weights_only=False)["global_step"] >= 0  # intact

@@ -64,6 +64,10 @@ def check_config(cfg: DictConfig) -> None:
         if target:
             types = _algorithm_types(target) if section == "algorithm" else _init_types(target)
             problems += _check_types(f"{section}.", _resolved(node, skip=missing), types)
+    engine_options = OmegaConf.select(cfg, "engine.options")  # e.g. the server engines' urls: ???
+    if isinstance(engine_options, DictConfig):
+        problems += [problem_line(f"engine.options.{k}", "???", f"a value: set engine.options.{k}=...")
+                     for k in engine_options if OmegaConf.is_missing(engine_options, k)]
     problems = _check_keys(cfg) + problems + _check_option_types(cfg)
     problems = problems or _check_finite(cfg)  # before the ranges: a nan is one line, not one per check
     if not problems:
@@ -168,7 +172,7 @@ def _resolved(node: DictConfig, skip: list[str]) -> dict[str, Any]:
     """The node's own keys with interpolations resolved (against the whole config); nested nodes left out."""
     values = {}
     for key in node:
-        if key.startswith("_") or key in skip:
+        if key.startswith("_") or key in skip or OmegaConf.is_missing(node, key):  # ???: named by its owner's check
             continue
         value = node._get_node(key)
         if OmegaConf.is_config(value):

@@ -26,8 +26,8 @@ import torch
 from omegaconf import OmegaConf
 
 from lit_rlvr.config.errors import ConfigError
-from lit_rlvr.entry import compose_checked
-from lit_rlvr.models.warmup import resolve_model_path
+from lit_rlvr.app.entry import compose_checked
+from lit_rlvr.rollout.warmup import resolve_model_path
 from lit_rlvr.run.one_line import one_line_errors
 
 ENGINES = ("vllm", "sglang")

@@ -75,7 +75,7 @@ def reward_problems(name: Any, options: Optional[dict[str, Any]] = None, key: st
             where = f"{key}.options.terms.{term}"
             common = {k: v for k, v in shared.items()  # a valid shared cap goes only where it means something
                       if k != "max_concurrent" or RunnerOptions.problems({k: v}) or _takes_cap(reward, default=True)}
-            problems += [p.replace(f"{key}.options.", f"{where}.options.", 1) if p.startswith(f"{key}.options.")
+            problems += [p.replace(f"{key}.options.", f"{where}.options.") if p.startswith(f"{key}.options.")
                          else p.replace(f"{key}=", f"{where}.reward=", 1)
                          for p in reward_problems(reward, {**common, **own}, key)]
         return problems
