@@ -27,7 +27,8 @@ def test_transcript_defaults_to_no_turns_and_no_tool_calls():
     """A fresh transcript has run no tool, and has no error and no cut."""
     transcript = Transcript()
     assert transcript.tool_calls == 0 and transcript.turns == [] and transcript.error is None and transcript.cut is None
-    assert transcript.to_dict() == {"turns": [], "tool_calls": 0, "error": None, "cut": None, "reward_error": None}
+    assert transcript.to_dict() == {"turns": [], "tool_calls": 0, "error": None, "cut": None, "reward_error": None,
+                                    "close_error": None}
 
 
 def test_advantage_groups_of_no_completions_is_zero_groups():

@@ -201,7 +201,7 @@ def test_an_answer_over_the_bound_is_refused_without_reading_it(serve, caplog, d
 
 
 def test_max_response_bytes_is_checked_before_any_work():
-    problems = reward_problems("remote", {"url": "http://127.0.0.1:1", "max_response_bytes": 0, "probe": False})
+    problems = reward_problems("remote", {"url": "http://127.0.0.1:1", "max_response_bytes": 0})
     assert problems == ["reward.options.max_response_bytes=0 is not valid: expected an integer >= 1 (bytes of one "
                         "answer)"]
 

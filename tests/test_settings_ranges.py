@@ -99,9 +99,11 @@ def test_non_finite_numbers_are_refused(name):
         AlgorithmConfig(**{name: math.nan})
 
 
-def test_a_field_without_a_rule_takes_any_finite_value():
+def test_a_field_with_only_a_type_rule_takes_any_finite_value_of_it():
     assert AlgorithmConfig(entropy_coef=-5.0).entropy_coef == -5.0
-    assert field_problems({"entropy_coef": "x", "lr": 0.1, "nonsense": -1}, AlgorithmConfig, "algorithm") == []
+    assert field_problems({"entropy_coef": -5.0, "lr": 0.1, "nonsense": -1}, AlgorithmConfig, "algorithm") == []
+    (line,) = field_problems({"entropy_coef": "x"}, AlgorithmConfig, "algorithm")  # every scalar is typed
+    assert line == "algorithm.entropy_coef='x' is not valid: expected a number"
     (line,) = field_problems({"lr": "x"}, AlgorithmConfig, "algorithm")  # a TypeError in the rule: refused
     assert "algorithm.lr" in line
 
@@ -176,7 +178,7 @@ def test_range_rows_include_the_nested_settings():
     keys = dict(rows(AlgorithmConfig, "algorithm"))
     assert {"algorithm.lr", "algorithm.filter_groups.max_num_gen_batches", "algorithm.filter_groups.metric"} <= set(
         keys)
-    assert "algorithm.entropy_coef" not in keys and "algorithm.filter_groups" not in keys
+    assert keys["algorithm.entropy_coef"][1] == "a number" and "algorithm.filter_groups" not in keys
     check, expected = keys["algorithm.micro_batch_size"]
     assert check(1) and not check(0) and expected == "an integer >= 1"
 
@@ -194,7 +196,8 @@ def test_rollout_lead():
     assert RolloutConfig(max_staleness=3).lead == 0  # sync: nothing ahead
     assert RolloutConfig(mode="async", max_staleness=3).lead == 3
     assert RolloutConfig(mode="async", max_staleness=3, stale_strategy="drop").lead == 4
-    assert RolloutConfig(mode="async", max_staleness=0, stale_strategy="drop").lead == 1
+    assert RolloutConfig(mode="async", max_staleness=1, stale_strategy="drop").lead == 2
+    assert RolloutConfig(mode="async", max_staleness=0).lead == 0  # drop at S = 0 is refused (test_settings_refusals)
 
 
 @pytest.mark.parametrize("options, message", [

@@ -34,6 +34,7 @@ from lit_rlvr.config.settings import FilterGroups, LoraOptions
 from lit_rlvr.models.lora import model_problems
 from lit_rlvr.module import GRPOModule
 from lit_rlvr.rollout.warmup import tiny_option_names, warmup_option_problems
+from lit_rlvr.run.cache_entry import cache_root
 from lit_rlvr.rewards import reward_problems
 
 
@@ -291,6 +292,12 @@ def _check_ranges(cfg: DictConfig) -> list[str]:
 def _check_typed(cfg: DictConfig) -> list[str]:
     """Each typed group built as its settings class, as the recipe builds it: the class's own rules between its fields
     (e.g. `RolloutConfig`'s), and the tiny model's warm-up settings by the warm-up's rules, before any work."""
+    for key in ("perf.cache_dir", "model.options.cache_dir"):  # $LIT_RLVR_CACHE's own line names the variable
+        value = OmegaConf.select(cfg, key, throw_on_missing=False)
+        try:
+            cache_root(value) if isinstance(value, str) else None
+        except ValueError as err:
+            return [str(err)]
     options = OmegaConf.select(cfg, "model.options")
     tiny = OmegaConf.select(cfg, "model.name_or_path") == "tiny" and isinstance(options, DictConfig)
     problems = warmup_option_problems(OmegaConf.to_container(options, resolve=True)) if tiny else []
