@@ -23,7 +23,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-from lit_rlvr.rollout.vllm_worker import WeightReceiver
+from lit_rlvr.rollout.vllm_worker import WeightReceiver, retie
 
 BACKEND = "lit_rlvr_file"
 
@@ -58,21 +58,6 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
 
     def shutdown(self) -> None:
         pass
-
-
-def retie(model, model_config) -> None:
-    """A tied LM head must follow the reloaded embedding: vLLM's layerwise reload loads nothing into the head (the
-    checkpoint has no `lm_head.weight`) and puts its old kernel tensors back, and on a CPU its kernel is a packed
-    copy of the weight made when it loaded. Point it at the embedding and let its method pack it again (as
-    `WeightReceiver._lit_rlvr_retie` does for the colocated engine)."""
-    if not getattr(model_config.hf_text_config, "tie_word_embeddings", False):
-        return
-    head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
-    if head is None or embed is None:
-        raise RuntimeError(f"tied embeddings in {type(model).__name__}, but no lm_head / model.embed_tokens to "
-                           "re-tie after a weight update")
-    head.weight = embed.weight
-    head.quant_method.process_weights_after_loading(head)
 
 
 WeightTransferEngineFactory.register_engine(BACKEND, FileWeightTransferEngine)

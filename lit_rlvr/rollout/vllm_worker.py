@@ -28,22 +28,8 @@ class WeightReceiver:
         weights = load(blob)
         self.reload_weights(weights_iterator=list(weights.items()), is_checkpoint_format=True)
         if any(name.endswith("embed_tokens.weight") for name in weights):
-            self._lit_rlvr_retie()
+            retie(self.model_runner.get_model(), self.model_runner.model_config)
         return len(weights)
-
-    def _lit_rlvr_retie(self) -> None:
-        """A tied LM head keeps the weight it had before the reload (vLLM's reload replaces the embedding's
-        parameter, not the head's alias of it): point it at the new embedding and let the head's method redo its
-        kernel copy (the CPU backend packs it)."""
-        model = self.model_runner.get_model()
-        if not getattr(self.model_runner.model_config.hf_text_config, "tie_word_embeddings", False):
-            return
-        head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
-        if head is None or embed is None:
-            raise RuntimeError(f"tied embeddings in {type(model).__name__}, but no lm_head / model.embed_tokens to "
-                               "re-tie after a weight push")
-        head.weight = embed.weight
-        head.quant_method.process_weights_after_loading(head)
 
     def lit_rlvr_die_with(self, owner_pid: int) -> bool:
         """End this worker and its engine core (its parent) when the trainer process `owner_pid` dies, even by
@@ -62,3 +48,18 @@ class WeightReceiver:
 
         threading.Thread(target=watch, name="lit_rlvr_owner_watch", daemon=True).start()
         return True
+
+
+def retie(model, model_config) -> None:
+    """A tied LM head keeps the weight it had before a reload (vLLM's reload replaces the embedding's parameter, not
+    the head's alias of it; the layerwise reload of a server loads nothing into the head): point it at the new
+    embedding and let the head's method redo its kernel copy (the CPU backend packs it). Colocated engines
+    (`WeightReceiver`) and servers (`vllm_server_worker`) alike."""
+    if not getattr(model_config.hf_text_config, "tie_word_embeddings", False):
+        return
+    head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None:
+        raise RuntimeError(f"tied embeddings in {type(model).__name__}, but no lm_head / model.embed_tokens to "
+                           "re-tie after a weight update")
+    head.weight = embed.weight
+    head.quant_method.process_weights_after_loading(head)
