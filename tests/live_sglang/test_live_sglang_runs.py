@@ -71,7 +71,12 @@ def test_c3po_on_lora_samples_adapters_over_one_base(runs):
 def test_c3po_pushes_once_per_weight_sample(runs):
     from omegaconf import OmegaConf
 
-    samples = OmegaConf.load(REPO / "conf" / "algorithm" / "callbacks" / "param_noise.yaml").num_samples
+    from lit_rlvr import ParamNoise
+
+    # the YAML leaves num_samples null; the callback resolves it per variant (the one place that default lives)
+    options = OmegaConf.load(REPO / "conf" / "algorithm" / "callbacks" / "param_noise.yaml")
+    samples = ParamNoise(variant="c3po", num_samples=options.num_samples).num_samples
+    assert samples > 1
     pushes = _pushes(runs["c3po"])
     for step in range(3):
         sampled = [p for p in pushes if p["step"] == step and not p["holds_mean"]]
