@@ -37,6 +37,7 @@ class FakeVLLM(ThreadingHTTPServer):
         self.generated: list[list[int]] = []  # the prompts it sampled
         self.loaded: dict[str, torch.Tensor] = {}
         self.fail_route: str = ""
+        self.fail_after = 0  # calls of fail_route that succeed before it fails
         self.thread = threading.Thread(target=self.serve_forever, daemon=True)
         self.thread.start()
 
@@ -73,7 +74,7 @@ class Handler(BaseHTTPRequestHandler):
         route = urlsplit(self.path).path
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"null")
         self.server.calls.append(route)
-        if route == self.server.fail_route:
+        if route == self.server.fail_route and self.server.calls.count(route) > self.server.fail_after:
             return self._answer(500, {"error": "broken"})
         if route == "/inference/v1/generate":
             self.server.generated.append(body["token_ids"])
@@ -227,3 +228,51 @@ def test_a_lora_policy_is_refused_in_one_line(servers):
     with pytest.raises(ConfigError, match="model.lora with a vLLM server engine: not supported yet"):
         VLLMServerEngine(apply_lora(model, LoraOptions(rank=4)), tokenizer, urls=[servers[0].url])
     assert servers[0].calls == []
+
+
+def _push_from_rank(rank: int, init_file: str, urls: list[str], outcomes) -> None:
+    """One of two gloo ranks: builds the engine over `urls` and pushes twice; puts (rank, [each push's error text or
+    None])."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    found = []
+    try:
+        model, tokenizer = build_tiny(0, hidden_size=32, heads=2)
+        model.config._name_or_path = MODEL_PATH
+        engine = VLLMServerEngine(model, tokenizer, urls=urls, connect_timeout_s=2.0)
+        for _ in range(2):
+            try:
+                push_weights(engine, model)
+                found.append(None)
+            except Exception as err:
+                found.append(f"{type(err).__name__}: {err}")
+        engine.shutdown()
+    finally:
+        outcomes.put((rank, found))
+        dist.destroy_process_group()
+
+
+def test_under_two_ranks_rank_0_alone_pushes_and_a_failure_stops_both(servers, tmp_path):
+    """Two trainer ranks (gloo, spawned processes) over the same servers: each server takes one push per push
+    (rank 0's), not one per rank; a push that fails on rank 0 raises on both ranks (rank 1 names rank 0's error)
+    instead of leaving rank 1 sampling old weights."""
+    import torch.multiprocessing as mp
+
+    servers[0].fail_route, servers[0].fail_after = "/update_weights", 1  # the second push fails on one server
+    context = mp.get_context("spawn")
+    outcomes = context.Queue()
+    urls = [s.url for s in servers]
+    procs = [context.Process(target=_push_from_rank, args=(r, str(tmp_path / "rendezvous"), urls, outcomes))
+             for r in (0, 1)]
+    for proc in procs:
+        proc.start()
+    found = dict(outcomes.get(timeout=600) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=60)
+    assert found[0][0] is None and found[1][0] is None
+    assert "HTTP 500" in found[0][1]
+    assert found[1][1].startswith("EngineError: rank 0's weight push failed") and "HTTP 500" in found[1][1]
+    assert servers[0].calls.count("/update_weights") == 2 and servers[1].calls.count("/update_weights") == 2
+    assert servers[0].calls[-1] == "/resume" and set(servers[0].loaded)
+    assert servers[0].calls.count("/init_weight_transfer_engine") == 2  # each rank's engine checks the servers

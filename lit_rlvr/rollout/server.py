@@ -7,7 +7,10 @@ gone for the rest of the run and goes to another one (`engine/requests_retried`)
 with an `EngineError` naming every URL and why it was given up. `ServerEngine` is the `RolloutEngine` over a pool:
 the trainer's weight buckets are kept (CPU copies) until the last one, then each server takes them through its
 engine's own update routes, paused around the update; the copies and files are dropped only after every server
-acknowledged. Every HTTP call has a timeout and never follows a redirect (`post`, `get`).
+acknowledged. Under several trainer ranks only rank 0 pushes (every rank gathers the weights, as the push is a
+collective there): the others keep no copy, and wait for rank 0's outcome (a broadcast: the barrier that keeps a
+rank from sampling before the servers hold the new weights, and that stops every rank when the push failed). Every
+HTTP call has a timeout and never follows a redirect (`post`, `get`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch import Tensor, nn
 from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.models.lora import is_lora
 from lit_rlvr.rollout.engine import Completion, EngineError, RolloutEngine, SamplingParams, save_policy_config
+from lit_rlvr.run.distributed import broadcast_object, rank
 
 T = TypeVar("T")
 # a server that does not answer, or breaks off its answer (a 4xx/5xx answer is not gone)
@@ -280,13 +284,30 @@ class ServerEngine(RolloutEngine):
 
     # -- weights -------------------------------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """One bucket: kept (a CPU copy) until `end_weight_update` sends the whole push."""
+        """One bucket: kept (a CPU copy) until `end_weight_update` sends the whole push; on rank 0 only (the
+        pusher: every server takes one push, whatever the number of trainer ranks)."""
+        if rank() != 0:
+            return
         self._staged += [(name, t.detach().to("cpu", self.weight_dtype).contiguous().clone())
                          for name, t in named_tensors]
 
     def end_weight_update(self) -> None:
         """Every server takes the staged weights (`_update`, paused around it); the staged copies and files are
-        dropped only once every server that answers has acknowledged."""
+        dropped only once every server that answers has acknowledged. Under several ranks, rank 0 pushes and every
+        rank returns (or raises) only once it has: its outcome is broadcast."""
+        failure, err = None, None
+        if rank() == 0:
+            try:
+                self._push_staged()
+            except Exception as raised:  # every other rank raises it too, below
+                failure, err = f"{type(raised).__name__}: {raised}", raised
+        failure = broadcast_object(failure)
+        if err is not None:
+            raise err
+        if failure is not None:
+            raise EngineError(f"rank 0's weight push failed, so this rank stops too: {failure}")
+
+    def _push_staged(self) -> None:
         if not self._staged:
             return
         self._pushes += 1

@@ -37,6 +37,15 @@ def all_gather_object(obj: object) -> list:
     return out
 
 
+def broadcast_object(obj: object, src: int = 0) -> object:
+    """Rank `src`'s picklable `obj` on every rank (a collective; `obj` itself in a single process)."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
 def full_named_weights(model: nn.Module, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, Tensor]]:
     """(HF name, full tensor) per parameter; a DTensor shard is gathered with `full_tensor()`."""
     for name, param in model.named_parameters():
