@@ -6,7 +6,10 @@
 # it for a GPU the table lacks), decode's memory-bandwidth utilisation (perf/mbu_gen) and, for the async run, the
 # share of the step the trainer waited for data (async/trainer_wait_frac) per run. Then C3PO with asynchronous
 # rollouts (its samples drawn from a snapshot of the posterior) and, on the HF engine, partial rollouts, also with
-# the engine in a process of its own (engine.options.process=true).
+# the engine in a process of its own (engine.options.process=true). Last, rollout servers (docs/scaling.md): a
+# server started with `lit-rlvr-serve` on the same GPU (SGLang's when it imports, else vLLM's; 0.3 of the GPU's
+# memory), and GRPO plus asynchronous GRPO over it (engine=sglang_server / vllm_server), pushing weights through
+# the server's update routes after every step (engine/servers_alive, engine/sync_logp_diff per step).
 #
 #   scripts/gpu_smoke.sh                 # the built-in tiny model, saved to disk by its warm-up
 #   scripts/gpu_smoke.sh /path/to/model  # any local HF causal LM (e.g. Qwen3-4B), with the arithmetic task
@@ -71,6 +74,41 @@ if [ "${ENGINE[0]}" = engine=hf ]; then  # pushes that land mid-batch: the HF en
     rollout.max_staleness=1 engine.options.process=true rollout.partial_rollout=true engine.options.sync_check_every=0
 fi
 
+# rollout servers: lit-rlvr-serve in a process group of its own (so that stopping it stops its engine's children)
+if $PY -c "import sglang" 2>/dev/null; then SERVE=sglang; SERVE_MEM=(--mem-fraction-static 0.3)
+elif $PY -c "import vllm" 2>/dev/null; then SERVE=vllm; SERVE_MEM=(--gpu-memory-utilization 0.3)
+else SERVE=""; echo "server-engine runs skipped: neither sglang nor vllm imports here"
+fi
+if [ -n "$SERVE" ]; then
+  PORT=${SMOKE_SERVE_PORT:-8101}
+  setsid $PY -m lit_rlvr.app.serve --engine "$SERVE" --model "$MODEL" --port "$PORT" "${SERVE_MEM[@]}" \
+    > "$OUT/server.log" 2>&1 &
+  SERVER_PGID=$!
+  trap 'kill -- -$SERVER_PGID 2>/dev/null || true' EXIT
+  $PY - "http://127.0.0.1:$PORT/health" "$SERVER_PGID" <<'EOF' || { tail -40 "$OUT/server.log"; exit 1; }
+import os, sys, time
+import requests
+url, pid = sys.argv[1], int(sys.argv[2])
+for _ in range(600):  # a model's load and the engine's warm-up
+    try:
+        if requests.get(url, timeout=5).status_code == 200:
+            sys.exit(print("server ready:", url))
+    except requests.RequestException:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        sys.exit(f"the server exited before {url} answered")
+    time.sleep(2)
+sys.exit(f"no answer from {url} in 20 min")
+EOF
+  SERVER=("engine=${SERVE}_server" "engine.options.urls=[http://127.0.0.1:$PORT]")
+  run server_grpo $PY train.py trainer=gpu algorithm=grpo "${SERVER[@]}" "${COMMON[@]}"
+  run server_async $PY train.py trainer=gpu algorithm=grpo "${SERVER[@]}" "${COMMON[@]}" rollout.mode=async \
+    rollout.max_staleness=1  # pushes land between generation calls, the server paused around each
+  kill -- -$SERVER_PGID 2>/dev/null || true
+fi
+
 $PY - "$OUT" <<'EOF'
 import csv, json, statistics, sys
 from pathlib import Path
@@ -78,8 +116,9 @@ from pathlib import Path
 out = Path(sys.argv[1])
 print(f"{'run':<11} {'steps':>5} {'tokens/s':>9} {'sync_s':>8} {'gen_s':>7} {'train_s':>7} {'step_s':>7} "
       f"{'mfu_gen':>8} {'mfu_upd':>8} {'mbu_gen':>8} {'wait':>9} {'reward':>7} {'acc before→after':>18}")
-for name in ("grpo", "c3po", "fsdp_grpo", "fsdp_c3po", "async_grpo", "async_c3po", "async_partial", "async_process"):
-    if not (out / name / "summary.json").exists():  # (async_partial, async_process: the HF engine only)
+for name in ("grpo", "c3po", "fsdp_grpo", "fsdp_c3po", "async_grpo", "async_c3po", "async_partial", "async_process",
+             "server_grpo", "server_async"):
+    if not (out / name / "summary.json").exists():  # (async_partial, async_process: HF only; server_*: an engine)
         continue
     rows = [r for r in csv.DictReader((out / name / "metrics.csv").open()) if r.get("reward/mean")]
     med = lambda k: statistics.median(float(r[k]) for r in rows[1:] or rows)  # step 1 includes warm-up work
@@ -92,6 +131,11 @@ partial = out / "async_partial" / "metrics.csv"
 if partial.exists():
     fracs = [float(r["async/partial_frac"]) for r in csv.DictReader(partial.open()) if r.get("async/partial_frac")]
     print("async_partial: async/partial_frac per step (completions spanning two versions):", fracs)
+for name in ("server_grpo", "server_async"):
+    if (out / name / "metrics.csv").exists():
+        rows = [r for r in csv.DictReader((out / name / "metrics.csv").open()) if r.get("reward/mean")]
+        print(f"{name}: engine/servers_alive {[r.get('engine/servers_alive') for r in rows]}, "
+              f"engine/sync_logp_diff {[r.get('engine/sync_logp_diff') for r in rows]}")
 print("medians over steps 2..N; sync_s = weight pushes into the engine per step (C3PO: one per weight sample);")
 print("mfu_* = model FLOPs of the phase / its seconds / the peak above, per GPU; mbu_gen = decode's bytes / gen_s /")
 print("the GPU's published memory bandwidth (docs/mfu.md); wait = async/trainer_wait_frac (the async runs only)")
