@@ -82,8 +82,10 @@ class Handler(BaseHTTPRequestHandler):
             return self._answer(200, {"request_id": "r", "choices": [{
                 "index": 0, "token_ids": ids, "finish_reason": "stop",
                 "logprobs": {"content": [{"token_id": t, "logprob": -0.25} for t in ids]}}]})
-        if route == "/update_weights":
-            self.server.loaded = load_file(body["update_info"]["path"])
+        if route == "/start_weight_update":
+            self.server.loaded = {}
+        if route == "/update_weights":  # one call per bucket file
+            self.server.loaded.update(load_file(body["update_info"]["path"]))
         self._answer(200, {"message": "ok"})
 
 
@@ -176,8 +178,10 @@ def test_a_push_pauses_updates_and_resumes_every_server(policy, servers):
         model.model.norm.weight.add_(1.0)
     push_weights(engine, model, bucket_bytes=4096)  # several buckets: one update when the last one is in
     for server in servers:
-        assert server.calls == ["/init_weight_transfer_engine", "/pause", "/start_weight_update", "/update_weights",
-                                "/finish_weight_update", "/reset_prefix_cache", "/resume"]
+        files = server.calls.count("/update_weights")  # a file per bucket, all between start and finish
+        assert files > 1 and server.calls == ["/init_weight_transfer_engine", "/pause", "/start_weight_update",
+                                              *["/update_weights"] * files, "/finish_weight_update",
+                                              "/reset_prefix_cache", "/resume"]
         assert torch.equal(server.loaded["model.norm.weight"], model.model.norm.weight)
         assert set(server.loaded) == {n for n, _ in model.named_parameters()}
     engine.shutdown()
@@ -274,5 +278,6 @@ def test_under_two_ranks_rank_0_alone_pushes_and_a_failure_stops_both(servers, t
     assert "HTTP 500" in found[0][1]
     assert found[1][1].startswith("EngineError: rank 0's weight push failed") and "HTTP 500" in found[1][1]
     assert servers[0].calls.count("/update_weights") == 2 and servers[1].calls.count("/update_weights") == 2
-    assert servers[0].calls[-1] == "/resume" and set(servers[0].loaded)
+    names = {n for n, _ in build_tiny(0, hidden_size=32, heads=2)[0].named_parameters()}
+    assert servers[0].calls[-1] == "/resume" and set(servers[1].loaded) == names
     assert servers[0].calls.count("/init_weight_transfer_engine") == 2  # each rank's engine checks the servers

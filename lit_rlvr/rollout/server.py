@@ -5,12 +5,14 @@ A `ServerPool` spreads requests over one or many servers started outside the run
 whose server stops answering (connection refused or reset, or no answer within the timeout) marks that server
 gone for the rest of the run and goes to another one (`engine/requests_retried`); when none is left the run stops
 with an `EngineError` naming every URL and why it was given up. `ServerEngine` is the `RolloutEngine` over a pool:
-the trainer's weight buckets are kept (CPU copies) until the last one, then each server takes them through its
-engine's own update routes, paused around the update; the copies and files are dropped only after every server
-acknowledged. Under several trainer ranks only rank 0 pushes (every rank gathers the weights, as the push is a
-collective there): the others keep no copy, and wait for rank 0's outcome (a broadcast: the barrier that keeps a
-rank from sampling before the servers hold the new weights, and that stops every rank when the push failed). Every
-HTTP call has a timeout and never follows a redirect (`post`, `get`).
+each of the trainer's weight buckets is written to a safetensors file as it comes (no copy kept: the write is
+the only copy on the trainer's side), then after the last one each server takes the files through its engine's own
+update routes, paused around the update; the files are deleted only after every server acknowledged. They are
+written to shared memory (/dev/shm) when it has room for two copies of the weights, else to the system's temporary
+folder, unless `weight_dir` names one. Under several trainer ranks only rank 0 pushes (every rank gathers the
+weights, as the push is a collective there): the others write nothing, and wait for rank 0's outcome (a broadcast:
+the barrier that keeps a rank from sampling before the servers hold the new weights, and that stops every rank when
+the push failed). Every HTTP call has a timeout and never follows a redirect (`post`, `get`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from urllib.parse import urlsplit
 
 import requests
 import torch
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from lit_rlvr.config.errors import ConfigError
@@ -187,7 +190,8 @@ class ServerEngine(RolloutEngine):
         connect_timeout_s: bound on opening a connection (a server that is gone is found out in this time).
         max_inflight: requests in flight at once over all servers.
         weight_dir: where staged weight files are written (on a filesystem the servers read: the same machine, or
-            a shared one); None = a temporary directory.
+            a shared one); None = /dev/shm when it has room for twice the policy's weights, else the system's
+            temporary folder.
         dtype: the servers' weight dtype, pushes are cast to it (None: the policy's).
         bucket_bytes: the trainer's bucket cap (the whole push is staged before any server takes it).
         lora_sync: merged, the only value (a LoRA policy is refused for now).
@@ -227,8 +231,9 @@ class ServerEngine(RolloutEngine):
         self.bucket_bytes = int(bucket_bytes)
         self._push_timeout_s = float(push_timeout_s)
         self._eos_id = tokenizer.eos_token_id
-        self._staged: list[tuple[str, Tensor]] = []
-        self._weight_root = tempfile.mkdtemp(prefix="lit_rlvr_push_", dir=weight_dir)
+        self._staged: list[str] = []  # the files of the push being written
+        policy_bytes = sum(p.numel() for p in model.parameters()) * weight_dtype.itemsize
+        self._weight_root = tempfile.mkdtemp(prefix="lit_rlvr_push_", dir=weight_dir or shared_memory(policy_bytes))
         self._config_files = policy_config_files(model)  # a pushed folder holds them beside the weights (SGLang)
         self._pushes = 0
         self._retried_reported = 0
@@ -284,12 +289,19 @@ class ServerEngine(RolloutEngine):
 
     # -- weights -------------------------------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """One bucket: kept (a CPU copy) until `end_weight_update` sends the whole push; on rank 0 only (the
+        """One bucket, written to a file of the push's folder now (the tensors are not kept); on rank 0 only (the
         pusher: every server takes one push, whatever the number of trainer ranks)."""
         if rank() != 0:
             return
-        self._staged += [(name, t.detach().to("cpu", self.weight_dtype).contiguous().clone())
-                         for name, t in named_tensors]
+        if not self._staged:
+            self._pushes += 1
+            os.makedirs(self._push_folder())
+        path = os.path.join(self._push_folder(), f"model-{len(self._staged) + 1:05d}.safetensors")
+        save_file({name: t.detach().to("cpu", self.weight_dtype).contiguous() for name, t in named_tensors}, path)
+        self._staged.append(path)
+
+    def _push_folder(self) -> str:
+        return os.path.join(self._weight_root, f"push_{self._pushes}")
 
     def end_weight_update(self) -> None:
         """Every server takes the staged weights (`_update`, paused around it); the staged copies and files are
@@ -310,19 +322,17 @@ class ServerEngine(RolloutEngine):
     def _push_staged(self) -> None:
         if not self._staged:
             return
-        self._pushes += 1
-        folder = os.path.join(self._weight_root, f"push_{self._pushes}")
-        os.makedirs(folder)
+        folder = self._push_folder()
         try:
             staged = self._stage(folder, self._staged)
             self._pool.each(lambda url: self._update(url, staged), f"pushing weights (push {self._pushes})")
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-        self._staged = []
+            self._staged = []
 
-    def _stage(self, folder: str, named: list[tuple[str, Tensor]]) -> Any:
-        """What `_update` sends for this push (files written under `folder`, or the tensors themselves)."""
-        return named
+    def _stage(self, folder: str, files: list[str]) -> Any:
+        """What `_update` sends for this push, given its folder and the bucket files written in it."""
+        return files
 
     def _update(self, url: str, staged: Any) -> None:
         raise NotImplementedError
@@ -341,6 +351,17 @@ class ServerEngine(RolloutEngine):
         """Stop talking to the servers (they were started outside the run and keep running)."""
         self._pool.close()
         shutil.rmtree(self._weight_root, ignore_errors=True)
+
+
+def shared_memory(nbytes: int, folder: str = "/dev/shm") -> Optional[str]:
+    """`folder` (shared memory: the servers on this machine read the files without a disk) when it has room for
+    twice `nbytes` (a push being written beside one being read), else None: the system's temporary folder. A
+    container's /dev/shm is often 64 MB."""
+    try:
+        stats = os.statvfs(folder)
+    except OSError:
+        return None
+    return folder if os.access(folder, os.W_OK) and stats.f_bavail * stats.f_frsize >= 2 * nbytes else None
 
 
 def policy_config_files(model: nn.Module) -> dict[str, bytes]:

@@ -7,7 +7,7 @@ on one server: its prefix cache), each sample with its own seed, `return_logprob
 sampled token, as the colocated `SGLangEngine`: lit_rlvr.rollout.sglang's request and parse functions).
 
 Weights (`engine.options.weight_transfer`): `disk`, SGLang's `/update_weights_from_disk` on a folder the trainer
-wrote (config + one safetensors file; on the server's filesystem), between `/pause_generation` and
+wrote (config + a safetensors file per bucket; on the server's filesystem), between `/pause_generation` and
 `/continue_generation`; it flushes the server's prefix cache itself. The server's identity is the model it was
 started on (`/server_info`), which a weight update does not change.
 """
@@ -17,8 +17,6 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from safetensors.torch import save_file
-from torch import Tensor
 
 from lit_rlvr.rollout.engine import Completion, SamplingParams
 from lit_rlvr.rollout.server import ServerEngine
@@ -59,12 +57,13 @@ class SGLangServerEngine(ServerEngine):
         done = iter(self._pool.run(jobs, "generating"))
         return [next(done) if n > 0 else [] for n in n_per_prompt]
 
-    def _stage(self, folder: str, named: list[tuple[str, Tensor]]) -> str:
+    def _stage(self, folder: str, files: list[str]) -> str:
+        """The folder of the bucket files, with the policy's config beside them (SGLang loads every
+        `*.safetensors` of a folder that has no index)."""
         for name, content in self._config_files.items():
             if name.endswith(".json"):
                 with open(os.path.join(folder, name), "wb") as handle:
                     handle.write(content)
-        save_file(dict(named), os.path.join(folder, "model.safetensors"))
         return folder
 
     def _update(self, url: str, folder: str) -> None:

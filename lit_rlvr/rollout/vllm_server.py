@@ -9,18 +9,16 @@ log softmax(logits / T) of the sampled token, as the colocated engines give.
 Weights: vLLM's weight-transfer routes (`/init_weight_transfer_engine` once; per push `/pause?mode=wait`,
 `/start_weight_update`, `/update_weights`, `/finish_weight_update`, `/reset_prefix_cache`, `/resume`; on with
 `VLLM_SERVER_DEV_MODE=1`). `engine.options.weight_transfer=file`: the backend `lit_rlvr_file`
-(lit_rlvr/rollout/vllm_server_worker.py, registered in the server) loads a safetensors file the trainer wrote;
+(lit_rlvr/rollout/vllm_server_worker.py, registered in the server) loads the safetensors files the trainer wrote,
+one `/update_weights` per bucket;
 the installed vLLM's own backends (nccl, ipc) need CUDA.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, Sequence
 
 import torch
-from safetensors.torch import save_file
-from torch import Tensor
 
 from lit_rlvr.rollout.engine import Completion, SamplingParams
 from lit_rlvr.rollout.server import ServerEngine
@@ -77,19 +75,15 @@ class VLLMServerEngine(ServerEngine):
         done = iter(self._pool.run([(g, job(r, o)) for g, r, o in zip(groups, rows, sampling)], "generating"))
         return [[next(done) for _ in range(n)] for n in n_per_prompt]
 
-    def _stage(self, folder: str, named: list[tuple[str, Tensor]]) -> str:
-        path = os.path.join(folder, "weights.safetensors")
-        save_file(dict(named), path)
-        return path
-
-    def _update(self, url: str, path: str) -> None:
+    def _update(self, url: str, paths: list[str]) -> None:
         """One server takes the file: paused (requests in flight finish first) and resumed even when the update
         fails, so no server is left paused."""
         post = self._pool.post
         post(url, "/pause", params={"mode": "wait"}, timeout=self._push_timeout_s)
         try:
             post(url, "/start_weight_update", timeout=self._push_timeout_s)
-            post(url, "/update_weights", {"update_info": {"path": path}}, timeout=self._push_timeout_s)
+            for path in paths:  # one file per bucket
+                post(url, "/update_weights", {"update_info": {"path": path}}, timeout=self._push_timeout_s)
             post(url, "/finish_weight_update", {"weight_version": str(self._pushes)}, timeout=self._push_timeout_s)
             post(url, "/reset_prefix_cache", timeout=self._push_timeout_s)  # its KV came from the old weights
         finally:
