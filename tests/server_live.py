@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -94,6 +95,25 @@ def train(run_dir: Path, overrides: Sequence[str], *, steps: int, background: bo
     return proc.returncode, out
 
 
+def train_two_nodes(run_dir: Path, overrides: Sequence[str], *, steps: int) -> list[tuple[int, str]]:
+    """`train.py` as two trainer nodes on this machine (two `torchrun --nnodes 2` launches, node ranks 0 and 1, a c10d
+    rendezvous on 127.0.0.1, gloo, FSDP2), one rank each, over server engines, in one run dir; each launch's (return
+    code, output)."""
+    rendezvous = ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
+                  "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "--rdzv_id", "server_nodes"]
+    cmd = [*RUN, *overrides, "trainer=fsdp", "trainer.accelerator=cpu", "trainer.strategy.param_dtype=float32",
+           "trainer.num_nodes=2", f"trainer.max_steps={steps}", f"hydra.run.dir={run_dir}"]
+
+    def launch(node: int) -> tuple[int, str]:
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *rendezvous, "--node_rank", str(node),
+                               "train.py", *cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, timeout=1800)
+        return done.returncode, done.stdout
+
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(launch, (0, 1)))
+
+
 def rows(run_dir: Path) -> list[dict[str, float]]:
     """metrics.csv's training rows (those with a reward), as floats."""
     path = run_dir / "metrics.csv"
@@ -117,3 +137,44 @@ def wait_rows(run_dir: Path, count: int, proc: subprocess.Popen, timeout_s: floa
 
 def urls(servers: Sequence[Server], extra: Optional[Sequence[str]] = ()) -> str:
     return f"engine.options.urls=[{','.join([*(s.url for s in servers), *(extra or ())])}]"
+
+
+# -- runs both live server test files check, over their module's two servers ------------------------------------
+def check_c3po(engine: str, servers: Sequence[Server], run: Path) -> None:
+    """C3PO over both servers, 2 steps: each weight sample reaches the servers before its samples are drawn (the
+    post-push check of every step's pushes stays within its bound) and the run finishes."""
+    code, out = train(run, [f"engine={engine}_server", urls(servers), "algorithm=c3po"], steps=2)
+    assert code == 0, out[-5000:]
+    logged = rows(run)
+    assert len(logged) == 2 and all(r["engine/servers_alive"] == 2 for r in logged)
+    assert all(r["engine/sync_logp_diff"] <= 0.02 for r in logged)
+    assert all(r["time/sync_s"] > 0 for r in logged)  # the N weight samples were pushed (a push per sample)
+
+
+def check_async(engine: str, servers: Sequence[Server], run: Path) -> None:
+    """`rollout.mode=async` with S = 1 over both servers, 3 steps: the next batch is drawn while the trainer updates
+    (pushes land between generation calls, the servers paused around each), no batch is more than one update
+    behind, and every checked push matched the trainer."""
+    overrides = [f"engine={engine}_server", urls(servers), "rollout.mode=async", "rollout.max_staleness=1"]
+    code, out = train(run, overrides, steps=3)
+    assert code == 0, out[-5000:]
+    logged = rows(run)
+    assert len(logged) == 3 and all(r["engine/servers_alive"] == 2 for r in logged)
+    staleness = [r["async/staleness_mean"] for r in logged]
+    assert max(staleness) <= 1 and max(staleness) > 0, staleness  # a batch drawn on the weights one update behind
+    assert all(r["engine/sync_logp_diff"] <= 0.02 for r in logged if "engine/sync_logp_diff" in r)
+
+
+def check_two_nodes(engine: str, servers: Sequence[Server], run: Path) -> None:
+    """Two trainer nodes (train_two_nodes) over both servers, 2 steps: rank 0 alone pushes, both ranks sample the
+    pushed weights (the post-push check), the logged batch is the global one (4 prompts x 4 samples a step, 2
+    prompts a rank) and one writer logs it."""
+    done = train_two_nodes(run, [f"engine={engine}_server", urls(servers)], steps=2)
+    for code, out in done:
+        assert code == 0, out[-5000:]
+    logged = rows(run)
+    assert len(logged) == 2
+    for step, row in enumerate(logged):
+        assert row["rollouts/total"] == (step + 1) * 4 * 4
+        assert row["engine/sync_logp_diff"] <= 0.02 and row["engine/servers_alive"] == 2
+    assert (run / "checkpoints" / "last.ckpt").exists()

@@ -1,14 +1,16 @@
 """`engine=vllm_server` against two real vLLM servers started with `lit-rlvr-serve --engine vllm --model tiny_cot`
 on 127.0.0.1 (in the venv of scripts/vllm_cpu_env.sh; .ci/run's vLLM stage): a GRPO run over both whose every push
 passes the post-push check (`engine/sync_logp_diff`: the servers sample the weights the trainer holds), a server of
-another model refused before any work, a server killed mid-run (the run goes on over the other), and every server
+another model refused before any work, C3PO, async S = 1 and two trainer nodes (tests/server_live.py's checks) over
+both, a server killed mid-run (the run goes on over the other), and every server
 gone (the run stops naming the URL and its last checkpoint)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.server_live import rows, start_servers, train, urls, wait_rows
+from tests.server_live import (check_async, check_c3po, check_two_nodes, rows, start_servers, train, urls,
+                               wait_rows)
 
 try:
     import vllm  # noqa: F401
@@ -55,6 +57,18 @@ def test_a_server_of_another_model_is_refused_before_any_work(servers):
         VLLMServerEngine(model, tokenizer, urls=[servers[0].url])
     (line,) = info.value.problems
     assert servers[0].url in line and "/models/elsewhere" in line and "tiny-" in line
+
+
+def test_c3po_over_two_servers(servers, tmp_path):
+    check_c3po("vllm", servers, tmp_path / "run")
+
+
+def test_async_s1_over_two_servers_pushes_in_flight(servers, tmp_path):
+    check_async("vllm", servers, tmp_path / "run")
+
+
+def test_two_trainer_nodes_over_two_servers(servers, tmp_path):
+    check_two_nodes("vllm", servers, tmp_path / "run")
 
 
 def test_a_server_killed_mid_run_the_other_takes_its_requests(servers, tmp_path):

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 from sglang_live import live
 
-from tests.server_live import rows, start_servers, train, urls, wait_rows
+from tests.server_live import (check_async, check_c3po, check_two_nodes, rows, start_servers, train, urls,
+                               wait_rows)
 
 pytestmark = live
 
@@ -49,6 +50,18 @@ def test_a_server_of_another_model_is_refused_before_any_work(servers):
         SGLangServerEngine(model, tokenizer, urls=[servers[0].url])
     (line,) = info.value.problems
     assert servers[0].url in line and "/models/elsewhere" in line and "tiny-" in line
+
+
+def test_c3po_over_two_servers(servers, tmp_path):
+    check_c3po("sglang", servers, tmp_path / "run")
+
+
+def test_async_s1_over_two_servers_pushes_in_flight(servers, tmp_path):
+    check_async("sglang", servers, tmp_path / "run")
+
+
+def test_two_trainer_nodes_over_two_servers(servers, tmp_path):
+    check_two_nodes("sglang", servers, tmp_path / "run")
 
 
 def test_a_server_killed_mid_run_the_other_takes_its_requests(servers, tmp_path):
