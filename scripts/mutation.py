@@ -144,6 +144,7 @@ def coverage_map(files: list[Path], data_file: Path) -> dict[str, dict[int, set[
         for seconds, node in re.findall(r"^\s*([\d.]+)s (?:setup|call|teardown)\s+(\S+)", proc.stdout, flags=re.M):
             durations[node] = durations.get(node, 0.0) + float(seconds)
         Path(f"{data_file}.durations").write_text(json.dumps(durations))
+        Path(f"{data_file}.load").write_text(f"{os.getloadavg()[0]}\n")  # the load the durations were taken at
         print(f"  done in {time.perf_counter() - started:.0f} s; failing without a mutant (left out): "
               f"{failed or 'none'}", flush=True)
     from coverage import CoverageData
@@ -272,13 +273,14 @@ def cpu_seconds(pid: int) -> float:
     return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime, stime, cutime, cstime
 
 
-def wall_limit(baseline: float, factor: float, base: float) -> float:
+def wall_limit(baseline: float, factor: float, base: float, baseline_load: float) -> float:
     """Wall-clock bound of one mutant's test run: `factor` × its tests' durations in the coverage run + `base`
-    seconds (the child's imports), stretched by the load per core at its start (a starved child is slower, not
-    stuck). A mutant that deadlocks (threads waiting on each other use no CPU, so the CPU bound never fires) is
-    ended here and counts as killed by timeout, as mutmut counts one."""
-    load_per_core = os.getloadavg()[0] / (os.cpu_count() or 1)
-    return factor * baseline * max(1.0, load_per_core) + base
+    seconds (the child's imports), stretched when the machine is busier now than during the coverage run (load
+    average per core, now over then: a starved child is slower, not stuck). A mutant that deadlocks (threads
+    waiting on each other use no CPU, so the CPU bound never fires) is ended here and counts as killed by timeout,
+    as mutmut counts one."""
+    busier = os.getloadavg()[0] / max(baseline_load, os.cpu_count() or 1)
+    return factor * baseline * max(1.0, busier) + base
 
 
 def run_all(mutants: list[Mutant], jobs: int, limits: dict[int, tuple[float, float, float]], save) -> None:
@@ -442,10 +444,10 @@ def main() -> None:
     parser.add_argument("--max-test-seconds", type=float, default=8.0,
                         help="tests that took longer in the coverage run are not run against mutants (default 8: "
                              "the few end-to-end Trainer runs; the unit tests are what should kill a mutant)")
-    parser.add_argument("--timeout-factor", type=float, default=10.0,
-                        help="a mutant's test run is ended after this many times its tests' durations (stretched by "
-                             "the load per core) + --timeout-base seconds of wall time, and counts as killed by "
-                             "timeout (default 10)")
+    parser.add_argument("--timeout-factor", type=float, default=3.0,
+                        help="a mutant's test run is ended after this many times its tests' durations in the "
+                             "coverage run (stretched when the machine is busier than then) + --timeout-base seconds "
+                             "of wall time, and counts as killed by timeout (default 3)")
     parser.add_argument("--timeout-base", type=float, default=60.0,
                         help="wall seconds added to every mutant's bound: the child's imports (default 60)")
     parser.add_argument("--report-only", action="store_true", help="write the report from --json and exit")
@@ -503,8 +505,10 @@ def main() -> None:
     # per mutant: CPU limit 5 × its tests' durations in the coverage run (slower than plain) + 20 s of imports;
     # the wall-clock limit's baseline and settings (wall_limit)
     baseline = {id(m): sum(durations.get(t, 1.0) for t in m.tests) for m in mutants}
-    limits = {id(m): (5 * baseline[id(m)] + 20, baseline[id(m)], args.timeout_factor, args.timeout_base)
-              for m in mutants}
+    loaded = Path(f"{args.coverage}.load")
+    baseline_load = float(loaded.read_text()) if loaded.exists() else 0.0
+    limits = {id(m): (5 * baseline[id(m)] + 20, baseline[id(m)], args.timeout_factor, args.timeout_base,
+                      baseline_load) for m in mutants}
     fastest = sorted({t for m in mutants for t in m.tests}, key=lambda t: durations.get(t, math.inf))[:30]
     if fastest:
         clean_check(fastest)
