@@ -4,8 +4,8 @@ request): how much of what the tests claim to check would they notice if it brok
 
 A small AST mutator of our own (the mutants: scripts/mutants.py; why not mutmut or cosmic-ray, and how to use it:
 docs/mutation.md). Each mutant changes one operator, constant or condition of a target file; it is *killed* when a
-test that runs the mutated line fails (or hangs past its timeout). Score = killed / (mutants − equivalent ones),
-the equivalent ones listed with their reason in scripts/mutation_equivalents.toml.
+test that runs the mutated line fails (or runs past its CPU or wall-clock bound: killed by timeout). Score = killed /
+(mutants − equivalent ones), the equivalent ones listed with their reason in scripts/mutation_equivalents.toml.
 
 How it stays cheap on two shared cores:
   1. one coverage run of the candidate tests (pytest-cov, a context per test) tells which tests run each line;
@@ -144,6 +144,7 @@ def coverage_map(files: list[Path], data_file: Path) -> dict[str, dict[int, set[
         for seconds, node in re.findall(r"^\s*([\d.]+)s (?:setup|call|teardown)\s+(\S+)", proc.stdout, flags=re.M):
             durations[node] = durations.get(node, 0.0) + float(seconds)
         Path(f"{data_file}.durations").write_text(json.dumps(durations))
+        Path(f"{data_file}.load").write_text(f"{os.getloadavg()[0]}\n")  # the load the durations were taken at
         print(f"  done in {time.perf_counter() - started:.0f} s; failing without a mutant (left out): "
               f"{failed or 'none'}", flush=True)
     from coverage import CoverageData
@@ -272,37 +273,51 @@ def cpu_seconds(pid: int) -> float:
     return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime, stime, cutime, cstime
 
 
-def run_all(mutants: list[Mutant], jobs: int, cpu_limit: dict[int, float], save) -> None:
+def wall_limit(baseline: float, factor: float, base: float, baseline_load: float) -> float:
+    """Wall-clock bound of one mutant's test run: `factor` × its tests' durations in the coverage run + `base`
+    seconds (the child's imports), stretched when the machine is busier now than during the coverage run (load
+    average per core, now over then: a starved child is slower, not stuck). A mutant that deadlocks (threads
+    waiting on each other use no CPU, so the CPU bound never fires) is ended here and counts as killed by timeout,
+    as mutmut counts one."""
+    busier = os.getloadavg()[0] / max(baseline_load, os.cpu_count() or 1)
+    return factor * baseline * max(1.0, busier) + base
+
+
+def run_all(mutants: list[Mutant], jobs: int, limits: dict[int, tuple[float, float, float]], save) -> None:
     """Run the pending mutants, `jobs` children at a time; fills status and seconds. Survivors are printed as they
     are found; `save()` is called every 25 mutants (an interrupted run can be resumed from its JSON).
 
-    The time limit is in CPU seconds (`cpu_limit[index]`), not wall seconds: on a loaded machine a starved child
-    is slow, not looping, and must not pass for a kill. A child still alive after an hour of wall time is
-    `hung` (not killed, run again by --resume)."""
+    Two bounds end a child, both counted as a kill by timeout (`timeout`): CPU seconds (`limits[id][0]`: a
+    mutant that loops) and wall seconds (`wall_limit` of `limits[id][1:]`: a mutant that deadlocks)."""
     pending = [m for m in mutants if m.status == "pending"]
-    running: dict[int, tuple[Mutant, float]] = {}
+    running: dict[int, tuple[Mutant, float, float]] = {}
     done = 0
     total = len(pending)
     started_all = time.perf_counter()
     while pending or running:
         while pending and len(running) < jobs:
             mutant = pending.pop(0)
-            running[start_child(mutant, mutant.tests)] = (mutant, time.perf_counter())
+            wall = wall_limit(*limits[id(mutant)][1:])
+            running[start_child(mutant, mutant.tests)] = (mutant, time.perf_counter(), wall)
         time.sleep(0.05)
-        for pid, (mutant, started) in list(running.items()):
+        for pid, (mutant, started, wall) in list(running.items()):
             finished, status = os.waitpid(pid, os.WNOHANG)
             elapsed = time.perf_counter() - started
             if not finished:
-                over_cpu = cpu_seconds(pid) > cpu_limit[id(mutant)]
-                if over_cpu or elapsed > 3600:
+                over_cpu = cpu_seconds(pid) > limits[id(mutant)][0]
+                if over_cpu or elapsed > wall:
                     try:
                         os.killpg(pid, 9)
                     except ProcessLookupError:  # not yet its own group
                         os.kill(pid, 9)
                     os.waitpid(pid, 0)
-                    mutant.status, mutant.seconds = ("timeout" if over_cpu else "hung"), elapsed
+                    mutant.status, mutant.seconds = "timeout", elapsed
+                    print(f"  timeout ({'CPU' if over_cpu else f'wall {wall:.0f} s'}): {mutant.file}:{mutant.line}:"
+                          f"{mutant.column} `{mutant.description}` in `{mutant.source}`", flush=True)
                     del running[pid]
                     done += 1
+                    if done % 25 == 0 or done == total:
+                        save()
                 continue
             code = os.waitstatus_to_exitcode(status)
             mutant.seconds = elapsed
@@ -429,6 +444,12 @@ def main() -> None:
     parser.add_argument("--max-test-seconds", type=float, default=8.0,
                         help="tests that took longer in the coverage run are not run against mutants (default 8: "
                              "the few end-to-end Trainer runs; the unit tests are what should kill a mutant)")
+    parser.add_argument("--timeout-factor", type=float, default=3.0,
+                        help="a mutant's test run is ended after this many times its tests' durations in the "
+                             "coverage run (stretched when the machine is busier than then) + --timeout-base seconds "
+                             "of wall time, and counts as killed by timeout (default 3)")
+    parser.add_argument("--timeout-base", type=float, default=60.0,
+                        help="wall seconds added to every mutant's bound: the child's imports (default 60)")
     parser.add_argument("--report-only", action="store_true", help="write the report from --json and exit")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     args = parser.parse_args()
@@ -481,12 +502,17 @@ def main() -> None:
         if not m.tests:
             m.status = "no_tests"
     preload()
-    # CPU limit per mutant: 5 × its tests' durations in the coverage run (slower than plain) + 20 s of imports
-    cpu_limit = {id(m): 5 * sum(durations.get(t, 1.0) for t in m.tests) + 20 for m in mutants}
+    # per mutant: CPU limit 5 × its tests' durations in the coverage run (slower than plain) + 20 s of imports;
+    # the wall-clock limit's baseline and settings (wall_limit)
+    baseline = {id(m): sum(durations.get(t, 1.0) for t in m.tests) for m in mutants}
+    loaded = Path(f"{args.coverage}.load")
+    baseline_load = float(loaded.read_text()) if loaded.exists() else 0.0
+    limits = {id(m): (5 * baseline[id(m)] + 20, baseline[id(m)], args.timeout_factor, args.timeout_base,
+                      baseline_load) for m in mutants}
     fastest = sorted({t for m in mutants for t in m.tests}, key=lambda t: durations.get(t, math.inf))[:30]
     if fastest:
         clean_check(fastest)
-    command = " ".join(["nice -n 15 python scripts/mutation.py", *sys.argv[1:]])
+    command = " ".join([f"nice -n {os.nice(0)} python scripts/mutation.py", *sys.argv[1:]])
     run = {"command": command, "mutants_run": sum(m.status == "pending" for m in mutants), "seconds": 0.0,
            "date": time.strftime("%Y-%m-%d %H:%M"), "load": 0.0}
     runs.append(run)
@@ -496,7 +522,7 @@ def main() -> None:
         rows = [{**{k: v for k, v in m.__dict__.items() if k != "tests"}, "key": list(m.key)} for m in mutants]
         (REPO / args.json).write_text(json.dumps({"runs": runs, "mutants": rows, "cpu_limits": True}) + "\n")
 
-    run_all(mutants, args.jobs, cpu_limit, save)
+    run_all(mutants, args.jobs, limits, save)
     save()
     score = write_report(mutants, REPO / args.out, runs)
     print(f"score {score:.1%}; report in {args.out}; {run['seconds'] / 60:.1f} min")

@@ -18,10 +18,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import urllib3.util.connection
 
-from lit_rlvr.config.errors import RewardOptionError
+from lit_rlvr.config.errors import RewardOptionError, StopRequested
 from lit_rlvr.rewards.remote import PROBE, RemoteReward, endpoint
 from lit_rlvr.run import http
 from lit_rlvr.run.http import url_problem
+from lit_rlvr.run.stop import STOP
 
 KEY, EXAMPLE = "reward.options.url", "http://127.0.0.1:5000/get_reward"
 
@@ -159,6 +160,14 @@ def test_the_start_check_sends_one_request_of_the_runs_kind_to_the_given_port(se
     assert server.requests == [("/get_reward", PROBE)]
     assert RemoteReward.check_options({"url": server.url + "/score"}) == []
     assert server.requests[1] == ("/score", PROBE)
+
+
+@pytest.mark.parametrize("answer", [{"rewards": [1.0, 2.0]}, {"rewards": []}, {"rewards": 1.0}, {"scores": [1.0]},
+                                    [1.0]])
+def test_a_start_check_answered_with_other_than_one_score_is_refused(serve, answer):
+    server = serve([(200, answer)])
+    (line,) = RemoteReward.check_options({"url": server.url})
+    assert line.startswith(f"{KEY}={server.url!r}: the start check's request was answered "), line
 
 
 @pytest.mark.parametrize("url, port", [("http://h.example/x", 80), ("https://h.example/x", 443),
@@ -364,3 +373,26 @@ def test_close_cancels_the_queued_chunks_without_waiting(serve):
     assert outcome == ["CancelledError"]  # the two queued never sent
     reward.close()  # closing again (no pool): nothing to do
     assert RemoteReward(server.url).close() is None  # never used: no pool
+
+
+def test_a_stop_past_its_grace_sends_none_of_the_queued_chunks():
+    """A stop request ends the wait on the chunk in flight, and the chunks queued behind it are never sent."""
+    def slow(body):
+        time.sleep(1.5)
+        return ones(body)
+
+    server = Server([(200, slow)])
+    reward = RemoteReward(server.url, batch_size=1, max_concurrent=1, retries=0)
+    STOP.arm(0.2)
+    timer = threading.Timer(0.3, STOP.request, ("SIGTERM",))
+    try:
+        timer.start()
+        with pytest.raises(StopRequested):
+            reward.score_batch(["p"] * 3, ["c"] * 3, [0] * 3)
+        time.sleep(2.5)  # past the request in flight: a queued chunk would have been sent by now
+        assert len(server.requests) == 1
+    finally:
+        timer.cancel()
+        STOP.arm(None)
+        reward.close()
+        server.close()

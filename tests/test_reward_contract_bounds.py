@@ -5,13 +5,14 @@ count of a batch; the in-process runner's failures, time bound and argument copi
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import numpy as np
 import pytest
 import torch
 
-from lit_rlvr.rewards.base import Failure, RewardContract, RewardResult, RewardRunner, plain_result
+from lit_rlvr.rewards.base import Failure, RewardContract, RewardResult, RewardRunner, plain_result, wait_or_stop
 
 
 @pytest.mark.parametrize("score, ok", [(10.0, True), (-10.0, True), (10.000001, False), (-10.5, False), (0.0, True)])
@@ -125,3 +126,78 @@ def test_the_runner_cuts_a_call_past_its_time_bound():
 def test_the_runner_refuses_a_time_bound_that_is_not_positive(timeout):
     with pytest.raises(ValueError, match="reward.options.timeout_s"):
         RewardRunner(lambda p, c, a: 1.0, timeout_s=timeout)
+
+
+def test_a_bad_value_is_quoted_whole_up_to_60_characters():
+    contract = RewardContract()
+    whole, _ = contract.check(RewardResult(1.0, 10 ** 59))  # a malformed flag of 60 digits
+    cut, _ = contract.check(RewardResult(1.0, 10 ** 60))  # 61 digits
+    assert f"{10 ** 59}: malformed is True or False" in whole.info
+    assert f"{str(10 ** 60)[:40]}... (61 characters)" in cut.info and str(10 ** 60) not in cut.info
+
+
+def test_a_wait_on_a_call_looks_at_the_stop_request_every_tenth_of_a_second():
+    asked = []
+
+    def ready(seconds):
+        asked.append(seconds)
+        time.sleep(seconds)
+        return False
+
+    assert wait_or_stop(ready, 0.45) is False
+    assert len(asked) >= 4 and max(asked) <= 0.1 and sum(asked) == pytest.approx(0.45, abs=0.1)
+
+
+def test_a_cut_call_that_does_not_unwind_within_a_second_stops_the_run():
+    """The cut raises inside the call; one that catches it and goes on for 1.2 s more is past the 1 s it may take
+    to unwind: counted as not cut, and the run is told to stop."""
+    def stubborn(prompt, completion, answer):
+        try:
+            for _ in range(1000):
+                time.sleep(0.01)
+        except BaseException:
+            time.sleep(1.2)
+        return 1.0
+
+    runner = RewardRunner(stubborn, timeout_s=0.2)
+    try:
+        batch = runner(["p"], ["c"], [None])
+    finally:
+        runner.close()
+    assert batch.failures == 1 and runner.stop_reason is not None and "could not be cut" in runner.stop_reason
+
+
+class _OnlyItem:
+    """Not a number, not an array: an `.item()` method without `ndim`."""
+
+    def item(self):
+        return 1.0
+
+
+def test_an_object_with_item_but_no_dimensions_is_not_read_as_an_array():
+    breach = plain_result(_OnlyItem())
+    assert not isinstance(breach, RewardResult) and breach.kind == "returned _OnlyItem"
+
+
+def test_a_breach_scores_minus_one_by_default():
+    """docs/rewards.md: a failure or breach is scored `failure_score`, -1 unless set."""
+    result, broken = RewardContract().check("not a number")
+    assert broken and (result.score, result.malformed) == (-1.0, True)
+
+
+def test_after_a_call_that_could_not_be_cut_the_rest_run_side_by_side():
+    """Once `stop_reason` is set (a call overran and could not be cut: RewardRunner's docstring), the calls left run
+    each on a thread of its own under one deadline: three calls that each wait for the other two all return."""
+    meet = threading.Barrier(3, timeout=10)
+
+    def together(prompt, completion, answer):
+        meet.wait()
+        return 1.0
+
+    runner = RewardRunner(together, timeout_s=20)
+    runner.stop_reason = "a call could not be cut"  # as `_not_cut` leaves it
+    try:
+        batch = runner(["p"] * 3, ["c"] * 3, [None] * 3)
+    finally:
+        runner.close()
+    assert batch.failures == 0 and batch.scores.tolist() == [1.0, 1.0, 1.0]

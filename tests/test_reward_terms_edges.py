@@ -18,6 +18,12 @@ def test_the_length_ramp_at_each_bound(n, expected):
     assert LengthReward(max_len=10, cache=4)(None, "x" * n, None) == pytest.approx(expected)
 
 
+def test_length_defaults_are_1024_characters_with_the_last_256_a_ramp():
+    default = LengthReward()
+    assert [default(None, "x" * n, None) for n in (768, 769, 896, 1023, 1024, 5000)] == pytest.approx(
+        [0.0, -1 / 256, -0.5, -255 / 256, -1.0, -1.0])
+
+
 def test_length_in_words_and_a_cache_of_zero_or_the_whole_budget():
     words = LengthReward(max_len=4, cache=2, unit="words")
     assert [words(None, " ".join("w" * i for i in range(1, k + 1)), None) for k in (2, 3, 4)] == [0.0, -0.5, -1.0]
@@ -41,6 +47,7 @@ def test_format_counts():
     assert FormatReward(pattern="a", count=2)(None, "aba", None) == 1.0
     assert FormatReward(pattern="a", count=None)(None, "b", None) == 0.0
     assert FormatReward(pattern="a", count=None)(None, "aaa", None) == 1.0
+    assert FormatReward(pattern="a", count=None)(None, "bab", None) == 1.0  # at least once: once is enough
     assert FormatReward(pattern="a+", fullmatch=True)(None, " aa\n", None) == 1.0
     assert FormatReward(pattern="a", fullmatch=True)(None, "aa", None) == 0.0
     for bad in (-1, True, 1.0):
@@ -66,6 +73,18 @@ def test_the_forms_of_a_term_list():
 def test_term_lists_refused_one_line_each(value, line):
     specs, problems = term_specs(value)
     assert len(problems) == 1 and problems[0].startswith(line), problems
+
+
+def test_every_bad_term_is_named_not_only_the_first():
+    """One line per bad entry: an entry refused for any reason does not hide the entries after it."""
+    specs, problems = term_specs({"a": "x", "b": {"colour": 1}, "c": {"options": [1]}, "d": {"reward": "terms"},
+                                  "e": {"weight": "1"}, "f": 2.0})
+    assert [line.split("=")[0].split(" ")[0] for line in problems] == [
+        "reward.options.terms.a", "reward.options.terms.b.colour", "reward.options.terms.c.options",
+        "reward.options.terms.d.reward", "reward.options.terms.e.weight"]
+    assert specs[-1] == ("f", "f", 2.0, {})
+    _, problems = term_specs(["a", "a", {"name": "b", "weight": "x"}])
+    assert len(problems) == 2 and "two terms named 'a'" in problems[0] and "terms.b.weight" in problems[1]
 
 
 class Fixed:
@@ -101,6 +120,9 @@ def test_shared_options_reach_every_term_and_the_cap_only_those_that_take_it():
     assert [(t.name, t.weight) for t in runner.terms] == [("a", 1.0), ("b", 1.0)]
     runner.close()
     assert all(t.runner.closed for t in runner.terms)
+    built.clear()
+    build_terms({"terms": {"a": {}, "b": {}}, "max_concurrent": 2}, build)  # no rule given: every term takes it
+    assert built == {"a": {"max_concurrent": 2}, "b": {"max_concurrent": 2}}
     for bad, line in [({"terms": {"a": {}}, "max_concurrent": 0}, "reward.options.max_concurrent=0"),
                       ({"terms": {"a": {}}, "bogus": 1}, "reward.options.bogus is not an option of reward=terms")]:
         with pytest.raises(RewardOptionError, match=line):

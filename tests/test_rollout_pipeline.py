@@ -20,7 +20,7 @@ import torch
 from lit_rlvr.config.errors import ConfigError, StopRequested
 from lit_rlvr.config.settings import RolloutConfig
 from lit_rlvr.rollout.batch import RolloutPlan
-from lit_rlvr.rollout.pipeline import ABANDON_JOIN_S, RolloutPipeline, held_bytes
+from lit_rlvr.rollout.pipeline import RolloutPipeline, held_bytes
 from lit_rlvr.run.stop import STOP
 
 
@@ -234,7 +234,7 @@ def test_a_hung_producer_does_not_defer_a_stop_request_past_its_grace(wait):
         assert pipeline.producer._held == 0  # a give-up leaves the engine to the producer
         t0 = time.monotonic()
         pipeline.close()
-        assert time.monotonic() - t0 < ABANDON_JOIN_S + 1
+        assert time.monotonic() - t0 < 3  # about 2 s for the hung producer, not close's 60 s
     finally:
         STOP.arm(None)
         driver.release.set()

@@ -4,13 +4,16 @@ drawn as a segment's last token, the token budget), and the weights' tag on ever
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from lit_rlvr.rollout.engine import Completion, SamplingParams
-from lit_rlvr.rollout.segments import generate_in_segments, segment_seed
+from lit_rlvr.config.settings import RolloutConfig
+from lit_rlvr.rollout.engine import Completion, RolloutEngine, SamplingParams
+from lit_rlvr.rollout.segments import SegmentedPushes, generate_in_segments, segment_seed
+from lit_rlvr.rollout.source import async_refusals
 
 EOS = 99
 
@@ -125,3 +128,90 @@ def test_a_segment_of_no_tokens_is_refused():
     (c,), = generate_in_segments(Scripted({0: [1, 2]}), [[0]], [1], SamplingParams(max_new_tokens=2), 1,
                                  tags()[0], EOS)
     assert c.token_ids.tolist() == [1, 2] and c.versions.tolist() == [10, 11]
+
+
+def test_an_engine_that_answers_fewer_requests_than_it_was_sent_is_an_error():
+    """A continued segment's answers are matched to its completions one by one: an engine that drops a request
+    must not leave a completion silently cut at its last segment."""
+    engine = Scripted({0: list(range(1, 20)), 1: list(range(1, 20))}, groups={1: 0})
+
+    def drops_one(prompts, counts, params):
+        out = engine(prompts, counts, params)
+        return out[:-1] if len(engine.calls) > 1 else out
+
+    with pytest.raises(ValueError):
+        generate_in_segments(drops_one, [[0]], [2], SamplingParams(max_new_tokens=6), 3, tags()[0], EOS)
+
+
+class StagingRecorder(SegmentedPushes, RolloutEngine):
+    """A request-serving engine stand-in: `SegmentedPushes` staging, generation by `Scripted`, and a record of the
+    loads and ends that reach it (values copied when they arrive) and of when each segment ran."""
+
+    def __init__(self, scripted: Scripted, segment_tokens: int):
+        self._init_segments(segment_tokens, EOS)
+        self.scripted, self.events, self.on_call = scripted, [], None
+
+    def load_weights(self, named_tensors):
+        if self._staged_call("load_weights", named_tensors):
+            return
+        self.events.append(("load", [(n, t.clone()) for n, t in named_tensors]))
+
+    def end_weight_update(self):
+        if self._staged_call("end_weight_update"):
+            return
+        self.events.append(("end",))
+
+    def _generate_once(self, prompts, counts, params):
+        self.events.append(("segment",))
+        out = self.scripted(prompts, counts, params)
+        if self.on_call is not None:
+            self.on_call(len(self.scripted.calls))
+        return out
+
+    def generate(self, prompt_token_ids, n_per_prompt, params):
+        return self._generate_with_pushes(self._generate_once, prompt_token_ids, n_per_prompt, params)
+
+
+def _from_another_thread(fn):
+    thread = threading.Thread(target=fn)
+    thread.start()
+    thread.join()
+
+
+def test_an_engine_that_generates_in_segments_swaps_in_flight():
+    engine = StagingRecorder(Scripted({}), 2)
+    assert async_refusals(RolloutConfig(mode="async", partial_rollout=True), engine=engine) == []
+
+
+def test_a_push_made_while_segments_run_lands_between_them_with_the_values_it_was_given():
+    """The trainer's thread pushes during the first segment and then goes on changing its tensors in place: the
+    engine receives nothing until the segment ends, then the push's loads and end in order, with the values as
+    they were when pushed (its own copies)."""
+    engine = StagingRecorder(Scripted({0: list(range(1, 9))}), 2)
+
+    def tag():
+        with engine.push_in_flight(0):  # no generation under way: lands at once, a tag only
+            pass
+
+    _from_another_thread(tag)  # the trainer's thread pushes, the test's generates (as in the pipeline)
+    weights = [("a", torch.zeros(3)), ("b", torch.ones(2))]
+
+    def trainer():
+        with engine.push_in_flight(1):
+            engine.load_weights(weights)  # a list of (name, tensor) pairs, as one bucket of a push
+            engine.load_weights(iter([("c", torch.full((2,), 5.0))]))  # an iterator of pairs
+            engine.end_weight_update()
+        for _, tensor in weights:
+            tensor.add_(100.0)  # the optimizer's next step
+
+    def push_during_first_segment(calls):
+        if calls == 1:
+            _from_another_thread(trainer)
+
+    engine.on_call = push_during_first_segment
+    (completion,), = engine.generate([[0]], [1], SamplingParams(max_new_tokens=4))
+    assert completion.versions.tolist() == [0, 0, 1, 1]
+    kinds = [e[0] for e in engine.events]
+    assert kinds == ["segment", "load", "load", "end", "segment"]
+    landed = {n: t.tolist() for e in engine.events if e[0] == "load" for n, t in e[1]}
+    assert landed == {"a": [0.0, 0.0, 0.0], "b": [1.0, 1.0], "c": [5.0, 5.0]}

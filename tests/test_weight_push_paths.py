@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from lit_rlvr.config.settings import LoraOptions
 from lit_rlvr.models.lora import apply_lora
@@ -89,6 +90,29 @@ def test_buckets_fill_up_to_the_cap_and_a_large_tensor_travels_alone():
     assert grouped == [["0", "1", "2"], ["3"], ["4", "5"]]  # 32 bytes fit exactly; 40 alone
     assert [[n for n, _ in b] for b in buckets(iter(named), 31)] == [["0", "1"], ["2"], ["3"], ["4", "5"]]
     assert list(buckets(iter([]), 8)) == []
+
+
+def test_a_bucket_starts_empty_after_it_is_sent():
+    named = [(str(i), torch.zeros(4)) for i in range(6)]  # 16 bytes each: two fill a 32-byte bucket exactly
+    assert [[n for n, _ in b] for b in buckets(iter(named), 32)] == [["0", "1"], ["2", "3"], ["4", "5"]]
+
+
+def test_push_weights_default_bucket_is_256_mib():
+    """The default cap (docs/results/weight_sync.md: 256 MiB buckets): exactly 256 MiB of weights is one load,
+    one float32 element more is two. Meta tensors: sizes without memory."""
+    mib = 1 << 20
+
+    def model(extra):
+        layer = nn.Module()
+        layer.big = nn.Parameter(torch.empty(64 * mib - 1, device="meta"))  # 256 MiB - 4 bytes
+        layer.small = nn.Parameter(torch.empty(1 + extra, device="meta"))
+        return layer
+
+    exact, over = Recorder(), Recorder()
+    assert push_weights(exact, model(0)) == 256 * mib
+    assert push_weights(over, model(1)) == 256 * mib + 4
+    assert [len(call) for call in exact.loads] == [2]
+    assert [len(call) for call in over.loads] == [1, 1]
 
 
 def test_push_weights_counts_every_byte(plain):
