@@ -139,6 +139,8 @@ def _read_jsonl(path: str, split: str) -> Iterator[tuple[int, Any]]:
                 yield row_no, json.loads(line)
             except json.JSONDecodeError as err:
                 yield row_no, _BadRow("invalid_json", "<row>", f"invalid JSON ({err.msg} at column {err.colno})")
+            except RecursionError:  # the decoder recurses per nesting level: a row nested ~1000 deep exhausts it
+                yield row_no, _BadRow("invalid_json", "<row>", "JSON nested deeper than Python's decoder can read")
 
 
 def _read_parquet(path: str, split: str) -> Iterator[tuple[int, Any]]:
