@@ -205,6 +205,19 @@ def test_unknown_keys_are_refused_with_a_close_match(override, start, suggestion
         assert f"did you mean {suggestion}?" in problems[0]
 
 
+@pytest.mark.parametrize("overrides, start, suggestion", [  # without `+`: Hydra's "Could not override" before
+    (["data.batchsize=4"], "data.batchsize is not an option", "data.batch_size"),
+    (["trainer.max_stepz=3"], "trainer.max_stepz is not an option", "trainer.max_steps"),
+    (["data=jsonl", "data.path=x.jsonl", "algorithm.max_new_tokens=8", "data.num_test=2"],
+     "data.num_test is not an option", None),  # a key of the generated tasks' data config, not of a file's
+])
+def test_an_override_of_a_key_the_group_lacks_is_one_line(overrides, start, suggestion):
+    problems = _problems(*overrides)
+    assert len(problems) == 1 and problems[0].startswith(start) and "; valid: " in problems[0], problems
+    if suggestion:
+        assert f"did you mean {suggestion}?" in problems[0]
+
+
 @pytest.mark.parametrize("overrides", [["algorithm=dapo"], ["data=arithmetic_cot"], ["env=calculator"],
                                        ["algorithm=c3po_v05"], ["engine=vllm"],
                                        ["data=jsonl", "data.path=x.jsonl", "algorithm.max_new_tokens=8"]])  # (tiny)
