@@ -218,6 +218,14 @@ def test_an_override_of_a_key_the_group_lacks_is_one_line(overrides, start, sugg
         assert f"did you mean {suggestion}?" in problems[0]
 
 
+@pytest.mark.parametrize("seed", ["-1", "4294967296"])
+def test_a_seed_outside_numpys_range_names_the_key(seed):
+    problems = _problems(f"seed={seed}")  # Lightning's seed_everything would say "-1 is not in bounds" alone
+    expected = "is not valid: expected an integer in [0, 4294967295] (numpy's seed range)"
+    assert sorted(problems) == [f"data.seed={seed} {expected}", f"seed={seed} {expected}"]
+    check_config(_compose("seed=4294967295"))
+
+
 @pytest.mark.parametrize("overrides", [["algorithm=dapo"], ["data=arithmetic_cot"], ["env=calculator"],
                                        ["algorithm=c3po_v05"], ["engine=vllm"],
                                        ["data=jsonl", "data.path=x.jsonl", "algorithm.max_new_tokens=8"]])  # (tiny)

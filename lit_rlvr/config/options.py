@@ -14,7 +14,7 @@ from typing import Any, Mapping, Optional
 from lit_rlvr.config.problems import (INFINITE_OK, check_finite, convert, finite_problem, finite_problems, problem_line,
                                       unknown_key_problems)
 from lit_rlvr.config.schemas import SCHEMAS
-from lit_rlvr.config.settings import DataConfig, Rule, at_least, rows
+from lit_rlvr.config.settings import SEED, DataConfig, Rule, at_least, rows
 
 __all__ = ["RANGES", "INFINITE_OK", "check_finite", "convert", "finite_problem", "finite_problems",
            "problem_line", "range_problems", "unknown_key_problems"]
@@ -33,6 +33,7 @@ RANGES.update({                          # `_target_` may be a datamodule of the
                                       "an integer >= 1 (new tokens per request between two chances for a push)"),
     "trainer.max_steps": (lambda v: v >= 1 or v == -1, "an integer >= 1 (optimizer steps), or -1"),
     "checkpoint_every": at_least(1),
+    "seed": SEED,
     "stop_grace_s": (lambda v: not isinstance(v, bool) and v >= 0, "a number of seconds >= 0 (how long a step may "
                                                                     "still run after SIGTERM or Ctrl-C)"),
     "mode": (lambda v: v in ("train", "eval"), "train or eval"),

@@ -41,6 +41,11 @@ def at_least(low: int, what: str = "an integer") -> Rule:
     return (lambda v: _integer(v) and v >= low, f"{what} >= {low}")
 
 
+# a run's seed (`seed`, `data.seed`): numpy's range, which Lightning's `seed_everything` refuses to leave in a message
+# that names no key
+SEED: Rule = (lambda v: _integer(v) and 0 <= v < 2 ** 32, "an integer in [0, 4294967295] (numpy's seed range)")
+
+
 def optional(rule: Rule) -> Rule:
     """`rule`, or null."""
     return (lambda v: v is None or rule[0](v), f"{rule[1]}, or null")
@@ -481,7 +486,7 @@ class DataConfig:
     batch_size: int = setting(64, (lambda v: _integer(v) and v >= 1, "an integer >= 1 (prompts per RL step, all "
                                                                      "ranks together)"))
     eval_batch_size: int = setting(128, at_least(1), on_resume=True)
-    seed: int = setting(0, (_integer, "an integer"))
+    seed: int = setting(0, SEED)
     split_seed: int = setting(0, at_least(0))
     levels: tuple[int, ...] = setting((2, 3, 4), (lambda v: isinstance(v, Sequence) and not isinstance(v, str)
                                                   and bool(v) and all(_integer(x) for x in v),
