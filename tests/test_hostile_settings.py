@@ -226,6 +226,23 @@ def test_a_seed_outside_numpys_range_names_the_key(seed):
     check_config(_compose("seed=4294967295"))
 
 
+@pytest.mark.parametrize("override, line", [
+    ("trainer.devices=-3", "trainer.devices=-3 is not valid: expected an integer >= 1, -1 (all), 'auto', or a list"),
+    ("trainer.devices=0", "trainer.devices=0 is not valid"),  # Lightning: a TypeError traceback once built
+    ("trainer.devices=[-1]", "trainer.devices=[-1] is not valid"),
+    ("engine.options.share_prefill=3", "engine.options.share_prefill=3 is not valid: expected true or false"),
+    ("engine.options.use_cache=2", "engine.options.use_cache=2 is not valid: expected true or false"),
+])
+def test_values_lightning_or_the_engine_refused_only_once_built(override, line):
+    problems = _problems(override)
+    assert len(problems) == 1 and problems[0].startswith(line), problems
+
+
+@pytest.mark.parametrize("devices", ["1", "auto", "-1", "[0]", "'0,1'"])
+def test_lightnings_device_forms_pass(devices):
+    check_config(_compose(f"trainer.devices={devices}"))
+
+
 @pytest.mark.parametrize("overrides", [["algorithm=dapo"], ["data=arithmetic_cot"], ["env=calculator"],
                                        ["algorithm=c3po_v05"], ["engine=vllm"],
                                        ["data=jsonl", "data.path=x.jsonl", "algorithm.max_new_tokens=8"]])  # (tiny)
