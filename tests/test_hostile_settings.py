@@ -232,6 +232,8 @@ def test_a_seed_outside_numpys_range_names_the_key(seed):
     ("trainer.devices=[-1]", "trainer.devices=[-1] is not valid"),
     ("engine.options.share_prefill=3", "engine.options.share_prefill=3 is not valid: expected true or false"),
     ("engine.options.use_cache=2", "engine.options.use_cache=2 is not valid: expected true or false"),
+    ("algorithm.group_size=100000000000", "algorithm.group_size=100000000000 is not valid: expected an integer in "
+                                          "[1, 65536]"),  # the run sat past SIGTERM in a loop over its samples
 ])
 def test_values_lightning_or_the_engine_refused_only_once_built(override, line):
     problems = _problems(override)
