@@ -426,3 +426,16 @@ def test_the_login_comes_from_netrc(serve, monkeypatch, tmp_path):
     batch = runner(PROMPTS, ["2", "4", "6", "8"], ANSWERS)
     runner.close()
     assert batch.failures == 0 and len(server.hits) == 1
+
+
+def test_an_unknown_option_is_named_before_the_start_check_sends_anything(serve):
+    server = serve(scores(1.0))
+    problems = reward_problems("remote", {"url": server.url, "timeoutt": 3})
+    assert problems == [problems[0]] and problems[0].startswith(
+        "reward.options.timeoutt is not an option (did you mean reward.options.timeout_s?)")
+    assert server.hits == []  # the typo is the run's only problem: no request before it is fixed
+
+
+def test_a_reward_name_that_is_no_callable_is_refused_before_any_work():
+    (line,) = reward_problems("os:sep")  # a str: every call of the run would fail, each one counted
+    assert line.startswith("reward='os:sep': os:sep is a str, not a reward")

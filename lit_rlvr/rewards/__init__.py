@@ -41,9 +41,13 @@ def _load(name: str | RewardFn) -> Any:
         raise ValueError(f"reward={name!r} is not valid; use one of {', '.join(REWARDS)} or 'package.module:function'")
     module_name, attr = target.split(":", 1)
     try:
-        return getattr(importlib.import_module(module_name), attr)
+        obj = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:
         raise ValueError(f"reward={name!r}: cannot import {target} ({err})") from err
+    if not callable(obj) and not hasattr(obj, "score_batch"):  # every call of the run would fail, counted
+        raise ValueError(f"reward={name!r}: {target} is a {type(obj).__name__}, not a reward: name a function "
+                         "fn(prompt, completion, answer) -> score, a class, or an object with score_batch")
+    return obj
 
 
 def resolve_reward(name: str | RewardFn, options: Optional[dict[str, Any]] = None) -> RewardFn:
@@ -90,8 +94,9 @@ def reward_problems(name: Any, options: Optional[dict[str, Any]] = None, key: st
         problems = [p.replace("reward.options.", f"{key}.options.", 1).replace("reward=", f"{key}=", 1)
                     for p in _unused_runner_keys(name, obj, runner, options, takes)]
     check = getattr(obj, "check_options", None) if isinstance(obj, type) else None
-    own = list(check(options)) if check is not None else []
-    own += [line for line in unknown_option_problems(obj, name, options, key) if _key(line) not in map(_key, own)]
+    unknown = unknown_option_problems(obj, name, options, key)
+    own = list(check(options)) if check is not None and not unknown else []  # a typo first: no request is sent
+    own += [line for line in unknown if _key(line) not in map(_key, own)]
     named = {_key(line) for line in problems}  # a class that checks the same key again adds no second line
     return problems + [line for line in own if _key(line) not in named]
 
