@@ -101,7 +101,7 @@ class ModelReward:
             model, info = AutoModelForSequenceClassification.from_pretrained(self.path, num_labels=1,
                                                                              dtype=getattr(torch, self.dtype),
                                                                              output_loading_info=True)
-        except (OSError, ValueError) as err:
+        except Exception as err:  # OSError, ValueError; a SafetensorError (a truncated file), a RuntimeError (shapes)
             raise RewardOptionError([f"reward.options.path={self.path!r}: the reward model cannot be loaded "
                                      f"({type(err).__name__}: {str(err)[:300]})"]) from err
         tokenizer.truncation_side = "left"  # keep the completion's end: where the answer is
