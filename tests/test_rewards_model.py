@@ -129,6 +129,18 @@ def test_truncated_weights_stop_the_run_in_one_line_not_every_batch(reward_model
     runner.close()
 
 
+def test_a_folder_without_a_tokenizer_is_refused_before_any_work(reward_model, tmp_path):
+    import shutil
+
+    path = tmp_path / "no_tokenizer"
+    shutil.copytree(reward_model[0], path)
+    for name in [n.name for n in path.iterdir() if n.name.startswith("tokenizer")]:
+        (path / name).unlink()  # every call failed on an empty tokenization, counted, rc 0
+    assert reward_problems("model", {"path": str(path)}) == [
+        f"reward.options.path={str(path)!r} holds no tokenizer (no tokenizer.json or tokenizer_config.json): every "
+        "call would fail; save the tokenizer there too (tokenizer.save_pretrained)"]
+
+
 def test_train_py_refuses_a_causal_lm_as_reward_model_before_any_work(wrong_folders, tmp_path):
     path = wrong_folders["causal"]
     done = subprocess.run([sys.executable, "train.py", "reward=model", f"reward.options.path={path}",

@@ -28,6 +28,7 @@ from lit_rlvr.run.stop import STOP
 
 DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_FILES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
+TOKENIZER_FILES = ("vocab.json", "vocab.txt", "spiece.model", "sentencepiece.bpe.model")  # beside tokenizer*.json
 
 
 def model_problem(path: str) -> Optional[str]:
@@ -50,6 +51,9 @@ def model_problem(path: str) -> Optional[str]:
     if not any(name.endswith(WEIGHT_FILES) for name in os.listdir(path)):
         return (f"reward.options.path={path!r} holds a config.json and no weights (no *.safetensors or *.bin); "
                 "save the model with save_pretrained")
+    if not any(name.startswith("tokenizer") or name in TOKENIZER_FILES for name in os.listdir(path)):
+        return (f"reward.options.path={path!r} holds no tokenizer (no tokenizer.json or tokenizer_config.json): "
+                "every call would fail; save the tokenizer there too (tokenizer.save_pretrained)")
     return None
 
 
