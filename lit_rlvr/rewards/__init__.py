@@ -94,9 +94,8 @@ def reward_problems(name: Any, options: Optional[dict[str, Any]] = None, key: st
         problems = [p.replace("reward.options.", f"{key}.options.", 1).replace("reward=", f"{key}=", 1)
                     for p in _unused_runner_keys(name, obj, runner, options, takes)]
     check = getattr(obj, "check_options", None) if isinstance(obj, type) else None
-    unknown = unknown_option_problems(obj, name, options, key)
-    own = list(check(options)) if check is not None and not unknown else []  # a typo first: no request is sent
-    own += [line for line in unknown if _key(line) not in map(_key, own)]
+    own = list(check(options)) if check is not None else []
+    own += [line for line in unknown_option_problems(obj, name, options, key) if _key(line) not in map(_key, own)]
     named = {_key(line) for line in problems}  # a class that checks the same key again adds no second line
     return problems + [line for line in own if _key(line) not in named]
 
