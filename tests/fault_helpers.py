@@ -5,6 +5,7 @@ environment whose rollouts stop ending after the first step."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any, Optional
 
@@ -94,3 +95,13 @@ class StallingEnv(TextEnv):
             open(marker, "w").close()
         time.sleep(float(self.env_config.get("step_s", 2.0)))
         return {"observations": "", "reward": 0.0, "done": False, "metadata": {"tool_call": False}}
+
+
+def announced_slow_reward(prompt: str, completion: str, answer: Any) -> float:
+    """The arithmetic reward, 0.2 s a call, saying "REWARD CALLED" on stderr the first time (a test signals the run
+    then: during the evaluation before training)."""
+    if not getattr(announced_slow_reward, "said", False):
+        announced_slow_reward.said = True
+        print("REWARD CALLED", file=sys.stderr, flush=True)
+    time.sleep(0.2)
+    return float(arithmetic_reward(prompt, completion, answer))

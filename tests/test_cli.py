@@ -84,7 +84,7 @@ def test_group_of_one_is_refused_before_training(tmp_path):
 # -- issue 34, class 7: a constructor's or a check's config error is one line from every entry ---------------
 BAD_CLI = {  # argument -> what the line must say; raised by a constructor, at fit start, or by the optimizer
     "--model.init_args.algorithm.group_size=0": "model.init_args.algorithm.group_size=0 is not valid: expected an "
-                                                "integer >= 1",
+                                                "integer in [1, 65536]",
     "--model.init_args.algorithm.group_size=1": "model.init_args.algorithm.group_size=1 is not valid: expected an "
                                                 "integer >= 2",
     "--model.init_args.algorithm.lr=-1": "model.init_args.algorithm.lr=-1.0 is not valid: expected a number > 0",

@@ -100,6 +100,28 @@ def test_signal_with_eval_before_exits_0_with_summary_and_resumes(tmp_path, sign
     report(f"{name}, eval_before=true")
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_during_the_evaluation_before_training_stops_the_run_before_it_trains(tmp_path, signum):
+    """Lightning's SIGTERM flag, set during `validate`, was cleared when `fit` started: the run trained to its end."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "eval_before=true", "data.num_test=32", "callbacks.progress=null", "data.batch_size=4",
+                 "algorithm.group_size=4", "trainer.max_steps=3", "stop_grace_s=2",
+                 "reward.name=tests.fault_helpers:announced_slow_reward")
+    deadline = time.monotonic() + 300
+    while "REWARD CALLED" not in proc.log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signum)
+    signalled = time.monotonic()
+    text = finish(proc, timeout=120)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    name = signal.Signals(signum).name
+    assert summary[f"stopped_by_{name.lower()}"] and summary["steps"] == 0, text[-2000:]
+    assert rows(run_dir) == {} and not (run_dir / "checkpoints" / "last.ckpt").exists()
+    assert f"stopped by {name} during the evaluation before training: nothing was trained" in text
+    assert time.monotonic() - signalled < 60  # the evaluation given up stop_grace_s after the signal, not finished
+    report(f"{name} during eval_before")
+
+
 def test_default_train_py_sigterm_at_step_5_exits_0_and_resume_is_exact(tmp_path):
     """`python train.py` as shipped (only where it writes, and metrics flushed each step so the test sees them)."""
     default = ["logger.csv.flush_logs_every_n_steps=1"]

@@ -59,10 +59,14 @@ BAD_ROWS = [  # (row, field named in the message, reason counted when skipped, w
     (b'{"prompt": "caf\xe9", "answer": "1"}', "<row>", "invalid_utf8", "invalid UTF-8"),
     (b'{"prompt": "q", "answer": ', "<row>", "invalid_json", "invalid JSON"),
     (b"[1, 2]", "<row>", "wrong_type", "expected an object"),
+    (b'{"prompt": "q", "answer": NaN}', "answer", "wrong_type", "expected a finite number"),
+    (b'{"prompt": "q", "answer": [1, -Infinity]}', "answer", "wrong_type", "expected a finite number"),
+    (b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b', "answer": "1"}', "<row>", "invalid_json", "nested deeper"),
 ]
 
 
-@pytest.mark.parametrize("bad,field,reason,words", BAD_ROWS)
+@pytest.mark.parametrize("bad,field,reason,words", BAD_ROWS,
+                         ids=lambda v: repr(v)[:40] if isinstance(v, bytes) else None)
 def test_jsonl_bad_row_error_names_file_row_field(tmp_path, bad, field, reason, words):
     path = write_jsonl(tmp_path / "bad.jsonl", [GOOD, GOOD, bad, GOOD])
     with pytest.raises(DataError) as err:

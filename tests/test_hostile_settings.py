@@ -205,6 +205,46 @@ def test_unknown_keys_are_refused_with_a_close_match(override, start, suggestion
         assert f"did you mean {suggestion}?" in problems[0]
 
 
+@pytest.mark.parametrize("overrides, start, suggestion", [  # without `+`: Hydra's "Could not override" before
+    (["data.batchsize=4"], "data.batchsize is not an option", "data.batch_size"),
+    (["trainer.max_stepz=3"], "trainer.max_stepz is not an option", "trainer.max_steps"),
+    (["data=jsonl", "data.path=x.jsonl", "algorithm.max_new_tokens=8", "data.num_test=2"],
+     "data.num_test is not an option", None),  # a key of the generated tasks' data config, not of a file's
+])
+def test_an_override_of_a_key_the_group_lacks_is_one_line(overrides, start, suggestion):
+    problems = _problems(*overrides)
+    assert len(problems) == 1 and problems[0].startswith(start) and "; valid: " in problems[0], problems
+    if suggestion:
+        assert f"did you mean {suggestion}?" in problems[0]
+
+
+@pytest.mark.parametrize("seed", ["-1", "4294967296"])
+def test_a_seed_outside_numpys_range_names_the_key(seed):
+    problems = _problems(f"seed={seed}")  # Lightning's seed_everything would say "-1 is not in bounds" alone
+    expected = "is not valid: expected an integer in [0, 4294967295] (numpy's seed range)"
+    assert sorted(problems) == [f"data.seed={seed} {expected}", f"seed={seed} {expected}"]
+    check_config(_compose("seed=4294967295"))
+
+
+@pytest.mark.parametrize("override, line", [
+    ("trainer.devices=-3", "trainer.devices=-3 is not valid: expected an integer >= 1, -1 (all), 'auto', or a list"),
+    ("trainer.devices=0", "trainer.devices=0 is not valid"),  # Lightning: a TypeError traceback once built
+    ("trainer.devices=[-1]", "trainer.devices=[-1] is not valid"),
+    ("engine.options.share_prefill=3", "engine.options.share_prefill=3 is not valid: expected true or false"),
+    ("engine.options.use_cache=2", "engine.options.use_cache=2 is not valid: expected true or false"),
+    ("algorithm.group_size=100000000000", "algorithm.group_size=100000000000 is not valid: expected an integer in "
+                                          "[1, 65536]"),  # the run sat past SIGTERM in a loop over its samples
+])
+def test_values_lightning_or_the_engine_refused_only_once_built(override, line):
+    problems = _problems(override)
+    assert len(problems) == 1 and problems[0].startswith(line), problems
+
+
+@pytest.mark.parametrize("devices", ["1", "auto", "-1", "[0]", "'0,1'"])
+def test_lightnings_device_forms_pass(devices):
+    check_config(_compose(f"trainer.devices={devices}"))
+
+
 @pytest.mark.parametrize("overrides", [["algorithm=dapo"], ["data=arithmetic_cot"], ["env=calculator"],
                                        ["algorithm=c3po_v05"], ["engine=vllm"],
                                        ["data=jsonl", "data.path=x.jsonl", "algorithm.max_new_tokens=8"]])  # (tiny)

@@ -365,7 +365,7 @@ def test_the_start_check_refuses_https_to_a_plain_http_server(serve):
 
 
 def test_the_start_check_refuses_a_server_of_another_protocol(serve):
-    server = serve(lambda h, b: send_json(h, {"scores": [1.0]}))
+    server = serve(lambda h, b: send_json(h, {"scores": [1.0] * len(json.loads(b)["query"])}))
     problems = reward_problems("remote", {"url": server.url})
     assert len(problems) == 1 and "not {'rewards': [one number per completion]}" in problems[0]
     assert reward_problems("remote", {"url": server.url, "score_key": "scores"}) == []
@@ -426,3 +426,28 @@ def test_the_login_comes_from_netrc(serve, monkeypatch, tmp_path):
     batch = runner(PROMPTS, ["2", "4", "6", "8"], ANSWERS)
     runner.close()
     assert batch.failures == 0 and len(server.hits) == 1
+
+
+def test_an_unknown_option_is_named_before_the_start_check_sends_anything(serve):
+    server = serve(scores(1.0))
+    problems = reward_problems("remote", {"url": server.url, "timeoutt": 3})
+    assert problems == [problems[0]] and problems[0].startswith(
+        "reward.options.timeoutt is not an option (did you mean reward.options.timeout_s?)")
+    assert server.hits == []  # the typo is the run's only problem: no request before it is fixed
+
+
+def test_a_reward_name_that_is_no_callable_is_refused_before_any_work():
+    (line,) = reward_problems("os:sep")  # a str: every call of the run would fail, each one counted
+    assert line.startswith("reward='os:sep': os:sep is a str, not a reward")
+
+
+def test_the_start_check_sends_a_whole_chunk_as_the_run_will(serve):
+    def one_at_a_time(handler, body):  # takes a request of one completion, refuses the run's chunks
+        n = len(json.loads(body)["query"])
+        send_json(handler, {"rewards": [1.0]} if n == 1 else {"detail": "too many"}, 200 if n == 1 else 413)
+
+    server = serve(one_at_a_time)
+    (line,) = reward_problems("remote", {"url": server.url, "batch_size": 4})
+    assert line.startswith(f"reward.options.url={server.url!r}: the start check's request failed")
+    assert "HTTP 413" in line
+    assert [len(json.loads(hit[3])["query"]) for hit in server.hits] == [4]

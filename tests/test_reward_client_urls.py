@@ -157,9 +157,10 @@ def score_one(url, **options):
 def test_the_start_check_sends_one_request_of_the_runs_kind_to_the_given_port(serve):
     server = serve([(200, ones)])
     assert RemoteReward.check_options({"url": server.url}) == []
-    assert server.requests == [("/get_reward", PROBE)]
-    assert RemoteReward.check_options({"url": server.url + "/score"}) == []
-    assert server.requests[1] == ("/score", PROBE)
+    full = {k: v * 64 for k, v in PROBE.items()}  # a whole chunk of the default batch_size
+    assert server.requests == [("/get_reward", full)]
+    assert RemoteReward.check_options({"url": server.url + "/score", "batch_size": 3}) == []
+    assert server.requests[1] == ("/score", {k: v * 3 for k, v in PROBE.items()})
 
 
 @pytest.mark.parametrize("answer", [{"rewards": [1.0, 2.0]}, {"rewards": []}, {"rewards": 1.0}, {"scores": [1.0]},

@@ -115,6 +115,32 @@ def test_weights_without_the_score_head_are_refused_when_they_load_not_scored_at
     runner.close()
 
 
+def test_truncated_weights_stop_the_run_in_one_line_not_every_batch(reward_model, tmp_path):
+    import shutil
+
+    path = tmp_path / "truncated"
+    shutil.copytree(reward_model[0], path)
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a copy cut short
+    runner = build_reward_runner("model", {"path": str(path), "device": "cpu"})  # the config alone looks right
+    with pytest.raises(ValueError, match=rf"reward\.options\.path='{path}': the reward model cannot be loaded "
+                                         r"\(SafetensorError"):  # it was a failure of every call, counted, rc 0
+        runner(["1+1="], ["2"], [2])
+    runner.close()
+
+
+def test_a_folder_without_a_tokenizer_is_refused_before_any_work(reward_model, tmp_path):
+    import shutil
+
+    path = tmp_path / "no_tokenizer"
+    shutil.copytree(reward_model[0], path)
+    for name in [n.name for n in path.iterdir() if n.name.startswith("tokenizer")]:
+        (path / name).unlink()  # every call failed on an empty tokenization, counted, rc 0
+    assert reward_problems("model", {"path": str(path)}) == [
+        f"reward.options.path={str(path)!r} holds no tokenizer (no tokenizer.json or tokenizer_config.json): every "
+        "call would fail; save the tokenizer there too (tokenizer.save_pretrained)"]
+
+
 def test_train_py_refuses_a_causal_lm_as_reward_model_before_any_work(wrong_folders, tmp_path):
     path = wrong_folders["causal"]
     done = subprocess.run([sys.executable, "train.py", "reward=model", f"reward.options.path={path}",

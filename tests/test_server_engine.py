@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.config.errors import ConfigError, HTTPRefusal
 from lit_rlvr.models.tiny import build_tiny
 from lit_rlvr.rollout.engine import EngineError, SamplingParams
 from lit_rlvr.rollout.server import url_problems
@@ -38,6 +39,7 @@ class FakeVLLM(ThreadingHTTPServer):
         self.loaded: dict[str, torch.Tensor] = {}
         self.fail_route: str = ""
         self.fail_after = 0  # calls of fail_route that succeed before it fails
+        self.misbehave: dict = {}  # route -> fn(handler): answers that route as a hostile server would
         self.thread = threading.Thread(target=self.serve_forever, daemon=True)
         self.thread.start()
 
@@ -65,6 +67,8 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self) -> None:
+        if self.path in self.server.misbehave:
+            return self.server.misbehave[self.path](self)
         if self.path == "/v1/models":
             return self._answer(200, {"data": [{"id": self.server.model_path, "root": self.server.model_path,
                                                 "owned_by": self.server.owned_by}]})
@@ -74,6 +78,8 @@ class Handler(BaseHTTPRequestHandler):
         route = urlsplit(self.path).path
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"null")
         self.server.calls.append(route)
+        if route in self.server.misbehave:
+            return self.server.misbehave[route](self)
         if route == self.server.fail_route and self.server.calls.count(route) > self.server.fail_after:
             return self._answer(500, {"error": "broken"})
         if route == "/inference/v1/generate":
@@ -281,3 +287,76 @@ def test_under_two_ranks_rank_0_alone_pushes_and_a_failure_stops_both(servers, t
     names = {n for n, _ in build_tiny(0, hidden_size=32, heads=2)[0].named_parameters()}
     assert servers[0].calls[-1] == "/resume" and set(servers[1].loaded) == names
     assert servers[0].calls.count("/init_weight_transfer_engine") == 2  # each rank's engine checks the servers
+
+
+# -- the HTTP rules of lit_rlvr/run/http.py (issue 61, class 2 and 3): the engines' client is that client ----------
+
+
+def _redirect(to: str):
+    def answer(handler: Handler) -> None:
+        handler.send_response(307)
+        handler.send_header("Location", to)
+        handler.send_header("Content-Length", "0")
+        handler.end_headers()
+    return answer
+
+
+def test_a_server_that_redirects_is_refused_and_the_other_host_never_asked(policy, servers):
+    first, other = servers
+    first.misbehave["/v1/models"] = _redirect(other.url + "/v1/models")  # at the start check
+    with pytest.raises(ConfigError, match="answered HTTP 307, a redirect to .*follows no redirects") as info:
+        _engine(policy, [first])
+    assert other.url in str(info.value) and other.calls == []
+    del first.misbehave["/v1/models"]
+    engine = _engine(policy, [first])
+    first.misbehave["/inference/v1/generate"] = _redirect(other.url + "/inference/v1/generate")  # mid-run
+    with pytest.raises(HTTPRefusal, match="follows no redirects"):
+        engine.generate([[5, 6]], [1], SamplingParams(max_new_tokens=4))
+    assert other.generated == [] and engine.take_metrics()["engine/servers_alive"] == 1.0  # it answered: not gone
+    engine.shutdown()
+
+
+def test_an_answer_over_the_bound_is_refused_unread(policy, servers):
+    sent = []
+
+    def huge(handler: Handler) -> None:
+        handler.send_response(200)
+        handler.send_header("Transfer-Encoding", "chunked")  # no Content-Length to refuse it by
+        handler.end_headers()
+        try:
+            for _ in range(64):  # 4 MiB in 64 KiB chunks
+                handler.wfile.write(b"10000\r\n" + b" " * 65536 + b"\r\n")
+                sent.append(65536)
+            handler.wfile.write(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    engine = _engine(policy, servers[:1], max_response_bytes=1 << 18)
+    servers[0].misbehave["/inference/v1/generate"] = huge
+    with pytest.raises(HTTPRefusal, match=r"answered more than 262144 bytes \(engine.options.max_response_bytes"):
+        engine.generate([[5, 6]], [1], SamplingParams(max_new_tokens=4))
+    engine.shutdown()
+    with pytest.raises(ConfigError, match="engine.options.max_response_bytes=0 is not valid"):
+        _engine(policy, servers[:1], max_response_bytes=0)
+
+
+def test_a_trickled_answer_ends_at_the_requests_deadline(policy, servers):
+    def trickle(handler: Handler) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Length", "40")
+        handler.end_headers()
+        try:
+            for _ in range(40):  # a byte every 0.25 s: each read is quick, the whole answer takes 10 s
+                handler.wfile.write(b" ")
+                handler.wfile.flush()
+                time.sleep(0.25)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    engine = _engine(policy, servers[:1], timeout_s=1.0)
+    servers[0].misbehave["/inference/v1/generate"] = trickle
+    start = time.monotonic()
+    with pytest.raises(EngineError, match="timed out, no whole answer within timeout_s=1s"):
+        engine.generate([[5, 6]], [1], SamplingParams(max_new_tokens=4))
+    assert time.monotonic() - start < 5.0  # the request's deadline, not a socket timeout per byte
+    engine.shutdown()

@@ -25,8 +25,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_rlvr.app.config_check import check_config
 from lit_rlvr.config.errors import ConfigError
-from lit_rlvr.config.problems import secret_problems
-from lit_rlvr.config.schemas import composition_problem
+from lit_rlvr.config.problems import secret_problems, unknown_key_problems
+from lit_rlvr.config.schemas import composition_problem, missing_key
 from lit_rlvr.app.recipe import check_run_dir, evaluate, print_summary, train
 from lit_rlvr.run import quiet
 from lit_rlvr.run.distributed import shutdown
@@ -59,8 +59,9 @@ def compose_checked(config_dir: Optional[str], overrides: Sequence[str], config_
     """The config `train.py` composes from `config_dir` (None: the package's, `lit_rlvr.conf`) and `overrides`. A value
     of the wrong type or an unknown key under a typed group (lit_rlvr/config/schemas.py), which Hydra refuses in
     several lines, is a `ConfigError` line instead; each such override is set aside and the rest composed again, so
-    one `ConfigError` lists them all, with `check_config`'s lines for the rest."""
-    problems, rest = [], list(overrides)
+    one `ConfigError` lists them all, with `check_config`'s lines for the rest. An override of a key the composed
+    group lacks (`data=jsonl data.num_test=2`, `trainer.max_stepz=1`) is one line naming the group's keys."""
+    problems, rest, unknown = [], list(overrides), []
     while True:
         try:
             with (initialize_config_dir(config_dir, version_base="1.3") if config_dir else
@@ -69,13 +70,17 @@ def compose_checked(config_dir: Optional[str], overrides: Sequence[str], config_
             break
         except ConfigCompositionException as err:
             found = composition_problem(err)
+            if found is None and missing_key(err) is not None:
+                unknown.append(missing_key(err))
+                found = ("", unknown[-1])  # its line once the rest is composed: the section's keys
             if found is None:
                 raise
-            problems.append(found[0])
+            problems += [found[0]] if found[0] else []
             kept = [o for o in rest if o.lstrip("~+").split("=", 1)[0] != found[1]]
             if len(kept) == len(rest):  # a config file's value, not an override
-                raise ConfigError(problems) from None
+                raise ConfigError(problems or [f"{found[1]}: {err}"]) from None
             rest = kept
+    problems += [line for key in unknown for line in _unknown_lines(cfg, key)]
     if problems:
         try:
             check_config(cfg)
@@ -83,6 +88,14 @@ def compose_checked(config_dir: Optional[str], overrides: Sequence[str], config_
             problems += err.problems
         raise ConfigError(problems)
     return cfg
+
+
+def _unknown_lines(cfg: DictConfig, key: str) -> list[str]:
+    """The line for an override of `key`, which the composed `cfg` lacks: its section's keys, a close match."""
+    section, _, name = key.rpartition(".")
+    node = OmegaConf.select(cfg, section) if section else cfg
+    valid = [str(k) for k in node.keys() if not str(k).startswith("_")] if isinstance(node, DictConfig) else []
+    return unknown_key_problems(section, [name], valid) or [f"{key} is not an option"]
 
 
 def check_command_line(config_dir: Optional[str] = None, argv: Optional[Sequence[str]] = None) -> None:

@@ -36,7 +36,7 @@ from lit_rlvr.run.one_line import config_phase
 from lit_rlvr.run.processes import peak_rss_mb
 from lit_rlvr.run.resume import RunConfig, check_config, check_weights_fit, load_checkpoint, resolved_config
 from lit_rlvr.run.run_checkpoint import STOP_GRACE_S, RunCheckpoint
-from lit_rlvr.run.stop import stop_requests
+from lit_rlvr.run.stop import STOP, stop_requests
 from lit_rlvr.run.storage import write_atomic
 from lit_rlvr.strategies import FSDP2Strategy
 
@@ -189,19 +189,39 @@ def _build_run(cfg: DictConfig, run_dir: Path) -> tuple[pl.LightningDataModule, 
     return datamodule, trainer, module
 
 
+def _evaluate_before(trainer: pl.Trainer, module: GRPOModule, datamodule,
+                     grace_s: float) -> tuple[dict[str, float], Optional[str]]:
+    """The evaluation before training, under the stop requests of the one after it: a SIGTERM or a first Ctrl-C
+    during it ends it within `grace_s` (generation checks) and the run stops before training. (Lightning's own
+    SIGTERM flag is set during `validate` but cleared when `fit` starts: the run trained to the end.) Returns the
+    metrics ({} when given up) and the signal's name, or None."""
+    try:
+        with stop_requests(grace_s if trainer.world_size == 1 else None):
+            metrics = validate(trainer, module, datamodule)
+            return metrics, (STOP.name or None) if STOP.requested and trainer.world_size == 1 else None
+    except StopRequested as err:
+        return {}, err.signal_name
+
+
 def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Evaluate, train, evaluate again; write summary.json; return the summary."""
     started = time.perf_counter()
     datamodule, trainer, module = _build_run(cfg, run_dir)
-    before = validate(trainer, module, datamodule) if cfg.eval_before and cfg.resume is None else {}
+    checkpoint = next(cb for cb in trainer.callbacks if isinstance(cb, RunCheckpoint))
+    before, stopped_before = ({}, None) if not cfg.eval_before or cfg.resume is not None else _evaluate_before(
+        trainer, module, datamodule, checkpoint.stop_grace_s)
     if cfg.resume is not None:
         if trainer.is_global_zero:  # rank 0 writes metrics.csv; another rank here would race its logger
             _set_metrics_aside(run_dir)
-    # weights_only=False: our own checkpoints hold the config (omegaconf), RNG and data states
-    checkpoint = next(cb for cb in trainer.callbacks if isinstance(cb, RunCheckpoint))
     abandoned: Optional[StopRequested] = None
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume, weights_only=False)
+        if stopped_before:  # a stop during the evaluation before training: nothing trained, nothing to save
+            checkpoint.stopped_by_sigterm, checkpoint.stopped_by_sigint = (stopped_before == "SIGTERM",
+                                                                           stopped_before == "SIGINT")
+            log.warning("stopped by %s during the evaluation before training: nothing was trained (run again to "
+                        "train)", stopped_before)
+        else:  # weights_only=False: our own checkpoints hold the config (omegaconf), RNG and data states
+            trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume, weights_only=False)
     except SIGTERMException:  # Lightning exits (code 0) once the step that saw SIGTERM has ended
         if trainer.global_step == 0 and checkpoint.saved_step < 0:  # nothing saved (async: a filling call saves)
             raise
@@ -216,6 +236,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         raise
     if abandoned is not None:
         _say_abandoned(abandoned, checkpoint, module)
+        after = {}
+    elif stopped_before:
         after = {}
     elif checkpoint.stopped_by_sigterm or checkpoint.stopped_by_sigint:  # leave quickly: a grace period is short
         checkpoint.save(trainer)  # no-op when fit ended on a saved step (SIGTERM)

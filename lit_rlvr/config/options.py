@@ -9,12 +9,14 @@ Hydra config paths; a constructor checks the rows of its section (`algorithm.`, 
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from typing import Any, Mapping, Optional
 
 from lit_rlvr.config.problems import (INFINITE_OK, check_finite, convert, finite_problem, finite_problems, problem_line,
                                       unknown_key_problems)
 from lit_rlvr.config.schemas import SCHEMAS
-from lit_rlvr.config.settings import DataConfig, Rule, at_least, rows
+from lit_rlvr.config.settings import SEED, DataConfig, Rule, at_least, rows
 
 __all__ = ["RANGES", "INFINITE_OK", "check_finite", "convert", "finite_problem", "finite_problems",
            "problem_line", "range_problems", "unknown_key_problems"]
@@ -31,8 +33,15 @@ RANGES.update({                          # `_target_` may be a datamodule of the
     # SGLang's and vLLM's in-flight pushes (lit_rlvr.rollout.segments)
     "engine.options.segment_tokens": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
                                       "an integer >= 1 (new tokens per request between two chances for a push)"),
+    # HFEngine's switches: OmegaConf turns any integer into a bool, so 3 passes the type check (the engine refused it
+    # only once the model had loaded)
+    **{f"engine.options.{k}": (lambda v: isinstance(v, bool), "true or false")
+       for k in ("share_prefill", "use_cache", "process")},
     "trainer.max_steps": (lambda v: v >= 1 or v == -1, "an integer >= 1 (optimizer steps), or -1"),
+    "trainer.devices": (lambda v: _devices_ok(v), "an integer >= 1, -1 (all), 'auto', or a list of device indices "
+                                                  "(Lightning's `devices`)"),
     "checkpoint_every": at_least(1),
+    "seed": SEED,
     "stop_grace_s": (lambda v: not isinstance(v, bool) and v >= 0, "a number of seconds >= 0 (how long a step may "
                                                                     "still run after SIGTERM or Ctrl-C)"),
     "mode": (lambda v: v in ("train", "eval"), "train or eval"),
@@ -40,6 +49,21 @@ RANGES.update({                          # `_target_` may be a datamodule of the
 # one engine call's options (`SamplingParams`): the algorithm's rows, where temperature 0 (greedy) is valid
 RANGES.update({f"sampling.{k}": RANGES[f"algorithm.{k}"] for k in ("top_p", "top_k", "max_new_tokens")})
 RANGES["sampling.temperature"] = RANGES["algorithm.eval_temperature"]
+
+
+def _devices_ok(value: Any) -> bool:
+    """Lightning's `devices`: a count >= 1, -1 (all), "auto", or device indices (a list, or "0,1"); anything else it
+    refuses with a traceback once the Trainer is built (`devices=-3`: a TypeError)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return value >= 1 or value == -1
+    if isinstance(value, str):
+        return re.fullmatch(r"auto|-1|[1-9]\d*|\d+(,\d+)*,", value.strip()) is not None or bool(
+            re.fullmatch(r"\d+(,\d+)+", value.strip()))
+    if isinstance(value, Sequence):
+        return bool(value) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
+    return False
 
 
 def lora_rank_problems(engine: Any, engine_name: str, rank: Optional[int], lora_sync: str) -> list[str]:

@@ -104,4 +104,13 @@ def composition_problem(err: BaseException) -> Optional[tuple[str, str]]:
     return unknown_key_problems(section, [name], [f.name for f in dataclasses.fields(cls)])[0], key
 
 
+def missing_key(err: BaseException) -> Optional[str]:
+    """The key of an override Hydra could not apply because the composed config has no such key (a group without a
+    schema: `data`, `trainer`); None for any other error. Its line needs the composed section's keys."""
+    cause = err.__cause__
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
+        return str(cause.full_key)
+    return None
+
+
 register()

@@ -41,6 +41,13 @@ def at_least(low: int, what: str = "an integer") -> Rule:
     return (lambda v: _integer(v) and v >= low, f"{what} >= {low}")
 
 
+MAX_GROUP_SIZE = 65536  # samples per prompt: RLVR recipes use 4 to 512
+
+# a run's seed (`seed`, `data.seed`): numpy's range, which Lightning's `seed_everything` refuses to leave in a message
+# that names no key
+SEED: Rule = (lambda v: _integer(v) and 0 <= v < 2 ** 32, "an integer in [0, 4294967295] (numpy's seed range)")
+
+
 def optional(rule: Rule) -> Rule:
     """`rule`, or null."""
     return (lambda v: v is None or rule[0](v), f"{rule[1]}, or null")
@@ -241,7 +248,9 @@ class AlgorithmConfig(SamplingOptions, UpdateConfig, LossConfig, OptimConfig):
     `rollout_correction`: verl's options for the engine's drift (`lit_rlvr.config.rollout_correction`,
     docs/rollout_correction.md); `filter_groups`: DAPO's dynamic sampling."""
 
-    group_size: int = setting(8, at_least(1))
+    # capped: a typo of 1e11 samples per prompt passed, and the run then sat in a loop over them that no stop reached
+    group_size: int = setting(8, (lambda v: _integer(v) and 1 <= v <= MAX_GROUP_SIZE,
+                                  f"an integer in [1, {MAX_GROUP_SIZE}] (samples per prompt)"))
     filter_groups: FilterGroups = setting(factory=FilterGroups)
     rollout_correction: RolloutCorrection = setting(factory=RolloutCorrection)
 
@@ -481,7 +490,7 @@ class DataConfig:
     batch_size: int = setting(64, (lambda v: _integer(v) and v >= 1, "an integer >= 1 (prompts per RL step, all "
                                                                      "ranks together)"))
     eval_batch_size: int = setting(128, at_least(1), on_resume=True)
-    seed: int = setting(0, (_integer, "an integer"))
+    seed: int = setting(0, SEED)
     split_seed: int = setting(0, at_least(0))
     levels: tuple[int, ...] = setting((2, 3, 4), (lambda v: isinstance(v, Sequence) and not isinstance(v, str)
                                                   and bool(v) and all(_integer(x) for x in v),

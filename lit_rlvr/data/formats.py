@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections import Counter
 from collections.abc import Mapping
@@ -139,6 +140,8 @@ def _read_jsonl(path: str, split: str) -> Iterator[tuple[int, Any]]:
                 yield row_no, json.loads(line)
             except json.JSONDecodeError as err:
                 yield row_no, _BadRow("invalid_json", "<row>", f"invalid JSON ({err.msg} at column {err.colno})")
+            except RecursionError:  # the decoder recurses per nesting level: a row nested ~1000 deep exhausts it
+                yield row_no, _BadRow("invalid_json", "<row>", "JSON nested deeper than Python's decoder can read")
 
 
 def _read_parquet(path: str, split: str) -> Iterator[tuple[int, Any]]:
@@ -257,6 +260,8 @@ def _check_answer(answer: Any, field: str) -> None:
     items = answer if isinstance(answer, (list, tuple)) else [answer]
     if not items or not all(isinstance(a, (str, int, float)) and not isinstance(a, bool) for a in items):
         raise _BadRow("wrong_type", field, f"expected a string or number (or a list of them), got {answer!r:.60}")
+    if any(isinstance(a, float) and not math.isfinite(a) for a in items):  # JSON's NaN/Infinity: no answer
+        raise _BadRow("wrong_type", field, f"expected a finite number, got {answer!r:.60}")
     if any(isinstance(a, str) and not a.strip() for a in items):
         raise _BadRow("empty_field", field, "empty answer")
 

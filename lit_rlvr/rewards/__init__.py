@@ -41,9 +41,13 @@ def _load(name: str | RewardFn) -> Any:
         raise ValueError(f"reward={name!r} is not valid; use one of {', '.join(REWARDS)} or 'package.module:function'")
     module_name, attr = target.split(":", 1)
     try:
-        return getattr(importlib.import_module(module_name), attr)
+        obj = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:
         raise ValueError(f"reward={name!r}: cannot import {target} ({err})") from err
+    if not callable(obj) and not hasattr(obj, "score_batch"):  # every call of the run would fail, counted
+        raise ValueError(f"reward={name!r}: {target} is a {type(obj).__name__}, not a reward: name a function "
+                         "fn(prompt, completion, answer) -> score, a class, or an object with score_batch")
+    return obj
 
 
 def resolve_reward(name: str | RewardFn, options: Optional[dict[str, Any]] = None) -> RewardFn:

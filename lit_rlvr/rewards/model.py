@@ -28,6 +28,7 @@ from lit_rlvr.run.stop import STOP
 
 DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_FILES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
+TOKENIZER_FILES = ("vocab.json", "vocab.txt", "spiece.model", "sentencepiece.bpe.model")  # beside tokenizer*.json
 
 
 def model_problem(path: str) -> Optional[str]:
@@ -50,6 +51,9 @@ def model_problem(path: str) -> Optional[str]:
     if not any(name.endswith(WEIGHT_FILES) for name in os.listdir(path)):
         return (f"reward.options.path={path!r} holds a config.json and no weights (no *.safetensors or *.bin); "
                 "save the model with save_pretrained")
+    if not any(name.startswith("tokenizer") or name in TOKENIZER_FILES for name in os.listdir(path)):
+        return (f"reward.options.path={path!r} holds no tokenizer (no tokenizer.json or tokenizer_config.json): "
+                "every call would fail; save the tokenizer there too (tokenizer.save_pretrained)")
     return None
 
 
@@ -101,7 +105,7 @@ class ModelReward:
             model, info = AutoModelForSequenceClassification.from_pretrained(self.path, num_labels=1,
                                                                              dtype=getattr(torch, self.dtype),
                                                                              output_loading_info=True)
-        except (OSError, ValueError) as err:
+        except Exception as err:  # OSError, ValueError; a SafetensorError (a truncated file), a RuntimeError (shapes)
             raise RewardOptionError([f"reward.options.path={self.path!r}: the reward model cannot be loaded "
                                      f"({type(err).__name__}: {str(err)[:300]})"]) from err
         tokenizer.truncation_side = "left"  # keep the completion's end: where the answer is

@@ -24,13 +24,16 @@ from typing import Any, Optional, Sequence
 from lit_rlvr.config.errors import HTTPRefusal, RewardOptionError, StopRequested
 from lit_rlvr.rewards.base import RewardResult, wait_or_stop
 from lit_rlvr.rewards.checks import is_int, is_number, problem_line
+from lit_rlvr.rewards.options import RUNNER_KEYS
 from lit_rlvr.run.http import DEFAULT_MAX_RESPONSE_BYTES, HTTPClient, redact, start_problem, url_problem
 
 log = logging.getLogger(__name__)
 
 OPTIONS = ("url", "batch_size", "max_concurrent", "timeout_s", "retries", "backoff_s", "score_key",
            "max_response_bytes")
-# the start check's request: one completion, the shape of every request of the run
+# the start check's request: `batch_size` copies of this completion, the shape and size of every request of the run
+# (a server that takes one completion and refuses a full chunk passed a one-completion probe; the run then failed
+# every chunk)
 PROBE = {"query": ["1+1=2"], "prompts": ["1+1="], "labels": ["2"]}
 
 
@@ -78,17 +81,19 @@ class RemoteReward:
             reward = cls(**{k: v for k, v in options.items() if k in OPTIONS})
         except RewardOptionError as err:
             return list(err.problems)
+        if any(k not in OPTIONS and k not in RUNNER_KEYS for k in options):  # a typo: no request until it is fixed
+            return []  # (reward_problems names the unknown key)
         return [p for p in [reward.probe(options["url"])] if p]
 
     def probe(self, given: str) -> Optional[str]:
         """The start check's request: None when the server answers it as the run needs, else the line why not
         (naming the setting's value `given`)."""
         try:
-            answer = self.client.post_json(self.url, PROBE)
+            answer = self.client.post_json(self.url, {k: v * self.batch_size for k, v in PROBE.items()})
         except Exception as err:
             return start_problem("reward.options.url", given, err)
         scores = answer.get(self.score_key) if isinstance(answer, dict) else None
-        if not isinstance(scores, list) or len(scores) != 1:
+        if not isinstance(scores, list) or len(scores) != self.batch_size:
             return (f"reward.options.url={redact(given)!r}: the start check's request was answered "
                     f"{_short(answer)}, not {{{self.score_key!r}: [one number per completion]}} (a reward server "
                     "of OpenRLHF's protocol? reward.options.score_key names the answer's key)")

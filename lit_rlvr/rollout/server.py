@@ -12,7 +12,8 @@ written to shared memory (/dev/shm) when it has room for two copies of the weigh
 folder, unless `weight_dir` names one. Under several trainer ranks only rank 0 pushes (every rank gathers the
 weights, as the push is a collective there): the others write nothing, and wait for rank 0's outcome (a broadcast:
 the barrier that keeps a rank from sampling before the servers hold the new weights, and that stops every rank when
-the push failed). Every HTTP call has a timeout and never follows a redirect (`post`, `get`).
+the push failed). Every HTTP call goes through lit_rlvr/run/http.py's client: one deadline per request, an answer
+of at most `max_response_bytes`, http(s) only, and no redirect followed (a 3xx is refused in one line).
 """
 
 from __future__ import annotations
@@ -28,47 +29,36 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
 from urllib.parse import urlsplit
 
-import requests
 import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from lit_rlvr.config.errors import ConfigError
+from lit_rlvr.config.errors import ConfigError, HTTPRefusal
 from lit_rlvr.models.lora import is_lora
 from lit_rlvr.rollout.engine import Completion, EngineError, RolloutEngine, SamplingParams, save_policy_config
 from lit_rlvr.run.distributed import broadcast_object, rank
+from lit_rlvr.run.http import HTTPClient, redact
 
 T = TypeVar("T")
-# a server that does not answer, or breaks off its answer (a 4xx/5xx answer is not gone)
-GONE = (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError)
+# an engine's answers: a batch of samples with a log-prob per token (SGLang: a prompt's whole group) is far below it
+DEFAULT_MAX_RESPONSE_BYTES = 256 << 20
 
 
-def post(url: str, payload: Any = None, *, timeout: float, params: Optional[dict] = None,
-         session: Optional[requests.Session] = None) -> Any:
-    """POST `payload` as JSON to `url` and return the decoded JSON answer (None for an empty body). Raises
-    `requests.ConnectionError`/`Timeout` when the server does not answer, `RuntimeError` naming the URL, status and
-    the start of the body on any non-2xx answer (a redirect included: it is never followed)."""
-    caller = session or requests
-    answer = caller.post(url, json=payload, params=params, timeout=timeout, allow_redirects=False)
-    return _decoded(url, answer)
+def gone(err: BaseException) -> bool:
+    """Whether `err` says the server does not answer, or broke off its answer (refused or dropped connection, no
+    whole answer in time); a 4xx/5xx, a redirect or an answer too large is the server answering."""
+    return isinstance(err, HTTPRefusal) and err.kind in ("connection", "deadline")
 
 
-def get(url: str, *, timeout: float, session: Optional[requests.Session] = None) -> Any:
-    """GET `url` (see `post`)."""
-    caller = session or requests
-    return _decoded(url, caller.get(url, timeout=timeout, allow_redirects=False))
-
-
-def _decoded(url: str, answer: requests.Response) -> Any:
-    if not 200 <= answer.status_code < 300:
-        raise RuntimeError(f"{url} answered HTTP {answer.status_code}: {answer.text[:300]!r}")
-    if not answer.content:
+def decoded(url: str, body: bytes) -> Any:
+    """The JSON answer `body` of `url` (None for an empty body); a `RuntimeError` naming the URL when not JSON."""
+    if not body:
         return None
     try:
-        return answer.json()
-    except ValueError as err:
-        raise RuntimeError(f"{url} answered HTTP {answer.status_code} with a body that is not JSON: "
-                           f"{answer.text[:200]!r}") from err
+        return json.loads(body)
+    except (ValueError, RecursionError) as err:
+        raise RuntimeError(f"{redact(url)} answered with a body that is not JSON: "
+                           f"{body[:200].decode('utf-8', 'replace')!r}") from err
 
 
 def url_problems(urls: Any) -> list[str]:
@@ -93,35 +83,35 @@ class ServerPool:
 
     Args:
         urls: the servers' base URLs.
-        timeout_s: bound on one request's answer (a generation, or one step of a weight update).
+        timeout_s: bound on one request, from its start to its answer's end (a generation, or one step of a weight
+            update).
         connect_timeout_s: bound on opening a connection.
         max_inflight: requests in flight at once, over all servers (each server batches what it receives).
+        max_response_bytes: bound on one answer (a larger one is refused unread).
     """
 
-    def __init__(self, urls: Sequence[str], *, timeout_s: float, connect_timeout_s: float, max_inflight: int):
+    def __init__(self, urls: Sequence[str], *, timeout_s: float, connect_timeout_s: float, max_inflight: int,
+                 max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES):
         self.urls = [u.rstrip("/") for u in urls]
-        self.timeout = (connect_timeout_s, timeout_s)
+        self.connect_timeout_s = connect_timeout_s
+        self.client = HTTPClient(timeout_s, max_response_bytes, size_key="engine.options.max_response_bytes",
+                                 connect_timeout_s=connect_timeout_s)
         self.gone: dict[str, str] = {}  # url -> why it was given up
         self.retried = 0  # requests sent again to another server after theirs stopped answering
         self._lock = threading.Lock()
-        self._local = threading.local()
         self._rotation = 0  # which server takes the first group of a call: successive calls start elsewhere
         self._executor = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="lit_rlvr_server")
 
-    def session(self) -> requests.Session:
-        """This thread's HTTP session (its connections are kept alive between requests)."""
-        if getattr(self._local, "session", None) is None:
-            self._local.session = requests.Session()
-        return self._local.session
-
     def post(self, url: str, route: str, payload: Any = None, *, timeout: Optional[float] = None,
              params: Optional[dict] = None) -> Any:
-        limit = self.timeout if timeout is None else (self.timeout[0], timeout)
-        return post(url + route, payload, timeout=limit, params=params, session=self.session())
+        """POST `payload` as JSON (none when None) to `url + route`; the decoded JSON answer (None for an empty
+        body). Raises `HTTPRefusal` (a server that does not answer: `gone`) or `RuntimeError` (not JSON)."""
+        body = None if payload is None else json.dumps(payload).encode()
+        return decoded(url + route, self.client.post(url + route, body, params=params, timeout_s=timeout))
 
     def get(self, url: str, route: str, *, timeout: Optional[float] = None) -> Any:
-        limit = self.timeout if timeout is None else (self.timeout[0], timeout)
-        return get(url + route, timeout=limit, session=self.session())
+        """GET `url + route` (see `post`)."""
+        return decoded(url + route, self.client.get(url + route, timeout_s=timeout))
 
     def alive(self) -> list[str]:
         with self._lock:
@@ -151,7 +141,9 @@ class ServerPool:
                 url = alive[(key + start) % len(alive)]
                 try:
                     return fn(url)
-                except GONE as err:
+                except HTTPRefusal as err:
+                    if not gone(err):
+                        raise
                     self.give_up(url, err)
                     with self._lock:
                         self.retried += 1
@@ -168,7 +160,9 @@ class ServerPool:
         for url, future in futures.items():
             try:
                 results[url] = future.result()
-            except GONE as err:
+            except HTTPRefusal as err:
+                if not gone(err):
+                    raise
                 self.give_up(url, err)
         self._require_alive(doing)
         return results
@@ -189,6 +183,7 @@ class ServerEngine(RolloutEngine):
         push_timeout_s: bound on each call of a weight update (pause, load, resume).
         connect_timeout_s: bound on opening a connection (a server that is gone is found out in this time).
         max_inflight: requests in flight at once over all servers.
+        max_response_bytes: bound on one answer of a server (a larger one is refused unread).
         weight_dir: where staged weight files are written (on a filesystem the servers read: the same machine, or
             a shared one); None = /dev/shm when it has room for twice the policy's weights, else the system's
             temporary folder.
@@ -203,8 +198,9 @@ class ServerEngine(RolloutEngine):
 
     def __init__(self, model: nn.Module, tokenizer, *, urls: Sequence[str], weight_transfer: str = "",
                  timeout_s: float = 600.0, push_timeout_s: float = 300.0, connect_timeout_s: float = 10.0,
-                 max_inflight: int = 64, weight_dir: Optional[str] = None, dtype: Optional[str] = None,
-                 bucket_bytes: int = 256 << 20, lora_sync: str = "merged"):
+                 max_inflight: int = 64, max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+                 weight_dir: Optional[str] = None, dtype: Optional[str] = None, bucket_bytes: int = 256 << 20,
+                 lora_sync: str = "merged"):
         problems = url_problems(list(urls) if not isinstance(urls, str) else urls)
         weight_transfer = weight_transfer or self._WEIGHT_TRANSFERS[0]
         if weight_transfer not in self._WEIGHT_TRANSFERS:
@@ -214,8 +210,9 @@ class ServerEngine(RolloutEngine):
                            ("connect_timeout_s", connect_timeout_s)):
             if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
                 problems.append(f"engine.options.{key}={value!r} is not valid; allowed: a finite number of seconds > 0")
-        if not (isinstance(max_inflight, int) and max_inflight >= 1):
-            problems.append(f"engine.options.max_inflight={max_inflight!r} is not valid; allowed: an integer >= 1")
+        for key, value in (("max_inflight", max_inflight), ("max_response_bytes", max_response_bytes)):
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                problems.append(f"engine.options.{key}={value!r} is not valid; allowed: an integer >= 1")
         if lora_sync != "merged":
             problems.append(f"engine.options.lora_sync={lora_sync!r} is not valid for a server engine; valid: merged "
                             "(a LoRA policy reaches the servers as merged weights)")
@@ -238,7 +235,7 @@ class ServerEngine(RolloutEngine):
         self._pushes = 0
         self._retried_reported = 0
         self._pool = ServerPool(urls, timeout_s=float(timeout_s), connect_timeout_s=float(connect_timeout_s),
-                               max_inflight=max_inflight)
+                               max_inflight=max_inflight, max_response_bytes=max_response_bytes)
         self._model_path = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
         self._check_servers(model)
 
@@ -250,7 +247,7 @@ class ServerEngine(RolloutEngine):
         for url in self._pool.urls:
             try:
                 served = self._identify(url)
-            except (requests.RequestException, RuntimeError, ValueError, KeyError, TypeError) as err:
+            except (RuntimeError, ValueError, KeyError, TypeError) as err:  # HTTPRefusal: a RuntimeError
                 problems.append(f"engine.options.urls: {url} is not a {self._KIND} server that answers "
                                 f"({type(err).__name__}: {str(err)[:200]}); start one with lit-rlvr-serve --engine "
                                 f"{self._KIND.lower()} --model MODEL --port PORT")
@@ -262,7 +259,7 @@ class ServerEngine(RolloutEngine):
         for url in self._pool.urls:  # only once every server is the right one: nothing is asked of a wrong one
             try:
                 self._prepare(url)
-            except (requests.RequestException, RuntimeError) as err:
+            except RuntimeError as err:
                 problems.append(f"engine.options.urls: {url} cannot take weight updates ({str(err)[:200]}); start "
                                 f"it with lit-rlvr-serve --engine {self._KIND.lower()}")
         ConfigError.check(problems)

@@ -30,7 +30,7 @@ class SGLangServerEngine(ServerEngine):
     _WEIGHT_TRANSFERS = ("disk",)
 
     def _identify(self, url: str) -> str:
-        info = self._pool.get(url, "/server_info", timeout=self._pool.timeout[0])
+        info = self._pool.get(url, "/server_info", timeout=self._pool.connect_timeout_s)
         if not isinstance(info, dict) or "model_path" not in info or "version" not in info:
             raise ValueError("GET /server_info does not describe an SGLang server")
         if not info.get("skip_tokenizer_init"):

@@ -51,7 +51,7 @@ class VLLMServerEngine(ServerEngine):
     _WEIGHT_TRANSFERS = ("file",)
 
     def _identify(self, url: str) -> str:
-        models = self._pool.get(url, "/v1/models", timeout=self._pool.timeout[0])
+        models = self._pool.get(url, "/v1/models", timeout=self._pool.connect_timeout_s)
         (card,) = models["data"]
         if card.get("owned_by") != "vllm":
             raise ValueError(f"GET /v1/models says the model is owned by {card.get('owned_by')!r}, not vllm")

@@ -1,6 +1,6 @@
 """The HTTP client of every lit-rlvr component that talks to a server: the reward server (rewards/remote.py), the
 code sandbox by URL (rewards/sandbox/remote.py), the LLM judge through the openai client (rewards/judge.py,
-`async_client`); the rollout engines that talk to a server are to use it too. One place for the rules
+`async_client`), the rollout engines' servers (rollout/server.py). One place for the rules
 (docs/rewards.md, "HTTP clients"), so no client can forget one:
 
 - http:// and https:// only, and no redirect is followed: a 3xx answer is refused in one line naming both URLs.
@@ -93,9 +93,11 @@ def size_refusal(url: str, cap: int, key: str) -> HTTPRefusal:
                        "size")
 
 
-def status_refusal(url: str, status: int, reason: str) -> HTTPRefusal:
+def status_refusal(url: str, status: int, reason: str, said: bytes = b"") -> HTTPRefusal:
     why = " (the server refuses the credentials)" if status in (401, 403) else ""
-    return HTTPRefusal(f"{redact(url)} answered HTTP {status} {reason}{why}".rstrip(), "status", status)
+    text = redact(said.decode("utf-8", "replace")).strip()  # the start of its error body: what the server said
+    return HTTPRefusal(f"{redact(url)} answered HTTP {status} {reason}{why}".rstrip() + (f": {text!r}" if text else ""),
+                       "status", status)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -197,15 +199,18 @@ class _Adapter(requests.adapters.HTTPAdapter):
 
 
 class HTTPClient:
-    """POSTs JSON under the module's rules: `timeout_s` per request as a whole, answers up to `max_response_bytes`
+    """POSTs (and GETs) JSON under the module's rules: `timeout_s` per request as a whole (a call may give its
+    own), opening a connection within `connect_timeout_s` of it when given, answers up to `max_response_bytes`
     (`size_key` names the setting in the refusal), `retries` more tries on a dropped connection or a 5xx with
     back-off from `backoff_s` (doubling); a deadline, a redirect, a 4xx or an answer too large is not retried.
     Thread-safe (one session per thread) and picklable (sessions are made where they are used)."""
 
     def __init__(self, timeout_s: float, max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES, retries: int = 0,
-                 backoff_s: float = 0.5, size_key: str = "max_response_bytes", headers: Optional[dict] = None):
+                 backoff_s: float = 0.5, size_key: str = "max_response_bytes", headers: Optional[dict] = None,
+                 connect_timeout_s: Optional[float] = None):
         self.timeout_s, self.max_response_bytes, self.size_key = float(timeout_s), int(max_response_bytes), size_key
         self.retries, self.backoff_s, self.headers = int(retries), float(backoff_s), {**_HEADERS, **(headers or {})}
+        self.connect_timeout_s = None if connect_timeout_s is None else float(connect_timeout_s)
         self._local = threading.local()
 
     def __getstate__(self) -> dict:
@@ -235,26 +240,39 @@ class HTTPClient:
             time.sleep(self.backoff_s * 2 ** attempt)
         raise AssertionError("unreachable")
 
-    def post(self, url: str, body: bytes) -> bytes:
-        """One POST of `body` to `url`: the answer's bytes, or an `HTTPRefusal` naming what went wrong."""
+    def post(self, url: str, body: Optional[bytes], *, params: Optional[dict] = None,
+             timeout_s: Optional[float] = None) -> bytes:
+        """One POST of `body` to `url` (`params`: its query): the answer's bytes, or an `HTTPRefusal` naming what
+        went wrong. `timeout_s` bounds this request instead of the client's."""
+        return self.request("POST", url, body, params=params, timeout_s=timeout_s)
+
+    def get(self, url: str, *, timeout_s: Optional[float] = None) -> bytes:
+        """One GET of `url` (see `post`)."""
+        return self.request("GET", url, None, timeout_s=timeout_s)
+
+    def request(self, method: str, url: str, body: Optional[bytes], *, params: Optional[dict] = None,
+                timeout_s: Optional[float] = None) -> bytes:
         if urllib.parse.urlsplit(url).scheme not in SCHEMES:
             raise HTTPRefusal(f"{redact(url)}: lit-rlvr speaks http:// and https:// only", "scheme")
-        deadline = _Deadline(self.timeout_s)
+        limit = self.timeout_s if timeout_s is None else float(timeout_s)
+        deadline = _Deadline(limit)
         _current.deadline = deadline
         try:
-            with self._session().post(url, data=body, headers=self.headers, allow_redirects=False, stream=True,
-                                      timeout=(deadline.left(), deadline.left())) as response:
+            connect = deadline.left() if self.connect_timeout_s is None else min(self.connect_timeout_s, limit)
+            with self._session().request(method, url, data=body, params=params, headers=self.headers,
+                                         allow_redirects=False, stream=True,
+                                         timeout=(connect, deadline.left())) as response:
                 if 300 <= response.status_code < 400:
                     raise redirect_refusal(url, response.status_code, response.headers.get("Location"))
                 if response.status_code >= 400:
-                    raise status_refusal(url, response.status_code, response.reason or "")
+                    raise status_refusal(url, response.status_code, response.reason or "", _start(response))
                 body = self._read(url, response)
             if deadline.passed:  # a body delimited by the connection's end looks whole when the watchdog cuts it
-                raise self._late(url)
+                raise self._late(url, limit)
             return body
         except (requests.RequestException, OSError) as err:
             if deadline.passed or isinstance(err, requests.Timeout):  # the watchdog's cut, or a socket timeout
-                raise self._late(url) from None
+                raise self._late(url, limit) from None
             if isinstance(err, requests.exceptions.SSLError):
                 raise HTTPRefusal(f"{redact(url)}: the TLS handshake failed (an https:// URL for a plain http "
                                   f"server?): {redact(err)[:200]}", "tls") from None
@@ -263,9 +281,8 @@ class HTTPClient:
             _current.deadline = None
             deadline.cancel()
 
-    def _late(self, url: str) -> HTTPRefusal:
-        return HTTPRefusal(f"{redact(url)}: timed out, no whole answer within timeout_s={self.timeout_s:g}s",
-                           "deadline")
+    def _late(self, url: str, limit: float) -> HTTPRefusal:
+        return HTTPRefusal(f"{redact(url)}: timed out, no whole answer within timeout_s={limit:g}s", "deadline")
 
     def _read(self, url: str, response: requests.Response) -> bytes:
         declared = response.headers.get("Content-Length", "")
@@ -277,6 +294,14 @@ class HTTPClient:
             if len(body) > self.max_response_bytes:
                 raise size_refusal(url, self.max_response_bytes, self.size_key)
         return bytes(body)
+
+
+def _start(response: requests.Response, limit: int = 300) -> bytes:
+    """The first `limit` bytes of an error answer's body (what the server said), read no further."""
+    try:
+        return next(response.iter_content(limit), b"")[:limit]
+    except (requests.RequestException, OSError):
+        return b""
 
 
 def _reason(err: Exception) -> str:
