@@ -2,6 +2,7 @@
 (lit_rlvr/functional/prompt_history.py, lit_rlvr/algorithms/prompt_history.py): the math against hand-worked numbers,
 the part on a batch, the settings' checks, and a resumed run's history equal to the uninterrupted run's."""
 
+import csv
 import math
 import os
 import subprocess
@@ -190,3 +191,23 @@ def test_resumed_history_equals_uninterrupted(tmp_path):
     for prompt in full:
         assert resumed[prompt] == pytest.approx(full[prompt], abs=1e-9)
     assert any(r[2] == 1.0 for r in full.values())
+
+
+def test_composes_with_losses_lora_and_async(tmp_path):
+    """DBB and the gate with GSPO's loss, with LoRA adapters, and with asynchronous rollouts: each a 3-step
+    `python train.py` run on 4 prompts (every step sees them again) that logs the history's metrics."""
+    small = ["eval_before=false", "data.num_test=4", "callbacks.progress=null", "data.batch_size=4",
+             "algorithm.group_size=4", "trainer.max_steps=3", "data.num_train=4", "algorithm.advantages=dbb",
+             "algorithm.boundary_gating=true"]
+    variants = {"gspo": ["algorithm.policy_loss=gspo"], "lora": ["model.lora.rank=4"], "async": ["rollout.mode=async"]}
+    procs = {name: subprocess.Popen([sys.executable, "train.py", *small, *extra, f"hydra.run.dir={tmp_path / name}"],
+                                    cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    env=dict(os.environ))
+             for name, extra in variants.items()}
+    for name, proc in procs.items():
+        out, _ = proc.communicate(timeout=900)
+        assert proc.returncode == 0, (name, out[-3000:])
+        rows = [r for r in csv.DictReader((tmp_path / name / "metrics.csv").open()) if r.get("reward/mean")]
+        assert len(rows) == 3, name
+        assert float(rows[0]["history/seen_frac"]) == 0.0 and float(rows[-1]["history/seen_frac"]) == 1.0, name
+        assert float(rows[0]["history/gated_frac"]) == 0.0 and rows[-1]["history/dbb_mean"] != "", name
