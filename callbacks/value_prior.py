@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from lit_rlvr.algorithms.allocation import ALLOCATIONS, FixedBudget
 from lit_rlvr.config.settings import AlgorithmConfig
 from lit_rlvr.config.options import check_finite
 from lit_rlvr.functional.ranking import binary_auroc_py
@@ -110,9 +111,15 @@ class ValuePrior(RLVRCallback):
         precompute_batch: prompts per backbone call when computing ahead.
         value_model: a ready V0 (anything with `predict(prompts, context) -> (p̂ [B] | None, metrics)`);
             when given, the V0 arguments above are not used.
+        allocation: who decides the samples after the first round: "osla" (the paper's Eq. 12), or one of its
+            rivals at a fixed mean of `mean_rollouts` samples per prompt, "uniform" (the same for every prompt) or
+            "beta" (Beta-posterior allocation from each prompt's history): lit_rlvr/algorithms/allocation.py.
+            The fusion (Eq. 8) is the same under every rule.
+        mean_rollouts: the fixed rules' mean samples per prompt, in [k_init, k_max]; null with "osla".
     """
 
     sets_sample_counts = True  # k_init and OSLA decide how many samples each prompt gets
+    sets_baseline = True  # the fused baseline (Eq. 8)
 
     def __init__(
         self,
@@ -139,10 +146,12 @@ class ValuePrior(RLVRCallback):
         precompute_max: int = 8192,
         precompute_batch: int = 256,
         value_model: Any = None,
+        allocation: str = "osla",
+        mean_rollouts: Optional[float] = None,
     ) -> None:
         super().__init__()
         check_finite(KEY, cost=cost, min_active_frac=min_active_frac, reward_range=reward_range, noise_var=noise_var,
-                     bandwidth_refit=bandwidth_refit, head_kwargs=head_kwargs)
+                     bandwidth_refit=bandwidth_refit, head_kwargs=head_kwargs, mean_rollouts=mean_rollouts)
         _check_budget(1 if k_init is None else k_init, k_max, cost, min_active_frac, pad_to, round_size)
         self.low, self.high, self.noise_var = _check_rewards(reward_range, noise_var)
         if not 1 <= min_context <= context_size:
@@ -159,6 +168,19 @@ class ValuePrior(RLVRCallback):
                              f"{precompute_batch}")
         if not 0.0 <= bandwidth_refit <= 1.0:
             raise ValueError(f"{KEY}.bandwidth_refit must be in [0, 1], got {bandwidth_refit}")
+        if allocation not in ALLOCATIONS:
+            raise ValueError(f"{KEY}.allocation={allocation!r} is not valid; valid: {', '.join(ALLOCATIONS)}")
+        if (allocation == "osla") != (mean_rollouts is None):
+            raise ValueError(f"{KEY}.mean_rollouts={mean_rollouts!r} with {KEY}.allocation={allocation}: a number "
+                             f"in [k_init, k_max] for uniform or beta, null for osla (OSLA decides its own count)")
+        if mean_rollouts is not None and (isinstance(mean_rollouts, bool)
+                                          or not isinstance(mean_rollouts, (int, float))):
+            raise ValueError(f"{KEY}.mean_rollouts={mean_rollouts!r} must be a number (samples per prompt) or null")
+        if mean_rollouts is not None and not (1 if k_init is None else k_init) <= mean_rollouts <= k_max:
+            raise ValueError(f"{KEY}.mean_rollouts={mean_rollouts} must be in [k_init, k_max] = "
+                             f"[{k_init if k_init is not None else 'group_size'}, {k_max}]")
+        self.allocation = allocation
+        self._budget = FixedBudget(allocation, mean_rollouts, k_max=k_max) if mean_rollouts is not None else None
         if not max_length >= 1:  # the backbone's tokens per prompt: 0 would embed nothing
             raise ValueError(f"{KEY}.max_length={max_length} must be >= 1 (prompt tokens the backbone reads)")
         self.precompute, self.precompute_max, self.precompute_batch = precompute, precompute_max, precompute_batch
@@ -196,6 +218,9 @@ class ValuePrior(RLVRCallback):
         if not self._k_init_given:
             self.k_init = algorithm.group_size
             _check_budget(self.k_init, self.k_max, self.cost, self.min_active_frac, self.pad_to, self.round_size)
+            if self._budget is not None and self._budget.mean_rollouts < self.k_init:
+                raise ValueError(f"{KEY}.mean_rollouts={self._budget.mean_rollouts} is below k_init={self.k_init} "
+                                 "(algorithm.group_size): the first round alone draws more")
         if not self._warned_options:
             self._warned_options = _warn_unused_settings(algorithm, self.k_init)
 
@@ -263,7 +288,11 @@ class ValuePrior(RLVRCallback):
         step.p_hat.update(zip(plan.prompts, p_hat.tolist() if p_hat is not None else [math.nan] * plan.num_prompts))
         plan.n_per_prompt = [self.k_init] * plan.num_prompts
         prior_list = prior.tolist()  # [B] float32 values, once for all rounds
-        plan.budget_rule = lambda rollouts: self._next_round(rollouts, prior_list, step)  # async: in the producer
+        if self._budget is None:
+            plan.budget_rule = lambda rollouts: self._next_round(rollouts, prior_list, step)  # async: in the producer
+        else:  # a fixed-budget rival of OSLA: one more round, from the history as it is now
+            history = self._budget.snapshot(plan.prompts)
+            plan.budget_rule = lambda rollouts: self._fixed_round(rollouts, history, step)
         step.prior_s += time.perf_counter() - t0
 
     @override
@@ -287,6 +316,8 @@ class ValuePrior(RLVRCallback):
         success = self._to_success_rate_py(mean)  # [B] float32 values (= to_success_rate)
         metrics = self._metrics(step, rollouts, success, counts)
         self.context.add(rollouts.prompts, success, counts)  # after the metrics: they judge the prior as predicted
+        if self._budget is not None:
+            self._budget.observe(rollouts.prompts, mean, counts, low=self.low, high=self.high)
         step.stats = None  # let go of this step's rollouts
         step.prior_s += time.perf_counter() - t0
         ahead = {f"time/prior_{k}_s": torch.tensor(v) for k, v in self._ahead_s.items() if v or k == "prefetch"}
@@ -309,7 +340,8 @@ class ValuePrior(RLVRCallback):
         head = getattr(self.value_model, "head_state", dict)()
         keys = list(dict.fromkeys(self._cache_keys() + list(features)))  # token states or features held
         return {"context": self.context.state_dict(), "embedding_cache_keys": keys,
-                "context_features": {p: f.cpu() for p, f in features.items()}, "head_state": head}
+                "context_features": {p: f.cpu() for p, f in features.items()}, "head_state": head,
+                **({"allocation": self._budget.state_dict()} if self._budget is not None else {})}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -319,6 +351,8 @@ class ValuePrior(RLVRCallback):
         self._restored_cache_keys = list(state_dict.get("embedding_cache_keys", []))
         self._restored_features = dict(state_dict.get("context_features", {}))
         self._restored_head = dict(state_dict.get("head_state", {}))
+        if self._budget is not None:
+            self._budget.load_state_dict(state_dict.get("allocation", {}))
         self._restore_backbone_cache()
 
     def _cache_keys(self) -> list[str]:
@@ -376,6 +410,17 @@ class ValuePrior(RLVRCallback):
                                pad_to=self.pad_to, round_size=self.round_size)  # [B]
         step.prior_s += time.perf_counter() - t0
         return extra if sum(extra) > 0 else None
+
+    def _fixed_round(self, rollouts: Rollouts, history: list[tuple[float, float]], step: _Step) -> Optional[list[int]]:
+        """The budget rule of a fixed-budget allocation (`FixedBudget`): one extra round, then stop."""
+        if step.rounds:
+            return None
+        t0 = time.perf_counter()
+        step.rounds += 1
+        mean, counts = self._group_stats(rollouts, step)  # [B] float32 values, [B] ints
+        extra = self._budget.extra(counts, mean, history, low=self.low, high=self.high)
+        step.prior_s += time.perf_counter() - t0
+        return extra
 
     def _group_stats(self, rollouts: Rollouts, step: _Step) -> tuple[list[float], list[int]]:
         """Each prompt's sample mean reward and count (`group_mean_py`), computed once per rollouts state: the

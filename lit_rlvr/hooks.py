@@ -27,6 +27,8 @@ class RLVRCallback(Callback):
     # why this callback cannot run with rollout.mode=async (None: it can): the producer plans and generates the
     # next batches while this step's hooks still run
     async_refusal: Optional[str] = None
+    # True for a callback that sets `rollouts.baseline` (V0.5's fusion, DBB's history): two cannot run together
+    sets_baseline = False
 
     def check_algorithm(self, algorithm: AlgorithmConfig) -> None:
         """The module's algorithm settings (`group_size`, `optimizer`, …), before any work: raise a ValueError naming
@@ -60,6 +62,10 @@ def check_rl_callbacks(callbacks: Iterable[Any], algorithm: AlgorithmConfig,
     rl = [cb for cb in callbacks if isinstance(cb, RLVRCallback)]
     for cb in rl:
         cb.check_algorithm(algorithm)
+    baselines = [type(cb).__name__ for cb in rl if cb.sets_baseline]
+    if len(baselines) > 1:  # the advantage has one baseline: which would win is not obvious
+        raise ConfigError([f"{' and '.join(baselines)} both set each prompt's baseline (V0.5's prior, DBB's history: "
+                           "algorithm.advantages=dbb); use one of them"])
     counts_set_by = next((type(cb).__name__ for cb in rl if cb.sets_sample_counts), None)
     refused_by = {type(cb).__name__: cb.async_refusal for cb in rl if cb.async_refusal}
     ConfigError.check(group_size_problem(algorithm.group_size, counts_set_by)

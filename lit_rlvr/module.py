@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from lit_rlvr import functional as F
 from lit_rlvr.algorithms.filter_groups import DataStream, GroupFilter
+from lit_rlvr.algorithms.prompt_history import history_parts
 from lit_rlvr.config.bounds import check_bounds, model_context, response_budget
 from lit_rlvr.config.arguments import module_settings
 from lit_rlvr.config.errors import ConfigError, RewardHangError
@@ -99,8 +100,7 @@ class GRPOModule(pl.LightningModule):
         self.source: Optional[RolloutSource] = None
         self._restored: dict[str, Any] = {}  # a checkpoint's, for a source built after it was loaded
         self.val_metrics = ValidationMetrics(algo.eval_samples)
-        self.counters = RunCounters()
-        self.timer = StepTimer()
+        self.counters, self.timer = RunCounters(), StepTimer()
         self.step_metrics: dict[str, Tensor] = {}
         self._compiled: dict[str, nn.Module] = {}  # a dict: the compiled wrapper must not register as a submodule
         self._data_stream = DataStream(None)  # a step's, when its collector reads further batches (DataStream)
@@ -157,8 +157,8 @@ class GRPOModule(pl.LightningModule):
         self.flops.setup(self.policy, self.device, self.trainer, self.engine)
 
     def configure_callbacks(self) -> list[pl.Callback]:
-        # with LoRA, every checkpoint save writes the adapter beside it, from every entry point
-        return [FreezeSetupObjects(), ClosePipeline(),
+        # with LoRA, every checkpoint save writes the adapter beside it; DBB and the boundary gate: the prompts' history
+        return [FreezeSetupObjects(), ClosePipeline(), *history_parts(self.algorithm),
                 *([AdapterExport()] if self.settings.model.lora.enabled else [])]
 
     def on_validation_start(self) -> None:
@@ -247,10 +247,9 @@ class GRPOModule(pl.LightningModule):
 
     # -- advantages and loss (subclass points) ----------------------------------------------------------------
     def compute_advantages(self, rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:
-        """[N] advantages of `algorithm.advantages` (`functional.ADVANTAGES`), relative to `rollouts.baseline` when
-        a callback set one (V0.5), of the reward plus DAPO's overlong penalty with `overlong_cache_len` > 0
-        (`functional.overlong_penalty`, Eq. 13; with an environment over the rollout's whole budget, `env.max_tokens`).
-        `rollouts.rewards` stays the task reward, so `reward/accuracy` keeps its meaning."""
+        """[N] advantages of `algorithm.advantages` (`functional.ADVANTAGES`), relative to `rollouts.baseline` when a
+        callback set one (V0.5, DBB), 0 for prompts a callback gated (`rollouts.update_groups`), of the reward plus
+        DAPO's overlong penalty (`functional.overlong_penalty`, Eq. 13; with an environment, over `env.max_tokens`)."""
         hp, metrics = self.algorithm, {}
         if hp.overlong_cache_len > 0:
             lengths, max_len = ((rollouts.response_mask.sum(-1), hp.max_new_tokens) if self.environment is None
@@ -262,7 +261,8 @@ class GRPOModule(pl.LightningModule):
         group, num_groups = rollouts.advantage_groups()  # the prompts, or smaller groups set by a callback (M3PO)
         adv, adv_metrics = F.ADVANTAGES[hp.advantages](rollouts.rewards, group, num_groups,
                                                        scale_by_std=hp.scale_adv_by_std, baseline=rollouts.baseline)
-        return adv, {**metrics, **adv_metrics}
+        gate = rollouts.update_groups  # [B] bool or None (boundary gating: a solved prompt gives no gradient)
+        return adv if gate is None else adv * gate[rollouts.group].to(adv.dtype), {**metrics, **adv_metrics}
 
     def policy_loss(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
                     rollouts: Rollouts) -> tuple[Tensor, dict[str, Tensor]]:

@@ -43,9 +43,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from reproduce_report import (claims_table, exploration_figure, heldout_figure, mean_sd,  # noqa: E402
-                              results_table, write_doc)
-from reproduce_settings import (FIGURES, LABELS, PROBE_OVERRIDES, PROBED, RUN, SAMPLING, STUDY_3PO,  # noqa: E402
-                                TASKS, Task, ess_of_methods, is_async, method_overrides)
+                              passk_figure, results_table, write_doc)
+from reproduce_settings import (FIGURES, LABELS, PROBE_OVERRIDES, PROBED, RIVALS_SCALE,  # noqa: E402
+                                RIVALS_TRAIN, RUN, SAMPLING, STUDY_3PO, STUDY_RIVALS, TASKS, Task, ess_of_methods,
+                                is_async, method_overrides)
 
 ORACLE = "callbacks.oracle"
 PANELS = [
@@ -75,7 +76,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                                                         "(default: the task's, or the study's)")
     parser.add_argument("--study", default="claims", choices=list(STUDIES),
                         help="claims: the papers' claims (the task's methods and page); 3po: 3PO's noise scale, "
-                             "exploration against the optimizer, dead groups and N (docs/results/reproduction_3po.md)")
+                             "exploration against the optimizer, dead groups and N (docs/results/reproduction_3po.md); "
+                             "rivals: V0.5 and 3PO against DBB, allocation rules and boundary gating, on a fixed "
+                             f"set of {RIVALS_TRAIN} training prompts (docs/results/rivals.md)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="train nothing: write the doc from the runs that have finished with the same settings "
+                             "(each claim paired on the seeds both methods have)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (each gets threads/jobs torch threads)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads in all")
     parser.add_argument("--out-dir", default="runs/reproduce", help="run directories (a folder per task below it)")
@@ -89,10 +95,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     task = TASKS[args.task]
     if args.study == "3po" and args.oracle_every is None:
         args.oracle_every = 0  # the baseline's MSE is not the study's question: its oracle's rollouts are saved
+    if args.study == "rivals":  # pass@k up to 16 (from 16 held-out samples); no oracle
+        for name, value in RIVALS_SCALE.items():
+            setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
     for name in SCALE_HELP:
         if getattr(args, name) is None:
             setattr(args, name, task.scale[name])
-    default_methods = task.methods if args.study == "claims" else STUDY_3PO
+    default_methods = {"claims": task.methods, "3po": STUDY_3PO, "rivals": STUDY_RIVALS}[args.study]
     args.methods = (default_methods if args.methods is None
                     else [m.strip() for m in args.methods.split(",") if m.strip()])
     unknown = [m for m in args.methods if m not in LABELS]
@@ -108,7 +117,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
-STUDIES = {"claims": None, "3po": "reproduction_3po.md"}  # study -> its page's file name (claims: the task's)
+STUDIES = {"claims": None, "3po": "reproduction_3po.md", "rivals": "rivals.md"}  # study -> its page (claims: task's)
 
 
 def overrides(task: Task, method: str, seed: int, args: argparse.Namespace, run_dir: Path) -> list[str]:
@@ -123,7 +132,10 @@ def overrides(task: Task, method: str, seed: int, args: argparse.Namespace, run_
         oracle = []
     if method in PROBED:
         oracle += PROBE_OVERRIDES
-    return [*task.model, *task.data, *RUN, *SAMPLING, *task.loop, *method_overrides(method, task), *scale, *oracle,
+    data = task.data
+    if args.study == "rivals":  # a fixed training set the history-based methods see again (reproduce_settings.py)
+        data = [o for o in data if not o.startswith("data.num_train=")] + [f"data.num_train={RIVALS_TRAIN}"]
+    return [*task.model, *data, *RUN, *SAMPLING, *task.loop, *method_overrides(method, task), *scale, *oracle,
             *args.set, f"hydra.run.dir={run_dir}"]
 
 
@@ -133,6 +145,14 @@ def finished(summary: Path) -> bool:
         return False
     record = json.loads(summary.read_text())
     return not (record.get("stopped_by_sigterm") or record.get("stopped_by_sigint"))
+
+
+def finished_run(task: Task, method: str, seed: int, args: argparse.Namespace) -> Optional[Path]:
+    """The run dir of (method, seed) when it finished with these exact settings, else None (`--report-only`)."""
+    run_dir = (Path(args.out_dir) / task.name / method / f"seed{seed}").resolve()
+    settings = run_dir / "repro_overrides.json"
+    same = settings.exists() and json.loads(settings.read_text()) == overrides(task, method, seed, args, run_dir)
+    return run_dir if same and finished(run_dir / "summary.json") else None
 
 
 def run_one(task: Task, method: str, seed: int, args: argparse.Namespace) -> tuple[Path, bool]:
@@ -245,7 +265,31 @@ def run_figures(run_dir: Path, oracle_every: int) -> dict[str, Any]:
         **dead_figures(train),
         "resumed": len(json.loads(resumed.read_text())) if resumed.exists() else 0,
         "curve": curve,
+        "pass_ladder": pass_ladder(run, summary, eval_samples_of(run_dir)),
     }
+
+
+def eval_samples_of(run_dir: Path) -> int:
+    """The held-out samples per prompt a run was evaluated with (its pinned `algorithm.eval_samples`; 0: unknown)."""
+    settings = run_dir / "repro_overrides.json"
+    pinned = json.loads(settings.read_text()) if settings.exists() else []
+    return next((int(o.split("=", 1)[1]) for o in reversed(pinned) if o.startswith("algorithm.eval_samples=")), 0)
+
+
+def pass_ladder(run, summary: dict[str, Any], n: int) -> dict[int, float]:
+    """Held-out pass@k after training for k = 1, 2, 4, … up to the evaluation's samples n (pass@1 = mean@n; the
+    powers of two below n are `val/pass@k` columns of the last evaluation; pass@n is the summary's)."""
+    val = run.val.dropna(subset=["val/accuracy"]).sort_values("step")
+    if val.empty:
+        return {}
+    last = val.iloc[-1]
+    ladder = {1: float(summary["accuracy_after"])}
+    for column in val.columns:
+        if column.startswith("val/pass@") and column[len("val/pass@"):].isdigit() and not math.isnan(last[column]):
+            ladder[int(column[len("val/pass@"):])] = float(last[column])
+    if summary.get("pass_at_k_after") is not None and n > 1:
+        ladder[n] = float(summary["pass_at_k_after"])
+    return dict(sorted(ladder.items()))
 
 
 def dead_figures(train) -> dict[str, float]:
@@ -358,10 +402,18 @@ def main(argv: Optional[list[str]] = None) -> None:
     task = TASKS[args.task]
     started, load_start = time.perf_counter(), load_average()
     jobs = [(m, s) for s in range(args.seeds) for m in args.methods]  # seed-major: early seeds finish first
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        done = list(pool.map(lambda job: run_one(task, *job, args), jobs))
-    dirs = {m: [d for (mm, _), (d, _) in zip(jobs, done) if mm == m] for m in args.methods}
-    per_run = {m: [run_figures(d, args.oracle_every) for d in paths] for m, paths in dirs.items()}
+    if args.report_only:  # the finished runs only; a method with none is left out of the doc
+        found = [(job, finished_run(task, *job, args)) for job in jobs]
+        jobs, done = [j for j, d in found if d is not None], [(d, True) for _, d in found if d is not None]
+        if not jobs:
+            raise SystemExit(f"--report-only: no finished run under {args.out_dir}/{task.name} with these settings")
+    else:
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            done = list(pool.map(lambda job: run_one(task, *job, args), jobs))
+    methods = [m for m in args.methods if any(mm == m for mm, _ in jobs)]
+    dirs = {m: [d for (mm, _), (d, _) in zip(jobs, done) if mm == m] for m in methods}
+    per_run = {m: [{**run_figures(d, args.oracle_every), "seed": s} for (mm, s), (d, _) in zip(jobs, done) if mm == m]
+               for m in methods}
     for m, runs in per_run.items():
         bad = [r["steps"] for r in runs if r["steps"] != args.steps]
         if bad:
@@ -373,6 +425,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.study == "3po":
         figures.append(doc.with_name(f"{doc.stem}_exploration.png"))
         exploration_figure(per_run, ess_of_methods(), figures[2], task.title)
+    if args.study == "rivals":
+        figures.append(doc.with_name(f"{doc.stem}_passk.png"))
+        passk_figure(per_run, figures[-1], task.title)
     reused = sum(r for _, r in done)
     info = {"argv": argv, "nice": os.nice(0), "commit": git_commit(), "machine": machine(), "load_start": load_start,
             "load_end": load_average(), "wall_s": time.perf_counter() - started, "runs_done": len(jobs) - reused,
@@ -382,7 +437,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     summary = {m: {"label": LABELS[m], "overrides": method_overrides(m, task),
                    "mean": {k: mean_sd([r[k] for r in runs])[0] for k, _ in FIGURES},
                    "sd": {k: mean_sd([r[k] for r in runs])[1] for k, _ in FIGURES},
-                   "seeds": [{"seed": s, **r} for s, r in enumerate(runs)]} for m, runs in per_run.items()}
+                   "seeds": runs} for m, runs in per_run.items()}
     raw = {"task": task.name, "settings": vars(args), "pinned": {"model": task.model, "data": task.data,
                                                                  "run": RUN + SAMPLING + task.loop},
            "info": info, "methods": summary}

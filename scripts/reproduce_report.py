@@ -109,7 +109,12 @@ def claims_table(per_run: Runs) -> str:
     for claim, method, ref, key, sign in CLAIMS:
         if method not in per_run or ref not in per_run:
             continue
-        pairs = [paired_figure(key, a, b) for a, b in zip(per_run[method], per_run[ref])]  # same seed
+        # paired by seed (a run's "seed"; its position where it has none): only the seeds both methods have
+        ref_by_seed = {r.get("seed", i): r for i, r in enumerate(per_run[ref])}
+        pairs = [paired_figure(key, a, ref_by_seed[a.get("seed", i)]) for i, a in enumerate(per_run[method])
+                 if a.get("seed", i) in ref_by_seed]
+        if not pairs:
+            continue
         diffs = [a - b for a, b in pairs]
         digits = DIGITS.get(key, 3)
         agree = sum(sign * d > 0 for d in diffs)
@@ -160,6 +165,45 @@ def exploration_figure(per_run: Runs, ess: dict[str, float], out: Path, title: s
     plt.close(fig)
     _shrink(out)
 
+
+
+def passk_table(per_run: Runs) -> str:
+    """Held-out pass@k after training against k (mean ± sd over seeds); empty when no run has a ladder."""
+    ks = sorted({k for runs in per_run.values() for r in runs for k in r.get("pass_ladder", {})})
+    if len(ks) < 2:
+        return ""
+    head = ["method", "seeds", *[f"pass@{k}" for k in ks]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for method, runs in per_run.items():
+        cells = [fmt_pm([r.get("pass_ladder", {}).get(k, math.nan) for r in runs], 3) for k in ks]
+        lines.append("| " + " | ".join([LABELS[method], str(len(runs)), *cells]) + " |")
+    return "\n### Held-out pass@k after training, against k\n\n" + "\n".join(lines) + "\n"
+
+
+def passk_figure(per_run: Runs, out: Path, title: str) -> None:
+    """Held-out pass@k after training against k (log axis), mean ± sd over seeds per method."""
+    from lit_rlvr.config.extras import require
+
+    matplotlib = require("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 6), constrained_layout=True)
+    for method, runs in per_run.items():
+        ks = sorted({k for r in runs for k in r.get("pass_ladder", {})})
+        stats = [mean_sd([r.get("pass_ladder", {}).get(k, math.nan) for r in runs]) for k in ks]
+        ax.errorbar(ks, [m for m, _ in stats], yerr=[0 if math.isnan(sd) else sd for _, sd in stats], marker="o",
+                    capsize=3, label=f"{LABELS[method]} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("k (held-out samples per prompt)")
+    ax.set_ylabel("held-out pass@k after training")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(f"lit-rlvr rivals study on {title}: pass@k against k")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=60)
+    plt.close(fig)
+    _shrink(out)
 
 
 def heldout_figure(per_run: Runs, out: Path, title: str, eval_samples: int) -> None:
@@ -270,7 +314,17 @@ NO_MSE_TEXT = "baseline MSE and zero-advantage groups: not measured (`--oracle-e
 
 
 TITLES = {"claims": "Reproducing the papers' claims at small scale", "3po": "3PO tested fairly: noise scale, "
-          "exploration against the optimizer, dead groups and N"}
+          "exploration against the optimizer, dead groups and N",
+          "rivals": "V0.5 and 3PO against their cheapest rivals: DBB, allocation at equal rollouts, boundary gating"}
+STUDY_SETUP = {"rivals": """The rivals study trains every method on the same fixed set of 320 training prompts
+(`data.num_train=320`: 50 steps of 32 prompts are 5 passes), so that the methods that read a prompt's own history
+see it again: DBB (`algorithm.advantages=dbb`, discounted Beta–Bernoulli baseline and std, γ = 0.9, Beta(1, 1), G = 8:
+256 rollouts a step, near V0.5's), boundary gating (`algorithm.boundary_gating=true`: a prompt with a success observed
+in an earlier step gives no policy gradient), and V0.5 with its OSLA allocation replaced by a fixed mean of 9 rollouts
+per prompt (`allocation=uniform`, or `allocation=beta`: the Beta posterior of the prompt's history and first round,
+extra samples in proportion to √(p̂(1 − p̂))). C3PO here runs at λ = 1e10, the 3PO study's best (lr 0.3). Held-out:
+16 samples per prompt, so mean@16 (the same expectation as mean@4, with less noise) and pass@k for k = 1…16 from one
+evaluation. The rules of DBB and of the gate are our reading of their papers (docs/algorithms.md)."""}
 
 
 def write_doc(args, task: Task, per_run: Runs, figures: list[Path], doc: Path, info: dict[str, Any]) -> None:
@@ -278,10 +332,11 @@ def write_doc(args, task: Task, per_run: Runs, figures: list[Path], doc: Path, i
     command = f"{nice}python scripts/reproduce.py" + ("" if not info["argv"] else " " + shlex.join(info["argv"]))
     pictures = "\n\n".join(f"![{f.stem}]({os.path.relpath(f, doc.parent)})" for f in figures)
     machine = info["machine"]
+    study_flag = "" if args.study == "claims" else f" --study {args.study}"
     text = f"""# {TITLES[args.study]}: {task.title}
 
-Generated by `scripts/reproduce.py --task {task.name}` (the tables, command, machine and timing; the analysis
-section is written by hand and kept when the script writes this file again).
+Generated by `scripts/reproduce.py --task {task.name}{study_flag}` (the tables, command, machine and timing; the
+analysis section is written by hand and kept when the script writes this file again).
 
 ## Command, machine, time
 
@@ -297,13 +352,13 @@ section is written by hand and kept when the script writes this file again).
 ## Setup
 
 {setup_text(args, task)}
-
+{chr(10) + STUDY_SETUP[args.study] + chr(10) if args.study in STUDY_SETUP else ""}
 {FIGURES_TEXT.format(mse=MSE_TEXT.format(every=args.oracle_every, samples=args.oracle_samples)
                       if args.oracle_every else NO_MSE_TEXT)}
 
 ## Results (mean ± sd over seeds)
 
-{results_table(per_run)}{exploration_table(per_run)}
+{results_table(per_run)}{exploration_table(per_run)}{passk_table(per_run)}
 ## The claims, seed by seed
 
 Differences are paired by seed. Verdict rule: *supported* when every seed shows the claimed direction and

@@ -125,6 +125,16 @@ STUDY_3PO = ["grpo_g16", "c3po", "ivon_mean", "grpo_g16_matched", *[ess_key(e) f
              "c3po_n1", "c3po_n2", "c3po_n8"]
 PROBED = {"c3po", "ivon_mean"}  # the dead-group probe (callbacks/dead_groups.py) runs on these
 
+# -- the rivals study (docs/results/rivals.md): V0.5 and 3PO against their cheapest rivals ----------------------------
+# The history-based methods (DBB, the boundary gate, Beta allocation) need prompts that come back: the study trains on
+# a fixed set of RIVALS_TRAIN prompts (50 steps of 32 = 5 passes over 320), the same for every method
+RIVALS_TRAIN = 320
+RIVALS_MEAN_ROLLOUTS = 9  # uniform and Beta allocation: OSLA spent 9.1 per prompt on this task (reproduction_cot.md)
+RIVALS_ESS = 1e10  # C3PO's tuned λ: the best held-out mean@4 and pass@4 of the 3PO study's sweep (reproduction_3po.md)
+DBB_GROUP = 8  # DBB at G = 8: 256 rollouts a step, near V0.5's ~290, so "at equal rollouts" reads close to both ends
+STUDY_RIVALS = ["grpo_g16", "v05", "dbb", "v05_uniform", "v05_beta", "c3po_tuned", "grpo_g16_gate", "c3po_tuned_gate"]
+RIVALS_SCALE = dict(eval_samples=16, oracle_every=0)  # pass@k up to 16 from 16 held-out samples; no oracle
+
 # key -> label; the group sizes, k and N are the issue's
 LABELS = {
     "grpo_g16": "GRPO (G = 16)",
@@ -140,6 +150,12 @@ LABELS = {
     "grpo_g16_matched": "GRPO (G = 16), AdamW at C3PO's step size",
     **{ess_key(e): f"C3PO, λ = {e:.0e}" for e in ESS_LR if e != 1e8},
     **{f"c3po_n{n}": f"C3PO (N = {n}, G = 16)" for n in (1, 2, 8)},
+    "dbb": f"DBB (G = {DBB_GROUP}, γ = 0.9, Beta(1, 1))",
+    "v05_uniform": f"V0.5, uniform allocation ({RIVALS_MEAN_ROLLOUTS} per prompt)",
+    "v05_beta": f"V0.5, Beta-posterior allocation ({RIVALS_MEAN_ROLLOUTS} per prompt)",
+    "c3po_tuned": f"C3PO (N = 4, G = 16, λ = {RIVALS_ESS:.0e})",
+    "grpo_g16_gate": "GRPO (G = 16) + boundary gating",
+    "c3po_tuned_gate": f"C3PO (λ = {RIVALS_ESS:.0e}) + boundary gating",
 }
 
 
@@ -164,6 +180,18 @@ def method_overrides(method: str, task: Task) -> list[str]:
                         *ivon(lr, ess=e)] for e, lr in ESS_LR.items() if e != 1e8},
         **{f"c3po_n{n}": ["algorithm=c3po", "algorithm.group_size=16", "algorithm.scale_adv_by_std=true",
                           *ivon(task.ivon_lr, num_samples=n)] for n in (1, 2, 8)},
+        "dbb": ["algorithm=grpo", f"algorithm.group_size={DBB_GROUP}", "algorithm.scale_adv_by_std=true",
+                "algorithm.advantages=dbb", "algorithm.dbb_discount=0.9", "algorithm.dbb_prior_alpha=1.0",
+                "algorithm.dbb_prior_beta=1.0", *grpo],
+        **{f"v05_{rule}": ["algorithm=v05", "algorithm.scale_adv_by_std=false", *grpo, *V05,
+                           f"{VP}.allocation={rule}", f"{VP}.mean_rollouts={RIVALS_MEAN_ROLLOUTS}"]
+           for rule in ("uniform", "beta")},
+        "c3po_tuned": ["algorithm=c3po", "algorithm.group_size=16", "algorithm.scale_adv_by_std=true",
+                       *ivon(ESS_LR[RIVALS_ESS], ess=RIVALS_ESS)],
+        "grpo_g16_gate": ["algorithm=grpo", "algorithm.group_size=16", "algorithm.scale_adv_by_std=true", *grpo,
+                          "algorithm.boundary_gating=true"],
+        "c3po_tuned_gate": ["algorithm=c3po", "algorithm.group_size=16", "algorithm.scale_adv_by_std=true",
+                            *ivon(ESS_LR[RIVALS_ESS], ess=RIVALS_ESS), "algorithm.boundary_gating=true"],
         **{f"grpo_g16_async{s}": ["algorithm=grpo", "algorithm.group_size=16", "algorithm.scale_adv_by_std=true",
                                    *grpo, "rollout.mode=async", f"rollout.max_staleness={s}",
                                    "engine.options.mode=copy"] for s in (1, 4)},  # (RUN pins the shared engine)
@@ -253,4 +281,17 @@ CLAIMS = [
     ("C3PO N=4 beats N=1: held-out accuracy", "c3po", "c3po_n1", "acc_after", +1),
     ("C3PO N=4 beats N=2: held-out accuracy", "c3po", "c3po_n2", "acc_after", +1),
     ("C3PO N=8 beats N=4: held-out accuracy", "c3po_n8", "c3po", "acc_after", +1),
+    # the rivals study
+    ("V0.5 beats DBB at equal rollouts: held-out accuracy", "v05", "dbb", EQUAL_ROLLOUTS, +1),
+    ("V0.5 beats DBB: held-out accuracy after equal steps", "v05", "dbb", "acc_after", +1),
+    ("OSLA beats uniform allocation at equal rollouts: held-out accuracy", "v05", "v05_uniform", EQUAL_ROLLOUTS, +1),
+    ("OSLA beats Beta-posterior allocation at equal rollouts: held-out accuracy", "v05", "v05_beta", EQUAL_ROLLOUTS,
+     +1),
+    ("Beta-posterior beats uniform allocation at equal rollouts: held-out accuracy", "v05_beta", "v05_uniform",
+     EQUAL_ROLLOUTS, +1),
+    ("C3PO beats boundary gating on pass@16", "c3po_tuned", "grpo_g16_gate", "pass_after", +1),
+    ("boundary gating beats GRPO G=16 on pass@16", "grpo_g16_gate", "grpo_g16", "pass_after", +1),
+    ("C3PO beats GRPO G=16 on pass@16", "c3po_tuned", "grpo_g16", "pass_after", +1),
+    ("C3PO + gating beats C3PO on pass@16", "c3po_tuned_gate", "c3po_tuned", "pass_after", +1),
+    ("DBB (G=8) beats GRPO G=16 at equal rollouts: held-out accuracy", "dbb", "grpo_g16", EQUAL_ROLLOUTS, +1),
 ]

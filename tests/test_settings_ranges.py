@@ -150,7 +150,8 @@ def test_the_defaults_a_run_starts_from():
         "overlong_penalty_factor": 1.0,
         "ppo_epochs": 1, "mini_batches": 1, "micro_batch_size": 64, "micro_batch_tokens": None, "max_bad_steps": 5,
         "temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 8, "ignore_eos": False,
-        "eval_temperature": 1.0, "eval_samples": 4, "group_size": 8}
+        "eval_temperature": 1.0, "eval_samples": 4, "group_size": 8,
+        "dbb_discount": 0.9, "dbb_prior_alpha": 1.0, "dbb_prior_beta": 1.0, "boundary_gating": False}
     assert algorithm["filter_groups"] == {"enable": False, "metric": "acc", "max_num_gen_batches": 0}
     assert dataclasses.asdict(RolloutConfig()) == {"mode": "sync", "max_staleness": 1, "stale_strategy": "wait",
                                                    "partial_rollout": False, "kv_at_swap": "keep"}

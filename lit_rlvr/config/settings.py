@@ -243,7 +243,22 @@ class FilterGroups:
 
 
 @dataclass(frozen=True)
-class AlgorithmConfig(SamplingOptions, UpdateConfig, LossConfig, OptimConfig):
+class HistoryOptions:
+    """What a prompt's own reward history drives (lit_rlvr.algorithms.prompt_history; docs/algorithms.md): DBB's
+    discounted Beta–Bernoulli posterior (`advantages=dbb`, arXiv 2603.18444) with discount `dbb_discount` γ in (0, 1]
+    (1: no discount) over a Beta(`dbb_prior_alpha`, `dbb_prior_beta`) prior that is never discounted; and
+    `boundary_gating` (Bayesian Boundary Gating's intervention, arXiv 2606.15455): a prompt with a success observed
+    in an earlier step gives no policy gradient (its advantages are 0). The paper's defaults could not be read where
+    this was written: γ = 0.9 and Beta(1, 1) are ours."""
+
+    dbb_discount: float = setting(0.9, (lambda v: _real(v) and 0 < v <= 1, "a number in (0, 1] (1 = no discount)"))
+    dbb_prior_alpha: float = setting(1.0, POSITIVE)
+    dbb_prior_beta: float = setting(1.0, POSITIVE)
+    boundary_gating: bool = setting(False, BOOL)
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig(HistoryOptions, SamplingOptions, UpdateConfig, LossConfig, OptimConfig):
     """The `algorithm` group: `group_size` G completions per prompt, and the fields of its parts (see each class).
     `rollout_correction`: verl's options for the engine's drift (`lit_rlvr.config.rollout_correction`,
     docs/rollout_correction.md); `filter_groups`: DAPO's dynamic sampling."""
@@ -276,6 +291,15 @@ class AlgorithmConfig(SamplingOptions, UpdateConfig, LossConfig, OptimConfig):
     @property
     def sampling(self) -> SamplingOptions:
         return part(SamplingOptions, self)
+
+    @property
+    def history(self) -> HistoryOptions:
+        return part(HistoryOptions, self)
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether a run keeps each prompt's reward history (DBB's advantage or the boundary gate reads it)."""
+        return self.advantages == "dbb" or self.boundary_gating
 
 
 # -- the other groups ------------------------------------------------------------------------------------------------

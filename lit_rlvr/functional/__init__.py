@@ -30,6 +30,14 @@ from lit_rlvr.functional.losses import (
 from lit_rlvr.functional.micro_batches import micro_batches
 from lit_rlvr.functional.rollout_correction import mismatch_metrics, rejection_mask, truncated_is_weights
 from lit_rlvr.functional.shaping import overlong_penalty
+from lit_rlvr.functional.prompt_history import (
+    beta_allocation,
+    beta_mean_std,
+    dbb_advantages,
+    discounted_beta_update,
+    group_outcomes,
+    uniform_allocation,
+)
 
 __all__ = [
     "ADVANTAGES",
@@ -39,6 +47,12 @@ __all__ = [
     "SEQUENCE_METRICS",
     "KL_ESTIMATORS",
     "aggregate",
+    "beta_allocation",
+    "beta_mean_std",
+    "dbb_advantages",
+    "discounted_beta_update",
+    "group_outcomes",
+    "uniform_allocation",
     "chunk_groups",
     "constant_groups",
     "dr_grpo_advantages",

@@ -11,6 +11,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from lit_rlvr.functional.prompt_history import dbb_advantages
+
 
 def group_mean(values: Tensor, group: Tensor, num_groups: int) -> Tensor:
     """Mean of `values` ([N]) within each group -> [B] (0 for an empty group)."""
@@ -91,9 +93,10 @@ def dr_grpo_advantages(
     return grpo_advantages(rewards, group, num_groups, scale_by_std=False, baseline=baseline)
 
 
-# the advantages `algorithm.advantages` chooses from; one signature: (rewards, group, num_groups, *, scale_by_std,
+# the advantages `algorithm.advantages` chooses from (DBB's: a prompt's history as the baseline,
+# functional/prompt_history.py); one signature: (rewards, group, num_groups, *, scale_by_std,
 # baseline) -> (advantages, metrics)
-ADVANTAGES = {"grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages}
+ADVANTAGES = {"grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages, "dbb": dbb_advantages}
 # what DAPO's dynamic sampling compares within a group (verl's `algorithm.filter_groups.metric`)
 GROUP_FILTER_METRICS = ("acc", "score")
 

@@ -65,6 +65,9 @@ class Rollouts:
     rewards: Optional[Tensor] = None  # [N] float
     malformed: Optional[Tensor] = None  # [N] bool: no answer could be read, or the reward failed
     baseline: Optional[Tensor] = None  # [B] float: per-group baseline set by a callback (V0.5); None = group mean
+    # [B] bool: the prompts whose advantages count, set by a callback (boundary gating: False = no policy gradient
+    # from that prompt); None = all
+    update_groups: Optional[Tensor] = None
     advantages: Optional[Tensor] = None  # [N] float
     loss_pass: Optional[Tensor] = None  # [N] long: sample index of the loss pass (M3PO); None = one pass
     # [N] long: advantage group set by a callback (M3PO: prompt × source); None = group
@@ -123,7 +126,7 @@ class Rollouts:
         for f in fields(self):
             value = getattr(self, f.name)
             per_sample = isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == self.num_samples
-            if per_sample and f.name != "baseline":
+            if per_sample and f.name not in ("baseline", "update_groups"):
                 value = value[index]
             elif f.name in ("completions", "finish_reason", "transcripts") and value:
                 value = [value[i] for i in index.tolist()]
@@ -146,7 +149,7 @@ class Rollouts:
 
     def select_groups(self, keep: Tensor) -> "Rollouts":
         """The completions of the prompts where `keep` ([B] bool) is True; groups are renumbered 0..B'−1 and
-        the per-prompt fields (prompts, answers, baseline) cut to match."""
+        the per-prompt fields (prompts, answers, baseline, update_groups) cut to match."""
         keep = keep.bool()  # [B]
         new_id = keep.long().cumsum(0) - 1  # [B] position of each kept prompt
         out = self.select(torch.nonzero(keep[self.group]).squeeze(-1))
@@ -155,6 +158,7 @@ class Rollouts:
         out.prompts = [p for p, k in zip(self.prompts, keep.tolist()) if k]
         out.answers = [a for a, k in zip(self.answers, keep.tolist()) if k]
         out.baseline = None if self.baseline is None else self.baseline[keep]
+        out.update_groups = None if self.update_groups is None else self.update_groups[keep]
         return out
 
     @staticmethod
