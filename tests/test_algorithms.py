@@ -132,7 +132,7 @@ def test_contradicting_options_are_refused():
         tiny(GSPO, dual_clip=3.0)
 
 
-@pytest.mark.parametrize("key, valid", [("policy_loss", "ppo_clip, gspo"), ("advantages", "grpo, dr_grpo")])
+@pytest.mark.parametrize("key, valid", [("policy_loss", "ppo_clip, gspo"), ("advantages", "grpo, dr_grpo, dbb")])
 def test_unknown_loss_or_advantage_name_lists_the_valid_ones(key, valid):
     with pytest.raises(ConfigError) as err:
         tiny(**{key: "nope"})

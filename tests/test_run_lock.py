@@ -65,9 +65,11 @@ def test_a_second_train_py_in_the_same_run_dir_is_refused_and_the_first_goes_on(
     first = subprocess.Popen([*common, "trainer.max_steps=1000"], cwd=REPO, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)  # still running when the second is refused
     deadline = time.monotonic() + 300
-    while not (run_dir / LOCK_FILE).exists() and time.monotonic() < deadline:
+    # Hydra writes .hydra/ file by file (overrides.yaml last), maybe after the lock is taken: wait for all of it
+    while not ((run_dir / LOCK_FILE).exists() and (run_dir / ".hydra" / "overrides.yaml").exists()) \
+            and time.monotonic() < deadline:
         time.sleep(0.05)
-    hydra_files = sorted(p.name for p in (run_dir / ".hydra").iterdir()) if (run_dir / ".hydra").exists() else None
+    hydra_files = sorted(p.name for p in (run_dir / ".hydra").iterdir())
     second = subprocess.run([*common, "trainer.max_steps=2", "seed=1"], cwd=REPO, capture_output=True, text=True,
                             timeout=300)
     line = one_line(second)
@@ -80,7 +82,7 @@ def test_a_second_train_py_in_the_same_run_dir_is_refused_and_the_first_goes_on(
         steps = [int(r["step"]) for r in csv.DictReader(handle) if r.get("loss/policy")]
     assert steps == list(range(len(steps)))
     assert "seed: 1" not in (run_dir / ".hydra" / "config.yaml").read_text()
-    assert hydra_files is None or hydra_files == sorted(p.name for p in (run_dir / ".hydra").iterdir())
+    assert hydra_files == sorted(p.name for p in (run_dir / ".hydra").iterdir())
 
 
 def test_the_lightning_cli_refuses_a_held_directory_in_one_line(tmp_path):
