@@ -140,6 +140,7 @@ def lora_args(model: nn.Module, max_loras: int) -> dict[str, Any]:
 def _import_vllm():
     try:
         import vllm
+        import vllm.platforms  # noqa: F401 (the platform's sleep-mode check)
     except ImportError as err:
         raise ImportError('engine=vllm needs vLLM: pip install -e ".[vllm]" (GPU), or on a CPU build the environment '
                           'with bash scripts/vllm_cpu_env.sh VENV') from err
@@ -163,7 +164,8 @@ class VLLMEngine(SegmentedPushes, RolloutEngine):
             the host's memory); None = gpu_memory_utilization decides.
         gpu_memory_utilization: fraction of GPU memory for weights + KV cache while awake.
         sleep_level: 0 = never sleep; 1/2 = `LLM.sleep(level)` between rollouts (GPU only: frees the KV cache
-            and, at 2, the weights; the next push brings them back). vLLM ignores sleep on a CPU.
+            and, at 2, the weights; the next push brings them back). Off where vLLM's platform has no sleep mode
+            (a CPU).
         llm_args: any other `vllm.LLM` keyword argument, passed through.
     """
 
@@ -183,6 +185,9 @@ class VLLMEngine(SegmentedPushes, RolloutEngine):
         vllm = _import_vllm()
         self._vllm = vllm
         self._eos_id = tokenizer.eos_token_id
+        # sleep only frees accelerator memory; vLLM refuses the option where its platform has none (a CPU)
+        if not vllm.platforms.current_platform.is_sleep_mode_available():
+            sleep_level = 0
         self.bucket_bytes, self._sleep_level = bucket_bytes, sleep_level
         self._pending: list[tuple[str, Tensor]] = []
         self._asleep = self._has_weights = False
