@@ -133,7 +133,9 @@ RIVALS_MEAN_ROLLOUTS = 9  # uniform and Beta allocation: OSLA spent 9.1 per prom
 RIVALS_ESS = 1e10  # C3PO's tuned λ: the best held-out mean@4 and pass@4 of the 3PO study's sweep (reproduction_3po.md)
 DBB_GROUP = 8  # DBB at G = 8: 256 rollouts a step, near V0.5's ~290, so "at equal rollouts" reads close to both ends
 STUDY_RIVALS = ["grpo_g16", "v05", "dbb", "v05_uniform", "v05_beta", "c3po_tuned", "grpo_g16_gate", "c3po_tuned_gate"]
-RIVALS_SCALE = dict(eval_samples=16, oracle_every=0)  # pass@k up to 16 from 16 held-out samples; no oracle
+# pass@k up to 16 from 16 held-out samples; no oracle; 4096 held-out rollouts per evaluation, so every 25 steps (3
+# points a curve) keeps the evaluations below the training's own rollouts and 24 runs within ~90 min on 2 cores
+RIVALS_SCALE = dict(eval_samples=16, oracle_every=0, eval_every=25)
 
 # key -> label; the group sizes, k and N are the issue's
 LABELS = {
