@@ -193,6 +193,19 @@ def test_a_push_pauses_updates_and_resumes_every_server(policy, servers):
     engine.shutdown()
 
 
+def test_the_push_folder_goes_with_the_engine_without_a_shutdown(policy, servers):
+    """Nothing in a fit calls `shutdown` on the engine: its folder of pushed files must not outlive it."""
+    import gc
+    import os
+    engine = _engine(policy, servers)
+    push_weights(engine, policy[0], bucket_bytes=4096)
+    folder = engine._weight_root
+    assert os.path.isdir(folder)
+    del engine
+    gc.collect()
+    assert not os.path.exists(folder)
+
+
 def test_a_failed_update_still_resumes_the_server(policy, servers):
     model, _ = policy
     engine = _engine(policy, servers)

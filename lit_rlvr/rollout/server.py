@@ -230,7 +230,10 @@ class ServerEngine(RolloutEngine):
         self._eos_id = tokenizer.eos_token_id
         self._staged: list[str] = []  # the files of the push being written
         policy_bytes = sum(p.numel() for p in model.parameters()) * weight_dtype.itemsize
-        self._weight_root = tempfile.mkdtemp(prefix="lit_rlvr_push_", dir=weight_dir or shared_memory(policy_bytes))
+        # removed by `shutdown`, or when the engine is collected or the process exits (nothing calls shutdown then)
+        self._weight_folder = tempfile.TemporaryDirectory(prefix="lit_rlvr_push_",
+                                                          dir=weight_dir or shared_memory(policy_bytes))
+        self._weight_root = self._weight_folder.name
         self._config_files = policy_config_files(model)  # a pushed folder holds them beside the weights (SGLang)
         self._pushes = 0
         self._retried_reported = 0
@@ -347,7 +350,7 @@ class ServerEngine(RolloutEngine):
     def shutdown(self) -> None:
         """Stop talking to the servers (they were started outside the run and keep running)."""
         self._pool.close()
-        shutil.rmtree(self._weight_root, ignore_errors=True)
+        self._weight_folder.cleanup()
 
 
 def shared_memory(nbytes: int, folder: str = "/dev/shm") -> Optional[str]:
