@@ -201,3 +201,56 @@ def test_after_a_call_that_could_not_be_cut_the_rest_run_side_by_side():
     finally:
         runner.close()
     assert batch.failures == 0 and batch.scores.tolist() == [1.0, 1.0, 1.0]
+
+
+def _spin(prompt, completion, answer):
+    """Python code that overruns (a cut lands at its next bytecode); gives up by itself after 30 s."""
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        pass
+    return 5.0
+
+
+def _value(prompt, completion, answer):
+    if answer == "raise":
+        raise ValueError("bad: answer")
+    if answer == "sleep":
+        time.sleep(4)  # one blocking C call: a cut lands only when it returns
+    return float(answer) if isinstance(answer, (int, float)) else 0.0
+
+
+def _reward_threads() -> set:
+    return {t for t in threading.enumerate() if t.name == "reward-call"}
+
+
+def test_side_by_side_cuts_what_overran_under_one_deadline_and_keeps_the_rest_in_order():
+    """After a call could not be cut, the calls left run side by side: the overrunning ones are cut together after
+    one `timeout_s` (timeouts, not "not cut": they were cut), the others keep their values in order, an argument that
+    cannot be copied fails alone, and every thread started for the batch ends."""
+    before = _reward_threads()
+    runner = RewardRunner(lambda p, c, a: _spin(p, c, a) if a == "spin" else _value(p, c, a), timeout_s=0.3)
+    runner.stop_reason = "a call could not be cut"
+    jobs = [("p", "c", "spin"), ("p", "c", 2.0), ("p", "c", threading.Lock()), ("p", "c", "raise"),
+            ("p", "c", 3.0), ("p", "c", "spin"), ("p", "c", "spin"), ("p", "c", "spin")]
+    start = time.monotonic()
+    outcomes = runner._score(jobs)
+    took = time.monotonic() - start
+    kinds = [getattr(o, "kind", getattr(o, "score", o)) for o in outcomes]
+    assert kinds == ["timeout", 2.0, "arguments not copied", "raised ValueError", 3.0, "timeout", "timeout", "timeout"]
+    assert took < 2.5, took  # one deadline for all four (0.3 s) and the cut's unwinding, not 0.3 s or more each
+    end = time.monotonic() + 5
+    while _reward_threads() - before and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not _reward_threads() - before  # each thread ran one call and ended
+
+
+def test_side_by_side_a_call_blocked_in_c_past_the_cut_grace_is_not_cut_and_the_batch_does_not_wait_for_it():
+    """A call blocked in one C call (`time.sleep`) cannot be cut: after the deadline and the cut's grace the batch
+    returns it as "not cut" and leaves it to its daemon thread, rather than waiting until it ends (4 s here)."""
+    runner = RewardRunner(_value, timeout_s=0.3)
+    runner.stop_reason = "a call could not be cut"
+    start = time.monotonic()
+    outcomes = runner._score([("p", "c", "sleep"), ("p", "c", 1.0)])
+    assert time.monotonic() - start < 3.5
+    assert [getattr(o, "kind", getattr(o, "score", o)) for o in outcomes] == ["not cut", 1.0]
+    assert all(t.daemon for t in _reward_threads())  # an abandoned call never holds the process's exit

@@ -404,7 +404,6 @@ class _CallThread(threading.Thread):
     def __init__(self):
         super().__init__(name="reward-call", daemon=True)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._retired = False
         self.start()
 
     def submit(self, fn: RewardFn, args: tuple, last: bool = False) -> _Job:
@@ -416,7 +415,7 @@ class _CallThread(threading.Thread):
         return job
 
     def retire(self) -> None:
-        self._retired = True
+        """End the thread after the jobs queued so far."""
         self._jobs.put(None)
 
     def cut(self) -> None:
