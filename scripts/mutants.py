@@ -43,10 +43,14 @@ class Mutant:
     tests: list[str] = field(default_factory=list)
     reason: str = ""
     seconds: float = 0.0
+    repeat: int = 0  # earlier mutants of the file with the same key: an identical line twice in one function
 
     @property
-    def key(self) -> tuple[str, str, str, str, int]:
-        return self.file, self.function, self.source, self.description, self.column
+    def key(self) -> tuple:
+        """What names the mutant across edits that move lines (no line number); `repeat` only where needed, so the
+        keys of equivalents.toml stay five fields."""
+        key = (self.file, self.function, self.source, self.description, self.column)
+        return key + (self.repeat,) if self.repeat else key
 
 
 def _mutations(node: ast.AST) -> list[tuple[str, callable]]:
@@ -158,8 +162,14 @@ def list_mutants(path: Path) -> list[Mutant]:
     lines = text.splitlines()
     tree = ast.parse(text)
     rel = str(path.relative_to(REPO))
-    return [Mutant(rel, i, node.lineno, node.col_offset, scope, description, lines[node.lineno - 1].strip())
-            for i, (node, scope, description, _) in enumerate(_points(tree, lines))]
+    mutants: list[Mutant] = []
+    seen: dict[tuple, int] = {}
+    for i, (node, scope, description, _) in enumerate(_points(tree, lines)):
+        mutant = Mutant(rel, i, node.lineno, node.col_offset, scope, description, lines[node.lineno - 1].strip())
+        mutant.repeat = seen.get(mutant.key, 0)
+        seen[mutant.key] = mutant.repeat + 1
+        mutants.append(mutant)
+    return mutants
 
 
 def mutated_code(path: Path, index: int):

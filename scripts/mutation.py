@@ -361,11 +361,12 @@ def preload() -> None:
 
 
 # -- the report --------------------------------------------------------------------------------------------------
-def load_equivalents() -> dict[tuple[str, str, str, str], str]:
+def load_equivalents() -> dict[tuple, str]:
     if not EQUIVALENTS.exists():
         return {}
     entries = tomllib.loads(EQUIVALENTS.read_text()).get("equivalent", [])
-    return {(e["file"], e["function"], e["source"], e["mutation"], e["column"]): e["reason"] for e in entries}
+    return {(e["file"], e["function"], e["source"], e["mutation"], e["column"],
+             *([e["repeat"]] if e.get("repeat") else [])): e["reason"] for e in entries}
 
 
 def write_report(mutants: list[Mutant], out: Path, runs: list[dict]) -> float:

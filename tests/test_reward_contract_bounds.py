@@ -228,7 +228,13 @@ def test_side_by_side_cuts_what_overran_under_one_deadline_and_keeps_the_rest_in
     one `timeout_s` (timeouts, not "not cut": they were cut), the others keep their values in order, an argument that
     cannot be copied fails alone, and every thread started for the batch ends."""
     before = _reward_threads()
-    runner = RewardRunner(lambda p, c, a: _spin(p, c, a) if a == "spin" else _value(p, c, a), timeout_s=0.3)
+
+    def reward(prompt, completion, answer):
+        if not threading.current_thread().daemon:  # an abandoned call must never hold the process's exit
+            return -7.0
+        return _spin(prompt, completion, answer) if answer == "spin" else _value(prompt, completion, answer)
+
+    runner = RewardRunner(reward, timeout_s=0.3)
     runner.stop_reason = "a call could not be cut"
     jobs = [("p", "c", "spin"), ("p", "c", 2.0), ("p", "c", threading.Lock()), ("p", "c", "raise"),
             ("p", "c", 3.0), ("p", "c", "spin"), ("p", "c", "spin"), ("p", "c", "spin")]
