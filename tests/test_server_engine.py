@@ -6,7 +6,9 @@ updates and resumes every server, in that order, with the weights the trainer ho
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -195,8 +197,6 @@ def test_a_push_pauses_updates_and_resumes_every_server(policy, servers):
 
 def test_the_push_folder_goes_with_the_engine_without_a_shutdown(policy, servers):
     """Nothing in a fit calls `shutdown` on the engine: its folder of pushed files must not outlive it."""
-    import gc
-    import os
     engine = _engine(policy, servers)
     push_weights(engine, policy[0], bucket_bytes=4096)
     folder = engine._weight_root
