@@ -169,11 +169,12 @@ def test_idle_time_is_counted_while_the_engine_waits_and_reset_when_taken():
             assert gate.wait(timeout=30)
             return super().rollout(plan, **kwargs)
 
+    built = time.perf_counter()
     producer = Producer(Slow(), seed=0, version=0)
     try:
         time.sleep(0.1)
         first = producer.take_idle()
-        assert 0.09 <= first < 5  # idle since it started
+        assert 0.09 <= first <= time.perf_counter() - built  # idle since it started, and no longer than that
         item = SimpleNamespace(plan=plan_of(batch(0)), index=0, done=threading.Event(), result=None, error=None)
         producer.submit(item)
         assert started.wait(timeout=30)
@@ -360,3 +361,52 @@ def test_padding_never_makes_a_completion_span_versions():
     mask = torch.tensor([[1, 1, 0], [1, 1, 0]], dtype=torch.bool)
     oldest, spans = completion_versions(tokens, mask, fallback=-1)
     assert oldest.tolist() == [0, 3] and spans.tolist() == [False, False]
+
+
+def test_the_idle_time_before_a_plan_counts_once_the_plan_starts():
+    """The wait for work that ends when a plan starts is idle time: `take_idle` during the plan returns it (no more
+    than the time since the last call), then nothing while the plan runs."""
+    gate, started = threading.Event(), threading.Event()
+
+    class Slow(Driver):
+        def rollout(self, plan, **kwargs):
+            started.set()
+            assert gate.wait(timeout=30)
+            return super().rollout(plan, **kwargs)
+
+    producer = Producer(Slow(), seed=0, version=0)
+    try:
+        producer.take_idle()
+        since = time.perf_counter()
+        time.sleep(0.3)
+        item = SimpleNamespace(plan=plan_of(batch(0)), index=0, done=threading.Event(), result=None, error=None)
+        producer.submit(item)
+        assert started.wait(timeout=30)
+        idle = producer.take_idle()
+        assert 0.29 <= idle <= time.perf_counter() - since
+        producer_threads = [t for t in threading.enumerate() if t.name == "lit-rlvr-producer"]
+        assert producer_threads and all(t.daemon for t in producer_threads)  # a hung engine call never holds the exit
+    finally:
+        gate.set()
+        producer.close()
+
+
+def test_partial_pushes_keep_the_kv_cache_unless_asked():
+    """`recompute_kv` is off unless set (`rollout.kv_at_swap=keep`, the setting's default)."""
+    calls = []
+
+    class Engine:
+        @contextmanager
+        def push_in_flight(self, version, recompute_kv=None):
+            calls.append((version, recompute_kv))
+            yield
+
+    driver = Driver()
+    driver.engine = Engine()
+    pipeline = RolloutPipeline(driver, max_staleness=1, lead=0, drop=False, seed=0, partial=True)
+    try:
+        with pipeline.pushing(1):
+            pass
+    finally:
+        pipeline.close()
+    assert calls[-1] == (1, False)
