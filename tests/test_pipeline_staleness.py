@@ -34,6 +34,18 @@ class Driver:
         return SimpleNamespace(plan=plan)
 
 
+def gated_driver(gate: threading.Event, started: threading.Event) -> type:
+    """A `Driver` whose generation sets `started`, then waits for `gate`: a plan under way as long as a test needs."""
+
+    class Gated(Driver):
+        def rollout(self, plan, **kwargs):
+            started.set()
+            assert gate.wait(timeout=30)
+            return super().rollout(plan, **kwargs)
+
+    return Gated
+
+
 def plan_of(batch, version=0, source_weights=None):
     return RolloutPlan(batch["prompt"], batch["answer"], [[1]] * len(batch["prompt"]), [2] * len(batch["prompt"]),
                        version=version, source_weights=source_weights)
@@ -162,13 +174,7 @@ def test_shares_of_the_step():
 
 def test_idle_time_is_counted_while_the_engine_waits_and_reset_when_taken():
     gate, started = threading.Event(), threading.Event()
-
-    class Slow(Driver):
-        def rollout(self, plan, **kwargs):
-            started.set()
-            assert gate.wait(timeout=30)
-            return super().rollout(plan, **kwargs)
-
+    Slow = gated_driver(gate, started)
     built = time.perf_counter()
     producer = Producer(Slow(), seed=0, version=0)
     try:
@@ -367,13 +373,7 @@ def test_the_idle_time_before_a_plan_counts_once_the_plan_starts():
     """The wait for work that ends when a plan starts is idle time: `take_idle` during the plan returns it (no more
     than the time since the last call), then nothing while the plan runs."""
     gate, started = threading.Event(), threading.Event()
-
-    class Slow(Driver):
-        def rollout(self, plan, **kwargs):
-            started.set()
-            assert gate.wait(timeout=30)
-            return super().rollout(plan, **kwargs)
-
+    Slow = gated_driver(gate, started)
     producer = Producer(Slow(), seed=0, version=0)
     try:
         producer.take_idle()
