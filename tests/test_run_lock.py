@@ -1,7 +1,8 @@
 """One run per run directory (issue 61, class 10; lit_rlvr/run/run_lock.py): a second run started in a directory
 another run holds is refused in one line naming it, from `train.py` and from the Lightning CLI, before it writes
 anything there, and the first run goes on untouched; a lock left by a process that died (even by SIGKILL) holds
-nothing; ranks other than the first take no lock."""
+nothing; ranks other than the first take no lock. A directory that holds a finished run is refused the same way
+unless the new run continues it (`resume=`, `fit --ckpt_path`), and its files are left as they were."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from lit_rlvr.run.run_lock import LOCK_FILE, hold_run_dir
 
 REPO = Path(__file__).resolve().parents[1]
 HOLD = "import sys, time; from pathlib import Path; from lit_rlvr.run.run_lock import hold_run_dir; " \
-       "hold_run_dir(Path(sys.argv[1]), 'dir'); print('held', flush=True); time.sleep(600)"
+       "hold_run_dir(Path(sys.argv[1]), 'dir', 'resume'); print('held', flush=True); time.sleep(600)"
 
 
 def holder(run_dir: Path) -> subprocess.Popen:
@@ -45,16 +46,16 @@ def test_a_held_directory_is_refused_naming_it_and_a_dead_holders_lock_holds_not
     other = holder(run_dir)
     try:
         with pytest.raises(ConfigError, match=f"dir='{run_dir}' is in use by another run \\(pid {other.pid}\\)"):
-            hold_run_dir(run_dir, "dir")
+            hold_run_dir(run_dir, "dir", "resume")
     finally:
         other.send_signal(signal.SIGKILL)
         other.wait()
     assert (run_dir / LOCK_FILE).exists()  # left behind by the killed process, and stale
-    hold_run_dir(run_dir, "dir")  # taken
-    hold_run_dir(run_dir, "dir")  # this process holds it already: a no-op
+    hold_run_dir(run_dir, "dir", "resume")  # taken
+    hold_run_dir(run_dir, "dir", "resume")  # this process holds it already: a no-op
     monkeypatch.setenv("RANK", "1")  # a rank of a multi-process run shares rank 0's directory
     monkeypatch.setattr(run_lock, "_held", {})
-    hold_run_dir(run_dir, "dir")
+    hold_run_dir(run_dir, "dir", "resume")
     assert run_lock._held == {}
 
 
@@ -109,5 +110,72 @@ def test_a_file_system_without_locks_runs_unguarded_and_says_so(tmp_path, monkey
 
     monkeypatch.setattr(run_lock.fcntl, "flock", no_locks)
     with caplog.at_level("WARNING"):
-        hold_run_dir(tmp_path / "nfs", "dir")
+        hold_run_dir(tmp_path / "nfs", "dir", "resume")
     assert "cannot lock" in caplog.text and "would not be refused" in caplog.text
+
+
+def test_a_directory_an_earlier_run_left_is_refused_unless_the_run_continues_it(tmp_path, monkeypatch):
+    for name in ("metrics.csv", "checkpoints", "summary.json", "eval.json"):
+        run_dir = tmp_path / name
+        (run_dir / name).parent.mkdir(parents=True)
+        (run_dir / name).mkdir() if name == "checkpoints" else (run_dir / name).write_text("x")
+        with pytest.raises(ConfigError, match=f"dir='{run_dir}' holds an earlier run \\({name}\\), which a new run "
+                                              f"there would overwrite: pass dir=ANOTHER_DIR, or continue that run with "
+                                              f"resume={run_dir}/checkpoints/last.ckpt"):
+            hold_run_dir(run_dir, "dir", "resume")
+        assert run_dir not in run_lock._held
+        hold_run_dir(run_dir, "dir", "resume", resuming=True)
+        assert run_dir in run_lock._held
+    monkeypatch.setattr(run_lock, "_held", {})
+
+    def no_locks(fd, operation):
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(run_lock.fcntl, "flock", no_locks)
+    with pytest.raises(ConfigError, match="holds an earlier run"):  # refused on a file system without locks too
+        hold_run_dir(tmp_path / "metrics.csv", "dir", "resume")
+
+
+def test_a_finished_runs_directory_is_refused_by_both_entry_points_and_a_resume_continues_it(tmp_path):
+    run_dir = tmp_path / "run"
+    common = [sys.executable, "train.py", "eval_before=false", "data.num_test=4", "callbacks.progress=null",
+              "data.batch_size=4", "algorithm.group_size=4", f"hydra.run.dir={run_dir}"]
+    first = subprocess.run([*common, "trainer.max_steps=3"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    files = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    again = subprocess.run([*common, "trainer.max_steps=2", "seed=1"], cwd=REPO, capture_output=True, text=True,
+                           timeout=600)
+    assert one_line(again) == (f"config error: hydra.run.dir='{run_dir}' holds an earlier run (metrics.csv, "
+                               "checkpoints, summary.json), which a new run there would overwrite: pass "
+                               f"hydra.run.dir=ANOTHER_DIR, or continue that run with "
+                               f"resume={run_dir}/checkpoints/last.ckpt")
+    evaluated = subprocess.run([sys.executable, "train.py", "mode=eval", f"checkpoint={run_dir}/checkpoints/last.ckpt",
+                                f"hydra.run.dir={run_dir}"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert "holds an earlier run" in one_line(evaluated)  # an evaluation's logger would replace metrics.csv too
+    assert files == {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}  # untouched
+    resumed = subprocess.run([*common, "trainer.max_steps=4", f"resume={run_dir}/checkpoints/last.ckpt"], cwd=REPO,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    with (run_dir / "metrics.csv").open() as handle:
+        assert [int(r["step"]) for r in csv.DictReader(handle) if r.get("loss/policy")] == [0, 1, 2, 3]
+    exe = shutil.which("lit-rlvr")
+    cli = [exe] if exe else [sys.executable, "-m", "lit_rlvr.app.cli"]
+    config = ["--config", str(REPO / "conf" / "cli" / "tiny_grpo.yaml"), "--trainer.logger.init_args.save_dir",
+              str(tmp_path / "cli")]
+    env = {**os.environ, "LIT_RLVR_DEBUG": ""}
+    fitted = subprocess.run([*cli, "fit", *config, "--trainer.max_steps", "1"], cwd=REPO, capture_output=True,
+                            text=True, timeout=600, env=env)
+    assert fitted.returncode == 0, fitted.stderr[-3000:]
+    metrics = (tmp_path / "cli" / "metrics.csv").read_bytes()
+    last = tmp_path / "cli" / "checkpoints" / "last.ckpt"
+    for command in (["fit"], ["validate", "--ckpt_path", str(last)]):
+        done = subprocess.run([*cli, *command, *config], cwd=REPO, capture_output=True, text=True, timeout=600,
+                              env=env)
+        assert one_line(done) == (f"config error: --trainer.logger.init_args.save_dir='{tmp_path / 'cli'}' holds an "
+                                  "earlier run (metrics.csv, checkpoints), which a new run there would overwrite: "
+                                  "pass --trainer.logger.init_args.save_dir=ANOTHER_DIR, or continue that run with "
+                                  f"--ckpt_path={last}")
+        assert (tmp_path / "cli" / "metrics.csv").read_bytes() == metrics
+    resumed = subprocess.run([*cli, "fit", *config, "--trainer.max_steps", "2", "--ckpt_path", str(last)], cwd=REPO,
+                             capture_output=True, text=True, timeout=600, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]

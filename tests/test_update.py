@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -96,3 +97,28 @@ def test_non_finite_steps_are_counted_in_the_counters_it_was_given(policy_dir):
     module.algorithm = replace(module.algorithm, max_bad_steps=3)  # the next update reads the replaced settings
     with pytest.raises(NonFiniteError, match=r"3 non-finite steps in a row \(algorithm\.max_bad_steps=3\)"):
         module.make_update(torch.optim.AdamW(module.policy.parameters(), lr=LR)).run(rollouts)
+
+
+class DeviceProbe(torch.nn.Module):
+    """A stand-in policy: zero logits on the device its input ids are on, which it remembers."""
+
+    def forward(self, input_ids, attention_mask, position_ids, logits_to_keep):
+        self.seen = input_ids.device
+        return SimpleNamespace(logits=torch.zeros(len(input_ids), logits_to_keep, 100, device=input_ids.device))
+
+
+def test_forwards_run_on_the_device_given_else_where_the_batch_or_the_policy_is(policy_dir):
+    """A second device on a CPU-only machine: `meta` (shapes only). The forward moves the batch to the device it is
+    given, else leaves it where it is; the update's device defaults to where the policy is."""
+    from lit_rlvr.update.forward import forward_logprobs
+
+    probe, rollouts = DeviceProbe(), batch()
+    logp, _ = forward_logprobs(probe, rollouts, temperature=TEMPERATURE, device="meta")
+    assert probe.seen.type == logp.device.type == "meta" and logp.shape == rollouts.response_ids.shape
+    logp, _ = forward_logprobs(probe, rollouts, temperature=TEMPERATURE)
+    assert probe.seen.type == logp.device.type == "cpu"
+    policy = load_policy(policy_dir)[0].to("meta")
+    made = dict(loss=LOSS, update=UPDATE, grad_clip=1.0, temperature=TEMPERATURE, norm_len=MAX_NEW_TOKENS,
+                policy_loss=ppo_clip)
+    assert Update(policy, None, **made).device == torch.device("meta")
+    assert Update(policy, None, **made, device="cpu").device == "cpu"

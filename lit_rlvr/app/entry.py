@@ -24,6 +24,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from lit_rlvr.app.config_check import check_config
+from lit_rlvr.app.hydra_checks import continues_a_run
 from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.config.problems import secret_problems, unknown_key_problems
 from lit_rlvr.config.schemas import composition_problem, missing_key
@@ -46,8 +47,9 @@ def _run(cfg: DictConfig) -> None:
         check_run_dir(HydraConfig.get())
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     with config_phase():  # (held already where conf/config.yaml's `RunDirCheck` ran)
-        hold_run_dir(run_dir, "hydra.run.dir" if HydraConfig.get().mode == RunMode.RUN else "hydra.sweep.dir")
-    quiet.install(run_dir, cfg.resume)
+        hold_run_dir(run_dir, "hydra.run.dir" if HydraConfig.get().mode == RunMode.RUN else "hydra.sweep.dir",
+                     "resume", continues_a_run(cfg))
+    quiet.install()
     if cfg.mode == "train":
         print_summary(train(cfg, run_dir), f"lit-rlvr {cfg.algorithm.name} run ({run_dir})")
     else:

@@ -4,6 +4,10 @@ started in the same second of the default `${now:...}` one, the same CLI `defaul
 naming the directory, before any work. The kernel releases the lock when the process ends, however it ends (even
 by SIGKILL), so a lock file left behind is never stale. Only the first process of a multi-process run (rank 0 of
 torchrun, SLURM or Lightning's launcher) takes it: its ranks share the directory.
+
+A directory that holds an earlier run (its metrics.csv, checkpoints/, summary.json or eval.json) is refused the same
+way unless the new run continues that one (`resume=` for train.py, `fit --ckpt_path` for the CLI): Lightning's
+CSVLogger would delete its metrics.csv and the new checkpoints would replace its own.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from lit_rlvr.config.errors import ConfigError
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".lit_rlvr.lock"
+RUN_FILES = ("metrics.csv", "checkpoints", "summary.json", "eval.json")  # what a run leaves in its directory
 RANK_VARIABLES = ("RANK", "SLURM_PROCID", "LOCAL_RANK")  # set by torchrun, SLURM, Lightning's launcher
 _held: dict[Path, int] = {}  # run dir -> the open lock file's descriptor, for the process's lifetime
 
@@ -31,10 +36,11 @@ def launch_rank() -> int:
     return 0
 
 
-def hold_run_dir(run_dir: Path, key: str) -> None:
+def hold_run_dir(run_dir: Path, key: str, resume_key: str, resuming: bool = False) -> None:
     """Take `run_dir` for this process until it ends (a no-op where it holds it already, or on a rank other than
     the first); a `ConfigError` naming the directory, the process holding it and `key` (the setting that chooses the
-    directory) when another process does."""
+    directory) when another process does, or naming what an earlier run left there when this run does not continue
+    it (`resuming`; `resume_key` is the setting that would)."""
     run_dir = Path(run_dir).absolute()
     if run_dir in _held or launch_rank() != 0:
         return
@@ -53,8 +59,15 @@ def hold_run_dir(run_dir: Path, key: str) -> None:
         os.close(fd)
         log.warning("%s=%s: cannot lock %s (%s); a second run started in this directory would not be refused",
                     key, run_dir, path, err)
-        _held[run_dir] = -1
-        return
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        fd = -1
+    left = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if left and not resuming:  # checked under the lock: no other run can start writing there meanwhile
+        if fd >= 0:
+            os.close(fd)
+        raise ConfigError([f"{key}={str(run_dir)!r} holds an earlier run ({', '.join(left)}), which a new run there "
+                           f"would overwrite: pass {key}=ANOTHER_DIR, or continue that run with "
+                           f"{resume_key}={run_dir / 'checkpoints' / 'last.ckpt'}"])
+    if fd >= 0:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _held[run_dir] = fd
