@@ -100,10 +100,10 @@ def test_non_finite_steps_are_counted_in_the_counters_it_was_given(policy_dir):
 
 
 class DeviceProbe(torch.nn.Module):
-    """A stand-in policy: zero logits on the device its input ids are on, which it remembers."""
+    """A stand-in policy: zero logits on the device its input ids are on, which it remembers, with the positions."""
 
     def forward(self, input_ids, attention_mask, position_ids, logits_to_keep):
-        self.seen = input_ids.device
+        self.seen, self.positions = input_ids.device, position_ids
         return SimpleNamespace(logits=torch.zeros(len(input_ids), logits_to_keep, 100, device=input_ids.device))
 
 
@@ -122,3 +122,19 @@ def test_forwards_run_on_the_device_given_else_where_the_batch_or_the_policy_is(
                 policy_loss=ppo_clip)
     assert Update(policy, None, **made).device == torch.device("meta")
     assert Update(policy, None, **made, device="cpu").device == "cpu"
+
+
+def test_positions_count_from_each_rows_first_token_whatever_its_left_padding():
+    """The k-th token of a row's sequence is at position k, whatever the row's left padding (which sits at 0): a model
+    with learned absolute positions sees each sequence as it would alone."""
+    from lit_rlvr.update.forward import forward_logprobs
+
+    rollouts = batch()
+    pad = torch.tensor([0, 2, 4, 1, 0, 3, 2, 1])[:, None]  # left padding of each row's 5-token prompt
+    rollouts = replace(rollouts, prompt_mask=torch.arange(5) >= pad)
+    probe = DeviceProbe()
+    forward_logprobs(probe, rollouts, temperature=TEMPERATURE)
+    in_sequence = torch.cat([rollouts.prompt_mask, rollouts.response_attention_mask], dim=1)  # [n, P+T]
+    k_th = (torch.arange(5 + MAX_NEW_TOKENS) - pad).expand_as(in_sequence)  # the k-th token of its sequence: k
+    assert torch.equal(probe.positions[in_sequence], k_th[in_sequence])
+    assert torch.equal(probe.positions[:, :5][~rollouts.prompt_mask], torch.zeros(int(pad.sum()), dtype=torch.long))
