@@ -195,6 +195,30 @@ def test_a_push_pauses_updates_and_resumes_every_server(policy, servers):
     engine.shutdown()
 
 
+def test_the_next_push_rewrites_the_files_in_place_and_a_smaller_one_leaves_no_stale_file(policy, servers):
+    """The second push of the same buckets writes over the first one's files (the same inodes: no page of a new
+    file to allocate), and the servers load its weights; a push of fewer buckets removes the files it did not write
+    (SGLang loads every file of the folder)."""
+    model, _ = policy
+    engine = _engine(policy, servers)
+    push_weights(engine, model, bucket_bytes=4096)
+    folder = engine._weight_root
+    inodes = {name: os.stat(os.path.join(folder, name)).st_ino for name in os.listdir(folder)}
+    assert len(inodes) > 1
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(-2.0)
+    push_weights(engine, model, bucket_bytes=4096)
+    assert {name: os.stat(os.path.join(folder, name)).st_ino for name in os.listdir(folder)} == inodes
+    for server in servers:
+        assert all(torch.equal(server.loaded[name], p) for name, p in model.named_parameters())
+    push_weights(engine, model, bucket_bytes=1 << 30)  # one bucket: a new layout, written anew
+    assert os.listdir(folder) == ["model-00001.safetensors"]
+    for server in servers:
+        assert all(torch.equal(server.loaded[name], p) for name, p in model.named_parameters())
+    engine.shutdown()
+
+
 def test_the_push_folder_goes_with_the_engine_without_a_shutdown(policy, servers):
     """Nothing in a fit calls `shutdown` on the engine: its folder of pushed files must not outlive it."""
     engine = _engine(policy, servers)

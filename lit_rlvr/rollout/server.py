@@ -1,26 +1,27 @@
 """Rollout engines as servers (docs/scaling.md, "Rollout servers"): the part shared by `engine=vllm_server` and
 `engine=sglang_server`.
 
-A `ServerPool` spreads requests over one or many servers started outside the run (`lit-rlvr-serve`); a request
-whose server stops answering (connection refused or reset, or no answer within the timeout) marks that server
-gone for the rest of the run and goes to another one (`engine/requests_retried`); when none is left the run stops
-with an `EngineError` naming every URL and why it was given up. `ServerEngine` is the `RolloutEngine` over a pool:
-each of the trainer's weight buckets is written to a safetensors file as it comes (no copy kept: the write is
-the only copy on the trainer's side), then after the last one each server takes the files through its engine's own
-update routes, paused around the update; the files are deleted only after every server acknowledged. They are
-written to shared memory (/dev/shm) when it has room for two copies of the weights, else to the system's temporary
-folder, unless `weight_dir` names one. Under several trainer ranks only rank 0 pushes (every rank gathers the
-weights, as the push is a collective there): the others write nothing, and wait for rank 0's outcome (a broadcast:
-the barrier that keeps a rank from sampling before the servers hold the new weights, and that stops every rank when
-the push failed). Every HTTP call goes through lit_rlvr/run/http.py's client: one deadline per request, an answer
-of at most `max_response_bytes`, http(s) only, and no redirect followed (a 3xx is refused in one line).
+A `ServerPool` spreads requests over one or many servers started outside the run (`lit-rlvr-serve`); a request whose
+server stops answering (connection refused or reset, or no answer within the timeout) marks that server gone for the
+rest of the run and goes to another one (`engine/requests_retried`); when none is left the run stops with an
+`EngineError` naming every URL and why it was given up. `ServerEngine` is the `RolloutEngine` over a pool: each of
+the trainer's weight buckets is written to a safetensors file as it comes (no copy kept: the write is the only copy
+on the trainer's side), then after the last one each server takes the files through its engine's own update routes,
+paused around the update. The files stay for the next push, which rewrites them in place (the same tensors in the
+same order: a copy into pages already in memory, where a new file first allocates and zeroes every page); they are
+removed with the engine. They are written to shared memory (/dev/shm) when it has room for two copies of the
+weights, else to the system's temporary folder, unless `weight_dir` names one. Under several trainer ranks only rank
+0 pushes (every rank gathers the weights, as the push is a collective there): the others write nothing, and wait for
+rank 0's outcome (a broadcast: the barrier that keeps a rank from sampling before the servers hold the new weights,
+and that stops every rank when the push failed). Every HTTP call goes through lit_rlvr/run/http.py's client: one
+deadline per request, an answer of at most `max_response_bytes`, http(s) only, and no redirect followed (a 3xx is
+refused in one line).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 import threading
 import time
@@ -289,19 +290,18 @@ class ServerEngine(RolloutEngine):
 
     # -- weights -------------------------------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """One bucket, written to a file of the push's folder now (the tensors are not kept); on rank 0 only (the
-        pusher: every server takes one push, whatever the number of trainer ranks)."""
+        """One bucket, written to its file now (the tensors are not kept): in place over the previous push's file of
+        this bucket where that holds the same tensors, else anew; on rank 0 only (the pusher: every server takes one
+        push, whatever the number of trainer ranks)."""
         if rank() != 0:
             return
         if not self._staged:
             self._pushes += 1
-            os.makedirs(self._push_folder())
-        path = os.path.join(self._push_folder(), f"model-{len(self._staged) + 1:05d}.safetensors")
-        save_file({name: t.detach().to("cpu", self.weight_dtype).contiguous() for name, t in named_tensors}, path)
+        path = os.path.join(self._weight_root, f"model-{len(self._staged) + 1:05d}.safetensors")
+        tensors = {name: t.detach().to("cpu", self.weight_dtype).contiguous() for name, t in named_tensors}
+        if not rewrite_in_place(path, tensors):
+            save_file(tensors, path)
         self._staged.append(path)
-
-    def _push_folder(self) -> str:
-        return os.path.join(self._weight_root, f"push_{self._pushes}")
 
     def end_weight_update(self) -> None:
         """Every server takes the staged weights (`_update`, paused around it); the staged copies and files are
@@ -322,12 +322,14 @@ class ServerEngine(RolloutEngine):
     def _push_staged(self) -> None:
         if not self._staged:
             return
-        folder = self._push_folder()
+        folder = self._weight_root
         try:
+            for name in os.listdir(folder):  # an earlier push's files this one did not rewrite (fewer buckets)
+                if name.endswith(".safetensors") and os.path.join(folder, name) not in self._staged:
+                    os.unlink(os.path.join(folder, name))
             staged = self._stage(folder, self._staged)
             self._pool.each(lambda url: self._update(url, staged), f"pushing weights (push {self._pushes})")
         finally:
-            shutil.rmtree(folder, ignore_errors=True)
             self._staged = []
 
     def _stage(self, folder: str, files: list[str]) -> Any:
@@ -351,6 +353,32 @@ class ServerEngine(RolloutEngine):
         """Stop talking to the servers (they were started outside the run and keep running)."""
         self._pool.close()
         self._weight_folder.cleanup()
+
+
+# safetensors' names of the dtypes a policy's weights come in (a file of any other is written anew each push)
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+
+
+def rewrite_in_place(path: str, tensors: dict[str, Tensor]) -> bool:
+    """Write `tensors`' bytes over an existing safetensors file at `path` that holds exactly these names, dtypes and
+    shapes (the previous push's file of this bucket), at the offsets its header gives; False where there is no such
+    file or a write fell short (the caller then writes the file anew)."""
+    layout = {name: (SAFETENSORS_DTYPES.get(t.dtype), list(t.shape)) for name, t in tensors.items()}
+    try:
+        with open(path, "r+b") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(size))
+            header.pop("__metadata__", None)
+            if {name: (entry["dtype"], entry["shape"]) for name, entry in header.items()} != layout:
+                return False
+            for name, tensor in tensors.items():
+                data = tensor.reshape(-1).view(torch.uint8).numpy()  # the raw bytes, any dtype (bf16 has no numpy)
+                if os.pwrite(handle.fileno(), memoryview(data), 8 + size + header[name]["data_offsets"][0]) \
+                        != data.nbytes:
+                    return False
+    except (OSError, ValueError, KeyError, TypeError):  # no file, or not a safetensors file of this layout
+        return False
+    return True
 
 
 def shared_memory(nbytes: int, folder: str = "/dev/shm") -> Optional[str]:
