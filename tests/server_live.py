@@ -151,6 +151,18 @@ def check_c3po(engine: str, servers: Sequence[Server], run: Path) -> None:
     assert all(r["time/sync_s"] > 0 for r in logged)  # the N weight samples were pushed (a push per sample)
 
 
+def check_lora(engine: str, servers: Sequence[Server], run: Path) -> None:
+    """A LoRA policy with C3PO over both servers, 2 steps: every push (merged weights, each weight sample's too)
+    reaches the servers, whose log-probs then match the trainer's."""
+    code, out = train(run, [f"engine={engine}_server", urls(servers), "algorithm=c3po", "model.lora.rank=8"],
+                      steps=2)
+    assert code == 0, out[-5000:]
+    logged = rows(run)
+    assert len(logged) == 2 and all(r["engine/servers_alive"] == 2 for r in logged)
+    assert all(r["engine/sync_logp_diff"] <= 0.02 for r in logged)
+    assert (run / "checkpoints" / "adapter" / "adapter_model.safetensors").exists()
+
+
 def check_async(engine: str, servers: Sequence[Server], run: Path) -> None:
     """`rollout.mode=async` with S = 1 over both servers, 3 steps: the next batch is drawn while the trainer updates
     (pushes land between generation calls, the servers paused around each), no batch is more than one update

@@ -266,15 +266,35 @@ def test_train_config_takes_server_engines_and_refuses_in_flight_pushes():
     assert any("rollout.partial_rollout=true with engine=sglang_server" in p for p in settings.problems())
 
 
-def test_a_lora_policy_is_refused_in_one_line(servers):
+def test_a_lora_policys_every_push_carries_every_weight_merged(servers):
+    """No adapter routes: the servers get W + (α/r)·B A of each adapted layer, and every other weight, at every
+    push (not the adapted layers alone after the first, as the in-process engines get)."""
     from lit_rlvr.config.settings import LoraOptions
-    from lit_rlvr.models.lora import apply_lora
+    from lit_rlvr.models.lora import apply_lora, lora_delta, lora_factor_names, lora_layers
+    from lit_rlvr.rollout.lora import hf_name
+    from lit_rlvr.rollout.weight_sync import WeightSync
 
     model, tokenizer = build_tiny(0, hidden_size=32, heads=2)
     model.config._name_or_path = MODEL_PATH
-    with pytest.raises(ConfigError, match="model.lora with a vLLM server engine: not supported yet"):
-        VLLMServerEngine(apply_lora(model, LoraOptions(rank=4)), tokenizer, urls=[servers[0].url])
-    assert servers[0].calls == []
+    base_names = {name for name, _ in model.named_parameters()}
+    policy = apply_lora(model, LoraOptions(rank=4))
+    engine = VLLMServerEngine(policy, tokenizer, urls=[servers[0].url], connect_timeout_s=2.0)
+    sync = WeightSync(engine, policy)
+    for step in range(2):
+        with torch.no_grad():
+            for name, parameter in policy.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(0.0, 0.1)
+        sync.push(step=step)
+        loaded = servers[0].loaded
+        assert set(loaded) == base_names  # every weight, by its HF name, each push
+        params = dict(policy.named_parameters())
+        for layer_name, layer in lora_layers(policy):
+            a, b = (params[name] for name in lora_factor_names(layer_name, layer))
+            weight = params[f"{layer_name}.base_layer.weight"]
+            expected = weight + lora_delta(layer, a, b)
+            torch.testing.assert_close(loaded[hf_name(f"{layer_name}.base_layer.weight")], expected.detach())
+    engine.shutdown()
 
 
 def _push_from_rank(rank: int, init_file: str, urls: list[str], outcomes) -> None:

@@ -124,6 +124,7 @@ class RolloutEngine:
     serves_lora: bool = False  # True: `load_adapter` takes adapter tensors; generation uses `SamplingParams.adapter`
     serves_many_adapters: bool = False  # True: one `generate_stacked` call mixes adapters, one per weight source
     adapter_base_by_name: bool = True  # with adapters: the base weights arrive once by HF name (a server's dummy start)
+    takes_weight_subsets: bool = True  # False: every push carries every weight (a LoRA policy's merged push too)
     max_lora_rank: Optional[int] = None  # the largest adapter rank it serves (None: any); checked with the config
     swaps_in_flight: bool = False  # True: `push_in_flight` lands a push between two decode steps of a generation
 

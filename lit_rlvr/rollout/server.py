@@ -35,7 +35,6 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from lit_rlvr.config.errors import ConfigError, HTTPRefusal
-from lit_rlvr.models.lora import is_lora
 from lit_rlvr.rollout.engine import Completion, EngineError, RolloutEngine, SamplingParams, save_policy_config
 from lit_rlvr.run.distributed import broadcast_object, rank
 from lit_rlvr.run.http import HTTPClient, redact
@@ -190,12 +189,16 @@ class ServerEngine(RolloutEngine):
             temporary folder.
         dtype: the servers' weight dtype, pushes are cast to it (None: the policy's).
         bucket_bytes: the trainer's bucket cap (the whole push is staged before any server takes it).
-        lora_sync: merged, the only value (a LoRA policy is refused for now).
+        lora_sync: merged, the only value (the servers' adapter routes are not wired: a LoRA policy's pushes are
+            W + (α/r)·B A of every adapted layer, with the other weights).
     """
 
     _KIND = "server"
     _WEIGHT_TRANSFERS: tuple[str, ...] = ()
     bucket_bytes = 256 << 20
+    # a LoRA policy reaches the servers as merged weights, all of them each push: the servers' loaders are not
+    # tested on a part of a fused layer (vLLM's layerwise reload, SGLang's folder load)
+    takes_weight_subsets = False
 
     def __init__(self, model: nn.Module, tokenizer, *, urls: Sequence[str], weight_transfer: str = "",
                  timeout_s: float = 600.0, push_timeout_s: float = 300.0, connect_timeout_s: float = 10.0,
@@ -217,10 +220,6 @@ class ServerEngine(RolloutEngine):
         if lora_sync != "merged":
             problems.append(f"engine.options.lora_sync={lora_sync!r} is not valid for a server engine; valid: merged "
                             "(a LoRA policy reaches the servers as merged weights)")
-        if is_lora(model):
-            problems.append(f"model.lora with a {self._KIND} server engine: not supported yet (the servers' adapter "
-                            "routes are not wired, and merged pushes of the adapted layers alone are untested); train "
-                            f"the LoRA policy with engine={self._KIND.lower()} or engine=hf")
         weight_dtype = getattr(torch, dtype, None) if dtype else next(model.parameters()).dtype
         if not isinstance(weight_dtype, torch.dtype):
             problems.append(f"engine.options.dtype={dtype!r} is not valid; allowed: a torch dtype (float32, bfloat16)")

@@ -131,7 +131,8 @@ class WeightSync:
             engine.load_adapter(self.adapter, tensors, peft_config_dict(self.policy))
             nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
         else:
-            nbytes = self._load(merged_named_weights(self.policy, dtype, adapted_only=not first, adapters=adapters))
+            nbytes = self._load(merged_named_weights(self.policy, dtype, adapters=adapters,
+                                                     adapted_only=not first and engine.takes_weight_subsets))
         self.base_pushed = True
         return nbytes
 

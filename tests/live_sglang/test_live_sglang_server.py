@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from sglang_live import live
 
-from tests.server_live import (check_async, check_c3po, check_two_nodes, rows, start_servers, train, urls,
-                               wait_rows)
+from tests.server_live import (check_async, check_c3po, check_lora, check_two_nodes, rows, start_servers, train,
+                               urls, wait_rows)
 
 pytestmark = live
 
@@ -54,6 +54,10 @@ def test_a_server_of_another_model_is_refused_before_any_work(servers):
 
 def test_c3po_over_two_servers(servers, tmp_path):
     check_c3po("sglang", servers, tmp_path / "run")
+
+
+def test_a_lora_policy_with_c3po_over_two_servers(servers, tmp_path):
+    check_lora("sglang", servers, tmp_path / "run")
 
 
 def test_async_s1_over_two_servers_pushes_in_flight(servers, tmp_path):
