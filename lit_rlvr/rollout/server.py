@@ -303,9 +303,9 @@ class ServerEngine(RolloutEngine):
         self._staged.append(path)
 
     def end_weight_update(self) -> None:
-        """Every server takes the staged weights (`_update`, paused around it); the staged copies and files are
-        dropped only once every server that answers has acknowledged. Under several ranks, rank 0 pushes and every
-        rank returns (or raises) only once it has: its outcome is broadcast."""
+        """Every server takes the staged weights (`_update`, paused around it); the staged files are rewritten only
+        by the next push, once every server that answers has acknowledged this one. Under several ranks, rank 0
+        pushes and every rank returns (or raises) only once it has: its outcome is broadcast."""
         failure, err = None, None
         if rank() == 0:
             try:
