@@ -72,7 +72,7 @@ def test_grpo_resume_into_same_dir_is_exact_and_keeps_earlier_rows(split_runs):
     assert sorted(full) == sorted(resumed) == list(range(6))  # steps 1-3 kept across the resume, 4-6 appended
     _assert_same_steps(full, resumed, range(6))
     state = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-    assert state["global_step"] == 6 and state["RLVRDataModule"] == {"epoch": 0, "prompts": 24}  # 6 steps of 4
+    assert state["global_step"] == 6 and state["RLVRDataModule"] == {"epoch": 0, "prompts": 24, "batch_size": 4}
     assert {"python", "numpy", "torch"} <= set(state["lit_rlvr"]["rng"])
     assert not (run_dir / "metrics.before_resume.csv").exists()
     _report("resume grpo into the same run dir")
@@ -140,4 +140,4 @@ def test_a_resume_with_another_batch_size_continues_after_the_prompts_trained_on
     old = RLVRDataModule(batch_size=4, num_train=40, num_test=2, seed=3)  # a checkpoint that counted batches
     old.setup("fit")
     old.load_state_dict({"epoch": 0, "batches": 2})
-    assert old.state_dict() == {"epoch": 0, "prompts": 8}
+    assert old.state_dict() == {"epoch": 0, "prompts": 8, "batch_size": 4}

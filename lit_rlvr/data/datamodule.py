@@ -21,6 +21,7 @@ from lit_rlvr.data.formats import as_messages, load_records
 from lit_rlvr.data.lengths import long_rows, token_limit
 from lit_rlvr.data.tasks.arithmetic import ArithmeticTask
 from lit_rlvr.data.tasks.arithmetic_cot import ArithmeticCoTTask
+from lit_rlvr.run.step_count import rescale_epoch_batches
 
 TASKS = {"arithmetic": ArithmeticTask, "arithmetic_cot": ArithmeticCoTTask}  # data.task -> built-in task
 
@@ -177,6 +178,7 @@ class RLVRDataModule(pl.LightningDataModule):
         # training prompts (all ranks) consumed in the current epoch: in prompts, not batches, so that a resume with
         # another data.batch_size (resume_allow) continues after exactly the prompts trained on
         self._position = {"epoch": 0, "prompts": 0}
+        self._saved_batch_size: Optional[int] = None  # the batch size of the checkpoint a resume restored
         self._sampler: Optional[ResumableSampler] = None
 
     def _load(self, path: str, split: str, fields: Any) -> RecordDataset:
@@ -279,6 +281,9 @@ class RLVRDataModule(pl.LightningDataModule):
         self._sampler = ResumableSampler(len(self.train_set), hp.seed, rank, world)
         if self._position["prompts"]:  # resumed mid-epoch: continue after the prompts already trained on
             self._sampler.skip_next(self._position["epoch"], self._position["prompts"])
+        saved, self._saved_batch_size = self._saved_batch_size, None
+        if saved not in (None, hp.batch_size) and self.trainer is not None and self.trainer.fit_loop.restarting:
+            rescale_epoch_batches(self.trainer, saved, hp.batch_size)  # resumed with another data.batch_size
         # own generator: the loader's base-seed draw must not advance the global RNG (restored on resume)
         return DataLoader(self.train_set, batch_size=hp.batch_size // world, sampler=self._sampler,
                           collate_fn=collate, drop_last=True, generator=torch.Generator().manual_seed(hp.seed))
@@ -299,13 +304,14 @@ class RLVRDataModule(pl.LightningDataModule):
 
     def state_dict(self) -> dict[str, Any]:
         """The data position, saved in checkpoints by Lightning: resume continues with the next prompt."""
-        return dict(self._position)
+        return {**self._position, "batch_size": self.config.batch_size}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         prompts = state_dict.get("prompts")
         if prompts is None:  # a checkpoint that counted batches: of this batch size (a resume may not change it)
             prompts = int(state_dict.get("batches", 0)) * self.config.batch_size
         self._position = {"epoch": int(state_dict.get("epoch", 0)), "prompts": int(prompts)}
+        self._saved_batch_size = state_dict.get("batch_size")  # None: a checkpoint from before it was recorded
 
     def val_dataloader(self) -> DataLoader:
         rank, world = self._ranks()  # each rank scores its share; the metrics are reduced by torchmetrics
