@@ -110,13 +110,8 @@ class RLVRCLI(LightningCLI):
         run_dir = Path(trainer.log_dir or trainer.default_root_dir).absolute()
         with config_phase():  # before config.yaml, metrics and checkpoints go there: a read-only dir is one line
             check_writable_dir(run_dir, key)
-            hold_run_dir(run_dir, key, "--ckpt_path", self._continues_a_run())  # lit_rlvr/run/run_lock.py
+            hold_run_dir(run_dir, key, None)  # a new directory for every run (lit_rlvr/run/run_lock.py)
         return trainer
-
-    def _continues_a_run(self) -> bool:
-        """`fit --ckpt_path` may continue the run in its own directory; validate, test and predict would replace its
-        metrics.csv (a CSVLogger starts it anew)."""
-        return self.subcommand == "fit" and self.config["fit"].get("ckpt_path") is not None
 
     def instantiate_classes(self) -> None:
         """A constructor's check fails as itself (one line from `main`), not inside jsonargparse's wrappers."""

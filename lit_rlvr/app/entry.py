@@ -24,7 +24,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from lit_rlvr.app.config_check import check_config
-from lit_rlvr.app.hydra_checks import continues_a_run
+from lit_rlvr.app.hydra_checks import resume_setting
 from lit_rlvr.config.errors import ConfigError
 from lit_rlvr.config.problems import secret_problems, unknown_key_problems
 from lit_rlvr.config.schemas import composition_problem, missing_key
@@ -48,13 +48,19 @@ def _run(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     with config_phase():  # (held already where conf/config.yaml's `RunDirCheck` ran)
         hold_run_dir(run_dir, "hydra.run.dir" if HydraConfig.get().mode == RunMode.RUN else "hydra.sweep.dir",
-                     "resume", continues_a_run(cfg))
+                     *resume_setting(cfg))
     quiet.install()
     if cfg.mode == "train":
-        print_summary(train(cfg, run_dir), f"lit-rlvr {cfg.algorithm.name} run ({run_dir})")
+        summary = train(cfg, run_dir)
+        print_summary(summary, f"lit-rlvr {cfg.algorithm.name} run ({run_dir})")
     else:
-        print_summary(evaluate(cfg, run_dir), f"lit-rlvr eval ({run_dir})")
+        summary = evaluate(cfg, run_dir)
+        print_summary(summary, f"lit-rlvr eval ({run_dir})")
     shutdown()  # torchrun: close the process group before exit
+    if summary.get("stopped_by_sigterm") or summary.get("stopped_by_sigint"):
+        # a stop request ends the process, not only this job: a sweep (-m) would start its next one (Hydra's
+        # launcher catches a job's Exception, not SystemExit)
+        raise SystemExit(0)
 
 
 def compose_checked(config_dir: Optional[str], overrides: Sequence[str], config_name: str = "config") -> DictConfig:
