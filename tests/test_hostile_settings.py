@@ -331,3 +331,19 @@ def test_the_engine_refuses_a_batch_cap_of_zero_in_one_line():
     model, _ = build_tiny(0)
     with pytest.raises(ConfigError, match=r"^engine.options.max_batch=0 is not valid"):
         HFEngine(model, pad_id=0, eos_id=1, max_batch=0)
+
+
+def test_an_override_hydras_grammar_cannot_read_is_one_line_naming_its_key_not_its_value(capsys):
+    """An unquoted URL with `?k=v` (issue 61, adversary round 6): Hydra's four lines named no override; one line
+    naming the key, before Hydra composes or writes anything, and without the value (it may hold a token)."""
+    from lit_rlvr.app.entry import check_command_line, unparsable_overrides
+
+    bad = "reward.options.url=http://127.0.0.1:5018/get_reward?api_key=s3cr3tQ"
+    assert unparsable_overrides(["trainer.max_steps=2", 'reward.options.url="http://h/x?a=1"']) == []
+    (line,) = unparsable_overrides(["trainer.max_steps=2", bad])
+    assert line.startswith("the override of reward.options.url cannot be read (mismatched input '='")
+    with pytest.raises(SystemExit) as stop:
+        check_command_line(argv=[bad])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "s3cr3tQ" not in err
+    assert [x for x in err.splitlines() if x.startswith("config error:")] == [f"config error: {line}"]

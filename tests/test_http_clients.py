@@ -415,6 +415,26 @@ def test_a_password_in_a_url_setting_is_refused_before_any_request(serve):
     assert "hunter2" not in str(err.value) and server.hits == []
 
 
+def test_a_token_in_a_urls_query_or_a_key_where_a_variables_name_goes_is_refused_before_anything_is_written(
+        tmp_path):
+    """Other ways a secret reaches the run's files: a URL's query (`?api_key=...`), and the key itself given where
+    the name of the variable that holds it goes (`api_key_env`). Refused on the command line, before Hydra writes
+    its folder, naming the key and never the secret; a query without one, and a variable's name, pass."""
+    url = "http://127.0.0.1:5018/get_reward"
+    (line,) = secret_problems({"reward": {"options": {"url": f"{url}?model=x&api_key=s3cr3tQ"}}})
+    assert line.startswith("reward.options.url holds a secret in its URL's query (api_key)") and "s3cr3tQ" not in line
+    assert secret_problems({"reward": {"options": {"url": f"{url}?monkey=1&tokens=2&page=3"}}}) == []
+    (line,) = secret_problems({"reward": {"options": {"api_key_env": "sk-s3cr3tB"}}})
+    assert line.startswith("reward.options.api_key_env is not the name of an environment variable")
+    assert "s3cr3tB" not in line and secret_problems({"reward": {"options": {"api_key_env": "MY_KEY_2"}}}) == []
+    for override in (f'reward.options.url="{url}?api_key=s3cr3tQ"', "+reward.options.api_key_env=sk-s3cr3tB"):
+        done = subprocess.run([sys.executable, "train.py", "reward=remote", override,
+                               f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 2 and "s3cr" not in done.stdout + done.stderr, done.stderr[-2000:]
+        assert not (tmp_path / "run").exists()  # nothing written
+
+
 def test_the_login_comes_from_netrc(serve, monkeypatch, tmp_path):
     """The way in for a login the settings may not hold: the file $NETRC names (requests reads it per host)."""
     server = serve(_basic_auth("alice", "right", scores(1.0)))

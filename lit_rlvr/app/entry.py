@@ -19,7 +19,8 @@ import hydra
 from hydra import compose, initialize_config_dir, initialize_config_module
 from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import ConfigCompositionException
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import ConfigCompositionException, HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
@@ -119,6 +120,7 @@ run's folder. Help, multirun sweeps and other config folders go to Hydra uncheck
     if args.config_dir:  # a folder of the user's configs, searched beside the package's (Hydra's --config-dir)
         overrides.append(f"hydra.searchpath=[file://{Path(args.config_dir).absolute()}]")
     with one_line_errors():
+        ConfigError.check(unparsable_overrides(overrides))
         try:
             cfg = compose_checked(config_dir, overrides, args.config_name or "config")
         except ConfigError:
@@ -127,6 +129,21 @@ run's folder. Help, multirun sweeps and other config folders go to Hydra uncheck
             return
         # before Hydra writes the command line and the config into the run's folder
         ConfigError.check(secret_problems(OmegaConf.to_container(cfg, resolve=False)))
+
+
+def unparsable_overrides(overrides: Sequence[str]) -> list[str]:
+    """A line per override Hydra's grammar cannot read (Hydra says so in four lines, naming no override): most often
+    a value with `=`, `?`, `&` or spaces that is not quoted."""
+    parser = OverridesParser.create()
+    problems = []
+    for override in overrides:
+        try:
+            parser.parse_override(override)
+        except HydraException as err:  # the value is not repeated: it may hold what the line should not show
+            key = override.split("=", 1)[0].lstrip("~+")
+            problems.append(f"the override of {key} cannot be read ({str(err).splitlines()[0]}): quote a value with "
+                            f"=, ?, &, spaces or brackets, e.g. '{key}=\"...\"'")
+    return problems
 
 
 @hydra.main(config_path="pkg://lit_rlvr.conf", config_name="config", version_base="1.3")

@@ -8,6 +8,7 @@ import dataclasses
 import difflib
 import math
 import re
+import urllib.parse
 from typing import Any, Iterable, Mapping, Optional
 
 from lit_rlvr.config.errors import ConfigError
@@ -107,6 +108,23 @@ def checked_fields(cls: type, value: Any, section: str, also: Iterable[str] = ()
 
 _URL_PASSWORD = re.compile(r"(?i)\b[a-z][a-z0-9+.-]*://[^/\s@:]*:[^/\s@]*@")  # scheme://user:password@
 SECRET_KEYS = ("api_key", "apikey", "password", "secret", "access_token", "auth_token", "bearer_token", "hf_token")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# a query parameter named so (or ending in _key, _token, ... or a SECRET_KEYS name) holds a secret
+_QUERY_SECRETS = ("key", "token", "sig", "signature", "auth")
+
+
+def _query_secrets(value: str) -> list[str]:
+    """Names of the query parameters of the URL `value` that hold a secret (`?api_key=...`), none for a non-URL."""
+    if "://" not in value or "?" not in value:
+        return []
+    query = urllib.parse.urlsplit(value.strip()).query
+    return [name for name, _ in urllib.parse.parse_qsl(query, keep_blank_values=True) if _names_a_secret(name)]
+
+
+def _names_a_secret(name: str) -> bool:
+    name = name.lower().replace("-", "_")
+    return (name in _QUERY_SECRETS or name.endswith(SECRET_KEYS)
+            or name.endswith(tuple(f"_{word}" for word in _QUERY_SECRETS)))
 
 
 def secret_problems(tree: Any, section: str = "") -> list[str]:
@@ -125,6 +143,16 @@ def secret_problems(tree: Any, section: str = "") -> list[str]:
             problems.append(f"{where} holds a password in its URL, and settings are written to hparams.yaml, the "
                             "Hydra folder and the checkpoints: drop it from the URL and put the login in ~/.netrc (or "
                             "the file $NETRC names), which the HTTP client reads for that host")
+        elif isinstance(value, str) and _query_secrets(value):
+            problems.append(f"{where} holds a secret in its URL's query ({', '.join(_query_secrets(value))}), and "
+                            "settings are written to hparams.yaml, the Hydra folder and the checkpoints: drop it from "
+                            "the URL; a server that needs a login takes it from ~/.netrc (or the file $NETRC names)")
+        elif isinstance(name, str) and name.lower().endswith("_env") and isinstance(value, str) \
+                and not _ENV_NAME.fullmatch(value):
+            problems.append(f"{where} is not the name of an environment variable (letters, digits and _, not "
+                            "starting with a digit); if it is the secret itself, it must not be a setting (settings "
+                            "are written to hparams.yaml, the Hydra folder and the checkpoints): export it as a "
+                            f"variable and set {where}=THAT_NAME")
         else:
             problems += secret_problems(value, where)
     return problems
