@@ -111,6 +111,7 @@ SECRET_KEYS = ("api_key", "apikey", "password", "secret", "access_token", "auth_
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # a query parameter named so (or ending in _key, _token, ... or a SECRET_KEYS name) holds a secret
 _QUERY_SECRETS = ("key", "token", "sig", "signature", "auth")
+_QUERY_SECRET_ENDINGS = (*SECRET_KEYS, *(f"_{word}" for word in _QUERY_SECRETS))
 
 
 def _query_secrets(value: str) -> list[str]:
@@ -123,8 +124,7 @@ def _query_secrets(value: str) -> list[str]:
 
 def _names_a_secret(name: str) -> bool:
     name = name.lower().replace("-", "_")
-    return (name in _QUERY_SECRETS or name.endswith(SECRET_KEYS)
-            or name.endswith(tuple(f"_{word}" for word in _QUERY_SECRETS)))
+    return name in _QUERY_SECRETS or name.endswith(_QUERY_SECRET_ENDINGS)
 
 
 def secret_problems(tree: Any, section: str = "") -> list[str]:
@@ -143,8 +143,8 @@ def secret_problems(tree: Any, section: str = "") -> list[str]:
             problems.append(f"{where} holds a password in its URL, and settings are written to hparams.yaml, the "
                             "Hydra folder and the checkpoints: drop it from the URL and put the login in ~/.netrc (or "
                             "the file $NETRC names), which the HTTP client reads for that host")
-        elif isinstance(value, str) and _query_secrets(value):
-            problems.append(f"{where} holds a secret in its URL's query ({', '.join(_query_secrets(value))}), and "
+        elif isinstance(value, str) and (in_query := _query_secrets(value)):
+            problems.append(f"{where} holds a secret in its URL's query ({', '.join(in_query)}), and "
                             "settings are written to hparams.yaml, the Hydra folder and the checkpoints: drop it from "
                             "the URL; a server that needs a login takes it from ~/.netrc (or the file $NETRC names)")
         elif isinstance(name, str) and name.lower().endswith("_env") and isinstance(value, str) \
